@@ -1,0 +1,69 @@
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::wire::MAX_TIMEOUT;
+
+/// The instant by which a call must be finished: a request extension and a field of the
+/// inherited context.
+///
+/// A deadline can only be tightened: [`Deadline::tighten`] keeps the sooner of two. Time
+/// comes from tokio, so deadlines follow a paused test clock.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// use std::time::Duration;
+/// use retrysafe_core::Deadline;
+///
+/// let d = Deadline::after(Duration::from_millis(100));
+/// let tighter = d.tighten(Some(Deadline::after(Duration::from_millis(40))));
+/// assert_eq!(tighter.remaining(), Duration::from_millis(40));
+/// tokio::time::advance(Duration::from_millis(50)).await;
+/// assert!(tighter.is_expired());
+/// assert_eq!(d.remaining(), Duration::from_millis(50));
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Deadline(pub Instant);
+
+impl Deadline {
+    /// A deadline `timeout` from now (saturating: at most [`MAX_TIMEOUT`] ahead).
+    pub fn after(timeout: Duration) -> Self {
+        let now = Instant::now();
+        let timeout = timeout.min(MAX_TIMEOUT);
+        Deadline(now.checked_add(timeout).unwrap_or(now))
+    }
+
+    /// The instant.
+    pub fn instant(self) -> Instant {
+        self.0
+    }
+
+    /// The time left, zero once passed.
+    pub fn remaining(self) -> Duration {
+        self.0.saturating_duration_since(Instant::now())
+    }
+
+    /// Whether no time is left.
+    pub fn is_expired(self) -> bool {
+        self.remaining().is_zero()
+    }
+
+    /// The sooner of `self` and `other`: a deadline is only ever tightened.
+    #[must_use]
+    pub fn tighten(self, other: Option<Deadline>) -> Deadline {
+        match other {
+            Some(o) if o.0 < self.0 => o,
+            _ => self,
+        }
+    }
+
+    /// `timeout` bounded by the time left on an optional deadline.
+    pub fn bound(deadline: Option<Deadline>, timeout: Duration) -> Duration {
+        match deadline {
+            Some(d) => timeout.min(d.remaining()),
+            None => timeout,
+        }
+    }
+}

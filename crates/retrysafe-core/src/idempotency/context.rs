@@ -1,0 +1,164 @@
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::ids::child_key;
+use super::{RecordId, Scope, Token};
+use crate::store::{BoxStore, IdempotencyStore, StoreError};
+use crate::wire::IdempotencyKey;
+
+/// What a guarded handler knows about its idempotency record: a request extension
+/// (`axum::Extension<IdempotencyContext>`) and a field of the inherited call context.
+///
+/// A handler that can say when its effect begins calls [`commit_point`] just before it;
+/// until then a stalled or crashed holder can be taken over by the next copy.
+/// [`child_key`] derives deterministic keys for the handler's own outbound calls, so a
+/// re-run of the handler collects replays downstream instead of repeating effects.
+///
+/// [`commit_point`]: IdempotencyContext::commit_point
+/// [`child_key`]: IdempotencyContext::child_key
+#[derive(Clone)]
+pub struct IdempotencyContext {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    scope: Scope,
+    key: IdempotencyKey,
+    id: RecordId,
+    token: Token,
+    store: Option<BoxStore>,
+    store_timeout: Duration,
+    committed: AtomicBool,
+    sequence: AtomicU64,
+}
+
+impl IdempotencyContext {
+    /// The context of a claim held with `token` on `store`.
+    pub fn new(
+        scope: Scope,
+        key: IdempotencyKey,
+        token: Token,
+        store: BoxStore,
+        store_timeout: Duration,
+    ) -> Self {
+        Self::build(scope, key, token, Some(store), store_timeout)
+    }
+
+    /// A context with no store behind it (for a transactional layer, where the commit
+    /// point is the transaction itself, or for tests): [`commit_point`] is a no-op.
+    ///
+    /// [`commit_point`]: IdempotencyContext::commit_point
+    pub fn detached(scope: Scope, key: IdempotencyKey, token: Token) -> Self {
+        Self::build(scope, key, token, None, Duration::ZERO)
+    }
+
+    fn build(
+        scope: Scope,
+        key: IdempotencyKey,
+        token: Token,
+        store: Option<BoxStore>,
+        store_timeout: Duration,
+    ) -> Self {
+        IdempotencyContext {
+            inner: Arc::new(Inner {
+                id: RecordId::new(&scope, &key),
+                scope,
+                key,
+                token,
+                store,
+                store_timeout,
+                committed: AtomicBool::new(false),
+                sequence: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The record's scope.
+    pub fn scope(&self) -> &Scope {
+        &self.inner.scope
+    }
+
+    /// The inbound idempotency key.
+    pub fn key(&self) -> &IdempotencyKey {
+        &self.inner.key
+    }
+
+    /// The record key.
+    pub fn record_id(&self) -> &RecordId {
+        &self.inner.id
+    }
+
+    /// The token of this claim.
+    pub fn token(&self) -> Token {
+        self.inner.token
+    }
+
+    /// Declares that the effect is about to happen. Call it just before the effect:
+    /// until then, a holder that dies or stalls past its lease is taken over by the next
+    /// copy; after it, such a record becomes `outcome_unknown`.
+    ///
+    /// Writes to the store once (later calls return at once). If it fails, do not
+    /// perform the effect: the claim may already belong to another copy.
+    pub async fn commit_point(&self) -> Result<(), StoreError> {
+        if self.inner.committed.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let Some(store) = &self.inner.store else {
+            return Ok(());
+        };
+        let write = store.commit_point(&self.inner.id, self.inner.token);
+        let result = match tokio::time::timeout(self.inner.store_timeout, write).await {
+            Ok(r) => r,
+            Err(_) => Err(StoreError::Timeout),
+        };
+        if result.is_err() {
+            self.inner.committed.store(false, Ordering::Release);
+        }
+        result
+    }
+
+    /// Whether [`commit_point`](IdempotencyContext::commit_point) succeeded.
+    pub fn is_committed(&self) -> bool {
+        self.inner.committed.load(Ordering::Acquire)
+    }
+
+    /// A deterministic key for an outbound call labelled `label`: `H(scope, key,
+    /// label)`. The same label always gives the same key, so a re-run of this handler
+    /// repeats the same keys downstream.
+    ///
+    /// ```
+    /// use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
+    /// use retrysafe_core::wire::IdempotencyKey;
+    /// let scope = Scope::from(&Principal::new("alice"));
+    /// let key = IdempotencyKey::new("order-7").unwrap();
+    /// let a = IdempotencyContext::detached(scope, key.clone(), Token::random());
+    /// let b = IdempotencyContext::detached(scope, key, Token::random());
+    /// assert_eq!(a.child_key("POST ledger/entries"), b.child_key("POST ledger/entries"));
+    /// assert_ne!(a.child_key("POST ledger/entries"), a.child_key("POST mail/send"));
+    /// ```
+    pub fn child_key(&self, label: &str) -> IdempotencyKey {
+        child_key(&self.inner.scope, &self.inner.key, label, 0)
+    }
+
+    /// The key of the next outbound call in sequence: `H(scope, key, label, n)` where
+    /// `n` counts the calls made through this context. Deterministic only for calls
+    /// made one after another; concurrent calls should each use their own
+    /// [`child_key`](IdempotencyContext::child_key) label.
+    pub fn next_child_key(&self, label: &str) -> IdempotencyKey {
+        let n = self.inner.sequence.fetch_add(1, Ordering::Relaxed);
+        child_key(&self.inner.scope, &self.inner.key, label, n.saturating_add(1))
+    }
+}
+
+impl fmt::Debug for IdempotencyContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("IdempotencyContext")
+            .field("scope", &self.inner.scope)
+            .field("key", &self.inner.key)
+            .field("token", &self.inner.token)
+            .field("committed", &self.is_committed())
+            .finish()
+    }
+}

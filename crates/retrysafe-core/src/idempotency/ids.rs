@@ -1,0 +1,300 @@
+use std::fmt;
+use std::sync::Arc;
+
+use http::{HeaderMap, HeaderName, Method, Uri};
+use sha2::{Digest, Sha256};
+
+use crate::wire::IdempotencyKey;
+
+/// Feeds length-prefixed fields into a SHA-256 behind a domain separator, so that no two
+/// different field lists hash alike.
+pub(crate) struct Hasher(Sha256);
+
+impl Hasher {
+    pub(crate) fn new(domain: &str) -> Self {
+        let mut h = Hasher(Sha256::new());
+        h.field(domain.as_bytes());
+        h
+    }
+
+    pub(crate) fn field(&mut self, bytes: &[u8]) -> &mut Self {
+        self.0.update((bytes.len() as u64).to_be_bytes());
+        self.0.update(bytes);
+        self
+    }
+
+    pub(crate) fn finish(self) -> [u8; 32] {
+        self.0.finalize().into()
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    s
+}
+
+/// The authenticated identity a request belongs to.
+///
+/// The user's authentication layer inserts it as a request extension; the
+/// `IdempotencyLayer` derives the record's [`Scope`] from it, so the same key sent by
+/// two principals names two independent records.
+///
+/// ```
+/// use retrysafe_core::idempotency::{Principal, Scope};
+/// let alice = Principal::new("alice");
+/// assert_eq!(alice.as_str(), "alice");
+/// assert_ne!(Scope::from(&alice), Scope::from(&Principal::new("bob")));
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Principal(Arc<str>);
+
+impl Principal {
+    /// A principal named `id`.
+    pub fn new(id: impl Into<String>) -> Self {
+        Principal(Arc::from(id.into()))
+    }
+
+    /// The principal's name.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Principal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Principal").field(&self.as_str()).finish()
+    }
+}
+
+/// The scope of a record: a SHA-256 of an identity, behind a domain separator.
+///
+/// Records of different scopes are independent: a key is never replayed across scopes.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Scope([u8; 32]);
+
+impl Scope {
+    /// The scope named by arbitrary bytes (hashed).
+    pub fn new(id: impl AsRef<[u8]>) -> Self {
+        let mut h = Hasher::new("retrysafe/v1/scope");
+        h.field(id.as_ref());
+        Scope(h.finish())
+    }
+
+    /// One scope shared by every request (an explicit opt-in: keys of all callers
+    /// collide in it).
+    pub fn global() -> Self {
+        Scope::new(b"\0global")
+    }
+
+    /// The scope of an `Authorization` header value (hashed). Unsafe with rotating or
+    /// signed credentials (SigV4, refreshed OAuth tokens): a retry with a new credential
+    /// lands in a new scope and runs again.
+    pub fn from_authorization(value: &[u8]) -> Self {
+        let mut h = Hasher::new("retrysafe/v1/scope/authorization");
+        h.field(value);
+        Scope(h.finish())
+    }
+
+    /// The hash.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl From<&Principal> for Scope {
+    fn from(p: &Principal) -> Self {
+        let mut h = Hasher::new("retrysafe/v1/scope/principal");
+        h.field(p.as_str().as_bytes());
+        Scope(h.finish())
+    }
+}
+
+impl fmt::Debug for Scope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Scope({})", hex(self.0.get(..8).unwrap_or(&[])))
+    }
+}
+
+/// The key of one record: a SHA-256 of (scope, idempotency key).
+///
+/// ```
+/// use retrysafe_core::idempotency::{Principal, RecordId, Scope};
+/// use retrysafe_core::wire::IdempotencyKey;
+/// let key = IdempotencyKey::new("k-1").unwrap();
+/// let a = RecordId::new(&Scope::from(&Principal::new("a")), &key);
+/// let b = RecordId::new(&Scope::from(&Principal::new("b")), &key);
+/// assert_ne!(a, b);
+/// assert_eq!(a.to_hex().len(), 64);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct RecordId([u8; 32]);
+
+impl RecordId {
+    /// The record key of `key` in `scope`.
+    pub fn new(scope: &Scope, key: &IdempotencyKey) -> Self {
+        let mut h = Hasher::new("retrysafe/v1/record");
+        h.field(scope.as_bytes()).field(key.as_str().as_bytes());
+        RecordId(h.finish())
+    }
+
+    /// Rebuilds a record id from its bytes (as a store persisted them).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        RecordId(bytes)
+    }
+
+    /// The hash.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+
+    /// Lowercase hex, 64 characters: the form stores use in key names.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+}
+
+impl fmt::Debug for RecordId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "RecordId({})", hex(self.0.get(..8).unwrap_or(&[])))
+    }
+}
+
+/// The random 128-bit token of one claim. Completion, release, renewal and the commit
+/// point carry it; a store compares tokens for equality and refuses stale ones.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Token(u128);
+
+impl Token {
+    /// A fresh random token.
+    pub fn random() -> Self {
+        Token(rand::random())
+    }
+
+    /// A token from its 16 big-endian bytes.
+    pub fn from_bytes(bytes: [u8; 16]) -> Self {
+        Token(u128::from_be_bytes(bytes))
+    }
+
+    /// The 16 big-endian bytes.
+    pub fn to_bytes(self) -> [u8; 16] {
+        self.0.to_be_bytes()
+    }
+
+    /// Lowercase hex, 32 characters.
+    pub fn to_hex(self) -> String {
+        hex(&self.to_bytes())
+    }
+}
+
+impl fmt::Debug for Token {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Only a prefix: tokens are capabilities.
+        write!(f, "Token({}…)", hex(self.to_bytes().get(..4).unwrap_or(&[])))
+    }
+}
+
+/// What a repeated request must match: a SHA-256 of method, path, query, the configured
+/// headers and the body.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint([u8; 32]);
+
+impl Fingerprint {
+    /// A fingerprint from its bytes (as a store persisted them).
+    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+        Fingerprint(bytes)
+    }
+
+    /// The hash.
+    pub fn as_bytes(&self) -> &[u8; 32] {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Fingerprint({})", hex(self.0.get(..8).unwrap_or(&[])))
+    }
+}
+
+/// Computes request [`Fingerprint`]s: method, path, query, the configured headers (by
+/// default `content-type`; all values of a header, in order) and the body.
+///
+/// ```
+/// use retrysafe_core::idempotency::Fingerprinter;
+/// use http::{HeaderMap, Method, Uri};
+///
+/// let fp = Fingerprinter::default();
+/// let uri: Uri = "/payments?x=1".parse().unwrap();
+/// let a = fp.fingerprint(&Method::POST, &uri, &HeaderMap::new(), b"{\"amount\":1}");
+/// let b = fp.fingerprint(&Method::POST, &uri, &HeaderMap::new(), b"{\"amount\":2}");
+/// assert_ne!(a, b);
+/// assert_eq!(a, fp.fingerprint(&Method::POST, &uri, &HeaderMap::new(), b"{\"amount\":1}"));
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprinter {
+    headers: Vec<HeaderName>,
+}
+
+impl Default for Fingerprinter {
+    fn default() -> Self {
+        Fingerprinter {
+            headers: vec![http::header::CONTENT_TYPE],
+        }
+    }
+}
+
+impl Fingerprinter {
+    /// A fingerprinter over the given headers (in addition to method, path, query, body).
+    pub fn with_headers(headers: impl IntoIterator<Item = HeaderName>) -> Self {
+        Fingerprinter {
+            headers: headers.into_iter().collect(),
+        }
+    }
+
+    /// The headers that are part of the fingerprint.
+    pub fn headers(&self) -> &[HeaderName] {
+        &self.headers
+    }
+
+    /// The fingerprint of a request.
+    pub fn fingerprint(
+        &self,
+        method: &Method,
+        uri: &Uri,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Fingerprint {
+        let mut h = Hasher::new("retrysafe/v1/fingerprint");
+        h.field(method.as_str().as_bytes())
+            .field(uri.path().as_bytes())
+            .field(uri.query().unwrap_or("").as_bytes());
+        for name in &self.headers {
+            h.field(name.as_str().as_bytes());
+            let values = headers.get_all(name);
+            h.field(&(values.iter().count() as u64).to_be_bytes());
+            for v in values {
+                h.field(v.as_bytes());
+            }
+        }
+        h.field(body);
+        Fingerprint(h.finish())
+    }
+}
+
+/// Derives a deterministic child idempotency key: `H(scope, key, label, sequence)`.
+pub(crate) fn child_key(scope: &Scope, key: &IdempotencyKey, label: &str, seq: u64) -> IdempotencyKey {
+    let mut h = Hasher::new("retrysafe/v1/child-key");
+    h.field(scope.as_bytes())
+        .field(key.as_str().as_bytes())
+        .field(label.as_bytes())
+        .field(&seq.to_be_bytes());
+    let digest = h.finish();
+    let s = format!("rs1-{}", hex(digest.get(..16).unwrap_or(&[])));
+    // "rs1-" and 32 hex digits: always a valid key.
+    IdempotencyKey::new(&s).expect("a child key is printable ascii")
+}

@@ -1,0 +1,29 @@
+//! The idempotency model: who a request belongs to, which record it maps to, what it
+//! must match, and what a record may hold.
+//!
+//! The pieces are public building blocks so that every store and layer — including the
+//! PostgreSQL transactional layer — composes them rather than copying them:
+//!
+//! - [`Principal`] and [`Scope`]: the identity a record belongs to; records never cross
+//!   scopes;
+//! - [`RecordId`]: the record key, a hash of (scope, idempotency key);
+//! - [`Fingerprint`] and [`Fingerprinter`]: what a repeated request must match;
+//! - [`Token`]: the random 128-bit token of one claim;
+//! - [`Record`] and its states, with one versioned byte encoding ([`Record::encode`],
+//!   [`Record::decode`], which is total);
+//! - [`StoredResponse`] and [`HeaderFilter`]: response capture;
+//! - [`decide`] and [`Disposition`]: the decision table;
+//! - [`IdempotencyContext`]: what a guarded handler sees.
+
+mod context;
+mod decision;
+mod ids;
+mod record;
+
+pub use context::IdempotencyContext;
+pub use decision::{decide, Decision, Disposition, NoEffect};
+pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
+pub use record::{
+    CommitPoint, Completed, DecodeError, HeaderFilter, InProgress, OutcomeUnknown, Record,
+    StoredResponse, RECORD_VERSION,
+};

@@ -1,0 +1,194 @@
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use crate::idempotency::{Completed, Record, RecordId, Token};
+
+/// A fault-injecting store wrapper for tests: makes calls fail or slow down on demand.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() {
+/// # #[derive(Debug)] struct Dummy;
+/// # impl retrysafe_core::store::IdempotencyStore for Dummy {
+/// #   async fn claim(&self, _: &RecordId, _: &Claim) -> Result<retrysafe_core::store::ClaimOutcome, StoreError> { Ok(retrysafe_core::store::ClaimOutcome::Claimed { takeover: false }) }
+/// #   async fn complete(&self, _: &RecordId, _: Token, _: &retrysafe_core::idempotency::Completed, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn release(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn renew(&self, _: &RecordId, _: Token, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn commit_point(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn mark_unknown(&self, _: &RecordId, _: Token, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn get(&self, _: &RecordId) -> Result<Option<retrysafe_core::idempotency::Record>, StoreError> { Ok(None) }
+/// # }
+/// use retrysafe_core::idempotency::{RecordId, Token};
+/// use retrysafe_core::store::{Claim, FaultyStore, IdempotencyStore, StoreError};
+///
+/// let store = FaultyStore::new(Dummy);
+/// store.fail_all(true);
+/// let id = RecordId::from_bytes([0; 32]);
+/// assert!(matches!(store.get(&id).await, Err(StoreError::Unavailable(_))));
+/// store.fail_all(false);
+/// store.fail_next_completions(1);
+/// assert!(store.complete(&id, Token::random(), &retrysafe_core::idempotency::Completed {
+///     fingerprint: retrysafe_core::idempotency::Fingerprint::from_bytes([0; 32]), response: None,
+/// }, std::time::Duration::from_secs(1)).await.is_err());
+/// assert_eq!(store.calls(), 2);
+/// # }
+/// ```
+#[derive(Debug, Clone)]
+pub struct FaultyStore<S> {
+    inner: S,
+    faults: Arc<Faults>,
+}
+
+#[derive(Debug, Default)]
+struct Faults {
+    fail_all: AtomicBool,
+    fail_completions: AtomicU32,
+    delay_ms: AtomicU64,
+    calls: AtomicU64,
+}
+
+#[derive(Debug)]
+struct InjectedFault;
+
+impl std::fmt::Display for InjectedFault {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("injected fault")
+    }
+}
+
+impl std::error::Error for InjectedFault {}
+
+impl<S: IdempotencyStore> FaultyStore<S> {
+    /// Wraps `inner`; no faults until asked.
+    pub fn new(inner: S) -> Self {
+        FaultyStore {
+            inner,
+            faults: Arc::default(),
+        }
+    }
+
+    /// Makes every call fail with [`StoreError::Unavailable`] (or stop failing).
+    pub fn fail_all(&self, on: bool) {
+        self.faults.fail_all.store(on, Ordering::SeqCst);
+    }
+
+    /// Makes the next `n` calls of `complete` fail.
+    pub fn fail_next_completions(&self, n: u32) {
+        self.faults.fail_completions.store(n, Ordering::SeqCst);
+    }
+
+    /// Delays every call by `delay` (tokio time) before it runs.
+    pub fn delay(&self, delay: Duration) {
+        let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
+        self.faults.delay_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// How many calls were made.
+    pub fn calls(&self) -> u64 {
+        self.faults.calls.load(Ordering::SeqCst)
+    }
+
+    /// The wrapped store.
+    pub fn inner(&self) -> &S {
+        &self.inner
+    }
+
+    async fn gate(&self, completion: bool) -> Result<(), StoreError> {
+        self.faults.calls.fetch_add(1, Ordering::SeqCst);
+        let ms = self.faults.delay_ms.load(Ordering::SeqCst);
+        if ms > 0 {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+        }
+        if self.faults.fail_all.load(Ordering::SeqCst) {
+            return Err(StoreError::unavailable(InjectedFault));
+        }
+        if completion
+            && self
+                .faults
+                .fail_completions
+                .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+                .is_ok()
+        {
+            return Err(StoreError::unavailable(InjectedFault));
+        }
+        Ok(())
+    }
+}
+
+impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
+    fn claim(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.claim(id, claim).await
+        }
+    }
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(true).await?;
+            self.inner.complete(id, token, record, retention).await
+        }
+    }
+    fn release(&self, id: &RecordId, token: Token) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.release(id, token).await
+        }
+    }
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.renew(id, token, lease).await
+        }
+    }
+    fn commit_point(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.commit_point(id, token).await
+        }
+    }
+    fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.mark_unknown(id, token, retention).await
+        }
+    }
+    fn get(&self, id: &RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.get(id).await
+        }
+    }
+    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            self.gate(false).await?;
+            self.inner.wait(id, max).await
+        }
+    }
+}

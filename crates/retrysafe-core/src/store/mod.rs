@@ -1,0 +1,352 @@
+//! The store trait every idempotency backend implements.
+//!
+//! A store holds one [`Record`] per [`RecordId`] and makes each transition atomic:
+//!
+//! - [`claim`](IdempotencyStore::claim) creates an `in_progress` record with a lease, or
+//!   returns the existing record. An existing `in_progress` record whose lease has
+//!   expired is resolved in the same step: if its holder had not reached its commit
+//!   point ([`CommitPoint::Before`]) and the fingerprint matches, the new claim takes it
+//!   over; otherwise it becomes `outcome_unknown`.
+//! - [`complete`](IdempotencyStore::complete), [`release`](IdempotencyStore::release),
+//!   [`renew`](IdempotencyStore::renew), [`commit_point`](IdempotencyStore::commit_point)
+//!   and [`mark_unknown`](IdempotencyStore::mark_unknown) carry the claim's [`Token`];
+//!   a store refuses a token that is not the current holder's with
+//!   [`StoreError::StaleToken`] (also after the lease expired and another copy
+//!   re-claimed).
+//! - Leases and retention are measured by the store's own clock where it has one.
+//!
+//! Every implementation passes the conformance suite in `conformance` (feature
+//! `test-util`).
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::idempotency::{CommitPoint, Completed, Fingerprint, Record, RecordId, Token};
+
+#[cfg(feature = "test-util")]
+pub mod conformance;
+#[cfg(feature = "test-util")]
+mod faulty;
+#[cfg(feature = "test-util")]
+pub use faulty::FaultyStore;
+
+/// A boxed error from a store backend.
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
+/// A failed store call.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// The token is not the current holder's: the claim was lost (expired and taken
+    /// over, released, or completed).
+    StaleToken,
+    /// The store cannot take another in-flight claim.
+    Full,
+    /// The call did not finish in time.
+    Timeout,
+    /// A stored record could not be decoded.
+    Corrupt(crate::idempotency::DecodeError),
+    /// The backend failed or could not be reached.
+    Unavailable(BoxError),
+}
+
+impl StoreError {
+    /// Wraps a backend error.
+    pub fn unavailable(e: impl Into<BoxError>) -> Self {
+        StoreError::Unavailable(e.into())
+    }
+
+    /// Whether retrying the same call may succeed (not for a stale token).
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Timeout | StoreError::Unavailable(_) | StoreError::Full)
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            StoreError::StaleToken => f.write_str("idempotency claim token is stale"),
+            StoreError::Full => f.write_str("idempotency store cannot take more in-flight claims"),
+            StoreError::Timeout => f.write_str("idempotency store call timed out"),
+            StoreError::Corrupt(e) => write!(f, "idempotency record is corrupt: {e}"),
+            StoreError::Unavailable(e) => write!(f, "idempotency store unavailable: {e}"),
+        }
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        match self {
+            StoreError::Corrupt(e) => Some(e),
+            StoreError::Unavailable(e) => Some(&**e),
+            _ => None,
+        }
+    }
+}
+
+/// The arguments of a claim.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Claim {
+    /// The new holder's token.
+    pub token: Token,
+    /// The request's fingerprint.
+    pub fingerprint: Fingerprint,
+    /// How long the lease lasts unless renewed.
+    pub lease: Duration,
+    /// How long an `outcome_unknown` record made by this claim (from an expired lease)
+    /// is kept.
+    pub retention: Duration,
+    /// The initial commit-point state: [`CommitPoint::Before`] when the handler declares
+    /// its commit point, [`CommitPoint::Undeclared`] otherwise.
+    pub commit_point: CommitPoint,
+}
+
+/// The result of a claim.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClaimOutcome {
+    /// The caller holds the record now and runs the handler.
+    Claimed {
+        /// Whether it took over an expired lease of a holder that had not reached its
+        /// commit point.
+        takeover: bool,
+    },
+    /// A record exists; the caller decides with
+    /// [`decide`](crate::idempotency::decide).
+    Existing {
+        /// The record.
+        record: Record,
+        /// Whether this claim turned an expired lease into `outcome_unknown` (the
+        /// caller reports it to the reconcile hook once).
+        became_unknown: bool,
+    },
+}
+
+/// A future returned by a store, boxed (the object-safe form).
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+/// An idempotency store. Futures are `Send`; [`BoxStore`] is the object-safe form.
+pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
+    /// Claims `id`, or returns its record (see the module docs for expired leases).
+    fn claim(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
+
+    /// Stores the completed record (kept for `retention`) if `token` still holds it.
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes the record if `token` still holds it: the next copy runs again.
+    fn release(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Extends the lease to `lease` from now if `token` still holds it.
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Records that the holder passed its commit point, if `token` still holds it.
+    fn commit_point(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Turns the record into `outcome_unknown` (kept for `retention`) if `token` still
+    /// holds it.
+    fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// The current record, `None` if absent (never claimed, released, or expired).
+    /// An `in_progress` record is returned as stored, even when its lease has expired.
+    fn get(&self, id: &RecordId)
+        -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+
+    /// Waits until the record may have left `in_progress` (completed, released, marked,
+    /// or its lease expired), or `max` passed. Returns nothing: the caller looks again.
+    ///
+    /// The default polls [`get`](IdempotencyStore::get) with backoff from 5 ms to 100 ms;
+    /// a store with a notifier overrides it.
+    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move {
+            let until = tokio::time::Instant::now() + max.min(crate::wire::MAX_TIMEOUT);
+            let mut delay = Duration::from_millis(5);
+            loop {
+                match self.get(id).await? {
+                    Some(Record::InProgress(_)) => {}
+                    _ => return Ok(()),
+                }
+                let now = tokio::time::Instant::now();
+                if now >= until {
+                    return Ok(());
+                }
+                tokio::time::sleep_until(until.min(now + delay)).await;
+                delay = (delay * 2).min(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// The object-safe form of [`IdempotencyStore`], implemented for every store.
+pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {
+    /// See [`IdempotencyStore::claim`].
+    fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim) -> StoreFuture<'a, ClaimOutcome>;
+    /// See [`IdempotencyStore::complete`].
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        record: &'a Completed,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::release`].
+    fn release<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::renew`].
+    fn renew<'a>(&'a self, id: &'a RecordId, token: Token, lease: Duration) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::commit_point`].
+    fn commit_point<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::mark_unknown`].
+    fn mark_unknown<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::get`].
+    fn get<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, Option<Record>>;
+    /// See [`IdempotencyStore::wait`].
+    fn wait<'a>(&'a self, id: &'a RecordId, max: Duration) -> StoreFuture<'a, ()>;
+}
+
+impl<S: IdempotencyStore> DynIdempotencyStore for S {
+    fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim) -> StoreFuture<'a, ClaimOutcome> {
+        Box::pin(IdempotencyStore::claim(self, id, claim))
+    }
+    fn complete<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        record: &'a Completed,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::complete(self, id, token, record, retention))
+    }
+    fn release<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::release(self, id, token))
+    }
+    fn renew<'a>(&'a self, id: &'a RecordId, token: Token, lease: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::renew(self, id, token, lease))
+    }
+    fn commit_point<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::commit_point(self, id, token))
+    }
+    fn mark_unknown<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::mark_unknown(self, id, token, retention))
+    }
+    fn get<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, Option<Record>> {
+        Box::pin(IdempotencyStore::get(self, id))
+    }
+    fn wait<'a>(&'a self, id: &'a RecordId, max: Duration) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::wait(self, id, max))
+    }
+}
+
+/// A shared, type-erased store: what layers hold. Cheap to clone.
+///
+/// ```
+/// # fn f<S: retrysafe_core::store::IdempotencyStore>(store: S) {
+/// use retrysafe_core::store::BoxStore;
+/// let shared = BoxStore::new(store);
+/// let again = shared.clone();
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct BoxStore(Arc<dyn DynIdempotencyStore>);
+
+impl BoxStore {
+    /// Boxes a store.
+    pub fn new(store: impl IdempotencyStore) -> Self {
+        BoxStore(Arc::new(store))
+    }
+
+    /// Wraps an already shared store.
+    pub fn from_arc(store: Arc<dyn DynIdempotencyStore>) -> Self {
+        BoxStore(store)
+    }
+}
+
+impl IdempotencyStore for BoxStore {
+    fn claim(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
+        async move { self.0.claim(id, claim).await }
+    }
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.complete(id, token, record, retention).await }
+    }
+    fn release(&self, id: &RecordId, token: Token) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.release(id, token).await }
+    }
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.renew(id, token, lease).await }
+    }
+    fn commit_point(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.commit_point(id, token).await }
+    }
+    fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.mark_unknown(id, token, retention).await }
+    }
+    fn get(&self, id: &RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        async move { self.0.get(id).await }
+    }
+    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+        async move { self.0.wait(id, max).await }
+    }
+}
