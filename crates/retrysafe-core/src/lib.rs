@@ -14,9 +14,11 @@
 //!   suite every backend passes.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+mod config;
 mod deadline;
 pub mod idempotency;
 pub mod store;
 pub mod wire;
 
+pub use config::ConfigError;
 pub use deadline::Deadline;

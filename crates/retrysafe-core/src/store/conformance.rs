@@ -562,6 +562,10 @@ pub async fn wait_returns_after_max<S: IdempotencyStore>(store: Arc<S>, clock: &
             start.elapsed()
         })
     };
+    // Let the waiter start while the lease is live: on a paused clock `advance` moves
+    // time before it yields, so a waiter first polled after it would find the lease
+    // already over (and a store that wakes waiters at lease expiry returns at once).
+    tokio::task::yield_now().await;
     clock.advance(lease).await;
     let waited = waiter.await.expect("waiter");
     assert!(waited >= max, "waited the maximum: {waited:?}");

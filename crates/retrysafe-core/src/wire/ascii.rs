@@ -6,7 +6,10 @@ use http::HeaderValue;
 pub(crate) fn trim_ows(value: &[u8]) -> &[u8] {
     let is_ows = |b: &u8| *b == b' ' || *b == b'\t';
     let start = value.iter().position(|b| !is_ows(b)).unwrap_or(value.len());
-    let end = value.iter().rposition(|b| !is_ows(b)).map_or(start, |i| i + 1);
+    let end = value
+        .iter()
+        .rposition(|b| !is_ows(b))
+        .map_or(start, |i| i + 1);
     value.get(start..end).unwrap_or_default()
 }
 
@@ -59,7 +62,16 @@ mod tests {
             Some(u64::MAX)
         );
         assert_eq!(parse_digits_saturating(&[b'9'; 10_000]), Some(u64::MAX));
-        for bad in [&b"-1"[..], b"+1", b"1.5", b" 1", b"1 ", b"1e3", b"\xff", b"0x10"] {
+        for bad in [
+            &b"-1"[..],
+            b"+1",
+            b"1.5",
+            b" 1",
+            b"1 ",
+            b"1e3",
+            b"\xff",
+            b"0x10",
+        ] {
             assert_eq!(parse_digits_saturating(bad), None, "{bad:?}");
         }
     }

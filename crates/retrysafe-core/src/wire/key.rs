@@ -80,7 +80,9 @@ impl fmt::Display for KeyError {
         f.write_str(match self {
             KeyError::Empty => "idempotency key is empty",
             KeyError::TooLong => "idempotency key is longer than 255 characters",
-            KeyError::NotPrintable => "idempotency key holds a character that is not printable ascii",
+            KeyError::NotPrintable => {
+                "idempotency key holds a character that is not printable ascii"
+            }
         })
     }
 }
@@ -197,8 +199,7 @@ impl IdempotencyKey {
     /// ```
     pub fn to_header_value(&self) -> HeaderValue {
         let key = self.as_str();
-        let bare_ok =
-            !key.starts_with('"') && !key.is_empty() && key.bytes().all(is_bare_char);
+        let bare_ok = !key.starts_with('"') && !key.is_empty() && key.bytes().all(is_bare_char);
         if bare_ok {
             return header_value(key);
         }
@@ -217,7 +218,9 @@ impl IdempotencyKey {
 
 impl fmt::Debug for IdempotencyKey {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("IdempotencyKey").field(&self.as_str()).finish()
+        f.debug_tuple("IdempotencyKey")
+            .field(&self.as_str())
+            .finish()
     }
 }
 

@@ -32,6 +32,6 @@ pub use flags::{
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
 pub use retry_after::{encode_retry_after, parse_retry_after, RetryAfter, MAX_RETRY_AFTER};
 pub use timeout::{
-    encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout,
-    parse_request_timeout_ms, TimeoutError, MAX_TIMEOUT,
+    encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout, parse_request_timeout_ms,
+    TimeoutError, MAX_TIMEOUT,
 };

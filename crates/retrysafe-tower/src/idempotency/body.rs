@@ -1,0 +1,195 @@
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame, SizeHint};
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The request body the inner service sees: the original stream for requests the
+    /// layer does not guard, the buffered bytes for guarded ones.
+    #[derive(Debug)]
+    pub struct RequestBody<B> {
+        #[pin]
+        kind: ReqKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ReqKindProj]
+    #[derive(Debug)]
+    enum ReqKind<B> {
+        Buffered { data: Option<Bytes> },
+        Stream { #[pin] inner: B },
+    }
+}
+
+impl<B> RequestBody<B> {
+    pub(crate) fn buffered(data: Bytes) -> Self {
+        RequestBody {
+            kind: ReqKind::Buffered {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+
+    pub(crate) fn stream(inner: B) -> Self {
+        RequestBody {
+            kind: ReqKind::Stream { inner },
+        }
+    }
+}
+
+impl<B> Body for RequestBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project().kind.project() {
+            ReqKindProj::Buffered { data } => Poll::Ready(data.take().map(|d| Ok(Frame::data(d)))),
+            ReqKindProj::Stream { inner } => inner.poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ReqKind::Buffered { data } => data.is_none(),
+            ReqKind::Stream { inner } => inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ReqKind::Buffered { data } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ReqKind::Stream { inner } => inner.size_hint(),
+        }
+    }
+}
+
+pin_project! {
+    /// The response body of the layer: the handler's own stream (untouched requests,
+    /// released and `outcome_unknown` answers), a stored body (first answers that were
+    /// stored, replays, problems), or the stored prefix followed by the rest of the
+    /// handler's stream (a response too large to store).
+    #[derive(Debug)]
+    pub struct ResponseBody<B> {
+        #[pin]
+        kind: ResKind<B>,
+    }
+}
+
+pin_project! {
+    #[project = ResKindProj]
+    #[derive(Debug)]
+    enum ResKind<B> {
+        Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
+        Stream { prefix: Option<Bytes>, #[pin] inner: B },
+        Boxed { prefix: Option<Bytes>, inner: Pin<Box<B>> },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+        ResponseBody {
+            kind: ResKind::Full {
+                data: (!data.is_empty()).then_some(data),
+                trailers,
+            },
+        }
+    }
+
+    pub(crate) fn stream(inner: B) -> Self {
+        ResponseBody {
+            kind: ResKind::Stream {
+                prefix: None,
+                inner,
+            },
+        }
+    }
+
+    pub(crate) fn prefixed(prefix: Bytes, inner: Pin<Box<B>>) -> Self {
+        ResponseBody {
+            kind: ResKind::Boxed {
+                prefix: (!prefix.is_empty()).then_some(prefix),
+                inner,
+            },
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project().kind.project() {
+            ResKindProj::Full { data, trailers } => {
+                if let Some(d) = data.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(d))));
+                }
+                Poll::Ready(trailers.take().map(|t| Ok(Frame::trailers(t))))
+            }
+            ResKindProj::Stream { prefix, inner } => {
+                if let Some(p) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(p))));
+                }
+                inner.poll_frame(cx)
+            }
+            ResKindProj::Boxed { prefix, inner } => {
+                if let Some(p) = prefix.take() {
+                    return Poll::Ready(Some(Ok(Frame::data(p))));
+                }
+                inner.as_mut().poll_frame(cx)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            ResKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
+            ResKind::Stream { prefix, inner } => prefix.is_none() && inner.is_end_stream(),
+            ResKind::Boxed { prefix, inner } => prefix.is_none() && inner.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.kind {
+            ResKind::Full { data, .. } => {
+                SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+            ResKind::Stream { prefix, inner } => prefixed_hint(prefix.as_ref(), inner.size_hint()),
+            ResKind::Boxed { prefix, inner } => prefixed_hint(prefix.as_ref(), inner.size_hint()),
+        }
+    }
+}
+
+fn prefixed_hint(prefix: Option<&Bytes>, h: SizeHint) -> SizeHint {
+    {
+        {
+            {
+                let extra = prefix.map_or(0, |p| p.len() as u64);
+                let mut out = SizeHint::new();
+                out.set_lower(h.lower().saturating_add(extra));
+                if let Some(u) = h.upper() {
+                    out.set_upper(u.saturating_add(extra));
+                }
+                out
+            }
+        }
+    }
+}

@@ -1,0 +1,633 @@
+//! The guarded execution: buffer, fingerprint, then one spawned task that claims, runs
+//! the handler, captures the response and completes the record.
+
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::FutureExt;
+use http::header::CONTENT_LENGTH;
+use http::request::Parts;
+use http::{HeaderMap, Request, Response};
+use http_body::Body;
+use http_body_util::BodyExt;
+use retrysafe_core::Deadline;
+use retrysafe_core::idempotency::{
+    Completed, Decision, Disposition, Fingerprint, IdempotencyContext, NoEffect, RecordId, Scope,
+    StoredResponse, Token, decide,
+};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::wire::{DO_NOT_RETRY_VALUE, IdempotencyKey, REPLAYED_VALUE, encode_retry_after};
+use tokio::time::Instant;
+use tower_service::Service;
+use tracing::Instrument;
+
+use super::body::{RequestBody, ResponseBody};
+use super::event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+use super::layer::{Config, IdempotencyLayer, InFlight};
+use super::problem::{Problem, ProblemKind};
+
+type Res<B> = Response<ResponseBody<B>>;
+
+/// Builds a problem response with the headers its case requires.
+pub(crate) fn problem_response<B>(config: &Config, problem: Problem) -> Res<B> {
+    let res = match &config.responder {
+        Some(f) => f(&problem),
+        None => problem.to_response(),
+    };
+    let (mut parts, body) = res.into_parts();
+    if problem.kind().do_not_retry() {
+        parts
+            .headers
+            .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+    }
+    if let Some(d) = problem.retry_after_hint() {
+        parts
+            .headers
+            .insert(config.convention.retry_after().clone(), encode_retry_after(d));
+    }
+    parts.extensions.insert(problem);
+    Response::from_parts(parts, ResponseBody::full(body, None))
+}
+
+fn emit(config: &Config, kind: EventKind, record: &RecordId) {
+    tracing::debug!(target: "retrysafe::idempotency", event = kind.as_str(), record = ?record);
+    if let Some(f) = &config.on_event {
+        f(&IdempotencyEvent {
+            kind,
+            record: *record,
+        });
+    }
+}
+
+fn reconcile(config: &Config, record: &RecordId, reason: UnknownReason) {
+    tracing::warn!(
+        target: "retrysafe::idempotency",
+        event = EventKind::OutcomeUnknown.as_str(),
+        record = ?record,
+        reason = ?reason,
+        "idempotency record has an unknown outcome; it will not be re-run"
+    );
+    if let Some(f) = &config.on_event {
+        f(&IdempotencyEvent {
+            kind: EventKind::OutcomeUnknown,
+            record: *record,
+        });
+    }
+    if let Some(f) = &config.on_outcome_unknown {
+        f(&UnknownOutcome {
+            record: *record,
+            reason,
+        });
+    }
+}
+
+/// Runs one store call bounded by the store timeout and the request's deadline.
+async fn bounded<T>(
+    config: &Config,
+    deadline: Option<Deadline>,
+    call: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    let limit = Deadline::bound(deadline, config.store_timeout);
+    match tokio::time::timeout(limit, call).await {
+        Ok(r) => r,
+        Err(_) => Err(StoreError::Timeout),
+    }
+}
+
+/// The guarded path, from the outer future: buffer and fingerprint, then spawn.
+pub(crate) async fn guarded<S, B, ResB>(
+    layer: IdempotencyLayer,
+    inner: S,
+    parts: Parts,
+    body: B,
+    key: IdempotencyKey,
+    scope: Scope,
+) -> Result<Res<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    let config = &layer.config;
+    let limit = config.max_request_body;
+    let declared = parts
+        .headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) || body.size_hint().lower() > limit as u64 {
+        return Ok(too_large(config));
+    }
+    let body = match read_body(body, limit).await {
+        Ok(b) => b,
+        Err(ReadError::TooLarge) => return Ok(too_large(config)),
+        Err(ReadError::Failed(e)) => {
+            return Ok(problem_response(
+                config,
+                Problem::new(ProblemKind::BodyUnreadable, format!("could not read the request body: {e}")),
+            ));
+        }
+    };
+    let fingerprint = config
+        .fingerprinter
+        .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
+
+    let Ok(permit) = Arc::clone(&layer.shared.permits).try_acquire_owned() else {
+        return Ok(problem_response(
+            config,
+            Problem::new(ProblemKind::Overloaded, "too many requests with idempotency keys in progress")
+                .retry_after(config.unavailable_retry_after),
+        ));
+    };
+
+    let task = {
+        let layer = layer.clone();
+        async move {
+            let res = execute(&layer, inner, parts, body, key, scope, fingerprint).await;
+            drop(permit);
+            res
+        }
+        .instrument(tracing::Span::current())
+    };
+    match layer.shared.tracker.spawn(task).await {
+        Ok(res) => res,
+        Err(e) => {
+            // `execute` catches handler panics; this is a panic of our own or a runtime
+            // shutting down.
+            tracing::error!(target: "retrysafe::idempotency", error = %e, "guarded task failed");
+            Ok(problem_response(
+                config,
+                Problem::new(ProblemKind::HandlerPanicked, "the request could not be completed"),
+            ))
+        }
+    }
+}
+
+fn too_large<B>(config: &Config) -> Res<B> {
+    problem_response(
+        config,
+        Problem::new(
+            ProblemKind::BodyTooLarge,
+            format!("the request body is over {} bytes", config.max_request_body),
+        ),
+    )
+}
+
+enum ReadError {
+    TooLarge,
+    Failed(Box<dyn std::error::Error + Send + Sync>),
+}
+
+async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut first: Option<Bytes> = None;
+    let mut buf: Option<BytesMut> = None;
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
+        let Ok(data) = frame.into_data() else {
+            continue; // request trailers are not part of the fingerprint
+        };
+        let len = first.as_ref().map_or(0, Bytes::len) + buf.as_ref().map_or(0, BytesMut::len);
+        if len + data.len() > limit {
+            return Err(ReadError::TooLarge);
+        }
+        match (&mut first, &mut buf) {
+            (None, None) => first = Some(data),
+            (Some(f), None) => {
+                let mut b = BytesMut::with_capacity(f.len() + data.len());
+                b.extend_from_slice(f);
+                b.extend_from_slice(&data);
+                first = None;
+                buf = Some(b);
+            }
+            (_, Some(b)) => b.extend_from_slice(&data),
+        }
+    }
+    Ok(match (first, buf) {
+        (_, Some(b)) => b.freeze(),
+        (Some(f), None) => f,
+        (None, None) => Bytes::new(),
+    })
+}
+
+/// Inside the spawned task: claim (and wait, in wait mode), then replay or run.
+async fn execute<S, B, ResB>(
+    layer: &IdempotencyLayer,
+    inner: S,
+    parts: Parts,
+    body: Bytes,
+    key: IdempotencyKey,
+    scope: Scope,
+    fingerprint: Fingerprint,
+) -> Result<Res<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    let config = &*layer.config;
+    let id = RecordId::new(&scope, &key);
+    let deadline = parts.extensions.get::<Deadline>().copied();
+    let started = Instant::now();
+    loop {
+        let claim = Claim {
+            token: Token::random(),
+            fingerprint,
+            lease: config.lease,
+            retention: config.retention,
+            commit_point: config.commit_point,
+        };
+        let outcome = bounded(config, deadline, config.store.claim(&id, &claim)).await;
+        let (record, became_unknown) = match outcome {
+            Ok(ClaimOutcome::Claimed { takeover }) => {
+                emit(config, if takeover { EventKind::Takeover } else { EventKind::Claimed }, &id);
+                let ctx = IdempotencyContext::new(
+                    scope,
+                    key,
+                    claim.token,
+                    config.store.clone(),
+                    config.store_timeout,
+                );
+                return run_guarded(config, inner, parts, body, ctx, fingerprint, deadline).await;
+            }
+            Ok(ClaimOutcome::Existing { record, became_unknown }) => (record, became_unknown),
+            Err(e) => return store_failed(config, inner, parts, body, &e).await,
+        };
+        if became_unknown {
+            reconcile(config, &id, UnknownReason::LeaseExpired);
+        }
+        match decide(&record, &fingerprint) {
+            Decision::Replay(stored) => {
+                emit(config, EventKind::Replayed, &id);
+                return Ok(replay(config, stored));
+            }
+            Decision::Mismatch => {
+                emit(config, EventKind::Mismatch, &id);
+                return Ok(problem_response(
+                    config,
+                    Problem::new(
+                        ProblemKind::KeyMismatch,
+                        "this Idempotency-Key was already used with a different request",
+                    ),
+                ));
+            }
+            Decision::OutcomeUnknown => {
+                return Ok(problem_response(
+                    config,
+                    Problem::new(
+                        ProblemKind::OutcomeUnknown,
+                        "the first request with this Idempotency-Key may or may not have taken \
+                         effect; it will not be run again",
+                    ),
+                ));
+            }
+            Decision::NotStored => {
+                return Ok(problem_response(
+                    config,
+                    Problem::new(
+                        ProblemKind::ResponseNotStored,
+                        "the request with this Idempotency-Key completed, but its response was \
+                         too large to store",
+                    ),
+                ));
+            }
+            Decision::InFlight => {
+                emit(config, EventKind::Conflict, &id);
+                let (max, retry_after) = match config.in_flight {
+                    InFlight::Conflict { retry_after } => (Duration::ZERO, retry_after),
+                    InFlight::Wait { max, retry_after } => (max, retry_after),
+                };
+                let left = Deadline::bound(deadline, max.saturating_sub(started.elapsed()));
+                if left.is_zero() {
+                    return Ok(problem_response(
+                        config,
+                        Problem::new(
+                            ProblemKind::InFlight,
+                            "a request with this Idempotency-Key is still in progress; retry later",
+                        )
+                        .retry_after(retry_after),
+                    ));
+                }
+                let wait = tokio::time::timeout(
+                    left + config.store_timeout,
+                    config.store.wait(&id, left),
+                )
+                .await;
+                match wait {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return store_failed(config, inner, parts, body, &e).await,
+                    Err(_) => {
+                        return store_failed(config, inner, parts, body, &StoreError::Timeout).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The store failed: 503 (fail closed), or run unguarded (fail open).
+async fn store_failed<S, B, ResB>(
+    config: &Config,
+    mut inner: S,
+    parts: Parts,
+    body: Bytes,
+    error: &StoreError,
+) -> Result<Res<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>>,
+    ResB: Body<Data = Bytes>,
+{
+    if config.fail_open {
+        tracing::warn!(
+            target: "retrysafe::idempotency",
+            error = %error,
+            "idempotency store failed; running the request unguarded (fail_open)"
+        );
+        let res = inner
+            .call(Request::from_parts(parts, RequestBody::buffered(body)))
+            .await?;
+        return Ok(res.map(ResponseBody::stream));
+    }
+    tracing::warn!(target: "retrysafe::idempotency", error = %error, "idempotency store failed");
+    Ok(problem_response(
+        config,
+        Problem::new(
+            ProblemKind::StoreUnavailable,
+            "the idempotency store is unavailable; retry later",
+        )
+        .retry_after(config.unavailable_retry_after),
+    ))
+}
+
+fn replay<B>(config: &Config, stored: &StoredResponse) -> Res<B> {
+    let mut res = Response::new(ResponseBody::full(stored.body.clone(), stored.trailer_map()));
+    *res.status_mut() = stored.status;
+    *res.headers_mut() = stored.header_map();
+    res.headers_mut()
+        .insert(config.convention.idempotent_replayed().clone(), REPLAYED_VALUE);
+    res
+}
+
+/// Runs the handler with its lease renewed, then records what became of it.
+async fn run_guarded<S, B, ResB>(
+    config: &Config,
+    mut inner: S,
+    mut parts: Parts,
+    body: Bytes,
+    ctx: IdempotencyContext,
+    fingerprint: Fingerprint,
+    deadline: Option<Deadline>,
+) -> Result<Res<ResB>, S::Error>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    let token = ctx.token();
+    let id = *ctx.record_id();
+    parts.extensions.insert(ctx);
+    let req = Request::from_parts(parts, RequestBody::buffered(body));
+    let claimed_at = Instant::now();
+    let mut lease_until = claimed_at + config.lease;
+    let cap = claimed_at + config.max_execution;
+    let every = config.lease / 3;
+
+    let handler = AssertUnwindSafe(async move { inner.call(req).await }).catch_unwind();
+    let mut handler = std::pin::pin!(handler);
+    let mut next_renewal = Some(claimed_at + every);
+    let outcome = loop {
+        tokio::select! {
+            biased;
+            out = &mut handler => break out,
+            () = sleep_until_opt(next_renewal) => {
+                let now = Instant::now();
+                let lease = config.lease.min(cap.saturating_duration_since(now));
+                if lease.is_zero() {
+                    tracing::warn!(
+                        target: "retrysafe::idempotency",
+                        record = ?id,
+                        "handler exceeded max_execution; its lease is no longer renewed"
+                    );
+                    next_renewal = None;
+                    continue;
+                }
+                match bounded(config, None, config.store.renew(&id, token, lease)).await {
+                    Ok(()) => lease_until = now + lease,
+                    Err(StoreError::StaleToken) => {
+                        tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
+                        next_renewal = None;
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "lease renewal failed");
+                    }
+                }
+                next_renewal = (lease == config.lease).then(|| Instant::now() + every);
+            }
+        }
+    };
+
+    let unknown = |reason: UnknownReason| async move {
+        let r = write_with_retry(config, lease_until, || config.store.mark_unknown(&id, token, config.retention)).await;
+        match r {
+            Ok(()) => reconcile(config, &id, reason),
+            Err(e) => {
+                tracing::error!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not mark the record outcome_unknown");
+                emit(config, EventKind::CompletionLost, &id);
+            }
+        }
+    };
+
+    let response = match outcome {
+        Err(_panic) => {
+            unknown(UnknownReason::Panicked).await;
+            return Ok(problem_response(
+                config,
+                Problem::new(ProblemKind::HandlerPanicked, "the request handler failed"),
+            ));
+        }
+        Ok(Err(e)) => {
+            unknown(UnknownReason::ServiceError).await;
+            return Err(e);
+        }
+        Ok(Ok(res)) => res,
+    };
+
+    let no_effect = response.extensions().get::<NoEffect>().is_some();
+    match Disposition::of(response.status(), no_effect) {
+        Disposition::Release => {
+            if let Err(e) = write_with_retry(config, lease_until, || config.store.release(&id, token)).await {
+                tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not release the record");
+                emit(config, EventKind::CompletionLost, &id);
+            }
+            Ok(response.map(ResponseBody::stream))
+        }
+        Disposition::OutcomeUnknown => {
+            unknown(UnknownReason::Status(response.status())).await;
+            let mut response = response.map(ResponseBody::stream);
+            response
+                .headers_mut()
+                .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+            Ok(response)
+        }
+        Disposition::Store => {
+            let (head, body) = response.into_parts();
+            match capture(body, config.max_stored_response).await {
+                Captured::Whole { data, trailers } => {
+                    let stored = StoredResponse::capture(
+                        head.status,
+                        &head.headers,
+                        data.clone(),
+                        trailers.as_ref(),
+                        &config.header_filter,
+                    );
+                    let done = Completed {
+                        fingerprint,
+                        response: Some(stored),
+                    };
+                    complete(config, &id, token, &done, lease_until, deadline).await;
+                    Ok(Response::from_parts(head, ResponseBody::full(data, trailers)))
+                }
+                Captured::TooLarge { prefix, rest } => {
+                    let done = Completed {
+                        fingerprint,
+                        response: None,
+                    };
+                    complete(config, &id, token, &done, lease_until, deadline).await;
+                    Ok(Response::from_parts(head, ResponseBody::prefixed(prefix, rest)))
+                }
+                Captured::Failed => {
+                    unknown(UnknownReason::BodyError).await;
+                    Ok(problem_response(
+                        config,
+                        Problem::new(
+                            ProblemKind::OutcomeUnknown,
+                            "the response failed while it was being produced",
+                        ),
+                    ))
+                }
+            }
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Retries a token-carrying write with backoff while the lease lasts. A stale token is
+/// final.
+async fn write_with_retry<F, Fut>(config: &Config, lease_until: Instant, mut write: F) -> Result<(), StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), StoreError>>,
+{
+    let mut backoff = Duration::from_millis(10);
+    loop {
+        match bounded(config, None, write()).await {
+            Ok(()) => return Ok(()),
+            Err(e) if !e.is_transient() => return Err(e),
+            Err(e) => {
+                let now = Instant::now();
+                if now + backoff >= lease_until {
+                    return Err(e);
+                }
+                tracing::debug!(target: "retrysafe::idempotency", error = %e, "store write failed; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(500));
+            }
+        }
+    }
+}
+
+async fn complete(
+    config: &Config,
+    id: &RecordId,
+    token: Token,
+    done: &Completed,
+    lease_until: Instant,
+    _deadline: Option<Deadline>,
+) {
+    let r = write_with_retry(config, lease_until, || {
+        config.store.complete(id, token, done, config.retention)
+    })
+    .await;
+    if let Err(e) = r {
+        tracing::error!(
+            target: "retrysafe::idempotency",
+            event = EventKind::CompletionLost.as_str(),
+            record = ?id,
+            error = %e,
+            "could not store the completed record; the handler's response is returned anyway"
+        );
+        if let Some(f) = &config.on_event {
+            f(&IdempotencyEvent {
+                kind: EventKind::CompletionLost,
+                record: *id,
+            });
+        }
+    }
+}
+
+enum Captured<B> {
+    Whole { data: Bytes, trailers: Option<HeaderMap> },
+    TooLarge { prefix: Bytes, rest: std::pin::Pin<Box<B>> },
+    Failed,
+}
+
+/// Collects a response body up to `limit` bytes; past it, returns what was read and the
+/// rest of the stream.
+async fn capture<B>(body: B, limit: usize) -> Captured<B>
+where
+    B: Body<Data = Bytes>,
+{
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    let mut trailers = None;
+    loop {
+        let Some(frame) = body.frame().await else {
+            break;
+        };
+        let Ok(frame) = frame else {
+            return Captured::Failed;
+        };
+        match frame.into_data() {
+            Ok(data) => {
+                buf.extend_from_slice(&data);
+                if buf.len() > limit {
+                    return Captured::TooLarge {
+                        prefix: buf.freeze(),
+                        rest: body,
+                    };
+                }
+            }
+            Err(frame) => {
+                if let Ok(t) = frame.into_trailers() {
+                    match &mut trailers {
+                        None => trailers = Some(t),
+                        Some(existing) => existing.extend(t),
+                    }
+                }
+            }
+        }
+    }
+    Captured::Whole {
+        data: buf.freeze(),
+        trailers,
+    }
+}

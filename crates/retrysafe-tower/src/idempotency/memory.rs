@@ -1,0 +1,783 @@
+//! The embedded idempotency store: [`MemoryStore`].
+//!
+//! Two structures, each with its own bound:
+//!
+//! - **in-flight claims** (`in_progress` records) live in a sharded map of plain
+//!   mutexes, bounded by a count and *never evicted*: forgetting a running claim would
+//!   let a duplicate run. When the map is full a new claim gets [`StoreError::Full`]
+//!   (the layer answers 503), after expired leases were swept out of the way;
+//! - **completed and `outcome_unknown` records** live in a moka cache bounded by bytes,
+//!   with LRU eviction. moka's default, TinyLFU, is deliberately not used: its
+//!   admission filter may refuse a fresh entry, and a refused completion is a key that
+//!   runs again.
+//!
+//! All time is tokio time, so the store runs on tokio's paused clock in tests.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use bytes::Bytes;
+use moka::notification::RemovalCause;
+use moka::policy::{EvictionPolicy, Expiry};
+use moka::sync::Cache;
+use retrysafe_core::ConfigError;
+use retrysafe_core::idempotency::{
+    CommitPoint, Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
+};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use tokio::sync::{Notify, futures::OwnedNotified};
+use tokio::time::Instant;
+
+/// The number of in-flight shards (selected by the first byte of the record id, which
+/// is a SHA-256 and so uniform).
+const SHARDS: usize = 16;
+
+/// Durations longer than this (a century) are clamped, so that instant arithmetic
+/// cannot overflow.
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// How long after a record's own expiry moka may keep it before collecting it. moka
+/// measures real time; the record's expiry (tokio time) is what counts.
+const GC_MARGIN: Duration = Duration::from_secs(60);
+
+/// The size of a cache key: a [`RecordId`].
+const KEY_BYTES: u64 = 32;
+
+type HookFn = dyn Fn(&RecordId) + Send + Sync + 'static;
+type Shard = Mutex<HashMap<RecordId, InFlight>>;
+
+/// The embedded default [`IdempotencyStore`]: in memory, for one process.
+///
+/// - In-flight claims live in a bounded map that is never evicted: at
+///   [`max_in_flight`](MemoryStoreBuilder::max_in_flight) live claims a new claim gets
+///   [`StoreError::Full`] (the layer answers 503). Before refusing, the store sweeps
+///   claims whose lease has expired: one whose holder had not reached its commit point
+///   is dropped, any other becomes `outcome_unknown` for the retention of its claim.
+/// - Completed and `outcome_unknown` records live in a moka cache with LRU eviction,
+///   bounded by [`max_bytes`](MemoryStoreBuilder::max_bytes). A record weighs its
+///   encoded length ([`Record::encoded_len`]) plus the 32-byte key plus
+///   [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD), an estimate of the cache's own
+///   structures. A record evicted before its retention ends is reported to the
+///   [`on_evicted`](MemoryStoreBuilder::on_evicted) hook.
+/// - Each record keeps its own expiry in tokio time, checked on every read; moka's
+///   expiry (real time, retention plus a minute) only collects garbage. Leases are tokio
+///   time too, and [`InProgress::lease_until_ms`] counts milliseconds since the store
+///   was created.
+/// - Every change to one record happens under that record's shard lock, so a claim sees
+///   the in-flight map and the cache in one step. Waiters are woken by a notifier per
+///   in-flight record (or when its lease expires).
+///
+/// Cloning is cheap and shares the store.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use retrysafe_tower::core::idempotency::{
+///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
+/// };
+/// use retrysafe_tower::core::store::{Claim, ClaimOutcome, IdempotencyStore};
+/// use retrysafe_tower::core::wire::IdempotencyKey;
+/// use retrysafe_tower::idempotency::MemoryStore;
+///
+/// let store = MemoryStore::builder().max_in_flight(1_000).max_bytes(16 << 20).build()?;
+/// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
+/// let claim = Claim {
+///     token: Token::random(),
+///     fingerprint: Fingerprint::from_bytes([7; 32]),
+///     lease: Duration::from_secs(10),
+///     retention: Duration::from_secs(24 * 60 * 60),
+///     commit_point: CommitPoint::Undeclared,
+/// };
+/// assert_eq!(store.claim(&id, &claim).await?, ClaimOutcome::Claimed { takeover: false });
+///
+/// // A copy of the request finds the claim in progress: it does not run.
+/// let copy = Claim { token: Token::random(), ..claim };
+/// assert!(matches!(
+///     store.claim(&id, &copy).await?,
+///     ClaimOutcome::Existing { record: Record::InProgress(_), became_unknown: false }
+/// ));
+///
+/// // The holder completes; later copies find the completed record.
+/// let done = Completed { fingerprint: claim.fingerprint, response: None };
+/// store.complete(&id, claim.token, &done, claim.retention).await?;
+/// assert_eq!(
+///     store.claim(&id, &copy).await?,
+///     ClaimOutcome::Existing { record: Record::Completed(done), became_unknown: false }
+/// );
+/// // The copy's token never held the record.
+/// assert!(store.release(&id, copy.token).await.is_err());
+/// assert_eq!((store.in_flight_len(), store.cached_len()), (0, 1));
+/// # Ok(()) }
+/// ```
+#[derive(Clone, Debug)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+impl MemoryStore {
+    /// The default bound of the in-flight map: 10 000 claims.
+    pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
+
+    /// The default byte bound of the completed-record cache: 64 MiB.
+    pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+
+    /// The estimated bytes a cached record costs beyond its encoded length and its
+    /// 32-byte key: moka's entry, key `Arc`, hash-table bucket, LRU and timer-wheel
+    /// nodes, the store's value (blob handle and expiry), and allocator headers (about
+    /// 400 bytes of structures in ten allocations).
+    pub const ENTRY_OVERHEAD: u64 = 512;
+
+    /// A store with the default bounds.
+    pub fn new() -> Self {
+        MemoryStore {
+            inner: Arc::new(Inner::new(
+                Self::DEFAULT_MAX_IN_FLIGHT,
+                Self::DEFAULT_MAX_BYTES,
+                None,
+            )),
+        }
+    }
+
+    /// A builder to set the bounds and the eviction hook.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder::default()
+    }
+
+    /// The number of in-flight claims held (live or with an expired lease not yet
+    /// resolved).
+    pub fn in_flight_len(&self) -> usize {
+        self.inner.in_flight.load(Ordering::Acquire)
+    }
+
+    /// The weighted size of the completed-record cache in bytes (see
+    /// [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD)), after running the cache's pending
+    /// maintenance so that it is accurate. Records past their retention that were not
+    /// read since still count until collected.
+    pub fn cached_bytes(&self) -> u64 {
+        self.inner.sync_cache();
+        self.inner.cache.weighted_size()
+    }
+
+    /// The number of records in the completed-record cache, after running its pending
+    /// maintenance (as for [`cached_bytes`](Self::cached_bytes)).
+    pub fn cached_len(&self) -> u64 {
+        self.inner.sync_cache();
+        self.inner.cache.entry_count()
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        MemoryStore::new()
+    }
+}
+
+/// Configures a [`MemoryStore`]; made by [`MemoryStore::builder`].
+///
+/// ```
+/// use retrysafe_tower::idempotency::MemoryStore;
+/// let store = MemoryStore::builder()
+///     .max_in_flight(2_048)
+///     .max_bytes(256 << 20)
+///     .on_evicted(|id| eprintln!("record {id:?} evicted before its retention"))
+///     .build()
+///     .unwrap();
+/// assert_eq!(store.in_flight_len(), 0);
+/// assert!(MemoryStore::builder().max_bytes(0).build().is_err());
+/// ```
+#[must_use]
+pub struct MemoryStoreBuilder {
+    max_in_flight: usize,
+    max_bytes: u64,
+    on_evicted: Option<Arc<HookFn>>,
+}
+
+impl Default for MemoryStoreBuilder {
+    fn default() -> Self {
+        MemoryStoreBuilder {
+            max_in_flight: MemoryStore::DEFAULT_MAX_IN_FLIGHT,
+            max_bytes: MemoryStore::DEFAULT_MAX_BYTES,
+            on_evicted: None,
+        }
+    }
+}
+
+impl fmt::Debug for MemoryStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStoreBuilder")
+            .field("max_in_flight", &self.max_in_flight)
+            .field("max_bytes", &self.max_bytes)
+            .field("on_evicted", &self.on_evicted.is_some())
+            .finish()
+    }
+}
+
+impl MemoryStoreBuilder {
+    /// The most in-flight claims held at once (default 10 000). In-flight claims are
+    /// never evicted; at the bound a new claim gets [`StoreError::Full`]. Must be
+    /// greater than zero.
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        self.max_in_flight = max;
+        self
+    }
+
+    /// The byte bound of the completed-record cache (default 64 MiB), weighed as
+    /// described on [`MemoryStore`]. The least recently used records are evicted past
+    /// it; a record heavier than the whole bound cannot be kept at all. Must be greater
+    /// than zero.
+    pub fn max_bytes(mut self, max: u64) -> Self {
+        self.max_bytes = max;
+        self
+    }
+
+    /// A hook called with the id of each completed or `outcome_unknown` record evicted
+    /// for size before its retention ended (not on expiry, replacement or removal).
+    ///
+    /// It is called after the store call during which the cache evicted the record,
+    /// outside the store's locks; it should be quick and must not panic.
+    pub fn on_evicted(mut self, hook: impl Fn(&RecordId) + Send + Sync + 'static) -> Self {
+        self.on_evicted = Some(Arc::new(hook));
+        self
+    }
+
+    /// Builds the store; refuses a zero bound.
+    pub fn build(self) -> Result<MemoryStore, ConfigError> {
+        if self.max_in_flight == 0 {
+            return Err(ConfigError::new("max_in_flight", "must be greater than zero"));
+        }
+        if self.max_bytes == 0 {
+            return Err(ConfigError::new("max_bytes", "must be greater than zero"));
+        }
+        Ok(MemoryStore {
+            inner: Arc::new(Inner::new(
+                self.max_in_flight,
+                self.max_bytes,
+                self.on_evicted,
+            )),
+        })
+    }
+}
+
+/// One in-flight claim.
+struct InFlight {
+    token: Token,
+    fingerprint: Fingerprint,
+    commit_point: CommitPoint,
+    lease_until: Instant,
+    /// The retention of an `outcome_unknown` record made from this claim when a sweep
+    /// finds its lease expired.
+    retention: Duration,
+    /// Created by the first waiter.
+    notify: Option<Arc<Notify>>,
+}
+
+impl InFlight {
+    fn new(claim: &Claim, now: Instant) -> Self {
+        InFlight {
+            token: claim.token,
+            fingerprint: claim.fingerprint,
+            commit_point: claim.commit_point,
+            lease_until: after(now, claim.lease),
+            retention: claim.retention,
+            notify: None,
+        }
+    }
+
+    fn record(&self, epoch: Instant) -> Record {
+        Record::InProgress(InProgress {
+            lease_until_ms: millis_since(epoch, self.lease_until),
+            token: self.token,
+            fingerprint: self.fingerprint,
+            commit_point: self.commit_point,
+        })
+    }
+
+    fn wake(&self) {
+        if let Some(n) = &self.notify {
+            n.notify_waiters();
+        }
+    }
+}
+
+/// A completed or `outcome_unknown` record in the cache.
+#[derive(Clone)]
+struct Cached {
+    /// The encoded record ([`Record::encode`]).
+    bytes: Bytes,
+    /// The end of its retention (tokio time): absent from then on.
+    expires_at: Instant,
+    /// When moka may collect it (its retention plus a margin, real time).
+    gc_after: Duration,
+}
+
+impl Cached {
+    fn weight(&self) -> u32 {
+        let bytes = u64::try_from(self.bytes.len()).unwrap_or(u64::MAX);
+        let weight = bytes
+            .saturating_add(KEY_BYTES)
+            .saturating_add(MemoryStore::ENTRY_OVERHEAD);
+        u32::try_from(weight).unwrap_or(u32::MAX)
+    }
+}
+
+/// moka's per-entry expiry: garbage collection only.
+struct GcAfter;
+
+// moka's signature names `std::time::Instant`; it is not read here.
+impl Expiry<RecordId, Cached> for GcAfter {
+    fn expire_after_create(
+        &self,
+        _id: &RecordId,
+        value: &Cached,
+        _created_at: std::time::Instant,
+    ) -> Option<Duration> {
+        Some(value.gc_after)
+    }
+
+    fn expire_after_update(
+        &self,
+        _id: &RecordId,
+        value: &Cached,
+        _updated_at: std::time::Instant,
+        _duration_until_expiry: Option<Duration>,
+    ) -> Option<Duration> {
+        Some(value.gc_after)
+    }
+}
+
+/// Ids of records the cache evicted early, waiting for the hook.
+#[derive(Default)]
+struct Evictions {
+    pending: AtomicBool,
+    ids: Mutex<Vec<RecordId>>,
+}
+
+impl Evictions {
+    fn push(&self, id: RecordId) {
+        lock(&self.ids).push(id);
+        self.pending.store(true, Ordering::Release);
+    }
+}
+
+struct Inner {
+    shards: [Shard; SHARDS],
+    /// Entries across all shards; changed only under the entry's shard lock.
+    in_flight: AtomicUsize,
+    max_in_flight: usize,
+    /// A lower bound on the earliest lease end (milliseconds since `epoch`) among the
+    /// in-flight entries: a full map is not swept before then, so refusing a claim stays
+    /// cheap while every claim is live.
+    sweep_after_ms: AtomicU64,
+    cache: Cache<RecordId, Cached>,
+    max_bytes: u64,
+    evictions: Arc<Evictions>,
+    on_evicted: Option<Arc<HookFn>>,
+    epoch: Instant,
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
+            .field("max_in_flight", &self.max_in_flight)
+            .field("cached", &self.cache.entry_count())
+            .field("max_bytes", &self.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Inner {
+    fn new(max_in_flight: usize, max_bytes: u64, on_evicted: Option<Arc<HookFn>>) -> Self {
+        let evictions = Arc::new(Evictions::default());
+        let mut builder = Cache::builder()
+            .max_capacity(max_bytes)
+            .eviction_policy(EvictionPolicy::lru())
+            .weigher(|_id: &RecordId, value: &Cached| value.weight())
+            .expire_after(GcAfter);
+        if on_evicted.is_some() {
+            let evictions = Arc::clone(&evictions);
+            builder = builder.eviction_listener(
+                move |id: Arc<RecordId>, value: Cached, cause: RemovalCause| {
+                    // Early means: for size, while the record was still current.
+                    if cause == RemovalCause::Size && value.expires_at > Instant::now() {
+                        evictions.push(*id);
+                    }
+                },
+            );
+        }
+        Inner {
+            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
+            in_flight: AtomicUsize::new(0),
+            max_in_flight,
+            sweep_after_ms: AtomicU64::new(u64::MAX),
+            cache: builder.build(),
+            max_bytes,
+            evictions,
+            on_evicted,
+            epoch: Instant::now(),
+        }
+    }
+
+    fn lock(&self, id: &RecordId) -> MutexGuard<'_, HashMap<RecordId, InFlight>> {
+        let [first, ..] = &self.shards;
+        let index = usize::from(id.as_bytes()[0]) % SHARDS;
+        lock(self.shards.get(index).unwrap_or(first))
+    }
+
+    fn millis(&self, t: Instant) -> u64 {
+        millis_since(self.epoch, t)
+    }
+
+    /// Takes one slot of the in-flight bound, if one is free.
+    fn reserve_slot(&self) -> bool {
+        self.in_flight
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.max_in_flight).then_some(n + 1)
+            })
+            .is_ok()
+    }
+
+    fn free_slot(&self) {
+        self.in_flight.fetch_sub(1, Ordering::AcqRel);
+    }
+
+    /// Records a new lease end for the sweep gate.
+    fn lease_set(&self, lease_until: Instant) {
+        self.sweep_after_ms
+            .fetch_min(self.millis(lease_until), Ordering::Relaxed);
+    }
+
+    /// The unexpired cached record of `id`; an expired one is invalidated. Called under
+    /// the id's shard lock.
+    fn cached(&self, id: &RecordId, now: Instant) -> Result<Option<Record>, StoreError> {
+        let Some(cached) = self.cache.get(id) else {
+            return Ok(None);
+        };
+        if cached.expires_at <= now {
+            self.cache.invalidate(id);
+            return Ok(None);
+        }
+        Record::decode(cached.bytes).map(Some).map_err(StoreError::Corrupt)
+    }
+
+    /// Puts an encoded record in the cache for `retention`. Called under the id's shard
+    /// lock.
+    fn put(&self, id: RecordId, bytes: Bytes, now: Instant, retention: Duration) {
+        let retention = retention.min(MAX_SPAN);
+        self.cache.insert(
+            id,
+            Cached {
+                bytes,
+                expires_at: now + retention,
+                gc_after: retention + GC_MARGIN,
+            },
+        );
+    }
+
+    /// Removes the in-flight entry of `id` if `token` holds it, freeing its slot and
+    /// waking its waiters.
+    fn take_holder(
+        &self,
+        map: &mut HashMap<RecordId, InFlight>,
+        id: &RecordId,
+        token: Token,
+    ) -> Result<InFlight, StoreError> {
+        match map.get(id) {
+            Some(entry) if entry.token == token => {}
+            _ => return Err(StoreError::StaleToken),
+        }
+        let entry = map.remove(id).ok_or(StoreError::StaleToken)?;
+        self.free_slot();
+        entry.wake();
+        Ok(entry)
+    }
+
+    fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let mut swept = false;
+        loop {
+            let now = {
+                let mut map = self.lock(id);
+                let now = Instant::now();
+                if let Some(entry) = map.get_mut(id) {
+                    if now < entry.lease_until {
+                        return Ok(existing(entry.record(self.epoch), false));
+                    }
+                    if entry.commit_point.allows_takeover()
+                        && entry.fingerprint == claim.fingerprint
+                    {
+                        // The holder died before its effect: the new copy takes over.
+                        let notify = entry.notify.take();
+                        *entry = InFlight {
+                            notify,
+                            ..InFlight::new(claim, now)
+                        };
+                        entry.wake();
+                        self.lease_set(entry.lease_until);
+                        return Ok(ClaimOutcome::Claimed { takeover: true });
+                    }
+                    if entry.fingerprint != claim.fingerprint {
+                        // Not this request's record: left for the rightful copy.
+                        return Ok(existing(entry.record(self.epoch), false));
+                    }
+                    // Past (or without) a commit point: the outcome cannot be known.
+                    let token = entry.token;
+                    let gone = self.take_holder(&mut map, id, token)?;
+                    let record = unknown(gone.fingerprint);
+                    self.put(*id, record.encode(), now, claim.retention);
+                    return Ok(existing(record, true));
+                }
+                if let Some(record) = self.cached(id, now)? {
+                    return Ok(existing(record, false));
+                }
+                if self.reserve_slot() {
+                    let entry = InFlight::new(claim, now);
+                    self.lease_set(entry.lease_until);
+                    map.insert(*id, entry);
+                    return Ok(ClaimOutcome::Claimed { takeover: false });
+                }
+                now
+            };
+            // Full: sweep expired leases (outside this shard's lock), then look again.
+            if swept || self.millis(now) < self.sweep_after_ms.load(Ordering::Relaxed) {
+                return Err(StoreError::Full);
+            }
+            self.sweep();
+            swept = true;
+        }
+    }
+
+    /// Resolves every in-flight entry whose lease has expired, one shard at a time:
+    /// before the commit point it is dropped, otherwise it becomes `outcome_unknown` for
+    /// its claim's retention.
+    fn sweep(&self) {
+        self.sweep_after_ms.store(u64::MAX, Ordering::Relaxed);
+        let mut earliest = u64::MAX;
+        let mut resolved = 0usize;
+        for shard in &self.shards {
+            let mut map = lock(shard);
+            let now = Instant::now();
+            let mut expired = Vec::new();
+            map.retain(|id, entry| {
+                if entry.lease_until <= now {
+                    expired.push((*id, entry.fingerprint, entry.commit_point, entry.retention));
+                    entry.wake();
+                    false
+                } else {
+                    earliest = earliest.min(self.millis(entry.lease_until));
+                    true
+                }
+            });
+            for (id, fingerprint, commit_point, retention) in expired {
+                self.free_slot();
+                resolved += 1;
+                if !commit_point.allows_takeover() {
+                    tracing::warn!(
+                        record = ?id,
+                        "in-flight claim expired past its commit point: outcome_unknown"
+                    );
+                    self.put(id, unknown(fingerprint).encode(), now, retention);
+                }
+            }
+        }
+        self.sweep_after_ms.fetch_min(earliest, Ordering::Relaxed);
+        tracing::debug!(resolved, "swept expired in-flight claims");
+    }
+
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        // Encoded outside the lock: it copies the body.
+        let bytes = Record::Completed(record.clone()).encode();
+        let mut map = self.lock(id);
+        self.take_holder(&mut map, id, token)?;
+        self.put(*id, bytes, Instant::now(), retention);
+        Ok(())
+    }
+
+    fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        let mut map = self.lock(id);
+        self.take_holder(&mut map, id, token).map(drop)
+    }
+
+    fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        let mut map = self.lock(id);
+        let entry = holder(&mut map, id, token)?;
+        entry.lease_until = after(Instant::now(), lease);
+        self.lease_set(entry.lease_until);
+        Ok(())
+    }
+
+    fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        let mut map = self.lock(id);
+        holder(&mut map, id, token)?.commit_point = CommitPoint::Passed;
+        Ok(())
+    }
+
+    fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let mut map = self.lock(id);
+        let gone = self.take_holder(&mut map, id, token)?;
+        self.put(*id, unknown(gone.fingerprint).encode(), Instant::now(), retention);
+        Ok(())
+    }
+
+    fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let map = self.lock(id);
+        if let Some(entry) = map.get(id) {
+            return Ok(Some(entry.record(self.epoch)));
+        }
+        self.cached(id, Instant::now())
+    }
+
+    /// A notification of the in-flight record of `id` and when to stop waiting for it
+    /// (its lease end, or `max` from now); `None` when there is nothing to wait for.
+    fn waiter(&self, id: &RecordId, max: Duration) -> Option<(OwnedNotified, Instant)> {
+        let mut map = self.lock(id);
+        let entry = map.get_mut(id)?;
+        let now = Instant::now();
+        if entry.lease_until <= now {
+            return None;
+        }
+        let until = entry.lease_until.min(after(now, max));
+        let notify = Arc::clone(entry.notify.get_or_insert_with(Arc::default));
+        // A `Notified` receives every `notify_waiters` from its creation on, even before
+        // it is polled; it is created under the lock, under which every wake-up happens,
+        // so none is missed.
+        Some((notify.notified_owned(), until))
+    }
+
+    /// Runs the cache's pending maintenance (evictions included).
+    fn sync_cache(&self) {
+        self.cache.run_pending_tasks();
+        // One run applies what is queued; repeat a little if it left the cache over.
+        for _ in 0..4 {
+            if self.cache.weighted_size() <= self.max_bytes {
+                break;
+            }
+            self.cache.run_pending_tasks();
+        }
+        self.flush_evicted();
+    }
+
+    /// Calls the hook for records the cache evicted early (outside every store lock).
+    fn flush_evicted(&self) {
+        let Some(hook) = &self.on_evicted else {
+            return;
+        };
+        if !self.evictions.pending.load(Ordering::Acquire)
+            || !self.evictions.pending.swap(false, Ordering::AcqRel)
+        {
+            return;
+        }
+        let ids = std::mem::take(&mut *lock(&self.evictions.ids));
+        for id in &ids {
+            hook(id);
+        }
+    }
+}
+
+impl IdempotencyStore for MemoryStore {
+    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let outcome = self.inner.claim(id, claim);
+        self.inner.flush_evicted();
+        outcome
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let done = self.inner.complete(id, token, record, retention);
+        self.inner.flush_evicted();
+        done
+    }
+
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.inner.release(id, token)
+    }
+
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.inner.renew(id, token, lease)
+    }
+
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.inner.commit_point(id, token)
+    }
+
+    async fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let done = self.inner.mark_unknown(id, token, retention);
+        self.inner.flush_evicted();
+        done
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        let record = self.inner.get(id);
+        self.inner.flush_evicted();
+        record
+    }
+
+    /// Waits on the record's notifier until it is completed, released, marked unknown
+    /// or taken over, its lease expires, or `max` passes, whichever comes first.
+    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
+        if let Some((notified, until)) = self.inner.waiter(id, max) {
+            // Woken or timed out: either way the caller looks again.
+            let _ = tokio::time::timeout_at(until, notified).await;
+        }
+        Ok(())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // The critical sections do not panic; should one ever, its data is still whole.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The entry of `id` if `token` holds it.
+fn holder<'m>(
+    map: &'m mut HashMap<RecordId, InFlight>,
+    id: &RecordId,
+    token: Token,
+) -> Result<&'m mut InFlight, StoreError> {
+    map.get_mut(id)
+        .filter(|entry| entry.token == token)
+        .ok_or(StoreError::StaleToken)
+}
+
+fn existing(record: Record, became_unknown: bool) -> ClaimOutcome {
+    ClaimOutcome::Existing {
+        record,
+        became_unknown,
+    }
+}
+
+fn unknown(fingerprint: Fingerprint) -> Record {
+    Record::OutcomeUnknown(OutcomeUnknown { fingerprint })
+}
+
+fn after(now: Instant, d: Duration) -> Instant {
+    now + d.min(MAX_SPAN)
+}
+
+fn millis_since(epoch: Instant, t: Instant) -> u64 {
+    u64::try_from(t.saturating_duration_since(epoch).as_millis()).unwrap_or(u64::MAX)
+}

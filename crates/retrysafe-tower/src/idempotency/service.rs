@@ -1,0 +1,138 @@
+use std::sync::atomic::Ordering;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::header::{AUTHORIZATION, CONTENT_TYPE};
+use http::request::Parts;
+use http::{Request, Response};
+use http_body::Body;
+use retrysafe_core::idempotency::{Principal, Scope};
+use retrysafe_core::wire::IdempotencyKey;
+use tower_service::Service;
+
+use super::body::{RequestBody, ResponseBody};
+use super::exec;
+use super::future::ResponseFuture;
+use super::layer::{IdempotencyLayer, ScopeRule};
+use super::problem::{Problem, ProblemKind};
+
+/// Middleware that makes non-idempotent requests safe to retry by `Idempotency-Key`.
+/// Built by [`IdempotencyLayer`].
+#[derive(Clone, Debug)]
+pub struct Idempotency<S> {
+    inner: S,
+    layer: IdempotencyLayer,
+}
+
+impl<S> Idempotency<S> {
+    pub(crate) fn new(inner: S, layer: IdempotencyLayer) -> Self {
+        Idempotency { inner, layer }
+    }
+
+    /// The wrapped service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+/// Whether a request is gRPC (`content-type: application/grpc*`).
+fn is_grpc(parts: &Parts) -> bool {
+    parts
+        .headers
+        .get(CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+impl<S, B, ResB> Service<Request<B>> for Idempotency<S>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future, ResB, S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let config = &self.layer.config;
+        let (parts, body) = req.into_parts();
+
+        let guarded = config.methods.contains(&parts.method) && (config.guard_grpc || !is_grpc(&parts));
+        if !guarded {
+            return ResponseFuture::passthrough(
+                inner.call(Request::from_parts(parts, RequestBody::stream(body))),
+            );
+        }
+
+        let mut keys = parts.headers.get_all(config.convention.idempotency_key()).iter();
+        let key = match (keys.next(), keys.next()) {
+            (None, _) if config.require_key => {
+                return self.problem(Problem::new(
+                    ProblemKind::KeyMissing,
+                    "this endpoint requires an Idempotency-Key header",
+                ));
+            }
+            (None, _) => {
+                return ResponseFuture::passthrough(
+                    inner.call(Request::from_parts(parts, RequestBody::stream(body))),
+                );
+            }
+            (Some(_), Some(_)) => {
+                return self.problem(Problem::new(
+                    ProblemKind::KeyInvalid,
+                    "the Idempotency-Key header must be sent once",
+                ));
+            }
+            (Some(v), None) => match IdempotencyKey::from_header(v) {
+                Ok(k) => k,
+                Err(e) => {
+                    return self.problem(Problem::new(
+                        ProblemKind::KeyInvalid,
+                        format!("{e}: a key is 1 to 255 printable ASCII characters"),
+                    ));
+                }
+            },
+        };
+
+        let scope = match &config.scope {
+            ScopeRule::Principal => parts.extensions.get::<Principal>().map(Scope::from),
+            ScopeRule::Global => Some(Scope::global()),
+            ScopeRule::AuthorizationHash => parts
+                .headers
+                .get(AUTHORIZATION)
+                .map(|v| Scope::from_authorization(v.as_bytes())),
+            ScopeRule::Custom(f) => f(&parts),
+        };
+        let Some(scope) = scope else {
+            if !self.layer.shared.scope_warned.swap(true, Ordering::Relaxed) {
+                tracing::error!(
+                    target: "retrysafe::idempotency",
+                    "no idempotency scope: insert a retrysafe Principal extension in an \
+                     authentication layer outside the IdempotencyLayer, or configure scope_by"
+                );
+            }
+            return self.problem(Problem::new(
+                ProblemKind::ScopeMissing,
+                "the server could not determine whom this request belongs to",
+            ));
+        };
+
+        let layer = self.layer.clone();
+        ResponseFuture::guarded(Box::pin(exec::guarded(layer, inner, parts, body, key, scope)))
+    }
+}
+
+impl<S> Idempotency<S> {
+    fn problem<F, ResB, E>(&self, problem: Problem) -> ResponseFuture<F, ResB, E> {
+        ResponseFuture::ready(exec::problem_response(&self.layer.config, problem))
+    }
+}
