@@ -1,6 +1,12 @@
 //! HTTP-level tests of the IdempotencyLayer: an axum `Router` driven with `oneshot`,
 //! one test (or more) for every row of the DESIGN §4 table.
-#![allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::cast_possible_truncation,
+    missing_docs
+)]
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

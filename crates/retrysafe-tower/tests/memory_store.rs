@@ -1,5 +1,7 @@
 //! Tests of the `MemoryStore`: the shared store conformance suite on tokio's paused
 //! clock, and what is particular to this store (bounds, eviction, sweeping, memory).
+// A failed expectation panics with what was found.
+#![allow(clippy::panic)]
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -71,7 +73,10 @@ async fn store_completed(store: &MemoryStore, id: &RecordId, body_len: usize, re
         .expect("complete");
 }
 
-fn recorder() -> (Arc<Mutex<Vec<RecordId>>>, impl Fn(&RecordId) + Send + Sync + 'static) {
+fn recorder() -> (
+    Arc<Mutex<Vec<RecordId>>>,
+    impl Fn(&RecordId) + Send + Sync + 'static,
+) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let hook = {
         let seen = Arc::clone(&seen);
@@ -82,11 +87,21 @@ fn recorder() -> (Arc<Mutex<Vec<RecordId>>>, impl Fn(&RecordId) + Send + Sync + 
 
 #[test]
 fn builder_refuses_zero_bounds() {
-    let e = MemoryStore::builder().max_in_flight(0).build().expect_err("zero in-flight bound");
+    let e = MemoryStore::builder()
+        .max_in_flight(0)
+        .build()
+        .expect_err("zero in-flight bound");
     assert_eq!(e.field(), "max_in_flight");
-    let e = MemoryStore::builder().max_bytes(0).build().expect_err("zero byte bound");
+    let e = MemoryStore::builder()
+        .max_bytes(0)
+        .build()
+        .expect_err("zero byte bound");
     assert_eq!(e.field(), "max_bytes");
-    let store = MemoryStore::builder().max_in_flight(1).max_bytes(1).build().expect("valid");
+    let store = MemoryStore::builder()
+        .max_in_flight(1)
+        .max_bytes(1)
+        .build()
+        .expect("valid");
     assert_eq!(store.in_flight_len(), 0);
     assert_eq!(store.cached_len(), 0);
     let debug = format!("{:?}", MemoryStore::builder().on_evicted(|_| {}));
@@ -114,10 +129,13 @@ async fn claim_race_on_threads_has_one_winner() {
         for task in tasks {
             match task.await.expect("task") {
                 (token, ClaimOutcome::Claimed { takeover: false }) => winners.push(token),
-                (_, ClaimOutcome::Existing {
-                    record: Record::InProgress(_),
-                    became_unknown: false,
-                }) => {}
+                (
+                    _,
+                    ClaimOutcome::Existing {
+                        record: Record::InProgress(_),
+                        became_unknown: false,
+                    },
+                ) => {}
                 (_, other) => panic!("unexpected {other:?}"),
             }
         }
@@ -149,7 +167,10 @@ async fn wait_misses_no_wake_up_across_threads() {
         if round % 2 == 0 {
             tokio::task::yield_now().await;
         }
-        store.complete(&id, c.token, &completed(10), RETENTION).await.expect("complete");
+        store
+            .complete(&id, c.token, &completed(10), RETENTION)
+            .await
+            .expect("complete");
         tokio::time::timeout(Duration::from_secs(10), waiter)
             .await
             .expect("the waiter woke on completion")
@@ -166,15 +187,27 @@ async fn wait_wakes_at_lease_expiry_for_a_takeover() {
     let first = claim(CommitPoint::Before);
     must_claim(&store, &id, &first).await;
     let start = Instant::now();
-    store.wait(&id, Duration::from_secs(60)).await.expect("wait");
+    store
+        .wait(&id, Duration::from_secs(60))
+        .await
+        .expect("wait");
     assert_eq!(start.elapsed(), LEASE, "woke exactly at the lease end");
     let second = claim(CommitPoint::Before);
     assert!(must_claim(&store, &id, &second).await, "a takeover");
     // Nothing in progress: no wait at all.
-    store.complete(&id, second.token, &completed(1), RETENTION).await.expect("complete");
+    store
+        .complete(&id, second.token, &completed(1), RETENTION)
+        .await
+        .expect("complete");
     let start = Instant::now();
-    store.wait(&id, Duration::from_secs(60)).await.expect("wait");
-    store.wait(&fresh_id(), Duration::from_secs(60)).await.expect("wait");
+    store
+        .wait(&id, Duration::from_secs(60))
+        .await
+        .expect("wait");
+    store
+        .wait(&fresh_id(), Duration::from_secs(60))
+        .await
+        .expect("wait");
     assert_eq!(start.elapsed(), Duration::ZERO);
 }
 
@@ -192,7 +225,10 @@ async fn lease_until_is_tokio_millis_since_creation() {
     };
     assert_eq!(lease_until(store.get(&id).await.expect("get")), 15_000);
     tokio::time::advance(Duration::from_secs(3)).await;
-    store.renew(&id, c.token, Duration::from_secs(20)).await.expect("renew");
+    store
+        .renew(&id, c.token, Duration::from_secs(20))
+        .await
+        .expect("renew");
     assert_eq!(lease_until(store.get(&id).await.expect("get")), 28_000);
 }
 
@@ -224,12 +260,23 @@ async fn in_flight_bound_is_full_and_never_evicted() {
         held.push((id, c));
     }
     assert_eq!(store.in_flight_len(), 100);
-    let refused = store.claim(&fresh_id(), &claim(CommitPoint::Undeclared)).await;
+    let refused = store
+        .claim(&fresh_id(), &claim(CommitPoint::Undeclared))
+        .await;
     assert!(matches!(refused, Err(StoreError::Full)), "{refused:?}");
     // A claim of an id already held is not a new claim: it sees the holder.
     let (id, _) = held.first().expect("held");
-    let again = store.claim(id, &claim(CommitPoint::Undeclared)).await.expect("claim");
-    assert!(matches!(again, ClaimOutcome::Existing { record: Record::InProgress(_), .. }));
+    let again = store
+        .claim(id, &claim(CommitPoint::Undeclared))
+        .await
+        .expect("claim");
+    assert!(matches!(
+        again,
+        ClaimOutcome::Existing {
+            record: Record::InProgress(_),
+            ..
+        }
+    ));
     for (id, c) in &held {
         match store.get(id).await.expect("get") {
             Some(Record::InProgress(p)) => assert_eq!(p.token, c.token),
@@ -241,7 +288,10 @@ async fn in_flight_bound_is_full_and_never_evicted() {
     store.release(&id, c.token).await.expect("release");
     must_claim(&store, &fresh_id(), &claim(CommitPoint::Undeclared)).await;
     for (id, c) in &held {
-        store.complete(id, c.token, &completed(16), RETENTION).await.expect("complete");
+        store
+            .complete(id, c.token, &completed(16), RETENTION)
+            .await
+            .expect("complete");
     }
     assert_eq!(store.in_flight_len(), 1);
 }
@@ -251,7 +301,10 @@ async fn in_flight_bound_is_full_and_never_evicted() {
 /// default TinyLFU admission filter could refuse the fresh entry.)
 #[tokio::test(start_paused = true)]
 async fn fresh_completion_is_admitted_into_a_full_cache() {
-    let store = MemoryStore::builder().max_bytes(16 * 1024).build().expect("store");
+    let store = MemoryStore::builder()
+        .max_bytes(16 * 1024)
+        .build()
+        .expect("store");
     // Popular old records: read often, so a frequency-based filter would favour them.
     let old: Vec<_> = (0..50).map(|_| fresh_id()).collect();
     for id in &old {
@@ -268,18 +321,27 @@ async fn fresh_completion_is_admitted_into_a_full_cache() {
         must_claim(&store, &id, &c).await;
         let dup = claim(CommitPoint::Undeclared);
         match store.claim(&id, &dup).await.expect("claim") {
-            ClaimOutcome::Existing { record: Record::InProgress(p), .. } => {
+            ClaimOutcome::Existing {
+                record: Record::InProgress(p),
+                ..
+            } => {
                 assert_eq!(p.token, c.token);
             }
             other => panic!("round {round}: duplicate got {other:?} while in flight"),
         }
-        store.complete(&id, c.token, &completed(1024), RETENTION).await.expect("complete");
+        store
+            .complete(&id, c.token, &completed(1024), RETENTION)
+            .await
+            .expect("complete");
         if round % 3 == 0 {
             // Let the cache run its maintenance (admission and eviction) first.
             assert!(store.cached_bytes() <= 16 * 1024);
         }
         match store.claim(&id, &dup).await.expect("claim") {
-            ClaimOutcome::Existing { record: Record::Completed(_), became_unknown: false } => {}
+            ClaimOutcome::Existing {
+                record: Record::Completed(_),
+                became_unknown: false,
+            } => {}
             other => panic!("round {round}: duplicate got {other:?} after completion"),
         }
         // Keep reading an old record so that it stays hot.
@@ -312,16 +374,37 @@ async fn early_eviction_calls_the_hook_and_expiry_does_not() {
     let cached = store.cached_len();
     assert!(cached > 0 && cached < 50, "{cached}");
     let seen = seen.lock().expect("recorder").clone();
-    assert!(!seen.contains(&read_after_expiry), "expiry is not an early eviction");
-    assert!(!seen.contains(&evicted_after_expiry), "an expired record is not evicted early");
-    assert_eq!(seen.len() as u64, 50 - cached, "every early eviction was reported once");
+    assert!(
+        !seen.contains(&read_after_expiry),
+        "expiry is not an early eviction"
+    );
+    assert!(
+        !seen.contains(&evicted_after_expiry),
+        "an expired record is not evicted early"
+    );
+    assert_eq!(
+        seen.len() as u64,
+        50 - cached,
+        "every early eviction was reported once"
+    );
     for id in &seen {
         assert!(fillers.contains(id));
-        assert_eq!(store.get(id).await.expect("get"), None, "reported records are gone");
+        assert_eq!(
+            store.get(id).await.expect("get"),
+            None,
+            "reported records are gone"
+        );
     }
     // LRU: the most recent records are the ones kept.
-    for id in fillers.iter().rev().take(usize::try_from(cached).expect("small")) {
-        assert!(matches!(store.get(id).await.expect("get"), Some(Record::Completed(_))));
+    for id in fillers
+        .iter()
+        .rev()
+        .take(usize::try_from(cached).expect("small"))
+    {
+        assert!(matches!(
+            store.get(id).await.expect("get"),
+            Some(Record::Completed(_))
+        ));
     }
 }
 
@@ -329,9 +412,15 @@ async fn early_eviction_calls_the_hook_and_expiry_does_not() {
 /// are dropped, otherwise they become `outcome_unknown` for their claim's retention.
 #[tokio::test(start_paused = true)]
 async fn expired_in_flight_entries_are_swept_when_full() {
-    let store = MemoryStore::builder().max_in_flight(4).build().expect("store");
+    let store = MemoryStore::builder()
+        .max_in_flight(4)
+        .build()
+        .expect("store");
     let retention = Duration::from_secs(100);
-    let with = |cp| Claim { retention, ..claim(cp) };
+    let with = |cp| Claim {
+        retention,
+        ..claim(cp)
+    };
     let (a, ca) = (fresh_id(), with(CommitPoint::Before));
     let (b, cb) = (fresh_id(), with(CommitPoint::Undeclared));
     let (c, cc) = (fresh_id(), with(CommitPoint::Before));
@@ -339,19 +428,39 @@ async fn expired_in_flight_entries_are_swept_when_full() {
     for (id, cl) in [(&a, &ca), (&b, &cb), (&c, &cc), (&d, &cd)] {
         must_claim(&store, id, cl).await;
     }
-    store.commit_point(&c, cc.token).await.expect("commit point");
+    store
+        .commit_point(&c, cc.token)
+        .await
+        .expect("commit point");
     // All live: refused, nothing swept.
     let e = fresh_id();
-    assert!(matches!(store.claim(&e, &claim(CommitPoint::Undeclared)).await, Err(StoreError::Full)));
+    assert!(matches!(
+        store.claim(&e, &claim(CommitPoint::Undeclared)).await,
+        Err(StoreError::Full)
+    ));
     assert_eq!(store.in_flight_len(), 4);
     tokio::time::advance(LEASE + Duration::from_secs(1)).await;
     assert!(!must_claim(&store, &e, &claim(CommitPoint::Undeclared)).await);
     assert_eq!(store.in_flight_len(), 1);
-    assert_eq!(store.get(&a).await.expect("get"), None, "before the commit point: dropped");
+    assert_eq!(
+        store.get(&a).await.expect("get"),
+        None,
+        "before the commit point: dropped"
+    );
     assert_eq!(store.get(&d).await.expect("get"), None);
-    let unknown = Some(Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(1) }));
-    assert_eq!(store.get(&b).await.expect("get"), unknown, "undeclared: outcome unknown");
-    assert_eq!(store.get(&c).await.expect("get"), unknown, "past the commit point: unknown");
+    let unknown = Some(Record::OutcomeUnknown(OutcomeUnknown {
+        fingerprint: fp(1),
+    }));
+    assert_eq!(
+        store.get(&b).await.expect("get"),
+        unknown,
+        "undeclared: outcome unknown"
+    );
+    assert_eq!(
+        store.get(&c).await.expect("get"),
+        unknown,
+        "past the commit point: unknown"
+    );
     for (id, token) in [(&a, ca.token), (&b, cb.token), (&c, cc.token)] {
         let late = store.complete(id, token, &completed(1), RETENTION).await;
         assert!(matches!(late, Err(StoreError::StaleToken)), "{late:?}");
@@ -367,20 +476,35 @@ async fn expired_in_flight_entries_are_swept_when_full() {
 /// before and not later.
 #[tokio::test(start_paused = true)]
 async fn sweeping_follows_the_earliest_lease() {
-    let store = MemoryStore::builder().max_in_flight(2).build().expect("store");
+    let store = MemoryStore::builder()
+        .max_in_flight(2)
+        .build()
+        .expect("store");
     let short = claim(CommitPoint::Before);
-    let long = Claim { lease: LEASE * 2, ..claim(CommitPoint::Before) };
+    let long = Claim {
+        lease: LEASE * 2,
+        ..claim(CommitPoint::Before)
+    };
     must_claim(&store, &fresh_id(), &short).await;
     must_claim(&store, &fresh_id(), &long).await;
     let full = |r: Result<ClaimOutcome, StoreError>| matches!(r, Err(StoreError::Full));
-    assert!(full(store.claim(&fresh_id(), &claim(CommitPoint::Before)).await));
+    assert!(full(
+        store.claim(&fresh_id(), &claim(CommitPoint::Before)).await
+    ));
     tokio::time::advance(LEASE - Duration::from_millis(1)).await;
-    assert!(full(store.claim(&fresh_id(), &claim(CommitPoint::Before)).await));
+    assert!(full(
+        store.claim(&fresh_id(), &claim(CommitPoint::Before)).await
+    ));
     tokio::time::advance(Duration::from_millis(1)).await;
     // The short lease ended: swept, and its slot taken by a claim with a short lease.
-    let brief = Claim { lease: Duration::from_secs(1), ..claim(CommitPoint::Before) };
+    let brief = Claim {
+        lease: Duration::from_secs(1),
+        ..claim(CommitPoint::Before)
+    };
     must_claim(&store, &fresh_id(), &brief).await;
-    assert!(full(store.claim(&fresh_id(), &claim(CommitPoint::Before)).await));
+    assert!(full(
+        store.claim(&fresh_id(), &claim(CommitPoint::Before)).await
+    ));
     tokio::time::advance(Duration::from_secs(1)).await;
     must_claim(&store, &fresh_id(), &claim(CommitPoint::Before)).await;
     assert_eq!(store.in_flight_len(), 2);
@@ -390,7 +514,10 @@ async fn sweeping_follows_the_earliest_lease() {
 #[tokio::test(start_paused = true)]
 async fn cached_bytes_stay_within_max_bytes() {
     let max_bytes = 100 * 1024;
-    let store = MemoryStore::builder().max_bytes(max_bytes).build().expect("store");
+    let store = MemoryStore::builder()
+        .max_bytes(max_bytes)
+        .build()
+        .expect("store");
     for i in 0..1000usize {
         store_completed(&store, &fresh_id(), (i * 37) % 4096, RETENTION).await;
         if i % 100 == 99 {
@@ -400,7 +527,10 @@ async fn cached_bytes_stay_within_max_bytes() {
         }
     }
     let (bytes, len) = (store.cached_bytes(), store.cached_len());
-    assert!(bytes / len >= MemoryStore::ENTRY_OVERHEAD + 32, "every entry weighs its overhead");
+    assert!(
+        bytes / len >= MemoryStore::ENTRY_OVERHEAD + 32,
+        "every entry weighs its overhead"
+    );
 }
 
 /// Memory per stored record is at most 2 × its payload + 256 bytes (DESIGN §10), where
@@ -419,9 +549,16 @@ async fn memory_per_record_is_within_twice_the_payload() {
         let id = RecordId::new(&scope, &key);
         let c = claim(CommitPoint::Undeclared);
         must_claim(&store, &id, &c).await;
-        store.complete(&id, c.token, &record, RETENTION).await.expect("complete");
+        store
+            .complete(&id, c.token, &record, RETENTION)
+            .await
+            .expect("complete");
     }
-    assert_eq!(store.cached_len(), 10_000, "all kept: far below the default byte bound");
+    assert_eq!(
+        store.cached_len(),
+        10_000,
+        "all kept: far below the default byte bound"
+    );
     let response = record.response.as_ref().expect("response");
     let payload = u64::try_from(response.payload_len() + key_len).expect("small");
     let per_record = store.cached_bytes() / 10_000;

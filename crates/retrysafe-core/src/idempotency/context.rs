@@ -1,6 +1,6 @@
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::ids::child_key;
@@ -148,7 +148,12 @@ impl IdempotencyContext {
     /// [`child_key`](IdempotencyContext::child_key) label.
     pub fn next_child_key(&self, label: &str) -> IdempotencyKey {
         let n = self.inner.sequence.fetch_add(1, Ordering::Relaxed);
-        child_key(&self.inner.scope, &self.inner.key, label, n.saturating_add(1))
+        child_key(
+            &self.inner.scope,
+            &self.inner.key,
+            label,
+            n.saturating_add(1),
+        )
     }
 }
 

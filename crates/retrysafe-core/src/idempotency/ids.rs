@@ -29,11 +29,10 @@ impl Hasher {
 }
 
 fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    use std::fmt::Write;
     let mut s = String::with_capacity(bytes.len() * 2);
     for b in bytes {
-        s.push(char::from(DIGITS[usize::from(b >> 4)]));
-        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+        let _ = write!(s, "{b:02x}");
     }
     s
 }
@@ -194,7 +193,11 @@ impl Token {
 impl fmt::Debug for Token {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         // Only a prefix: tokens are capabilities.
-        write!(f, "Token({}…)", hex(self.to_bytes().get(..4).unwrap_or(&[])))
+        write!(
+            f,
+            "Token({}…)",
+            hex(self.to_bytes().get(..4).unwrap_or(&[]))
+        )
     }
 }
 
@@ -287,7 +290,12 @@ impl Fingerprinter {
 }
 
 /// Derives a deterministic child idempotency key: `H(scope, key, label, sequence)`.
-pub(crate) fn child_key(scope: &Scope, key: &IdempotencyKey, label: &str, seq: u64) -> IdempotencyKey {
+pub(crate) fn child_key(
+    scope: &Scope,
+    key: &IdempotencyKey,
+    label: &str,
+    seq: u64,
+) -> IdempotencyKey {
     let mut h = Hasher::new("retrysafe/v1/child-key");
     h.field(scope.as_bytes())
         .field(key.as_str().as_bytes())

@@ -21,9 +21,9 @@ mod ids;
 mod record;
 
 pub use context::IdempotencyContext;
-pub use decision::{decide, Decision, Disposition, NoEffect};
+pub use decision::{Decision, Disposition, NoEffect, decide};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
 pub use record::{
-    CommitPoint, Completed, DecodeError, HeaderFilter, InProgress, OutcomeUnknown, Record,
-    StoredResponse, RECORD_VERSION,
+    CommitPoint, Completed, DecodeError, HeaderFilter, InProgress, OutcomeUnknown, RECORD_VERSION,
+    Record, StoredResponse,
 };

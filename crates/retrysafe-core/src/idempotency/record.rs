@@ -137,8 +137,12 @@ impl Record {
         2 + 32
             + match self {
                 Record::InProgress(_) => 16 + 8 + 1,
-                Record::Completed(Completed { response: Some(r), .. }) => r.encoded_len(),
-                Record::Completed(Completed { response: None, .. }) | Record::OutcomeUnknown(_) => 0,
+                Record::Completed(Completed {
+                    response: Some(r), ..
+                }) => r.encoded_len(),
+                Record::Completed(Completed { response: None, .. }) | Record::OutcomeUnknown(_) => {
+                    0
+                }
             }
     }
 
@@ -155,12 +159,18 @@ impl Record {
                 buf.put_u64(r.lease_until_ms);
                 buf.put_u8(r.commit_point.to_byte());
             }
-            Record::Completed(Completed { fingerprint, response: Some(resp) }) => {
+            Record::Completed(Completed {
+                fingerprint,
+                response: Some(resp),
+            }) => {
                 buf.put_u8(TAG_COMPLETED);
                 buf.put_slice(fingerprint.as_bytes());
                 resp.encode_into(&mut buf);
             }
-            Record::Completed(Completed { fingerprint, response: None }) => {
+            Record::Completed(Completed {
+                fingerprint,
+                response: None,
+            }) => {
                 buf.put_u8(TAG_NOT_STORED);
                 buf.put_slice(fingerprint.as_bytes());
             }
@@ -292,14 +302,19 @@ impl StoredResponse {
     /// Payload bytes: body, header names and values, trailers.
     pub fn payload_len(&self) -> usize {
         let h = |v: &[(HeaderName, HeaderValue)]| {
-            v.iter().map(|(n, v)| n.as_str().len() + v.len()).sum::<usize>()
+            v.iter()
+                .map(|(n, v)| n.as_str().len() + v.len())
+                .sum::<usize>()
         };
         self.body.len() + h(&self.headers) + h(&self.trailers)
     }
 
     fn encoded_len(&self) -> usize {
         let h = |v: &[(HeaderName, HeaderValue)]| {
-            4 + v.iter().map(|(n, v)| 8 + n.as_str().len() + v.len()).sum::<usize>()
+            4 + v
+                .iter()
+                .map(|(n, v)| 8 + n.as_str().len() + v.len())
+                .sum::<usize>()
         };
         2 + h(&self.headers) + h(&self.trailers) + 4 + self.body.len()
     }
@@ -325,8 +340,8 @@ impl StoredResponse {
             for _ in 0..count {
                 let name = take_bytes(b)?;
                 let value = take_bytes(b)?;
-                let name =
-                    HeaderName::from_bytes(&name).map_err(|_| DecodeError::Invalid("header name"))?;
+                let name = HeaderName::from_bytes(&name)
+                    .map_err(|_| DecodeError::Invalid("header name"))?;
                 let value = HeaderValue::from_maybe_shared(value)
                     .map_err(|_| DecodeError::Invalid("header value"))?;
                 list.push((name, value));

@@ -13,6 +13,13 @@
 //! }
 //! ```
 
+// Test code: a failed expectation panics with a message, as in any test.
+#![allow(
+    clippy::panic,
+    clippy::match_wildcard_for_single_variants,
+    clippy::needless_pass_by_value
+)]
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -151,7 +158,10 @@ fn claim_args(clock: &dyn TestClock, fingerprint: Fingerprint, commit_point: Com
 fn response(body: &'static str) -> StoredResponse {
     StoredResponse {
         status: StatusCode::CREATED,
-        headers: vec![(http::header::CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        headers: vec![(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        )],
         body: Bytes::from_static(body.as_bytes()),
         trailers: Vec::new(),
     }
@@ -210,7 +220,10 @@ pub async fn claim_complete_replay<S: IdempotencyStore>(store: Arc<S>, clock: &d
     let (record, became_unknown) = existing(&*store, &id, &again).await;
     assert!(!became_unknown);
     assert_eq!(record, Record::Completed(done.clone()));
-    assert_eq!(store.get(&id).await.expect("get"), Some(Record::Completed(done)));
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(done))
+    );
 }
 
 /// Many concurrent claims of one id: exactly one wins, the others see it in progress.
@@ -258,7 +271,10 @@ pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock:
     must_claim(&*store, &id, &c).await;
     let wrong = Token::random();
     let r = clock.lease() * 10;
-    assert_stale(store.complete(&id, wrong, &completed(fp(1), "x"), r).await, "complete");
+    assert_stale(
+        store.complete(&id, wrong, &completed(fp(1), "x"), r).await,
+        "complete",
+    );
     assert_stale(store.release(&id, wrong).await, "release");
     assert_stale(store.renew(&id, wrong, clock.lease()).await, "renew");
     assert_stale(store.commit_point(&id, wrong).await, "commit_point");
@@ -273,15 +289,37 @@ pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock:
     }
     // On an absent record too.
     let absent = fresh_id();
-    assert_stale(store.complete(&absent, wrong, &completed(fp(1), "x"), r).await, "complete absent");
+    assert_stale(
+        store
+            .complete(&absent, wrong, &completed(fp(1), "x"), r)
+            .await,
+        "complete absent",
+    );
     assert_stale(store.release(&absent, wrong).await, "release absent");
-    assert_stale(store.renew(&absent, wrong, clock.lease()).await, "renew absent");
+    assert_stale(
+        store.renew(&absent, wrong, clock.lease()).await,
+        "renew absent",
+    );
     // And once completed, the holder's own token is stale for further changes.
-    store.complete(&id, c.token, &completed(fp(1), "x"), r).await.expect("complete");
+    store
+        .complete(&id, c.token, &completed(fp(1), "x"), r)
+        .await
+        .expect("complete");
     assert_stale(store.release(&id, c.token).await, "release after complete");
-    assert_stale(store.mark_unknown(&id, c.token, r).await, "mark_unknown after complete");
-    assert_stale(store.complete(&id, c.token, &completed(fp(1), "y"), r).await, "complete twice");
-    assert_eq!(store.get(&id).await.expect("get"), Some(Record::Completed(completed(fp(1), "x"))));
+    assert_stale(
+        store.mark_unknown(&id, c.token, r).await,
+        "mark_unknown after complete",
+    );
+    assert_stale(
+        store
+            .complete(&id, c.token, &completed(fp(1), "y"), r)
+            .await,
+        "complete twice",
+    );
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(completed(fp(1), "x")))
+    );
 }
 
 /// After a lease expires and another copy re-claims, the first holder's token is stale.
@@ -296,11 +334,25 @@ pub async fn stale_token_after_expiry_and_reclaim<S: IdempotencyStore>(
     let second = claim_args(clock, fp(1), CommitPoint::Before);
     assert!(must_claim(&*store, &id, &second).await, "a takeover");
     let r = clock.lease() * 10;
-    assert_stale(store.complete(&id, first.token, &completed(fp(1), "late"), r).await, "late complete");
+    assert_stale(
+        store
+            .complete(&id, first.token, &completed(fp(1), "late"), r)
+            .await,
+        "late complete",
+    );
     assert_stale(store.release(&id, first.token).await, "late release");
-    assert_stale(store.renew(&id, first.token, clock.lease()).await, "late renew");
-    assert_stale(store.commit_point(&id, first.token).await, "late commit_point");
-    assert_stale(store.mark_unknown(&id, first.token, r).await, "late mark_unknown");
+    assert_stale(
+        store.renew(&id, first.token, clock.lease()).await,
+        "late renew",
+    );
+    assert_stale(
+        store.commit_point(&id, first.token).await,
+        "late commit_point",
+    );
+    assert_stale(
+        store.mark_unknown(&id, first.token, r).await,
+        "late mark_unknown",
+    );
     store
         .complete(&id, second.token, &completed(fp(1), "second"), r)
         .await
@@ -312,13 +364,19 @@ pub async fn stale_token_after_expiry_and_reclaim<S: IdempotencyStore>(
 }
 
 /// An expired lease before the commit point is taken over; a live one is not.
-pub async fn takeover_before_commit_point<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+pub async fn takeover_before_commit_point<S: IdempotencyStore>(
+    store: Arc<S>,
+    clock: &dyn TestClock,
+) {
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Before);
     must_claim(&*store, &id, &first).await;
     let early = claim_args(clock, fp(1), CommitPoint::Before);
     let (rec, _) = existing(&*store, &id, &early).await;
-    assert!(matches!(rec, Record::InProgress(_)), "a live lease is not taken over");
+    assert!(
+        matches!(rec, Record::InProgress(_)),
+        "a live lease is not taken over"
+    );
     clock.advance(clock.lease() + clock.lease() / 2).await;
     let second = claim_args(clock, fp(1), CommitPoint::Before);
     assert!(must_claim(&*store, &id, &second).await);
@@ -357,7 +415,10 @@ pub async fn expiry_after_commit_point_is_unknown<S: IdempotencyStore>(
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Before);
     must_claim(&*store, &id, &first).await;
-    store.commit_point(&id, first.token).await.expect("commit point");
+    store
+        .commit_point(&id, first.token)
+        .await
+        .expect("commit point");
     match store.get(&id).await.expect("get") {
         Some(Record::InProgress(p)) => assert_eq!(p.commit_point, CommitPoint::Passed),
         other => panic!("expected in_progress, got {other:?}"),
@@ -366,13 +427,18 @@ pub async fn expiry_after_commit_point_is_unknown<S: IdempotencyStore>(
     let second = claim_args(clock, fp(1), CommitPoint::Before);
     let (rec, became_unknown) = existing(&*store, &id, &second).await;
     assert!(became_unknown, "the claim that found the expiry reports it");
-    assert_eq!(rec, Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(1) }));
+    assert_eq!(
+        rec,
+        Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(1) })
+    );
     let third = claim_args(clock, fp(1), CommitPoint::Before);
     let (rec, became_unknown) = existing(&*store, &id, &third).await;
     assert!(!became_unknown, "reported once");
     assert!(matches!(rec, Record::OutcomeUnknown(_)));
     assert_stale(
-        store.complete(&id, first.token, &completed(fp(1), "late"), clock.lease()).await,
+        store
+            .complete(&id, first.token, &completed(fp(1), "late"), clock.lease())
+            .await,
         "late complete after unknown",
     );
 }
@@ -409,7 +475,10 @@ pub async fn renew_extends_the_lease<S: IdempotencyStore>(store: Arc<S>, clock: 
         other => panic!("expected in_progress, got {other:?}"),
     }
     clock.advance(lease).await;
-    assert!(must_claim(&*store, &id, &probe).await, "expired after the renewed lease");
+    assert!(
+        must_claim(&*store, &id, &probe).await,
+        "expired after the renewed lease"
+    );
 }
 
 /// A released record is gone: the next claim runs afresh (not a takeover).
@@ -429,14 +498,23 @@ pub async fn mark_unknown_is_final<S: IdempotencyStore>(store: Arc<S>, clock: &d
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
-    store.mark_unknown(&id, first.token, clock.lease() * 10).await.expect("mark");
+    store
+        .mark_unknown(&id, first.token, clock.lease() * 10)
+        .await
+        .expect("mark");
     let second = claim_args(clock, fp(1), CommitPoint::Undeclared);
     let (rec, became_unknown) = existing(&*store, &id, &second).await;
     assert!(!became_unknown);
-    assert_eq!(rec, Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(1) }));
+    assert_eq!(
+        rec,
+        Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(1) })
+    );
     clock.advance(clock.lease() * 2).await;
     let (rec, _) = existing(&*store, &id, &second).await;
-    assert!(matches!(rec, Record::OutcomeUnknown(_)), "not a lease: kept for the retention");
+    assert!(
+        matches!(rec, Record::OutcomeUnknown(_)),
+        "not a lease: kept for the retention"
+    );
 }
 
 /// A completed record is kept for its retention, then the key is new again.
@@ -445,11 +523,21 @@ pub async fn completed_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn
     let retention = clock.lease() * 2;
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
-    store.complete(&id, first.token, &completed(fp(1), "x"), retention).await.expect("complete");
+    store
+        .complete(&id, first.token, &completed(fp(1), "x"), retention)
+        .await
+        .expect("complete");
     clock.advance(retention / 2).await;
-    assert!(matches!(store.get(&id).await.expect("get"), Some(Record::Completed(_))));
+    assert!(matches!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(_))
+    ));
     clock.advance(retention).await;
-    assert_eq!(store.get(&id).await.expect("get"), None, "gone after the retention");
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        None,
+        "gone after the retention"
+    );
     let second = claim_args(clock, fp(2), CommitPoint::Undeclared);
     assert!(!must_claim(&*store, &id, &second).await);
 }
@@ -460,9 +548,15 @@ pub async fn unknown_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn T
     let retention = clock.lease() * 2;
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
-    store.mark_unknown(&id, first.token, retention).await.expect("mark");
+    store
+        .mark_unknown(&id, first.token, retention)
+        .await
+        .expect("mark");
     clock.advance(retention / 2).await;
-    assert!(matches!(store.get(&id).await.expect("get"), Some(Record::OutcomeUnknown(_))));
+    assert!(matches!(
+        store.get(&id).await.expect("get"),
+        Some(Record::OutcomeUnknown(_))
+    ));
     clock.advance(retention).await;
     assert_eq!(store.get(&id).await.expect("get"), None);
 }
@@ -476,12 +570,21 @@ pub async fn not_stored_marker<S: IdempotencyStore>(store: Arc<S>, clock: &dyn T
         fingerprint: fp(1),
         response: None,
     };
-    store.complete(&id, first.token, &marker, clock.lease() * 10).await.expect("complete");
-    assert_eq!(store.get(&id).await.expect("get"), Some(Record::Completed(marker)));
+    store
+        .complete(&id, first.token, &marker, clock.lease() * 10)
+        .await
+        .expect("complete");
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(marker))
+    );
 }
 
 /// Status, multi-value headers, binary body and trailers come back byte for byte.
-pub async fn stored_response_round_trips<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+pub async fn stored_response_round_trips<S: IdempotencyStore>(
+    store: Arc<S>,
+    clock: &dyn TestClock,
+) {
     let id = fresh_id();
     let first = claim_args(clock, fp(7), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
@@ -490,19 +593,34 @@ pub async fn stored_response_round_trips<S: IdempotencyStore>(store: Arc<S>, clo
         status: StatusCode::ACCEPTED,
         headers: vec![
             (link.clone(), HeaderValue::from_static("<a>; rel=next")),
-            (http::header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream")),
+            (
+                http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/octet-stream"),
+            ),
             (link, HeaderValue::from_static("<b>; rel=prev")),
-            (HeaderName::from_static("x-opaque"), HeaderValue::from_bytes(b"\x80\xff").expect("opaque")),
+            (
+                HeaderName::from_static("x-opaque"),
+                HeaderValue::from_bytes(b"\x80\xff").expect("opaque"),
+            ),
         ],
         body: Bytes::from((0u8..=255).cycle().take(70_000).collect::<Vec<u8>>()),
-        trailers: vec![(HeaderName::from_static("x-checksum"), HeaderValue::from_static("abc"))],
+        trailers: vec![(
+            HeaderName::from_static("x-checksum"),
+            HeaderValue::from_static("abc"),
+        )],
     };
     let done = Completed {
         fingerprint: fp(7),
         response: Some(resp),
     };
-    store.complete(&id, first.token, &done, clock.lease() * 10).await.expect("complete");
-    assert_eq!(store.get(&id).await.expect("get"), Some(Record::Completed(done)));
+    store
+        .complete(&id, first.token, &done, clock.lease() * 10)
+        .await
+        .expect("complete");
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(done))
+    );
 }
 
 /// A waiter wakes when the holder completes, well before its maximum.
@@ -520,10 +638,19 @@ pub async fn wait_wakes_on_completion<S: IdempotencyStore>(store: Arc<S>, clock:
         })
     };
     clock.advance(lease / 4).await;
-    store.complete(&id, first.token, &completed(fp(1), "x"), lease * 10).await.expect("complete");
+    store
+        .complete(&id, first.token, &completed(fp(1), "x"), lease * 10)
+        .await
+        .expect("complete");
     let waited = waiter.await.expect("waiter");
-    assert!(waited < lease * 10, "woke on completion, not at the maximum: {waited:?}");
-    assert!(matches!(store.get(&id).await.expect("get"), Some(Record::Completed(_))));
+    assert!(
+        waited < lease * 10,
+        "woke on completion, not at the maximum: {waited:?}"
+    );
+    assert!(matches!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(_))
+    ));
 }
 
 /// A waiter wakes when the holder releases.
@@ -569,7 +696,10 @@ pub async fn wait_returns_after_max<S: IdempotencyStore>(store: Arc<S>, clock: &
     clock.advance(lease).await;
     let waited = waiter.await.expect("waiter");
     assert!(waited >= max, "waited the maximum: {waited:?}");
-    assert!(matches!(store.get(&id).await.expect("get"), Some(Record::InProgress(_))));
+    assert!(matches!(
+        store.get(&id).await.expect("get"),
+        Some(Record::InProgress(_))
+    ));
 }
 
 /// Records of different ids never interact.
@@ -580,7 +710,13 @@ pub async fn keys_are_independent<S: IdempotencyStore>(store: Arc<S>, clock: &dy
     let cb = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &a, &ca).await;
     must_claim(&*store, &b, &cb).await;
-    assert_stale(store.release(&a, cb.token).await, "a token of another record");
+    assert_stale(
+        store.release(&a, cb.token).await,
+        "a token of another record",
+    );
     store.release(&b, cb.token).await.expect("release b");
-    assert!(matches!(store.get(&a).await.expect("get"), Some(Record::InProgress(_))));
+    assert!(matches!(
+        store.get(&a).await.expect("get"),
+        Some(Record::InProgress(_))
+    ));
 }

@@ -1,6 +1,5 @@
-use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
@@ -119,76 +118,47 @@ impl<S: IdempotencyStore> FaultyStore<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
-    fn claim(
-        &self,
-        id: &RecordId,
-        claim: &Claim,
-    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.claim(id, claim).await
-        }
+    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        self.gate(false).await?;
+        self.inner.claim(id, claim).await
     }
-    fn complete(
+    async fn complete(
         &self,
         id: &RecordId,
         token: Token,
         record: &Completed,
         retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(true).await?;
-            self.inner.complete(id, token, record, retention).await
-        }
+    ) -> Result<(), StoreError> {
+        self.gate(true).await?;
+        self.inner.complete(id, token, record, retention).await
     }
-    fn release(&self, id: &RecordId, token: Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.release(id, token).await
-        }
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.gate(false).await?;
+        self.inner.release(id, token).await
     }
-    fn renew(
-        &self,
-        id: &RecordId,
-        token: Token,
-        lease: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.renew(id, token, lease).await
-        }
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.gate(false).await?;
+        self.inner.renew(id, token, lease).await
     }
-    fn commit_point(
-        &self,
-        id: &RecordId,
-        token: Token,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.commit_point(id, token).await
-        }
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.gate(false).await?;
+        self.inner.commit_point(id, token).await
     }
-    fn mark_unknown(
+    async fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.mark_unknown(id, token, retention).await
-        }
+    ) -> Result<(), StoreError> {
+        self.gate(false).await?;
+        self.inner.mark_unknown(id, token, retention).await
     }
-    fn get(&self, id: &RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.get(id).await
-        }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.gate(false).await?;
+        self.inner.get(id).await
     }
-    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move {
-            self.gate(false).await?;
-            self.inner.wait(id, max).await
-        }
+    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
+        self.gate(false).await?;
+        self.inner.wait(id, max).await
     }
 }

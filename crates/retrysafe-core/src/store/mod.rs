@@ -62,7 +62,10 @@ impl StoreError {
 
     /// Whether retrying the same call may succeed (not for a stale token).
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Timeout | StoreError::Unavailable(_) | StoreError::Full)
+        matches!(
+            self,
+            StoreError::Timeout | StoreError::Unavailable(_) | StoreError::Full
+        )
     }
 }
 
@@ -180,14 +183,18 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
     /// The current record, `None` if absent (never claimed, released, or expired).
     /// An `in_progress` record is returned as stored, even when its lease has expired.
     fn get(&self, id: &RecordId)
-        -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
+    -> impl Future<Output = Result<Option<Record>, StoreError>> + Send;
 
     /// Waits until the record may have left `in_progress` (completed, released, marked,
     /// or its lease expired), or `max` passed. Returns nothing: the caller looks again.
     ///
     /// The default polls [`get`](IdempotencyStore::get) with backoff from 5 ms to 100 ms;
     /// a store with a notifier overrides it.
-    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
+    fn wait(
+        &self,
+        id: &RecordId,
+        max: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
         async move {
             let until = tokio::time::Instant::now() + max.min(crate::wire::MAX_TIMEOUT);
             let mut delay = Duration::from_millis(5);
@@ -249,7 +256,9 @@ impl<S: IdempotencyStore> DynIdempotencyStore for S {
         record: &'a Completed,
         retention: Duration,
     ) -> StoreFuture<'a, ()> {
-        Box::pin(IdempotencyStore::complete(self, id, token, record, retention))
+        Box::pin(IdempotencyStore::complete(
+            self, id, token, record, retention,
+        ))
     }
     fn release<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()> {
         Box::pin(IdempotencyStore::release(self, id, token))
@@ -301,52 +310,39 @@ impl BoxStore {
 }
 
 impl IdempotencyStore for BoxStore {
-    fn claim(
-        &self,
-        id: &RecordId,
-        claim: &Claim,
-    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
-        async move { self.0.claim(id, claim).await }
+    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        self.0.claim(id, claim).await
     }
-    fn complete(
+    async fn complete(
         &self,
         id: &RecordId,
         token: Token,
         record: &Completed,
         retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.complete(id, token, record, retention).await }
+    ) -> Result<(), StoreError> {
+        self.0.complete(id, token, record, retention).await
     }
-    fn release(&self, id: &RecordId, token: Token) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.release(id, token).await }
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.release(id, token).await
     }
-    fn renew(
-        &self,
-        id: &RecordId,
-        token: Token,
-        lease: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.renew(id, token, lease).await }
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.0.renew(id, token, lease).await
     }
-    fn commit_point(
-        &self,
-        id: &RecordId,
-        token: Token,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.commit_point(id, token).await }
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.commit_point(id, token).await
     }
-    fn mark_unknown(
+    async fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
-    ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.mark_unknown(id, token, retention).await }
+    ) -> Result<(), StoreError> {
+        self.0.mark_unknown(id, token, retention).await
     }
-    fn get(&self, id: &RecordId) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
-        async move { self.0.get(id).await }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.0.get(id).await
     }
-    fn wait(&self, id: &RecordId, max: Duration) -> impl Future<Output = Result<(), StoreError>> + Send {
-        async move { self.0.wait(id, max).await }
+    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
+        self.0.wait(id, max).await
     }
 }

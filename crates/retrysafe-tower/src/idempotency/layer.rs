@@ -28,12 +28,15 @@ pub(crate) enum InFlight {
     Wait { max: Duration, retry_after: Duration },
 }
 
+/// A user's rule from request head to scope.
+pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>;
+
 #[derive(Clone)]
 pub(crate) enum ScopeRule {
     Principal,
     Global,
     AuthorizationHash,
-    Custom(Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>),
+    Custom(ScopeFn),
 }
 
 impl fmt::Debug for ScopeRule {

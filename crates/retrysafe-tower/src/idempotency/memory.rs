@@ -247,7 +247,10 @@ impl MemoryStoreBuilder {
     /// Builds the store; refuses a zero bound.
     pub fn build(self) -> Result<MemoryStore, ConfigError> {
         if self.max_in_flight == 0 {
-            return Err(ConfigError::new("max_in_flight", "must be greater than zero"));
+            return Err(ConfigError::new(
+                "max_in_flight",
+                "must be greater than zero",
+            ));
         }
         if self.max_bytes == 0 {
             return Err(ConfigError::new("max_bytes", "must be greater than zero"));
@@ -381,7 +384,7 @@ struct Inner {
 
 impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryStore")
+        f.debug_struct("Inner")
             .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
             .field("max_in_flight", &self.max_in_flight)
             .field("cached", &self.cache.entry_count())
@@ -451,17 +454,15 @@ impl Inner {
             .fetch_min(self.millis(lease_until), Ordering::Relaxed);
     }
 
-    /// The unexpired cached record of `id`; an expired one is invalidated. Called under
-    /// the id's shard lock.
-    fn cached(&self, id: &RecordId, now: Instant) -> Result<Option<Record>, StoreError> {
-        let Some(cached) = self.cache.get(id) else {
-            return Ok(None);
-        };
+    /// The unexpired cached record of `id`, encoded; an expired one is invalidated.
+    /// Called under the id's shard lock (the caller decodes after releasing it).
+    fn cached(&self, id: &RecordId, now: Instant) -> Option<Bytes> {
+        let cached = self.cache.get(id)?;
         if cached.expires_at <= now {
             self.cache.invalidate(id);
-            return Ok(None);
+            return None;
         }
-        Record::decode(cached.bytes).map(Some).map_err(StoreError::Corrupt)
+        Some(cached.bytes)
     }
 
     /// Puts an encoded record in the cache for `retention`. Called under the id's shard
@@ -499,55 +500,64 @@ impl Inner {
     fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let mut swept = false;
         loop {
-            let now = {
-                let mut map = self.lock(id);
-                let now = Instant::now();
-                if let Some(entry) = map.get_mut(id) {
-                    if now < entry.lease_until {
-                        return Ok(existing(entry.record(self.epoch), false));
+            match self.try_claim(id, claim) {
+                Found::Outcome(outcome) => return Ok(outcome),
+                Found::Cached(bytes) => return decode(bytes).map(|r| existing(r, false)),
+                Found::Full(now) => {
+                    // Sweep expired leases (outside this shard's lock), then look again.
+                    if swept || self.millis(now) < self.sweep_after_ms.load(Ordering::Relaxed) {
+                        return Err(StoreError::Full);
                     }
-                    if entry.commit_point.allows_takeover()
-                        && entry.fingerprint == claim.fingerprint
-                    {
-                        // The holder died before its effect: the new copy takes over.
-                        let notify = entry.notify.take();
-                        *entry = InFlight {
-                            notify,
-                            ..InFlight::new(claim, now)
-                        };
-                        entry.wake();
-                        self.lease_set(entry.lease_until);
-                        return Ok(ClaimOutcome::Claimed { takeover: true });
-                    }
-                    if entry.fingerprint != claim.fingerprint {
-                        // Not this request's record: left for the rightful copy.
-                        return Ok(existing(entry.record(self.epoch), false));
-                    }
-                    // Past (or without) a commit point: the outcome cannot be known.
-                    let token = entry.token;
-                    let gone = self.take_holder(&mut map, id, token)?;
-                    let record = unknown(gone.fingerprint);
-                    self.put(*id, record.encode(), now, claim.retention);
-                    return Ok(existing(record, true));
+                    self.sweep();
+                    swept = true;
                 }
-                if let Some(record) = self.cached(id, now)? {
-                    return Ok(existing(record, false));
-                }
-                if self.reserve_slot() {
-                    let entry = InFlight::new(claim, now);
-                    self.lease_set(entry.lease_until);
-                    map.insert(*id, entry);
-                    return Ok(ClaimOutcome::Claimed { takeover: false });
-                }
-                now
-            };
-            // Full: sweep expired leases (outside this shard's lock), then look again.
-            if swept || self.millis(now) < self.sweep_after_ms.load(Ordering::Relaxed) {
-                return Err(StoreError::Full);
             }
-            self.sweep();
-            swept = true;
         }
+    }
+
+    /// One atomic step of a claim, under the id's shard lock.
+    fn try_claim(&self, id: &RecordId, claim: &Claim) -> Found {
+        let mut map = self.lock(id);
+        let now = Instant::now();
+        let Some(entry) = map.get_mut(id) else {
+            if let Some(bytes) = self.cached(id, now) {
+                return Found::Cached(bytes);
+            }
+            if !self.reserve_slot() {
+                return Found::Full(now);
+            }
+            let entry = InFlight::new(claim, now);
+            self.lease_set(entry.lease_until);
+            map.insert(*id, entry);
+            return Found::Outcome(ClaimOutcome::Claimed { takeover: false });
+        };
+        if now < entry.lease_until {
+            return Found::Outcome(existing(entry.record(self.epoch), false));
+        }
+        if entry.commit_point.allows_takeover() && entry.fingerprint == claim.fingerprint {
+            // The holder stopped before its effect: this copy takes over and runs.
+            let notify = entry.notify.take();
+            *entry = InFlight {
+                notify,
+                ..InFlight::new(claim, now)
+            };
+            entry.wake();
+            self.lease_set(entry.lease_until);
+            return Found::Outcome(ClaimOutcome::Claimed { takeover: true });
+        }
+        if entry.fingerprint != claim.fingerprint {
+            // Not this request's record: left for the rightful copy (or a sweep).
+            return Found::Outcome(existing(entry.record(self.epoch), false));
+        }
+        // Past (or without) a commit point: the outcome cannot be known.
+        let fingerprint = entry.fingerprint;
+        if let Some(gone) = map.remove(id) {
+            self.free_slot();
+            gone.wake();
+        }
+        let record = unknown(fingerprint);
+        self.put(*id, record.encode(), now, claim.retention);
+        Found::Outcome(existing(record, true))
     }
 
     /// Resolves every in-flight entry whose lease has expired, one shard at a time:
@@ -629,16 +639,24 @@ impl Inner {
     ) -> Result<(), StoreError> {
         let mut map = self.lock(id);
         let gone = self.take_holder(&mut map, id, token)?;
-        self.put(*id, unknown(gone.fingerprint).encode(), Instant::now(), retention);
+        self.put(
+            *id,
+            unknown(gone.fingerprint).encode(),
+            Instant::now(),
+            retention,
+        );
         Ok(())
     }
 
     fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let map = self.lock(id);
-        if let Some(entry) = map.get(id) {
-            return Ok(Some(entry.record(self.epoch)));
-        }
-        self.cached(id, Instant::now())
+        let bytes = {
+            let map = self.lock(id);
+            if let Some(entry) = map.get(id) {
+                return Ok(Some(entry.record(self.epoch)));
+            }
+            self.cached(id, Instant::now())
+        };
+        bytes.map(decode).transpose()
     }
 
     /// A notification of the in-flight record of `id` and when to stop waiting for it
@@ -761,6 +779,20 @@ fn holder<'m>(
     map.get_mut(id)
         .filter(|entry| entry.token == token)
         .ok_or(StoreError::StaleToken)
+}
+
+/// What one step of a claim found.
+enum Found {
+    /// The answer.
+    Outcome(ClaimOutcome),
+    /// A cached record, still to be decoded (outside the lock).
+    Cached(Bytes),
+    /// No free slot (at this instant).
+    Full(Instant),
+}
+
+fn decode(bytes: Bytes) -> Result<Record, StoreError> {
+    Record::decode(bytes).map_err(StoreError::Corrupt)
 }
 
 fn existing(record: Record, became_unknown: bool) -> ClaimOutcome {

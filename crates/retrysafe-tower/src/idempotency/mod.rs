@@ -3,7 +3,7 @@
 //! A request repeated with the same key gets a semantically equivalent response, and
 //! its side effect happens once. Wrap the routes that have effects (POST, PATCH) in an
 //! [`IdempotencyLayer`], inside the authentication layer that inserts the caller's
-//! [`Principal`](retrysafe_core::idempotency::Principal):
+//! [`Principal`]:
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -52,7 +52,7 @@
 //! | same key, different request | 422 `key-mismatch`, `do-not-retry: 1` | — |
 //! | same key, other scope | an independent record | — |
 //! | handler answers 2xx, 3xx, 4xx but 401/403/408/429 | stored for the retention (24 h) | completed |
-//! | handler answers 401, 403, 429, or marks [`NoEffect`](retrysafe_core::idempotency::NoEffect) | released: a retry runs again | none |
+//! | handler answers 401, 403, 429, or marks [`NoEffect`] | released: a retry runs again | none |
 //! | handler answers 5xx or 408, or panics | as the handler did, `do-not-retry: 1`; later copies get 500 `outcome-unknown`; the reconcile hook runs | outcome unknown |
 //! | client disconnects | the handler still runs to completion and its response is stored | completed |
 //! | holder died or stalled (lease expired) | before its commit point: the next copy takes over; otherwise `outcome-unknown` | — |
