@@ -62,18 +62,25 @@ async fn handler(
         }
     }
     let n = effects.count.fetch_add(1, Ordering::SeqCst) + 1;
-    let status = num("x-status").map_or(StatusCode::CREATED, |s| StatusCode::from_u16(s as u16).unwrap());
+    let status = num("x-status").map_or(StatusCode::CREATED, |s| {
+        StatusCode::from_u16(s as u16).unwrap()
+    });
     let body = to_bytes(req.into_body(), usize::MAX).await.unwrap();
     let payload = match num("x-big") {
         Some(size) => Bytes::from(vec![b'x'; size as usize]),
         None => Bytes::from(format!("effect {n}: {}", String::from_utf8_lossy(&body))),
     };
     let mut res = (status, payload).into_response();
-    res.headers_mut().insert("set-cookie", HeaderValue::from_static("session=abc"));
-    res.headers_mut().insert("x-request-id", HeaderValue::from_static("req-1"));
-    res.headers_mut().append("link", HeaderValue::from_static("<a>; rel=next"));
-    res.headers_mut().append("link", HeaderValue::from_static("<b>; rel=prev"));
-    res.headers_mut().insert("x-custom", HeaderValue::from_static("kept"));
+    res.headers_mut()
+        .insert("set-cookie", HeaderValue::from_static("session=abc"));
+    res.headers_mut()
+        .insert("x-request-id", HeaderValue::from_static("req-1"));
+    res.headers_mut()
+        .append("link", HeaderValue::from_static("<a>; rel=next"));
+    res.headers_mut()
+        .append("link", HeaderValue::from_static("<b>; rel=prev"));
+    res.headers_mut()
+        .insert("x-custom", HeaderValue::from_static("kept"));
     if h.contains_key("x-no-effect") {
         res.extensions_mut().insert(NoEffect);
     }
@@ -96,7 +103,10 @@ async fn auth(mut req: Request) -> Request {
 fn make_app(layer: IdempotencyLayer) -> (Router, Arc<Effects>) {
     let effects = Arc::new(Effects::default());
     let router = Router::new()
-        .route("/pay", post(handler).patch(handler).get(handler).put(handler))
+        .route(
+            "/pay",
+            post(handler).patch(handler).get(handler).put(handler),
+        )
         .layer(layer)
         .layer(axum::middleware::map_request(auth))
         .layer(Extension(Arc::clone(&effects)));
@@ -119,7 +129,11 @@ fn req(key: &str, body: &'static str) -> Request {
 async fn send(app: &Router, r: Request) -> (StatusCode, axum::http::HeaderMap, Bytes) {
     let res = app.clone().oneshot(r).await.unwrap();
     let (parts, body) = res.into_parts();
-    (parts.status, parts.headers, to_bytes(body, usize::MAX).await.unwrap())
+    (
+        parts.status,
+        parts.headers,
+        to_bytes(body, usize::MAX).await.unwrap(),
+    )
 }
 
 fn problem_type(body: &Bytes) -> String {
@@ -156,7 +170,12 @@ impl Recorder {
             .on_outcome_unknown(move |u: &UnknownOutcome| unknown.lock().unwrap().push(*u))
     }
     fn count(&self, kind: EventKind) -> usize {
-        self.events.lock().unwrap().iter().filter(|k| **k == kind).count()
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|k| **k == kind)
+            .count()
     }
 }
 
@@ -168,7 +187,10 @@ async fn no_key_passes_through_unguarded() {
         let r = send(&app, post_req(None, "").body(Body::from("a")).unwrap()).await;
         assert_eq!(r.0, StatusCode::CREATED);
         assert!(r.1.get("idempotent-replayed").is_none());
-        assert_eq!(r.1["set-cookie"], "session=abc", "an unguarded response is untouched");
+        assert_eq!(
+            r.1["set-cookie"], "session=abc",
+            "an unguarded response is untouched"
+        );
     }
     assert_eq!(effects.get(), 2);
 }
@@ -199,7 +221,10 @@ async fn invalid_keys_are_refused() {
         HeaderValue::from_static("two words"),
     ];
     for value in bad {
-        let r = Request::post("/pay").header("idempotency-key", value.clone()).body(Body::from("a")).unwrap();
+        let r = Request::post("/pay")
+            .header("idempotency-key", value.clone())
+            .body(Body::from("a"))
+            .unwrap();
         let r = send(&app, r).await;
         assert_problem(&r, ProblemKind::KeyInvalid);
     }
@@ -213,7 +238,10 @@ async fn invalid_keys_are_refused() {
     assert_eq!(effects.get(), 0);
     // 255 characters, and the sf-string form with a space, are fine.
     assert_eq!(send(&app, req(&max, "a")).await.0, StatusCode::CREATED);
-    assert_eq!(send(&app, req("\"two words\"", "a")).await.0, StatusCode::CREATED);
+    assert_eq!(
+        send(&app, req("\"two words\"", "a")).await.0,
+        StatusCode::CREATED
+    );
     assert_eq!(effects.get(), 2);
 }
 
@@ -230,16 +258,32 @@ async fn quoted_and_bare_forms_are_one_key() {
 // Row: request body over the limit → 413 before any claim.
 #[tokio::test]
 async fn oversize_body_is_refused_before_any_claim() {
-    let layer = IdempotencyLayer::in_memory().max_request_body(1024).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .max_request_body(1024)
+        .unwrap();
     let (app, effects) = make_app(layer);
     let big = vec![b'x'; 1025];
-    let r = send(&app, post_req(Some("k"), "").body(Body::from(big.clone())).unwrap()).await;
+    let r = send(
+        &app,
+        post_req(Some("k"), "")
+            .body(Body::from(big.clone()))
+            .unwrap(),
+    )
+    .await;
     assert_problem(&r, ProblemKind::BodyTooLarge);
     // Streamed without a content-length.
     let chunks = futures_util::stream::iter(
-        big.chunks(100).map(|c| Ok::<_, std::io::Error>(Bytes::copy_from_slice(c))).collect::<Vec<_>>(),
+        big.chunks(100)
+            .map(|c| Ok::<_, std::io::Error>(Bytes::copy_from_slice(c)))
+            .collect::<Vec<_>>(),
     );
-    let r = send(&app, post_req(Some("k"), "").body(Body::from_stream(chunks)).unwrap()).await;
+    let r = send(
+        &app,
+        post_req(Some("k"), "")
+            .body(Body::from_stream(chunks))
+            .unwrap(),
+    )
+    .await;
     assert_problem(&r, ProblemKind::BodyTooLarge);
     assert_eq!(effects.get(), 0);
     // No record was made: the same key with a small body runs.
@@ -255,7 +299,10 @@ async fn completed_request_is_replayed_with_stable_headers() {
     let first = send(&app, req("k1", "hello")).await;
     assert_eq!(first.0, StatusCode::CREATED);
     assert!(first.1.get("idempotent-replayed").is_none());
-    assert_eq!(first.1["set-cookie"], "session=abc", "the first answer is the handler's own");
+    assert_eq!(
+        first.1["set-cookie"], "session=abc",
+        "the first answer is the handler's own"
+    );
     let again = send(&app, req("k1", "hello")).await;
     assert_eq!(again.0, StatusCode::CREATED);
     assert_eq!(again.2, first.2);
@@ -264,9 +311,19 @@ async fn completed_request_is_replayed_with_stable_headers() {
     assert_eq!(again.1["x-custom"], "kept");
     assert_eq!(again.1["content-type"], first.1["content-type"]);
     let links: Vec<_> = again.1.get_all("link").iter().collect();
-    assert_eq!(links, ["<a>; rel=next", "<b>; rel=prev"], "multi-value headers intact");
-    assert!(again.1.get("set-cookie").is_none(), "set-cookie is never replayed");
-    assert!(again.1.get("x-request-id").is_none(), "x-request-id is never replayed");
+    assert_eq!(
+        links,
+        ["<a>; rel=next", "<b>; rel=prev"],
+        "multi-value headers intact"
+    );
+    assert!(
+        again.1.get("set-cookie").is_none(),
+        "set-cookie is never replayed"
+    );
+    assert!(
+        again.1.get("x-request-id").is_none(),
+        "x-request-id is never replayed"
+    );
     assert_eq!(effects.get(), 1);
     assert_eq!(rec.count(EventKind::Claimed), 1);
     assert_eq!(rec.count(EventKind::Replayed), 1);
@@ -288,13 +345,23 @@ async fn deny_header_is_not_replayed() {
 async fn in_flight_duplicate_gets_409_with_retry_after() {
     let rec = Recorder::default();
     let (app, effects) = make_app(rec.attach(IdempotencyLayer::in_memory()));
-    let slow = post_req(Some("k"), "").header("x-sleep-ms", "300").body(Body::from("a")).unwrap();
+    let slow = post_req(Some("k"), "")
+        .header("x-sleep-ms", "300")
+        .body(Body::from("a"))
+        .unwrap();
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, slow).await }
     });
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let dup = send(&app, post_req(Some("k"), "").header("x-sleep-ms", "300").body(Body::from("a")).unwrap()).await;
+    let dup = send(
+        &app,
+        post_req(Some("k"), "")
+            .header("x-sleep-ms", "300")
+            .body(Body::from("a"))
+            .unwrap(),
+    )
+    .await;
     assert_problem(&dup, ProblemKind::InFlight);
     assert_eq!(dup.1["retry-after"], "1");
     assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
@@ -305,9 +372,16 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
 // Row: in flight with wait_for_in_flight → wait and replay.
 #[tokio::test]
 async fn in_flight_duplicate_waits_and_replays() {
-    let layer = IdempotencyLayer::in_memory().wait_for_in_flight(Duration::from_secs(5)).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .wait_for_in_flight(Duration::from_secs(5))
+        .unwrap();
     let (app, effects) = make_app(layer);
-    let mk = || post_req(Some("k"), "").header("x-sleep-ms", "200").body(Body::from("a")).unwrap();
+    let mk = || {
+        post_req(Some("k"), "")
+            .header("x-sleep-ms", "200")
+            .body(Body::from("a"))
+            .unwrap()
+    };
     let first = tokio::spawn({
         let app = app.clone();
         let r = mk();
@@ -325,9 +399,16 @@ async fn in_flight_duplicate_waits_and_replays() {
 // Row: wait mode past its maximum → 409.
 #[tokio::test(start_paused = true)]
 async fn wait_past_its_maximum_gets_409() {
-    let layer = IdempotencyLayer::in_memory().wait_for_in_flight(Duration::from_secs(2)).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .wait_for_in_flight(Duration::from_secs(2))
+        .unwrap();
     let (app, effects) = make_app(layer);
-    let mk = || post_req(Some("k"), "").header("x-sleep-ms", "8000").body(Body::from("a")).unwrap();
+    let mk = || {
+        post_req(Some("k"), "")
+            .header("x-sleep-ms", "8000")
+            .body(Body::from("a"))
+            .unwrap()
+    };
     let first = tokio::spawn({
         let app = app.clone();
         let r = mk();
@@ -345,7 +426,9 @@ async fn wait_past_its_maximum_gets_409() {
 // Row: waiters whose holder released race to claim: exactly one runs next.
 #[tokio::test]
 async fn waiters_race_to_claim_after_a_release() {
-    let layer = IdempotencyLayer::in_memory().wait_for_in_flight(Duration::from_secs(5)).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .wait_for_in_flight(Duration::from_secs(5))
+        .unwrap();
     let (app, effects) = make_app(layer);
     let first = tokio::spawn({
         let app = app.clone();
@@ -370,7 +453,10 @@ async fn waiters_race_to_claim_after_a_release() {
         assert_eq!(r.0, StatusCode::CREATED);
         bodies.push(r.2);
     }
-    assert!(bodies.windows(2).all(|w| w[0] == w[1]), "all waiters see one execution");
+    assert!(
+        bodies.windows(2).all(|w| w[0] == w[1]),
+        "all waiters see one execution"
+    );
     assert_eq!(effects.get(), 2, "the released first call and one re-run");
 }
 
@@ -383,14 +469,29 @@ async fn other_request_with_same_key_is_a_mismatch() {
     let r = send(&app, req("k", "amount=2")).await;
     assert_problem(&r, ProblemKind::KeyMismatch);
     // Another path, query, method or content-type is another request too.
-    let r = Request::post("/pay?x=1").header("idempotency-key", "k").header("content-type", "text/plain").body(Body::from("amount=1")).unwrap();
+    let r = Request::post("/pay?x=1")
+        .header("idempotency-key", "k")
+        .header("content-type", "text/plain")
+        .body(Body::from("amount=1"))
+        .unwrap();
     assert_eq!(send(&app, r).await.0, StatusCode::UNPROCESSABLE_ENTITY);
-    let r = Request::patch("/pay").header("idempotency-key", "k").header("content-type", "text/plain").body(Body::from("amount=1")).unwrap();
+    let r = Request::patch("/pay")
+        .header("idempotency-key", "k")
+        .header("content-type", "text/plain")
+        .body(Body::from("amount=1"))
+        .unwrap();
     assert_eq!(send(&app, r).await.0, StatusCode::UNPROCESSABLE_ENTITY);
-    let r = Request::post("/pay").header("idempotency-key", "k").header("content-type", "application/json").body(Body::from("amount=1")).unwrap();
+    let r = Request::post("/pay")
+        .header("idempotency-key", "k")
+        .header("content-type", "application/json")
+        .body(Body::from("amount=1"))
+        .unwrap();
     assert_eq!(send(&app, r).await.0, StatusCode::UNPROCESSABLE_ENTITY);
     // In flight.
-    let slow = post_req(Some("k2"), "").header("x-sleep-ms", "200").body(Body::from("a")).unwrap();
+    let slow = post_req(Some("k2"), "")
+        .header("x-sleep-ms", "200")
+        .body(Body::from("a"))
+        .unwrap();
     let first = tokio::spawn({
         let app = app.clone();
         async move { send(&app, slow).await }
@@ -407,12 +508,18 @@ async fn other_request_with_same_key_is_a_mismatch() {
 async fn same_key_in_another_scope_is_independent() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory());
     let as_user = |who: &str| {
-        post_req(Some("k"), "").header("authorization", format!("Bearer {who}")).body(Body::from("a")).unwrap()
+        post_req(Some("k"), "")
+            .header("authorization", format!("Bearer {who}"))
+            .body(Body::from("a"))
+            .unwrap()
     };
     let a = send(&app, as_user("alice")).await;
     let b = send(&app, as_user("bob")).await;
     assert!(a.1.get("idempotent-replayed").is_none());
-    assert!(b.1.get("idempotent-replayed").is_none(), "never a replay across scopes");
+    assert!(
+        b.1.get("idempotent-replayed").is_none(),
+        "never a replay across scopes"
+    );
     assert_ne!(a.2, b.2);
     assert_eq!(send(&app, as_user("alice")).await.2, a.2);
     assert_eq!(effects.get(), 2);
@@ -423,25 +530,50 @@ async fn same_key_in_another_scope_is_independent() {
 async fn explicit_scope_rules() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory().global_scope());
     let as_user = |who: &str| {
-        post_req(Some("k"), "").header("authorization", format!("Bearer {who}")).body(Body::from("a")).unwrap()
+        post_req(Some("k"), "")
+            .header("authorization", format!("Bearer {who}"))
+            .body(Body::from("a"))
+            .unwrap()
     };
     send(&app, as_user("alice")).await;
-    assert_eq!(send(&app, as_user("bob")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, as_user("bob")).await.1["idempotent-replayed"],
+        "true"
+    );
     assert_eq!(effects.get(), 1);
 
-    let (app, effects) = app_without_auth(IdempotencyLayer::in_memory().scope_by_authorization_hash());
+    let (app, effects) =
+        app_without_auth(IdempotencyLayer::in_memory().scope_by_authorization_hash());
     send(&app, as_user("alice")).await;
-    assert!(send(&app, as_user("bob")).await.1.get("idempotent-replayed").is_none());
+    assert!(
+        send(&app, as_user("bob"))
+            .await
+            .1
+            .get("idempotent-replayed")
+            .is_none()
+    );
     assert_eq!(effects.get(), 2);
     assert_problem(&send(&app, req("k", "a")).await, ProblemKind::ScopeMissing);
 
-    let layer = IdempotencyLayer::in_memory()
-        .scope_by(|parts| parts.headers.get("x-tenant").map(|v| Scope::new(v.as_bytes())));
+    let layer = IdempotencyLayer::in_memory().scope_by(|parts| {
+        parts
+            .headers
+            .get("x-tenant")
+            .map(|v| Scope::new(v.as_bytes()))
+    });
     let (app, effects) = app_without_auth(layer);
-    let tenant = |t: &str| post_req(Some("k"), "").header("x-tenant", t).body(Body::from("a")).unwrap();
+    let tenant = |t: &str| {
+        post_req(Some("k"), "")
+            .header("x-tenant", t)
+            .body(Body::from("a"))
+            .unwrap()
+    };
     send(&app, tenant("t1")).await;
     send(&app, tenant("t2")).await;
-    assert_eq!(send(&app, tenant("t1")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, tenant("t1")).await.1["idempotent-replayed"],
+        "true"
+    );
     assert_eq!(effects.get(), 2);
 }
 
@@ -461,21 +593,37 @@ async fn no_principal_is_a_configuration_error() {
     assert_problem(&send(&app, req("k", "a")).await, ProblemKind::ScopeMissing);
     assert_eq!(effects.get(), 0);
     // Without a key the request is not guarded and passes.
-    assert_eq!(send(&app, post_req(None, "").body(Body::empty()).unwrap()).await.0, StatusCode::CREATED);
+    assert_eq!(
+        send(&app, post_req(None, "").body(Body::empty()).unwrap())
+            .await
+            .0,
+        StatusCode::CREATED
+    );
 }
 
 // Row: 2xx, 3xx and 4xx other than 401/403/408/429 are stored.
 #[tokio::test]
 async fn stored_statuses_are_replayed() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory());
-    for (i, status) in [200u16, 201, 204, 302, 400, 404, 409, 422].into_iter().enumerate() {
+    for (i, status) in [200u16, 201, 204, 302, 400, 404, 409, 422]
+        .into_iter()
+        .enumerate()
+    {
         let key = format!("k{i}");
-        let mk = || post_req(Some(&key), "").header("x-status", status.to_string()).body(Body::from("a")).unwrap();
+        let mk = || {
+            post_req(Some(&key), "")
+                .header("x-status", status.to_string())
+                .body(Body::from("a"))
+                .unwrap()
+        };
         let first = send(&app, mk()).await;
         let again = send(&app, mk()).await;
         assert_eq!(first.0.as_u16(), status);
         assert_eq!(again.0.as_u16(), status);
-        assert_eq!(again.1["idempotent-replayed"], "true", "{status} is replayed");
+        assert_eq!(
+            again.1["idempotent-replayed"], "true",
+            "{status} is replayed"
+        );
         assert_eq!(again.2, first.2);
         assert_eq!(effects.get(), i + 1);
     }
@@ -486,9 +634,16 @@ async fn stored_statuses_are_replayed() {
 async fn released_statuses_run_again() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory());
     let mut expected = 0;
-    for (i, (status, no_effect)) in [(401u16, false), (403, false), (429, false), (503, true), (500, true), (201, true)]
-        .into_iter()
-        .enumerate()
+    for (i, (status, no_effect)) in [
+        (401u16, false),
+        (403, false),
+        (429, false),
+        (503, true),
+        (500, true),
+        (201, true),
+    ]
+    .into_iter()
+    .enumerate()
     {
         let key = format!("k{i}");
         let mut b = post_req(Some(&key), "").header("x-status", status.to_string());
@@ -497,7 +652,10 @@ async fn released_statuses_run_again() {
         }
         let first = send(&app, b.body(Body::from("a")).unwrap()).await;
         assert_eq!(first.0.as_u16(), status);
-        assert!(first.1.get("do-not-retry").is_none(), "a released answer may be retried");
+        assert!(
+            first.1.get("do-not-retry").is_none(),
+            "a released answer may be retried"
+        );
         let retry = send(&app, req(&key, "a")).await;
         assert_eq!(retry.0, StatusCode::CREATED, "the retry ran");
         assert!(retry.1.get("idempotent-replayed").is_none());
@@ -514,7 +672,10 @@ async fn server_errors_become_outcome_unknown() {
     let (app, effects) = make_app(rec.attach(IdempotencyLayer::in_memory()));
     for (i, status) in [500u16, 502, 503, 408].into_iter().enumerate() {
         let key = format!("k{i}");
-        let r = post_req(Some(&key), "").header("x-status", status.to_string()).body(Body::from("a")).unwrap();
+        let r = post_req(Some(&key), "")
+            .header("x-status", status.to_string())
+            .body(Body::from("a"))
+            .unwrap();
         let first = send(&app, r).await;
         assert_eq!(first.0.as_u16(), status);
         assert_eq!(first.1["do-not-retry"], "1");
@@ -527,8 +688,14 @@ async fn server_errors_become_outcome_unknown() {
     assert_eq!(effects.get(), 4, "never re-run");
     let unknown = rec.unknown.lock().unwrap().clone();
     assert_eq!(unknown.len(), 4, "reconcile hook called once per record");
-    assert_eq!(unknown[0].reason, UnknownReason::Status(StatusCode::INTERNAL_SERVER_ERROR));
-    assert_eq!(unknown[3].reason, UnknownReason::Status(StatusCode::REQUEST_TIMEOUT));
+    assert_eq!(
+        unknown[0].reason,
+        UnknownReason::Status(StatusCode::INTERNAL_SERVER_ERROR)
+    );
+    assert_eq!(
+        unknown[3].reason,
+        UnknownReason::Status(StatusCode::REQUEST_TIMEOUT)
+    );
 }
 
 // Row: a panicking handler → 500 problem, do-not-retry, outcome unknown.
@@ -536,11 +703,20 @@ async fn server_errors_become_outcome_unknown() {
 async fn panics_become_outcome_unknown() {
     let rec = Recorder::default();
     let (app, effects) = make_app(rec.attach(IdempotencyLayer::in_memory()));
-    let r = post_req(Some("k"), "").header("x-panic", "1").body(Body::from("a")).unwrap();
+    let r = post_req(Some("k"), "")
+        .header("x-panic", "1")
+        .body(Body::from("a"))
+        .unwrap();
     assert_problem(&send(&app, r).await, ProblemKind::HandlerPanicked);
-    assert_problem(&send(&app, req("k", "a")).await, ProblemKind::OutcomeUnknown);
+    assert_problem(
+        &send(&app, req("k", "a")).await,
+        ProblemKind::OutcomeUnknown,
+    );
     assert_eq!(effects.get(), 0);
-    assert_eq!(rec.unknown.lock().unwrap()[0].reason, UnknownReason::Panicked);
+    assert_eq!(
+        rec.unknown.lock().unwrap()[0].reason,
+        UnknownReason::Panicked
+    );
     // The service keeps working.
     assert_eq!(send(&app, req("k2", "a")).await.0, StatusCode::CREATED);
 }
@@ -551,35 +727,69 @@ async fn dropped_outer_future_still_stores_the_result() {
     let layer = IdempotencyLayer::in_memory();
     let shutdown = layer.shutdown_handle();
     let (app, effects) = make_app(layer);
-    let r = post_req(Some("k"), "").header("x-sleep-ms", "1000").body(Body::from("a")).unwrap();
+    let r = post_req(Some("k"), "")
+        .header("x-sleep-ms", "1000")
+        .body(Body::from("a"))
+        .unwrap();
     let outer = tokio::time::timeout(Duration::from_millis(100), app.clone().oneshot(r)).await;
     assert!(outer.is_err(), "the client gave up");
     assert_eq!(effects.get(), 0);
     assert_eq!(shutdown.in_flight(), 1, "the handler still runs");
     shutdown.clone().drain().await;
     assert_eq!(effects.get(), 1);
-    let retry = send(&app, post_req(Some("k"), "").header("x-sleep-ms", "1000").body(Body::from("a")).unwrap()).await;
+    let retry = send(
+        &app,
+        post_req(Some("k"), "")
+            .header("x-sleep-ms", "1000")
+            .body(Body::from("a"))
+            .unwrap(),
+    )
+    .await;
     assert_eq!(retry.0, StatusCode::CREATED);
     assert_eq!(retry.1["idempotent-replayed"], "true");
     assert_eq!(effects.get(), 1);
 }
 
 /// Claims `key` for `who` directly in the store, as a holder that then dies.
-async fn dead_holder(store: &MemoryStore, who: &str, key: &str, body: &'static str, cp: CommitPoint, lease: Duration) -> Token {
+async fn dead_holder(
+    store: &MemoryStore,
+    who: &str,
+    key: &str,
+    body: &'static str,
+    cp: CommitPoint,
+    lease: Duration,
+) -> Token {
     let scope = Scope::from(&Principal::new(who));
     let id = RecordId::new(&scope, &IdempotencyKey::new(key).unwrap());
     let uri = "/pay".parse().unwrap();
     let mut headers = axum::http::HeaderMap::new();
     headers.insert("content-type", HeaderValue::from_static("text/plain"));
-    let fingerprint = Fingerprinter::default().fingerprint(&axum::http::Method::POST, &uri, &headers, body.as_bytes());
+    let fingerprint = Fingerprinter::default().fingerprint(
+        &axum::http::Method::POST,
+        &uri,
+        &headers,
+        body.as_bytes(),
+    );
     let token = Token::random();
-    let claim = Claim { token, fingerprint, lease, retention: Duration::from_secs(3600), commit_point: cp };
-    assert_eq!(store.claim(&id, &claim).await.unwrap(), ClaimOutcome::Claimed { takeover: false });
+    let claim = Claim {
+        token,
+        fingerprint,
+        lease,
+        retention: Duration::from_secs(3600),
+        commit_point: cp,
+    };
+    assert_eq!(
+        store.claim(&id, &claim).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
     token
 }
 
 fn record_id(who: &str, key: &str) -> RecordId {
-    RecordId::new(&Scope::from(&Principal::new(who)), &IdempotencyKey::new(key).unwrap())
+    RecordId::new(
+        &Scope::from(&Principal::new(who)),
+        &IdempotencyKey::new(key).unwrap(),
+    )
 }
 
 // Row: holder died before its commit point → after the lease, the next copy takes over.
@@ -593,11 +803,21 @@ async fn dead_holder_before_commit_point_is_taken_over() {
     dead_holder(&store, "anonymous", "k", "a", CommitPoint::Before, lease).await;
     assert_problem(&send(&app, req("k", "a")).await, ProblemKind::InFlight);
     tokio::time::advance(lease + Duration::from_millis(1)).await;
-    let r = send(&app, post_req(Some("k"), "").header("x-commit", "1").body(Body::from("a")).unwrap()).await;
+    let r = send(
+        &app,
+        post_req(Some("k"), "")
+            .header("x-commit", "1")
+            .body(Body::from("a"))
+            .unwrap(),
+    )
+    .await;
     assert_eq!(r.0, StatusCode::CREATED, "taken over and run");
     assert_eq!(effects.get(), 1);
     assert_eq!(rec.count(EventKind::Takeover), 1);
-    assert_eq!(send(&app, req("k", "a")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, req("k", "a")).await.1["idempotent-replayed"],
+        "true"
+    );
 }
 
 // Row: holder died after its commit point (or never declared one) → outcome_unknown.
@@ -609,16 +829,40 @@ async fn dead_holder_after_commit_point_is_outcome_unknown() {
     let (app, effects) = make_app(layer);
     let lease = Duration::from_secs(10);
     let token = dead_holder(&store, "anonymous", "k", "a", CommitPoint::Before, lease).await;
-    store.commit_point(&record_id("anonymous", "k"), token).await.unwrap();
-    dead_holder(&store, "anonymous", "undeclared", "a", CommitPoint::Undeclared, lease).await;
+    store
+        .commit_point(&record_id("anonymous", "k"), token)
+        .await
+        .unwrap();
+    dead_holder(
+        &store,
+        "anonymous",
+        "undeclared",
+        "a",
+        CommitPoint::Undeclared,
+        lease,
+    )
+    .await;
     tokio::time::advance(lease + Duration::from_millis(1)).await;
-    assert_problem(&send(&app, req("k", "a")).await, ProblemKind::OutcomeUnknown);
-    assert_problem(&send(&app, req("undeclared", "a")).await, ProblemKind::OutcomeUnknown);
-    assert_problem(&send(&app, req("k", "a")).await, ProblemKind::OutcomeUnknown);
+    assert_problem(
+        &send(&app, req("k", "a")).await,
+        ProblemKind::OutcomeUnknown,
+    );
+    assert_problem(
+        &send(&app, req("undeclared", "a")).await,
+        ProblemKind::OutcomeUnknown,
+    );
+    assert_problem(
+        &send(&app, req("k", "a")).await,
+        ProblemKind::OutcomeUnknown,
+    );
     assert_eq!(effects.get(), 0, "never re-run");
     let unknown = rec.unknown.lock().unwrap().clone();
     assert_eq!(unknown.len(), 2, "reported once each");
-    assert!(unknown.iter().all(|u| u.reason == UnknownReason::LeaseExpired));
+    assert!(
+        unknown
+            .iter()
+            .all(|u| u.reason == UnknownReason::LeaseExpired)
+    );
 }
 
 // A live holder's lease is renewed every third; renewals stop at max_execution.
@@ -632,7 +876,10 @@ async fn lease_is_renewed_until_max_execution() {
     let (app, effects) = make_app(layer);
     let stalled = tokio::spawn({
         let app = app.clone();
-        let r = post_req(Some("k"), "").header("x-sleep-ms", "100000").body(Body::from("a")).unwrap();
+        let r = post_req(Some("k"), "")
+            .header("x-sleep-ms", "100000")
+            .body(Body::from("a"))
+            .unwrap();
         async move { send(&app, r).await }
     });
     tokio::time::sleep(Duration::from_secs(25)).await;
@@ -640,9 +887,16 @@ async fn lease_is_renewed_until_max_execution() {
     assert_problem(&send(&app, req("k", "a")).await, ProblemKind::InFlight);
     tokio::time::sleep(Duration::from_secs(10)).await;
     // 35 s in: renewals stopped at 30 s; the undeclared holder's lease expired.
-    assert_problem(&send(&app, req("k", "a")).await, ProblemKind::OutcomeUnknown);
+    assert_problem(
+        &send(&app, req("k", "a")).await,
+        ProblemKind::OutcomeUnknown,
+    );
     let first = stalled.await.unwrap();
-    assert_eq!(first.0, StatusCode::CREATED, "the stalled handler's own answer still reaches its client");
+    assert_eq!(
+        first.0,
+        StatusCode::CREATED,
+        "the stalled handler's own answer still reaches its client"
+    );
     assert_eq!(effects.get(), 1);
 }
 
@@ -660,7 +914,11 @@ async fn stalled_holder_before_commit_point_is_taken_over() {
     let (app, effects) = make_app(layer);
     let stalled = tokio::spawn({
         let app = app.clone();
-        let r = post_req(Some("k"), "").header("x-sleep-ms", "60000").header("x-commit", "1").body(Body::from("a")).unwrap();
+        let r = post_req(Some("k"), "")
+            .header("x-sleep-ms", "60000")
+            .header("x-commit", "1")
+            .body(Body::from("a"))
+            .unwrap();
         async move { app.clone().oneshot(r).await }
     });
     tokio::time::sleep(Duration::from_secs(20)).await;
@@ -671,7 +929,10 @@ async fn stalled_holder_before_commit_point_is_taken_over() {
     // test handler's unwrap; its record is not touched.
     let _ = stalled.await;
     assert_eq!(effects.get(), 1, "only the new holder's effect");
-    assert_eq!(send(&app, req("k", "a")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, req("k", "a")).await.1["idempotent-replayed"],
+        "true"
+    );
 }
 
 // Row: completion write fails after the handler ran → retried; the real response
@@ -684,7 +945,11 @@ async fn completion_failures_are_retried_then_reported() {
     store.fail_next_completions(3);
     let first = send(&app, req("k", "a")).await;
     assert_eq!(first.0, StatusCode::CREATED);
-    assert_eq!(send(&app, req("k", "a")).await.1["idempotent-replayed"], "true", "completed after retries");
+    assert_eq!(
+        send(&app, req("k", "a")).await.1["idempotent-replayed"],
+        "true",
+        "completed after retries"
+    );
     assert_eq!(rec.count(EventKind::CompletionLost), 0);
 
     store.fail_next_completions(u32::MAX);
@@ -697,9 +962,16 @@ async fn completion_failures_are_retried_then_reported() {
 // Row: response over the storable limit → not-replayable marker; later copies 409.
 #[tokio::test]
 async fn oversize_response_is_streamed_once_and_never_rerun() {
-    let layer = IdempotencyLayer::in_memory().max_stored_response(1000).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .max_stored_response(1000)
+        .unwrap();
     let (app, effects) = make_app(layer);
-    let mk = || post_req(Some("k"), "").header("x-big", "5000").body(Body::from("a")).unwrap();
+    let mk = || {
+        post_req(Some("k"), "")
+            .header("x-big", "5000")
+            .body(Body::from("a"))
+            .unwrap()
+    };
     let first = send(&app, mk()).await;
     assert_eq!(first.0, StatusCode::CREATED);
     assert_eq!(first.2.len(), 5000, "the first client gets the whole body");
@@ -707,7 +979,12 @@ async fn oversize_response_is_streamed_once_and_never_rerun() {
     assert_problem(&later, ProblemKind::ResponseNotStored);
     assert_eq!(effects.get(), 1);
     // At the limit it is stored.
-    let mk = || post_req(Some("k2"), "").header("x-big", "1000").body(Body::from("a")).unwrap();
+    let mk = || {
+        post_req(Some("k2"), "")
+            .header("x-big", "1000")
+            .body(Body::from("a"))
+            .unwrap()
+    };
     send(&app, mk()).await;
     let again = send(&app, mk()).await;
     assert_eq!(again.2.len(), 1000);
@@ -743,11 +1020,15 @@ async fn slow_store_times_out() {
     store.delay(Duration::from_secs(5));
     let (app, effects) = make_app(IdempotencyLayer::new(store.clone()));
     let start = tokio::time::Instant::now();
-    assert_problem(&send(&app, req("k", "a")).await, ProblemKind::StoreUnavailable);
+    assert_problem(
+        &send(&app, req("k", "a")).await,
+        ProblemKind::StoreUnavailable,
+    );
     assert_eq!(start.elapsed(), Duration::from_secs(1));
     // A request deadline shortens it.
     let mut r = req("k", "a");
-    r.extensions_mut().insert(retrysafe_core::Deadline::after(Duration::from_millis(200)));
+    r.extensions_mut()
+        .insert(retrysafe_core::Deadline::after(Duration::from_millis(200)));
     let start = tokio::time::Instant::now();
     assert_problem(&send(&app, r).await, ProblemKind::StoreUnavailable);
     assert_eq!(start.elapsed(), Duration::from_millis(200));
@@ -760,7 +1041,10 @@ async fn in_flight_bound_answers_503() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory().max_in_flight(1).unwrap());
     let slow = tokio::spawn({
         let app = app.clone();
-        let r = post_req(Some("a"), "").header("x-sleep-ms", "200").body(Body::from("a")).unwrap();
+        let r = post_req(Some("a"), "")
+            .header("x-sleep-ms", "200")
+            .body(Body::from("a"))
+            .unwrap();
         async move { send(&app, r).await }
     });
     tokio::time::sleep(Duration::from_millis(30)).await;
@@ -775,14 +1059,24 @@ async fn in_flight_bound_answers_503() {
 // Row: after the retention the key is new again.
 #[tokio::test(start_paused = true)]
 async fn retention_expires() {
-    let (app, effects) = make_app(IdempotencyLayer::in_memory().retention(Duration::from_secs(60)).unwrap());
+    let (app, effects) = make_app(
+        IdempotencyLayer::in_memory()
+            .retention(Duration::from_secs(60))
+            .unwrap(),
+    );
     send(&app, req("k", "a")).await;
     tokio::time::advance(Duration::from_secs(59)).await;
-    assert_eq!(send(&app, req("k", "a")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, req("k", "a")).await.1["idempotent-replayed"],
+        "true"
+    );
     tokio::time::advance(Duration::from_secs(2)).await;
     let r = send(&app, req("k", "b")).await;
     assert_eq!(r.0, StatusCode::CREATED);
-    assert!(r.1.get("idempotent-replayed").is_none(), "a new key: even another body runs");
+    assert!(
+        r.1.get("idempotent-replayed").is_none(),
+        "a new key: even another body runs"
+    );
     assert_eq!(effects.get(), 2);
 }
 
@@ -791,9 +1085,15 @@ async fn retention_expires() {
 async fn unguarded_methods_and_grpc_pass_untouched() {
     let (app, effects) = make_app(IdempotencyLayer::in_memory());
     for _ in 0..2 {
-        let r = Request::put("/pay").header("idempotency-key", "k").body(Body::from("a")).unwrap();
+        let r = Request::put("/pay")
+            .header("idempotency-key", "k")
+            .body(Body::from("a"))
+            .unwrap();
         assert!(send(&app, r).await.1.get("idempotent-replayed").is_none());
-        let r = Request::get("/pay").header("idempotency-key", "k").body(Body::empty()).unwrap();
+        let r = Request::get("/pay")
+            .header("idempotency-key", "k")
+            .body(Body::empty())
+            .unwrap();
         assert!(send(&app, r).await.1.get("idempotent-replayed").is_none());
         let r = Request::post("/pay")
             .header("idempotency-key", "k")
@@ -804,9 +1104,16 @@ async fn unguarded_methods_and_grpc_pass_untouched() {
     }
     assert_eq!(effects.get(), 6);
     // Configured methods and gRPC opt-in.
-    let (app, effects) = make_app(IdempotencyLayer::in_memory().methods([axum::http::Method::PUT]).guard_grpc());
+    let (app, effects) = make_app(
+        IdempotencyLayer::in_memory()
+            .methods([axum::http::Method::PUT])
+            .guard_grpc(),
+    );
     for _ in 0..2 {
-        let r = Request::put("/pay").header("idempotency-key", "k").body(Body::from("a")).unwrap();
+        let r = Request::put("/pay")
+            .header("idempotency-key", "k")
+            .body(Body::from("a"))
+            .unwrap();
         send(&app, r).await;
     }
     assert_eq!(effects.get(), 1);
@@ -819,7 +1126,10 @@ async fn concurrent_duplicates_run_once() {
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let app = app.clone();
-        let r = post_req(Some("k"), "").header("x-sleep-ms", "300").body(Body::from("a")).unwrap();
+        let r = post_req(Some("k"), "")
+            .header("x-sleep-ms", "300")
+            .body(Body::from("a"))
+            .unwrap();
         tasks.push(tokio::spawn(async move { send(&app, r).await }));
     }
     let mut created = Vec::new();
@@ -844,12 +1154,17 @@ async fn concurrent_duplicates_run_once() {
 // In wait mode all 64 get the identical 201.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_duplicates_in_wait_mode_all_get_the_answer() {
-    let layer = IdempotencyLayer::in_memory().wait_for_in_flight(Duration::from_secs(5)).unwrap();
+    let layer = IdempotencyLayer::in_memory()
+        .wait_for_in_flight(Duration::from_secs(5))
+        .unwrap();
     let (app, effects) = make_app(layer);
     let mut tasks = Vec::new();
     for _ in 0..64 {
         let app = app.clone();
-        let r = post_req(Some("k"), "").header("x-sleep-ms", "300").body(Body::from("a")).unwrap();
+        let r = post_req(Some("k"), "")
+            .header("x-sleep-ms", "300")
+            .body(Body::from("a"))
+            .unwrap();
         tasks.push(tokio::spawn(async move { send(&app, r).await }));
     }
     let mut bodies = Vec::new();
@@ -868,20 +1183,29 @@ async fn full_cache_does_not_let_a_duplicate_run() {
     let store = MemoryStore::builder().max_bytes(64 * 1024).build().unwrap();
     let (app, effects) = make_app(IdempotencyLayer::new(store.clone()));
     for i in 0..300 {
-        let r = post_req(Some(&format!("fill-{i}")), "").header("x-big", "1000").body(Body::from("a")).unwrap();
+        let r = post_req(Some(&format!("fill-{i}")), "")
+            .header("x-big", "1000")
+            .body(Body::from("a"))
+            .unwrap();
         assert_eq!(send(&app, r).await.0, StatusCode::CREATED);
     }
     assert!(store.cached_bytes() <= 64 * 1024);
     let before = effects.get();
     let slow = tokio::spawn({
         let app = app.clone();
-        let r = post_req(Some("fresh"), "").header("x-sleep-ms", "100").body(Body::from("a")).unwrap();
+        let r = post_req(Some("fresh"), "")
+            .header("x-sleep-ms", "100")
+            .body(Body::from("a"))
+            .unwrap();
         async move { send(&app, r).await }
     });
     tokio::time::sleep(Duration::from_millis(20)).await;
     assert_problem(&send(&app, req("fresh", "a")).await, ProblemKind::InFlight);
     assert_eq!(slow.await.unwrap().0, StatusCode::CREATED);
-    assert_eq!(send(&app, req("fresh", "a")).await.1["idempotent-replayed"], "true");
+    assert_eq!(
+        send(&app, req("fresh", "a")).await.1["idempotent-replayed"],
+        "true"
+    );
     assert_eq!(effects.get(), before + 1);
 }
 
@@ -896,19 +1220,37 @@ async fn handler_sees_its_context() {
             post(move |Extension(ctx): Extension<IdempotencyContext>| {
                 let s = Arc::clone(&s);
                 async move {
-                    s.lock().unwrap().push((ctx.key().as_str().to_owned(), ctx.child_key("ledger")));
+                    s.lock()
+                        .unwrap()
+                        .push((ctx.key().as_str().to_owned(), ctx.child_key("ledger")));
                     StatusCode::CREATED
                 }
             }),
         )
-        .layer(IdempotencyLayer::in_memory().methods([axum::http::Method::POST, axum::http::Method::PATCH]))
+        .layer(
+            IdempotencyLayer::in_memory()
+                .methods([axum::http::Method::POST, axum::http::Method::PATCH]),
+        )
         .layer(axum::middleware::map_request(auth));
-    let r = Request::post("/pay").header("idempotency-key", "order-1").body(Body::empty()).unwrap();
-    assert_eq!(app.clone().oneshot(r).await.unwrap().status(), StatusCode::CREATED);
-    let r = Request::patch("/pay").header("idempotency-key", "order-1").body(Body::empty()).unwrap();
+    let r = Request::post("/pay")
+        .header("idempotency-key", "order-1")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        app.clone().oneshot(r).await.unwrap().status(),
+        StatusCode::CREATED
+    );
+    let r = Request::patch("/pay")
+        .header("idempotency-key", "order-1")
+        .body(Body::empty())
+        .unwrap();
     let _ = app.oneshot(r).await.unwrap();
     let seen = seen.lock().unwrap();
-    assert_eq!(seen.len(), 1, "PATCH is a different request: 422, the handler did not run");
+    assert_eq!(
+        seen.len(),
+        1,
+        "PATCH is a different request: 422, the handler did not run"
+    );
     assert_eq!(seen[0].0, "order-1");
 }
 
@@ -925,25 +1267,55 @@ async fn problem_responder_can_be_replaced() {
     let res = app.clone().oneshot(req("k", "b")).await.unwrap();
     assert_eq!(res.status(), StatusCode::UNPROCESSABLE_ENTITY);
     assert_eq!(res.headers()["do-not-retry"], "1");
-    assert_eq!(res.extensions().get::<retrysafe_tower::idempotency::Problem>().unwrap().kind(), ProblemKind::KeyMismatch);
-    assert_eq!(to_bytes(res.into_body(), usize::MAX).await.unwrap(), "custom key-mismatch");
+    assert_eq!(
+        res.extensions()
+            .get::<retrysafe_tower::idempotency::Problem>()
+            .unwrap()
+            .kind(),
+        ProblemKind::KeyMismatch
+    );
+    assert_eq!(
+        to_bytes(res.into_body(), usize::MAX).await.unwrap(),
+        "custom key-mismatch"
+    );
 }
 
 // Builders validate instead of panicking.
 #[test]
 fn invalid_configuration_is_an_error() {
     assert!(IdempotencyLayer::in_memory().lease(Duration::ZERO).is_err());
-    assert!(IdempotencyLayer::in_memory().retention(Duration::ZERO).is_err());
-    assert!(IdempotencyLayer::in_memory().max_execution(Duration::ZERO).is_err());
-    assert!(IdempotencyLayer::in_memory().store_timeout(Duration::ZERO).is_err());
+    assert!(
+        IdempotencyLayer::in_memory()
+            .retention(Duration::ZERO)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_execution(Duration::ZERO)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .store_timeout(Duration::ZERO)
+            .is_err()
+    );
     assert!(IdempotencyLayer::in_memory().max_in_flight(0).is_err());
     assert!(IdempotencyLayer::in_memory().max_request_body(0).is_err());
-    assert!(IdempotencyLayer::in_memory().wait_for_in_flight(Duration::ZERO).is_err());
-    let e = IdempotencyLayer::in_memory().lease(Duration::ZERO).err().unwrap();
+    assert!(
+        IdempotencyLayer::in_memory()
+            .wait_for_in_flight(Duration::ZERO)
+            .is_err()
+    );
+    let e = IdempotencyLayer::in_memory()
+        .lease(Duration::ZERO)
+        .err()
+        .unwrap();
     assert_eq!(e.field(), "lease");
 }
 
 #[allow(dead_code)]
 fn _get_route_compiles() -> Router {
-    Router::new().route("/x", get(|| async { "x" })).layer(IdempotencyLayer::in_memory())
+    Router::new()
+        .route("/x", get(|| async { "x" }))
+        .layer(IdempotencyLayer::in_memory())
 }

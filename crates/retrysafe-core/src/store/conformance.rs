@@ -5,7 +5,7 @@
 //! one test each. Cases use fresh random record ids, so they can share one store (one
 //! Redis database, one PostgreSQL schema) and run in parallel.
 //!
-//! ```ignore
+//! ```text
 //! retrysafe_core::store_conformance_tests! {
 //!     #[tokio::test(start_paused = true)]
 //!     store = || async { MyStore::new() },
