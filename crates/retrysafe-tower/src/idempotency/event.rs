@@ -24,7 +24,9 @@ pub enum EventKind {
     /// The completion (or release) could not be written; the handler's real response
     /// was returned anyway.
     CompletionLost,
-    /// A completed record was evicted before its retention (reported by the store).
+    /// A completed record was evicted before its retention. Reported by the store that
+    /// evicted it (for the `MemoryStore`: `MemoryStoreBuilder::on_evicted` and a
+    /// `tracing` event), since only the store sees it.
     Evicted,
 }
 
