@@ -7,11 +7,11 @@ use std::time::{Duration, SystemTime};
 use http::HeaderValue;
 use proptest::prelude::*;
 use retrysafe_core::wire::{
-    encode_grpc_timeout, encode_pushback, encode_request_timeout_ms, encode_retry_after,
-    encode_retry_attempt, parse_do_not_retry, parse_flag, parse_grpc_timeout, parse_pushback,
-    parse_request_timeout_ms, parse_retry_after, parse_retry_attempt, parse_retry_point,
-    IdempotencyKey, KeyError, Pushback, RetryAfter, RetryPoint, TimeoutError, MAX_KEY_LEN,
-    MAX_RETRY_AFTER, MAX_TIMEOUT,
+    IdempotencyKey, KeyError, MAX_KEY_LEN, MAX_RETRY_AFTER, MAX_TIMEOUT, Pushback, RetryAfter,
+    RetryPoint, TimeoutError, encode_grpc_timeout, encode_pushback, encode_request_timeout_ms,
+    encode_retry_after, encode_retry_attempt, parse_do_not_retry, parse_flag, parse_grpc_timeout,
+    parse_pushback, parse_request_timeout_ms, parse_retry_after, parse_retry_attempt,
+    parse_retry_point,
 };
 
 /// Forty digits: more than any integer type holds.

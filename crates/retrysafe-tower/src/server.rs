@@ -80,7 +80,10 @@ impl<A> ServerLayers<A> {
     /// and conflicts are answered without taking a slot).
     pub fn concurrency_limit(mut self, max: usize) -> Result<Self, ConfigError> {
         if max == 0 {
-            return Err(ConfigError::new("concurrency_limit", "must be greater than zero"));
+            return Err(ConfigError::new(
+                "concurrency_limit",
+                "must be greater than zero",
+            ));
         }
         self.concurrency_limit = Some(max);
         Ok(self)

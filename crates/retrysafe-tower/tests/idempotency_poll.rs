@@ -1,7 +1,12 @@
 //! Poll-level tests of the Idempotency service with `tower-test`: readiness comes from
 //! the inner service, untouched requests are passed through in place, inner errors are
 //! returned and leave an `outcome_unknown` record.
-#![allow(clippy::unwrap_used, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
 
 use std::sync::{Arc, Mutex};
 

@@ -1,5 +1,5 @@
-use http::header::{HeaderName, RETRY_AFTER};
 use http::HeaderMap;
+use http::header::{HeaderName, RETRY_AFTER};
 
 /// The header names of the retrysafe wire convention.
 ///

@@ -2,8 +2,8 @@ use std::time::Duration;
 
 use http::HeaderValue;
 
-use super::ascii::{parse_digits_saturating, trim_ows};
 use super::MAX_RETRY_AFTER;
+use super::ascii::{parse_digits_saturating, trim_ows};
 
 /// The value a layer sends in `do-not-retry`.
 pub const DO_NOT_RETRY_VALUE: HeaderValue = HeaderValue::from_static("1");

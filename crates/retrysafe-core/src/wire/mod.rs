@@ -25,13 +25,13 @@ mod timeout;
 
 pub use convention::Convention;
 pub use flags::{
-    encode_pushback, encode_retry_attempt, parse_do_not_retry, parse_flag, parse_pushback,
-    parse_retry_attempt, parse_retry_point, Pushback, RetryPoint, DO_NOT_RETRY_VALUE,
-    REPLAYED_VALUE, RETRY_POINT_CALLER,
+    DO_NOT_RETRY_VALUE, Pushback, REPLAYED_VALUE, RETRY_POINT_CALLER, RetryPoint, encode_pushback,
+    encode_retry_attempt, parse_do_not_retry, parse_flag, parse_pushback, parse_retry_attempt,
+    parse_retry_point,
 };
 pub use key::{IdempotencyKey, KeyError, MAX_KEY_LEN};
-pub use retry_after::{encode_retry_after, parse_retry_after, RetryAfter, MAX_RETRY_AFTER};
+pub use retry_after::{MAX_RETRY_AFTER, RetryAfter, encode_retry_after, parse_retry_after};
 pub use timeout::{
-    encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout, parse_request_timeout_ms,
-    TimeoutError, MAX_TIMEOUT,
+    MAX_TIMEOUT, TimeoutError, encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout,
+    parse_request_timeout_ms,
 };

@@ -19,7 +19,9 @@ use retrysafe_core::idempotency::{
     StoredResponse, Token, decide,
 };
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_core::wire::{DO_NOT_RETRY_VALUE, IdempotencyKey, REPLAYED_VALUE, encode_retry_after};
+use retrysafe_core::wire::{
+    DO_NOT_RETRY_VALUE, IdempotencyKey, REPLAYED_VALUE, encode_retry_after,
+};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
@@ -44,9 +46,10 @@ pub(crate) fn problem_response<B>(config: &Config, problem: Problem) -> Res<B> {
             .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
     }
     if let Some(d) = problem.retry_after_hint() {
-        parts
-            .headers
-            .insert(config.convention.retry_after().clone(), encode_retry_after(d));
+        parts.headers.insert(
+            config.convention.retry_after().clone(),
+            encode_retry_after(d),
+        );
     }
     parts.extensions.insert(problem);
     Response::from_parts(parts, ResponseBody::full(body, None))
@@ -130,19 +133,26 @@ where
         Err(ReadError::Failed(e)) => {
             return Ok(problem_response(
                 config,
-                Problem::new(ProblemKind::BodyUnreadable, format!("could not read the request body: {e}")),
+                Problem::new(
+                    ProblemKind::BodyUnreadable,
+                    format!("could not read the request body: {e}"),
+                ),
             ));
         }
     };
-    let fingerprint = config
-        .fingerprinter
-        .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
+    let fingerprint =
+        config
+            .fingerprinter
+            .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
 
     let Ok(permit) = Arc::clone(&layer.shared.permits).try_acquire_owned() else {
         return Ok(problem_response(
             config,
-            Problem::new(ProblemKind::Overloaded, "too many requests with idempotency keys in progress")
-                .retry_after(config.unavailable_retry_after),
+            Problem::new(
+                ProblemKind::Overloaded,
+                "too many requests with idempotency keys in progress",
+            )
+            .retry_after(config.unavailable_retry_after),
         ));
     };
 
@@ -163,7 +173,10 @@ where
             tracing::error!(target: "retrysafe::idempotency", error = %e, "guarded task failed");
             Ok(problem_response(
                 config,
-                Problem::new(ProblemKind::HandlerPanicked, "the request could not be completed"),
+                Problem::new(
+                    ProblemKind::HandlerPanicked,
+                    "the request could not be completed",
+                ),
             ))
         }
     }
@@ -251,7 +264,15 @@ where
         let outcome = bounded(config, deadline, config.store.claim(&id, &claim)).await;
         let (record, became_unknown) = match outcome {
             Ok(ClaimOutcome::Claimed { takeover }) => {
-                emit(config, if takeover { EventKind::Takeover } else { EventKind::Claimed }, &id);
+                emit(
+                    config,
+                    if takeover {
+                        EventKind::Takeover
+                    } else {
+                        EventKind::Claimed
+                    },
+                    &id,
+                );
                 let ctx = IdempotencyContext::new(
                     scope,
                     key,
@@ -261,7 +282,10 @@ where
                 );
                 return run_guarded(config, inner, parts, body, ctx, fingerprint, deadline).await;
             }
-            Ok(ClaimOutcome::Existing { record, became_unknown }) => (record, became_unknown),
+            Ok(ClaimOutcome::Existing {
+                record,
+                became_unknown,
+            }) => (record, became_unknown),
             Err(e) => return store_failed(config, inner, parts, body, &e).await,
         };
         if became_unknown {
@@ -319,16 +343,15 @@ where
                         .retry_after(retry_after),
                     ));
                 }
-                let wait = tokio::time::timeout(
-                    left + config.store_timeout,
-                    config.store.wait(&id, left),
-                )
-                .await;
+                let wait =
+                    tokio::time::timeout(left + config.store_timeout, config.store.wait(&id, left))
+                        .await;
                 match wait {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return store_failed(config, inner, parts, body, &e).await,
                     Err(_) => {
-                        return store_failed(config, inner, parts, body, &StoreError::Timeout).await;
+                        return store_failed(config, inner, parts, body, &StoreError::Timeout)
+                            .await;
                     }
                 }
             }
@@ -371,11 +394,16 @@ where
 }
 
 fn replay<B>(config: &Config, stored: &StoredResponse) -> Res<B> {
-    let mut res = Response::new(ResponseBody::full(stored.body.clone(), stored.trailer_map()));
+    let mut res = Response::new(ResponseBody::full(
+        stored.body.clone(),
+        stored.trailer_map(),
+    ));
     *res.status_mut() = stored.status;
     *res.headers_mut() = stored.header_map();
-    res.headers_mut()
-        .insert(config.convention.idempotent_replayed().clone(), REPLAYED_VALUE);
+    res.headers_mut().insert(
+        config.convention.idempotent_replayed().clone(),
+        REPLAYED_VALUE,
+    );
     res
 }
 
@@ -440,7 +468,10 @@ where
     };
 
     let unknown = |reason: UnknownReason| async move {
-        let r = write_with_retry(config, lease_until, || config.store.mark_unknown(&id, token, config.retention)).await;
+        let r = write_with_retry(config, lease_until, || {
+            config.store.mark_unknown(&id, token, config.retention)
+        })
+        .await;
         match r {
             Ok(()) => reconcile(config, &id, reason),
             Err(e) => {
@@ -468,7 +499,9 @@ where
     let no_effect = response.extensions().get::<NoEffect>().is_some();
     match Disposition::of(response.status(), no_effect) {
         Disposition::Release => {
-            if let Err(e) = write_with_retry(config, lease_until, || config.store.release(&id, token)).await {
+            if let Err(e) =
+                write_with_retry(config, lease_until, || config.store.release(&id, token)).await
+            {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not release the record");
                 emit(config, EventKind::CompletionLost, &id);
             }
@@ -498,7 +531,10 @@ where
                         response: Some(stored),
                     };
                     complete(config, &id, token, &done, lease_until, deadline).await;
-                    Ok(Response::from_parts(head, ResponseBody::full(data, trailers)))
+                    Ok(Response::from_parts(
+                        head,
+                        ResponseBody::full(data, trailers),
+                    ))
                 }
                 Captured::TooLarge { prefix, rest } => {
                     let done = Completed {
@@ -506,7 +542,10 @@ where
                         response: None,
                     };
                     complete(config, &id, token, &done, lease_until, deadline).await;
-                    Ok(Response::from_parts(head, ResponseBody::prefixed(prefix, rest)))
+                    Ok(Response::from_parts(
+                        head,
+                        ResponseBody::prefixed(prefix, rest),
+                    ))
                 }
                 Captured::Failed => {
                     unknown(UnknownReason::BodyError).await;
@@ -532,7 +571,11 @@ async fn sleep_until_opt(at: Option<Instant>) {
 
 /// Retries a token-carrying write with backoff while the lease lasts. A stale token is
 /// final.
-async fn write_with_retry<F, Fut>(config: &Config, lease_until: Instant, mut write: F) -> Result<(), StoreError>
+async fn write_with_retry<F, Fut>(
+    config: &Config,
+    lease_until: Instant,
+    mut write: F,
+) -> Result<(), StoreError>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), StoreError>>,
@@ -585,8 +628,14 @@ async fn complete(
 }
 
 enum Captured<B> {
-    Whole { data: Bytes, trailers: Option<HeaderMap> },
-    TooLarge { prefix: Bytes, rest: std::pin::Pin<Box<B>> },
+    Whole {
+        data: Bytes,
+        trailers: Option<HeaderMap>,
+    },
+    TooLarge {
+        prefix: Bytes,
+        rest: std::pin::Pin<Box<B>>,
+    },
     Failed,
 }
 

@@ -81,6 +81,8 @@ impl<F, B, E> fmt::Debug for ResponseFuture<F, B, E> {
             Kind::Ready { .. } => "Ready",
             Kind::Guarded { .. } => "Guarded",
         };
-        f.debug_struct("ResponseFuture").field("kind", &kind).finish()
+        f.debug_struct("ResponseFuture")
+            .field("kind", &kind)
+            .finish()
     }
 }

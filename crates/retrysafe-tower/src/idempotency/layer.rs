@@ -14,10 +14,10 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use super::MemoryStore;
 use super::event::{EventHook, IdempotencyEvent, ReconcileHook, UnknownOutcome};
 use super::problem::{Problem, Responder};
 use super::service::Idempotency;
-use super::MemoryStore;
 
 /// How a copy that finds its key in flight is answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,7 +25,10 @@ pub(crate) enum InFlight {
     /// 409 with this `retry-after`.
     Conflict { retry_after: Duration },
     /// Wait up to `max` for the holder, then replay (or 409 with `retry_after`).
-    Wait { max: Duration, retry_after: Duration },
+    Wait {
+        max: Duration,
+        retry_after: Duration,
+    },
 }
 
 /// A user's rule from request head to scope.
@@ -270,7 +273,10 @@ impl IdempotencyLayer {
     /// ones get 413 before any claim.
     pub fn max_request_body(self, bytes: usize) -> Result<Self, ConfigError> {
         if bytes == 0 {
-            return Err(ConfigError::new("max_request_body", "must be greater than zero"));
+            return Err(ConfigError::new(
+                "max_request_body",
+                "must be greater than zero",
+            ));
         }
         Ok(self.config(|c| c.max_request_body = bytes))
     }
@@ -320,7 +326,9 @@ impl IdempotencyLayer {
         let max = positive(max, "wait_for_in_flight")?;
         Ok(self.config(|c| {
             let retry_after = match c.in_flight {
-                InFlight::Conflict { retry_after } | InFlight::Wait { retry_after, .. } => retry_after,
+                InFlight::Conflict { retry_after } | InFlight::Wait { retry_after, .. } => {
+                    retry_after
+                }
             };
             c.in_flight = InFlight::Wait { max, retry_after };
         }))
@@ -342,7 +350,10 @@ impl IdempotencyLayer {
     /// The bound of guarded requests in flight (default 1024); past it, 503 `overloaded`.
     pub fn max_in_flight(mut self, n: usize) -> Result<Self, ConfigError> {
         if n == 0 || n > Semaphore::MAX_PERMITS {
-            return Err(ConfigError::new("max_in_flight", "must be between 1 and Semaphore::MAX_PERMITS"));
+            return Err(ConfigError::new(
+                "max_in_flight",
+                "must be between 1 and Semaphore::MAX_PERMITS",
+            ));
         }
         self.shared = Arc::new(Shared {
             permits: Arc::new(Semaphore::new(n)),

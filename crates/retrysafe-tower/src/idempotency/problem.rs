@@ -51,10 +51,12 @@ impl ProblemKind {
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             ProblemKind::InFlight | ProblemKind::ResponseNotStored => StatusCode::CONFLICT,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
-            ProblemKind::OutcomeUnknown | ProblemKind::ScopeMissing | ProblemKind::HandlerPanicked => {
-                StatusCode::INTERNAL_SERVER_ERROR
+            ProblemKind::OutcomeUnknown
+            | ProblemKind::ScopeMissing
+            | ProblemKind::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
+                StatusCode::SERVICE_UNAVAILABLE
             }
-            ProblemKind::StoreUnavailable | ProblemKind::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
         }
     }
 
@@ -90,8 +92,12 @@ impl ProblemKind {
             ProblemKind::BodyUnreadable => "Request body could not be read",
             ProblemKind::InFlight => "A request with this Idempotency-Key is in progress",
             ProblemKind::KeyMismatch => "Idempotency-Key was used with a different request",
-            ProblemKind::OutcomeUnknown => "The outcome of the request with this Idempotency-Key is unknown",
-            ProblemKind::ResponseNotStored => "The response to this Idempotency-Key was too large to store",
+            ProblemKind::OutcomeUnknown => {
+                "The outcome of the request with this Idempotency-Key is unknown"
+            }
+            ProblemKind::ResponseNotStored => {
+                "The response to this Idempotency-Key was too large to store"
+            }
             ProblemKind::StoreUnavailable => "Idempotency store is unavailable",
             ProblemKind::Overloaded => "Too many requests in progress",
             ProblemKind::ScopeMissing => "Idempotency scope is missing",
@@ -171,8 +177,10 @@ impl Problem {
     pub fn to_response(&self) -> Response<Bytes> {
         let mut res = Response::new(self.to_json());
         *res.status_mut() = self.kind.status();
-        res.headers_mut()
-            .insert(CONTENT_TYPE, HeaderValue::from_static("application/problem+json"));
+        res.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
         res
     }
 }

@@ -66,14 +66,18 @@ where
         let config = &self.layer.config;
         let (parts, body) = req.into_parts();
 
-        let guarded = config.methods.contains(&parts.method) && (config.guard_grpc || !is_grpc(&parts));
+        let guarded =
+            config.methods.contains(&parts.method) && (config.guard_grpc || !is_grpc(&parts));
         if !guarded {
             return ResponseFuture::passthrough(
                 inner.call(Request::from_parts(parts, RequestBody::stream(body))),
             );
         }
 
-        let mut keys = parts.headers.get_all(config.convention.idempotency_key()).iter();
+        let mut keys = parts
+            .headers
+            .get_all(config.convention.idempotency_key())
+            .iter();
         let key = match (keys.next(), keys.next()) {
             (None, _) if config.require_key => {
                 return self.problem(Problem::new(
@@ -127,7 +131,9 @@ where
         };
 
         let layer = self.layer.clone();
-        ResponseFuture::guarded(Box::pin(exec::guarded(layer, inner, parts, body, key, scope)))
+        ResponseFuture::guarded(Box::pin(exec::guarded(
+            layer, inner, parts, body, key, scope,
+        )))
     }
 }
 
