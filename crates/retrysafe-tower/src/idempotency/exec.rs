@@ -73,12 +73,7 @@ fn reconcile(config: &Config, record: &RecordId, reason: UnknownReason) {
         reason = ?reason,
         "idempotency record has an unknown outcome; it will not be re-run"
     );
-    if let Some(f) = &config.on_event {
-        f(&IdempotencyEvent {
-            kind: EventKind::OutcomeUnknown,
-            record: *record,
-        });
-    }
+    emit(config, EventKind::OutcomeUnknown, record);
     if let Some(f) = &config.on_outcome_unknown {
         f(&UnknownOutcome {
             record: *record,
@@ -280,7 +275,7 @@ where
                     config.store.clone(),
                     config.store_timeout,
                 );
-                return run_guarded(config, inner, parts, body, ctx, fingerprint, deadline).await;
+                return run_guarded(config, inner, parts, body, ctx, fingerprint).await;
             }
             Ok(ClaimOutcome::Existing {
                 record,
@@ -415,7 +410,6 @@ async fn run_guarded<S, B, ResB>(
     body: Bytes,
     ctx: IdempotencyContext,
     fingerprint: Fingerprint,
-    deadline: Option<Deadline>,
 ) -> Result<Res<ResB>, S::Error>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Send + 'static,
@@ -530,7 +524,7 @@ where
                         fingerprint,
                         response: Some(stored),
                     };
-                    complete(config, &id, token, &done, lease_until, deadline).await;
+                    complete(config, &id, token, &done, lease_until).await;
                     Ok(Response::from_parts(
                         head,
                         ResponseBody::full(data, trailers),
@@ -541,7 +535,7 @@ where
                         fingerprint,
                         response: None,
                     };
-                    complete(config, &id, token, &done, lease_until, deadline).await;
+                    complete(config, &id, token, &done, lease_until).await;
                     Ok(Response::from_parts(
                         head,
                         ResponseBody::prefixed(prefix, rest),
@@ -604,7 +598,6 @@ async fn complete(
     token: Token,
     done: &Completed,
     lease_until: Instant,
-    _deadline: Option<Deadline>,
 ) {
     let r = write_with_retry(config, lease_until, || {
         config.store.complete(id, token, done, config.retention)
@@ -618,12 +611,7 @@ async fn complete(
             error = %e,
             "could not store the completed record; the handler's response is returned anyway"
         );
-        if let Some(f) = &config.on_event {
-            f(&IdempotencyEvent {
-                kind: EventKind::CompletionLost,
-                record: *id,
-            });
-        }
+        emit(config, EventKind::CompletionLost, id);
     }
 }
 
