@@ -30,7 +30,9 @@
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use axum::Router;
 use axum::body::Body;
