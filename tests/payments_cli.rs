@@ -1,6 +1,9 @@
 //! Drives the `payments` example as an outside user would: starts the binary, reads the
 //! `listening on http://ADDR` line, and talks HTTP to it.
+// This test drives a real child process on the wall clock (reading its stdout from a
+// thread, waiting for it to exit), so it uses std's clock and sleeps on purpose.
 #![allow(
+    clippy::disallowed_methods,
     clippy::unwrap_used,
     clippy::panic,
     clippy::indexing_slicing,
