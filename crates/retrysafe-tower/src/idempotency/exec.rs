@@ -424,40 +424,18 @@ where
     let claimed_at = Instant::now();
     let mut lease_until = claimed_at + config.lease;
     let cap = claimed_at + config.max_execution;
-    let every = config.lease / 3;
 
     let handler = AssertUnwindSafe(async move { inner.call(req).await }).catch_unwind();
     let mut handler = std::pin::pin!(handler);
-    let mut next_renewal = Some(claimed_at + every);
-    let outcome = loop {
+    // The lease is renewed concurrently with the handler (never delaying it), every
+    // third of a lease, and never past `max_execution`.
+    let outcome = {
+        let renewals = renew_lease(config, &id, token, cap, &mut lease_until);
+        let mut renewals = std::pin::pin!(renewals);
         tokio::select! {
             biased;
-            out = &mut handler => break out,
-            () = sleep_until_opt(next_renewal) => {
-                let now = Instant::now();
-                let lease = config.lease.min(cap.saturating_duration_since(now));
-                if lease.is_zero() {
-                    tracing::warn!(
-                        target: "retrysafe::idempotency",
-                        record = ?id,
-                        "handler exceeded max_execution; its lease is no longer renewed"
-                    );
-                    next_renewal = None;
-                    continue;
-                }
-                match bounded(config, None, config.store.renew(&id, token, lease)).await {
-                    Ok(()) => lease_until = now + lease,
-                    Err(StoreError::StaleToken) => {
-                        tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
-                        next_renewal = None;
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "lease renewal failed");
-                    }
-                }
-                next_renewal = (lease == config.lease).then(|| Instant::now() + every);
-            }
+            out = &mut handler => out,
+            () = &mut renewals => handler.await,
         }
     };
 
@@ -553,13 +531,6 @@ where
                 }
             }
         }
-    }
-}
-
-async fn sleep_until_opt(at: Option<Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
     }
 }
 
@@ -667,4 +638,43 @@ where
         data: buf.freeze(),
         trailers,
     }
+}
+
+/// Renews a claim's lease every third of a lease until `cap`, the lease is lost, or the
+/// future is dropped (the handler finished). Updates `lease_until` on every renewal.
+async fn renew_lease(
+    config: &Config,
+    id: &RecordId,
+    token: Token,
+    cap: Instant,
+    lease_until: &mut Instant,
+) {
+    let every = config.lease / 3;
+    loop {
+        tokio::time::sleep(every).await;
+        let now = Instant::now();
+        let lease = config.lease.min(cap.saturating_duration_since(now));
+        if lease.is_zero() {
+            tracing::warn!(
+                target: "retrysafe::idempotency",
+                record = ?id,
+                "handler exceeded max_execution; its lease is no longer renewed"
+            );
+            break;
+        }
+        match bounded(config, None, config.store.renew(id, token, lease)).await {
+            Ok(()) => *lease_until = now + lease,
+            Err(StoreError::StaleToken) => {
+                tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
+                break;
+            }
+            Err(e) => {
+                tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "lease renewal failed");
+            }
+        }
+        if lease < config.lease {
+            break; // the last renewal, capped by max_execution
+        }
+    }
+    std::future::pending::<()>().await;
 }
