@@ -1319,3 +1319,173 @@ fn _get_route_compiles() -> Router {
         .route("/x", get(|| async { "x" }))
         .layer(IdempotencyLayer::in_memory())
 }
+
+// Absurd values are refused rather than overflowing deadline arithmetic later.
+#[test]
+fn huge_configuration_values_are_refused() {
+    assert!(IdempotencyLayer::in_memory().lease(Duration::MAX).is_err());
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_execution(Duration::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .wait_for_in_flight(Duration::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .store_timeout(Duration::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .retention(Duration::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_stored_response(usize::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_request_body(usize::MAX)
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .retention(Duration::from_secs(365 * 86_400))
+            .is_ok()
+    );
+}
+
+// fail_open never runs a handler past a record that exists: a waiter whose store
+// fails while the holder runs gets 503, not an unguarded second run.
+#[tokio::test(start_paused = true)]
+async fn fail_open_never_runs_past_an_existing_record() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone())
+        .fail_open()
+        .wait_for_in_flight(Duration::from_secs(5))
+        .unwrap();
+    let (app, effects) = make_app(layer);
+    let first = tokio::spawn({
+        let app = app.clone();
+        let r = post_req(Some("k"), "")
+            .header("x-sleep-ms", "3000")
+            .body(Body::from("a"))
+            .unwrap();
+        async move { send(&app, r).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let dup = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, req("k", "a")).await }
+    });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    // The store goes down while the duplicate waits.
+    store.fail_all(true);
+    let dup = dup.await.unwrap();
+    assert_problem(&dup, ProblemKind::StoreUnavailable);
+    store.fail_all(false);
+    assert_eq!(first.await.unwrap().0, StatusCode::CREATED);
+    assert_eq!(effects.get(), 1);
+}
+
+// A streaming response that outlives max_execution is not held back forever: it is
+// recorded as not stored and streams on.
+#[tokio::test(start_paused = true)]
+async fn slow_response_body_is_bounded_by_max_execution() {
+    let layer = IdempotencyLayer::in_memory()
+        .max_execution(Duration::from_secs(5))
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(|| async {
+                let chunks = futures_util::stream::unfold(0u32, |n| async move {
+                    if n == 10 {
+                        return None;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    Some((Ok::<_, std::io::Error>(Bytes::from("chunk ")), n + 1))
+                });
+                (StatusCode::CREATED, Body::from_stream(chunks))
+            }),
+        )
+        .layer(layer)
+        .layer(axum::middleware::map_request(auth));
+    let start = tokio::time::Instant::now();
+    let res = app.clone().oneshot(req("k", "a")).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    assert!(
+        start.elapsed() <= Duration::from_secs(6),
+        "headers after max_execution at most"
+    );
+    let body = to_bytes(res.into_body(), usize::MAX).await.unwrap();
+    assert_eq!(
+        body,
+        "chunk ".repeat(10),
+        "the first client still gets every byte"
+    );
+    let later = send(&app, req("k", "a")).await;
+    assert_problem(&later, ProblemKind::ResponseNotStored);
+}
+
+// A response that arrives as one frame larger than the storable limit is streamed on
+// as it is, and the key is never re-run.
+#[tokio::test]
+async fn one_huge_frame_is_passed_on() {
+    let layer = IdempotencyLayer::in_memory()
+        .max_stored_response(10)
+        .unwrap();
+    let (app, effects) = make_app(layer);
+    let mk = || {
+        post_req(Some("k"), "")
+            .header("x-big", "100000")
+            .body(Body::from("a"))
+            .unwrap()
+    };
+    assert_eq!(send(&app, mk()).await.2.len(), 100_000);
+    assert_problem(&send(&app, mk()).await, ProblemKind::ResponseNotStored);
+    assert_eq!(effects.get(), 1);
+}
+
+// A completed record heavier than the whole MemoryStore is kept as a "not stored"
+// marker, never silently dropped (which would let a retry run again).
+#[tokio::test]
+async fn record_heavier_than_the_store_is_kept_as_a_marker() {
+    let store = MemoryStore::builder().max_bytes(4096).build().unwrap();
+    let (app, effects) = make_app(IdempotencyLayer::new(store));
+    let mk = || {
+        post_req(Some("k"), "")
+            .header("x-big", "10000")
+            .body(Body::from("a"))
+            .unwrap()
+    };
+    assert_eq!(send(&app, mk()).await.2.len(), 10_000);
+    assert_problem(&send(&app, mk()).await, ProblemKind::ResponseNotStored);
+    assert_eq!(effects.get(), 1);
+}
+
+// Concurrent commit_point calls share one store write: none of them passes on the
+// strength of a write that fails.
+#[tokio::test]
+async fn concurrent_commit_points_share_one_write() {
+    let store = MemoryStore::new();
+    let scope = Scope::from(&Principal::new("alice"));
+    let key = IdempotencyKey::new("k").unwrap();
+    // No claim is held with this token: the store refuses it.
+    let ctx = IdempotencyContext::new(
+        scope,
+        key,
+        Token::random(),
+        retrysafe_core::store::BoxStore::new(store),
+        Duration::from_secs(1),
+    );
+    let (a, b, c) = tokio::join!(ctx.commit_point(), ctx.commit_point(), ctx.commit_point());
+    assert!(a.is_err() && b.is_err() && c.is_err());
+    assert!(!ctx.is_committed());
+}

@@ -1,6 +1,6 @@
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::ids::child_key;
@@ -30,7 +30,8 @@ struct Inner {
     token: Token,
     store: Option<BoxStore>,
     store_timeout: Duration,
-    committed: AtomicBool,
+    /// Set once the commit point was written; concurrent callers share one write.
+    committed: tokio::sync::OnceCell<()>,
     sequence: AtomicU64,
 }
 
@@ -69,7 +70,7 @@ impl IdempotencyContext {
                 token,
                 store,
                 store_timeout,
-                committed: AtomicBool::new(false),
+                committed: tokio::sync::OnceCell::new(),
                 sequence: AtomicU64::new(0),
             }),
         }
@@ -102,26 +103,28 @@ impl IdempotencyContext {
     /// Writes to the store once (later calls return at once). If it fails, do not
     /// perform the effect: the claim may already belong to another copy.
     pub async fn commit_point(&self) -> Result<(), StoreError> {
-        if self.inner.committed.swap(true, Ordering::AcqRel) {
-            return Ok(());
-        }
-        let Some(store) = &self.inner.store else {
-            return Ok(());
-        };
-        let write = store.commit_point(&self.inner.id, self.inner.token);
-        let result = match tokio::time::timeout(self.inner.store_timeout, write).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout),
-        };
-        if result.is_err() {
-            self.inner.committed.store(false, Ordering::Release);
-        }
-        result
+        // Every caller, concurrent ones included, waits for the one write and sees its
+        // result: nobody passes the commit point on the strength of a write that then
+        // fails. A failed write is tried again by the next call.
+        self.inner
+            .committed
+            .get_or_try_init(|| async {
+                let Some(store) = &self.inner.store else {
+                    return Ok(());
+                };
+                let write = store.commit_point(&self.inner.id, self.inner.token);
+                match tokio::time::timeout(self.inner.store_timeout, write).await {
+                    Ok(r) => r,
+                    Err(_) => Err(StoreError::Timeout),
+                }
+            })
+            .await
+            .map(|_| ())
     }
 
     /// Whether [`commit_point`](IdempotencyContext::commit_point) succeeded.
     pub fn is_committed(&self) -> bool {
-        self.inner.committed.load(Ordering::Acquire)
+        self.inner.committed.initialized()
     }
 
     /// A deterministic key for an outbound call labelled `label`: `H(scope, key,

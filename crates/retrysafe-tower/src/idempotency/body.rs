@@ -93,7 +93,7 @@ pin_project! {
     enum ResKind<B> {
         Full { data: Option<Bytes>, trailers: Option<HeaderMap> },
         Stream { prefix: Option<Bytes>, #[pin] inner: B },
-        Boxed { prefix: Option<Bytes>, inner: Pin<Box<B>> },
+        Boxed { prefix: [Option<Bytes>; 2], inner: Pin<Box<B>> },
     }
 }
 
@@ -116,10 +116,13 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn prefixed(prefix: Bytes, inner: Pin<Box<B>>) -> Self {
+    /// The frames already read (up to two), then the rest of the stream.
+    pub(crate) fn prefixed(prefix: [Option<Bytes>; 2], inner: Pin<Box<B>>) -> Self {
+        let [a, b] = prefix;
+        let keep = |p: Option<Bytes>| p.filter(|p| !p.is_empty());
         ResponseBody {
             kind: ResKind::Boxed {
-                prefix: (!prefix.is_empty()).then_some(prefix),
+                prefix: [keep(a), keep(b)],
                 inner,
             },
         }
@@ -151,7 +154,7 @@ where
                 inner.poll_frame(cx)
             }
             ResKindProj::Boxed { prefix, inner } => {
-                if let Some(p) = prefix.take() {
+                if let Some(p) = prefix.iter_mut().find_map(Option::take) {
                     return Poll::Ready(Some(Ok(Frame::data(p))));
                 }
                 inner.as_mut().poll_frame(cx)
@@ -163,7 +166,9 @@ where
         match &self.kind {
             ResKind::Full { data, trailers } => data.is_none() && trailers.is_none(),
             ResKind::Stream { prefix, inner } => prefix.is_none() && inner.is_end_stream(),
-            ResKind::Boxed { prefix, inner } => prefix.is_none() && inner.is_end_stream(),
+            ResKind::Boxed { prefix, inner } => {
+                prefix.iter().all(Option::is_none) && inner.is_end_stream()
+            }
         }
     }
 
@@ -173,23 +178,19 @@ where
                 SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
             }
             ResKind::Stream { prefix, inner } => prefixed_hint(prefix.as_ref(), inner.size_hint()),
-            ResKind::Boxed { prefix, inner } => prefixed_hint(prefix.as_ref(), inner.size_hint()),
+            ResKind::Boxed { prefix, inner } => {
+                prefixed_hint(prefix.iter().flatten(), inner.size_hint())
+            }
         }
     }
 }
 
-fn prefixed_hint(prefix: Option<&Bytes>, h: SizeHint) -> SizeHint {
-    {
-        {
-            {
-                let extra = prefix.map_or(0, |p| p.len() as u64);
-                let mut out = SizeHint::new();
-                out.set_lower(h.lower().saturating_add(extra));
-                if let Some(u) = h.upper() {
-                    out.set_upper(u.saturating_add(extra));
-                }
-                out
-            }
-        }
+fn prefixed_hint<'a>(prefix: impl IntoIterator<Item = &'a Bytes>, h: SizeHint) -> SizeHint {
+    let extra: u64 = prefix.into_iter().map(|p| p.len() as u64).sum();
+    let mut out = SizeHint::new();
+    out.set_lower(h.lower().saturating_add(extra));
+    if let Some(u) = h.upper() {
+        out.set_upper(u.saturating_add(extra));
     }
+    out
 }

@@ -4,6 +4,7 @@
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -122,6 +123,19 @@ where
     if declared.is_some_and(|n| n > limit as u64) || body.size_hint().lower() > limit as u64 {
         return Ok(too_large(config));
     }
+    // The permit is taken before the body is buffered, so the bound also caps the
+    // memory held by buffered request bodies.
+    let Ok(permit) = Arc::clone(&layer.shared.permits).try_acquire_owned() else {
+        return Ok(problem_response(
+            config,
+            Problem::new(
+                ProblemKind::Overloaded,
+                "too many requests with idempotency keys in progress",
+            )
+            .retry_after(config.unavailable_retry_after),
+        ));
+    };
+
     let body = match read_body(body, limit).await {
         Ok(b) => b,
         Err(ReadError::TooLarge) => return Ok(too_large(config)),
@@ -139,17 +153,6 @@ where
         config
             .fingerprinter
             .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
-
-    let Ok(permit) = Arc::clone(&layer.shared.permits).try_acquire_owned() else {
-        return Ok(problem_response(
-            config,
-            Problem::new(
-                ProblemKind::Overloaded,
-                "too many requests with idempotency keys in progress",
-            )
-            .retry_after(config.unavailable_retry_after),
-        ));
-    };
 
     let task = {
         let layer = layer.clone();
@@ -198,34 +201,52 @@ where
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let mut body = std::pin::pin!(body);
-    let mut first: Option<Bytes> = None;
-    let mut buf: Option<BytesMut> = None;
+    let mut acc = Accumulator::default();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
         let Ok(data) = frame.into_data() else {
             continue; // request trailers are not part of the fingerprint
         };
-        let len = first.as_ref().map_or(0, Bytes::len) + buf.as_ref().map_or(0, BytesMut::len);
-        if len + data.len() > limit {
+        if acc.len() + data.len() > limit {
             return Err(ReadError::TooLarge);
         }
-        match (&mut first, &mut buf) {
-            (None, None) => first = Some(data),
+        acc.push(data);
+    }
+    Ok(acc.freeze())
+}
+
+/// Collects body frames without copying a body that arrives in one frame.
+#[derive(Default)]
+struct Accumulator {
+    first: Option<Bytes>,
+    buf: Option<BytesMut>,
+}
+
+impl Accumulator {
+    fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.buf.as_ref().map_or(0, BytesMut::len)
+    }
+
+    fn push(&mut self, data: Bytes) {
+        match (self.first.take(), &mut self.buf) {
+            (None, None) => self.first = Some(data),
             (Some(f), None) => {
                 let mut b = BytesMut::with_capacity(f.len() + data.len());
-                b.extend_from_slice(f);
+                b.extend_from_slice(&f);
                 b.extend_from_slice(&data);
-                first = None;
-                buf = Some(b);
+                self.buf = Some(b);
             }
             (_, Some(b)) => b.extend_from_slice(&data),
         }
     }
-    Ok(match (first, buf) {
-        (_, Some(b)) => b.freeze(),
-        (Some(f), None) => f,
-        (None, None) => Bytes::new(),
-    })
+
+    fn freeze(self) -> Bytes {
+        match (self.first, self.buf) {
+            (_, Some(b)) => b.freeze(),
+            (Some(f), None) => f,
+            (None, None) => Bytes::new(),
+        }
+    }
 }
 
 /// Inside the spawned task: claim (and wait, in wait mode), then replay or run.
@@ -248,6 +269,8 @@ where
     let id = RecordId::new(&scope, &key);
     let deadline = parts.extensions.get::<Deadline>().copied();
     let started = Instant::now();
+    let mut seen_record = false;
+    let mut waited = false;
     loop {
         let claim = Claim {
             token: Token::random(),
@@ -281,8 +304,26 @@ where
                 record,
                 became_unknown,
             }) => (record, became_unknown),
-            Err(e) => return store_failed(config, inner, parts, body, &e).await,
+            Err(e) => {
+                if matches!(e, StoreError::Timeout) {
+                    // The claim may have landed after we stopped waiting: take it back,
+                    // best effort and in the background (bounded by the store timeout),
+                    // so the key does not sit in progress for a lease.
+                    let store = config.store.clone();
+                    let timeout = config.store_timeout;
+                    layer.shared.tracker.spawn(async move {
+                        let _ =
+                            tokio::time::timeout(timeout, store.release(&id, claim.token)).await;
+                    });
+                }
+                // Fail open only when no record was seen and the store is just down:
+                // never past a record that exists, never over corrupt data.
+                let may_run =
+                    !seen_record && matches!(e, StoreError::Timeout | StoreError::Unavailable(_));
+                return store_failed(config, inner, parts, body, &e, may_run).await;
+            }
         };
+        seen_record = true;
         if became_unknown {
             reconcile(config, &id, UnknownReason::LeaseExpired);
         }
@@ -322,7 +363,10 @@ where
                 ));
             }
             Decision::InFlight => {
-                emit(config, EventKind::Conflict, &id);
+                if !waited {
+                    emit(config, EventKind::Conflict, &id);
+                }
+                waited = true;
                 let (max, retry_after) = match config.in_flight {
                     InFlight::Conflict { retry_after } => (Duration::ZERO, retry_after),
                     InFlight::Wait { max, retry_after } => (max, retry_after),
@@ -338,15 +382,19 @@ where
                         .retry_after(retry_after),
                     ));
                 }
-                let wait =
-                    tokio::time::timeout(left + config.store_timeout, config.store.wait(&id, left))
-                        .await;
+                let wait = tokio::time::timeout(
+                    left.saturating_add(config.store_timeout),
+                    config.store.wait(&id, left),
+                )
+                .await;
                 match wait {
                     Ok(Ok(())) => {}
-                    Ok(Err(e)) => return store_failed(config, inner, parts, body, &e).await,
+                    Ok(Err(e)) => {
+                        return store_failed(config, inner, parts, body, &e, false).await;
+                    }
                     Err(_) => {
-                        return store_failed(config, inner, parts, body, &StoreError::Timeout)
-                            .await;
+                        let e = StoreError::Timeout;
+                        return store_failed(config, inner, parts, body, &e, false).await;
                     }
                 }
             }
@@ -354,19 +402,21 @@ where
     }
 }
 
-/// The store failed: 503 (fail closed), or run unguarded (fail open).
+/// The store failed: 503 (fail closed), or, when `may_run` and `fail_open()`, run
+/// unguarded.
 async fn store_failed<S, B, ResB>(
     config: &Config,
     mut inner: S,
     parts: Parts,
     body: Bytes,
     error: &StoreError,
+    may_run: bool,
 ) -> Result<Res<ResB>, S::Error>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResB>>,
     ResB: Body<Data = Bytes>,
 {
-    if config.fail_open {
+    if config.fail_open && may_run {
         tracing::warn!(
             target: "retrysafe::idempotency",
             error = %error,
@@ -422,25 +472,24 @@ where
     parts.extensions.insert(ctx);
     let req = Request::from_parts(parts, RequestBody::buffered(body));
     let claimed_at = Instant::now();
-    let mut lease_until = claimed_at + config.lease;
+    let lease = Lease::new(claimed_at, config.lease);
     let cap = claimed_at + config.max_execution;
 
     let handler = AssertUnwindSafe(async move { inner.call(req).await }).catch_unwind();
     let mut handler = std::pin::pin!(handler);
-    // The lease is renewed concurrently with the handler (never delaying it), every
-    // third of a lease, and never past `max_execution`.
-    let outcome = {
-        let renewals = renew_lease(config, &id, token, cap, &mut lease_until);
-        let mut renewals = std::pin::pin!(renewals);
-        tokio::select! {
-            biased;
-            out = &mut handler => out,
-            () = &mut renewals => handler.await,
-        }
+    // The lease is renewed concurrently with the handler and the capture of its
+    // response (never delaying them), every third of a lease, never past
+    // `max_execution`; it stops before the record is written.
+    let mut renewals = Box::pin(renew_lease(config, &id, token, cap, &lease));
+    let outcome = tokio::select! {
+        biased;
+        out = &mut handler => out,
+        () = &mut renewals => handler.await,
     };
 
+    let lease = &lease;
     let unknown = |reason: UnknownReason| async move {
-        let r = write_with_retry(config, lease_until, || {
+        let r = write_with_retry(config, lease.until(), || {
             config.store.mark_unknown(&id, token, config.retention)
         })
         .await;
@@ -455,6 +504,7 @@ where
 
     let response = match outcome {
         Err(_panic) => {
+            drop(renewals);
             unknown(UnknownReason::Panicked).await;
             return Ok(problem_response(
                 config,
@@ -462,6 +512,7 @@ where
             ));
         }
         Ok(Err(e)) => {
+            drop(renewals);
             unknown(UnknownReason::ServiceError).await;
             return Err(e);
         }
@@ -471,8 +522,9 @@ where
     let no_effect = response.extensions().get::<NoEffect>().is_some();
     match Disposition::of(response.status(), no_effect) {
         Disposition::Release => {
+            drop(renewals);
             if let Err(e) =
-                write_with_retry(config, lease_until, || config.store.release(&id, token)).await
+                write_with_retry(config, lease.until(), || config.store.release(&id, token)).await
             {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not release the record");
                 emit(config, EventKind::CompletionLost, &id);
@@ -480,6 +532,7 @@ where
             Ok(response.map(ResponseBody::stream))
         }
         Disposition::OutcomeUnknown => {
+            drop(renewals);
             unknown(UnknownReason::Status(response.status())).await;
             let mut response = response.map(ResponseBody::stream);
             response
@@ -489,7 +542,17 @@ where
         }
         Disposition::Store => {
             let (head, body) = response.into_parts();
-            match capture(body, config.max_stored_response).await {
+            let capturing =
+                AssertUnwindSafe(capture(body, config.max_stored_response, cap)).catch_unwind();
+            let mut capturing = std::pin::pin!(capturing);
+            let captured = tokio::select! {
+                biased;
+                c = &mut capturing => c,
+                () = &mut renewals => capturing.await,
+            };
+            drop(renewals);
+            // A panic while the body was produced is a failed body.
+            match captured.unwrap_or(Captured::Failed) {
                 Captured::Whole { data, trailers } => {
                     let stored = StoredResponse::capture(
                         head.status,
@@ -502,7 +565,7 @@ where
                         fingerprint,
                         response: Some(stored),
                     };
-                    complete(config, &id, token, &done, lease_until).await;
+                    complete(config, &id, token, &done, lease.until()).await;
                     Ok(Response::from_parts(
                         head,
                         ResponseBody::full(data, trailers),
@@ -513,7 +576,7 @@ where
                         fingerprint,
                         response: None,
                     };
-                    complete(config, &id, token, &done, lease_until).await;
+                    complete(config, &id, token, &done, lease.until()).await;
                     Ok(Response::from_parts(
                         head,
                         ResponseBody::prefixed(prefix, rest),
@@ -592,37 +655,45 @@ enum Captured<B> {
         trailers: Option<HeaderMap>,
     },
     TooLarge {
-        prefix: Bytes,
+        prefix: [Option<Bytes>; 2],
         rest: std::pin::Pin<Box<B>>,
     },
     Failed,
 }
 
-/// Collects a response body up to `limit` bytes; past it, returns what was read and the
-/// rest of the stream.
-async fn capture<B>(body: B, limit: usize) -> Captured<B>
+/// Collects a response body up to `limit` bytes and until `until`; past either, returns
+/// what was read and the rest of the stream (the response is then not stored).
+async fn capture<B>(body: B, limit: usize, until: Instant) -> Captured<B>
 where
     B: Body<Data = Bytes>,
 {
     let mut body = Box::pin(body);
-    let mut buf = BytesMut::new();
-    let mut trailers = None;
+    let mut acc = Accumulator::default();
+    let mut trailers: Option<HeaderMap> = None;
     loop {
-        let Some(frame) = body.frame().await else {
-            break;
+        let frame = match tokio::time::timeout_at(until, body.frame()).await {
+            Ok(Some(frame)) => frame,
+            Ok(None) => break,
+            Err(_) => {
+                return Captured::TooLarge {
+                    prefix: [Some(acc.freeze()), None],
+                    rest: body,
+                };
+            }
         };
         let Ok(frame) = frame else {
             return Captured::Failed;
         };
         match frame.into_data() {
             Ok(data) => {
-                buf.extend_from_slice(&data);
-                if buf.len() > limit {
+                if acc.len() + data.len() > limit {
+                    // The oversize frame is passed on as it is, never copied.
                     return Captured::TooLarge {
-                        prefix: buf.freeze(),
+                        prefix: [Some(acc.freeze()), Some(data)],
                         rest: body,
                     };
                 }
+                acc.push(data);
             }
             Err(frame) => {
                 if let Ok(t) = frame.into_trailers() {
@@ -635,20 +706,14 @@ where
         }
     }
     Captured::Whole {
-        data: buf.freeze(),
+        data: acc.freeze(),
         trailers,
     }
 }
 
 /// Renews a claim's lease every third of a lease until `cap`, the lease is lost, or the
-/// future is dropped (the handler finished). Updates `lease_until` on every renewal.
-async fn renew_lease(
-    config: &Config,
-    id: &RecordId,
-    token: Token,
-    cap: Instant,
-    lease_until: &mut Instant,
-) {
+/// future is dropped (the handler finished). Updates `lease` on every renewal.
+async fn renew_lease(config: &Config, id: &RecordId, token: Token, cap: Instant, state: &Lease) {
     let every = config.lease / 3;
     loop {
         tokio::time::sleep(every).await;
@@ -663,7 +728,7 @@ async fn renew_lease(
             break;
         }
         match bounded(config, None, config.store.renew(id, token, lease)).await {
-            Ok(()) => *lease_until = now + lease,
+            Ok(()) => state.renewed(now, lease),
             Err(StoreError::StaleToken) => {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
                 break;
@@ -677,4 +742,35 @@ async fn renew_lease(
         }
     }
     std::future::pending::<()>().await;
+}
+
+/// The end of a claim's lease, as the holder last renewed it. Shared between the
+/// renewal future and the writes that must finish while the lease lasts.
+struct Lease {
+    claimed_at: Instant,
+    /// Nanoseconds from `claimed_at` to the end of the lease.
+    until_nanos: AtomicU64,
+}
+
+impl Lease {
+    fn new(claimed_at: Instant, lease: Duration) -> Self {
+        Lease {
+            claimed_at,
+            until_nanos: AtomicU64::new(nanos(lease)),
+        }
+    }
+
+    fn renewed(&self, at: Instant, lease: Duration) {
+        let since = at.saturating_duration_since(self.claimed_at);
+        self.until_nanos
+            .store(nanos(since.saturating_add(lease)), Ordering::Relaxed);
+    }
+
+    fn until(&self) -> Instant {
+        self.claimed_at + Duration::from_nanos(self.until_nanos.load(Ordering::Relaxed))
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

@@ -151,9 +151,24 @@ impl fmt::Debug for IdempotencyLayer {
 const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
 const MIB: usize = 1024 * 1024;
 
+/// The longest lease, execution, wait or store timeout accepted (30 days): larger
+/// values are configuration mistakes, and refusing them keeps every deadline
+/// arithmetic in range.
+const MAX_SPAN: Duration = retrysafe_core::wire::MAX_TIMEOUT;
+/// The longest retention accepted (366 days).
+const MAX_RETENTION: Duration = Duration::from_secs(366 * 24 * 60 * 60);
+/// The largest body limit accepted (1 GiB): record lengths are 32-bit.
+const MAX_BODY_LIMIT: usize = 1 << 30;
+
 fn positive(d: Duration, field: &'static str) -> Result<Duration, ConfigError> {
+    within(d, field, MAX_SPAN)
+}
+
+fn within(d: Duration, field: &'static str, max: Duration) -> Result<Duration, ConfigError> {
     if d.is_zero() {
         Err(ConfigError::new(field, "must be greater than zero"))
+    } else if d > max {
+        Err(ConfigError::new(field, "is too large"))
     } else {
         Ok(d)
     }
@@ -272,10 +287,10 @@ impl IdempotencyLayer {
     /// The largest request body accepted on guarded requests (default 1 MiB); larger
     /// ones get 413 before any claim.
     pub fn max_request_body(self, bytes: usize) -> Result<Self, ConfigError> {
-        if bytes == 0 {
+        if bytes == 0 || bytes > MAX_BODY_LIMIT {
             return Err(ConfigError::new(
                 "max_request_body",
-                "must be greater than zero",
+                "must be between 1 byte and 1 GiB",
             ));
         }
         Ok(self.config(|c| c.max_request_body = bytes))
@@ -285,12 +300,19 @@ impl IdempotencyLayer {
     /// as not replayable before the rest streams to the client; later copies get 409
     /// `response-not-stored`.
     pub fn max_stored_response(self, bytes: usize) -> Result<Self, ConfigError> {
+        if bytes > MAX_BODY_LIMIT {
+            return Err(ConfigError::new(
+                "max_stored_response",
+                "must be at most 1 GiB",
+            ));
+        }
         Ok(self.config(|c| c.max_stored_response = bytes))
     }
 
-    /// How long completed and `outcome_unknown` records are kept (default 24 h).
+    /// How long completed and `outcome_unknown` records are kept (default 24 h, at most
+    /// 366 days).
     pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
-        let r = positive(retention, "retention")?;
+        let r = within(retention, "retention", MAX_RETENTION)?;
         Ok(self.config(|c| c.retention = r))
     }
 

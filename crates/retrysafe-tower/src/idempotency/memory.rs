@@ -401,7 +401,7 @@ impl Inner {
             .eviction_policy(EvictionPolicy::lru())
             .weigher(|_id: &RecordId, value: &Cached| value.weight())
             .expire_after(GcAfter);
-        if on_evicted.is_some() {
+        {
             let evictions = Arc::clone(&evictions);
             builder = builder.eviction_listener(
                 move |id: Arc<RecordId>, value: Cached, cause: RemovalCause| {
@@ -469,6 +469,24 @@ impl Inner {
     /// lock.
     fn put(&self, id: RecordId, bytes: Bytes, now: Instant, retention: Duration) {
         let retention = retention.min(MAX_SPAN);
+        // A record heavier than the whole cache would be evicted at once and a retry
+        // would run again: keep the small "not stored" marker instead.
+        let weight = u64::try_from(bytes.len())
+            .unwrap_or(u64::MAX)
+            .saturating_add(KEY_BYTES)
+            .saturating_add(MemoryStore::ENTRY_OVERHEAD);
+        let bytes = if weight > self.max_bytes {
+            match Record::decode(bytes.clone()) {
+                Ok(Record::Completed(c)) => Record::Completed(Completed {
+                    fingerprint: c.fingerprint,
+                    response: None,
+                })
+                .encode(),
+                _ => bytes,
+            }
+        } else {
+            bytes
+        };
         self.cache.insert(
             id,
             Cached {
@@ -691,9 +709,6 @@ impl Inner {
 
     /// Calls the hook for records the cache evicted early (outside every store lock).
     fn flush_evicted(&self) {
-        let Some(hook) = &self.on_evicted else {
-            return;
-        };
         if !self.evictions.pending.load(Ordering::Acquire)
             || !self.evictions.pending.swap(false, Ordering::AcqRel)
         {
@@ -701,7 +716,15 @@ impl Inner {
         }
         let ids = std::mem::take(&mut *lock(&self.evictions.ids));
         for id in &ids {
-            hook(id);
+            tracing::warn!(
+                target: "retrysafe::idempotency",
+                event = "evicted",
+                record = ?id,
+                "completed idempotency record evicted before its retention (MemoryStore max_bytes)"
+            );
+            if let Some(hook) = &self.on_evicted {
+                hook(id);
+            }
         }
     }
 }
