@@ -120,7 +120,9 @@ where
         .get(CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let mut body = std::pin::pin!(body);
     if declared.is_some_and(|n| n > limit as u64) || body.size_hint().lower() > limit as u64 {
+        drain(body.as_mut()).await;
         return Ok(too_large(config));
     }
     // The permit is taken before the body is buffered, so the bound also caps the
@@ -136,9 +138,12 @@ where
         ));
     };
 
-    let body = match read_body(body, limit).await {
+    let body = match read_body(body.as_mut(), limit).await {
         Ok(b) => b,
-        Err(ReadError::TooLarge) => return Ok(too_large(config)),
+        Err(ReadError::TooLarge) => {
+            drain(body.as_mut()).await;
+            return Ok(too_large(config));
+        }
         Err(ReadError::Failed(e)) => {
             return Ok(problem_response(
                 config,
@@ -195,12 +200,30 @@ enum ReadError {
     Failed(Box<dyn std::error::Error + Send + Sync>),
 }
 
-async fn read_body<B>(body: B, limit: usize) -> Result<Bytes, ReadError>
+/// How much of a refused request body is read and discarded before the 413 is sent,
+/// and for how long: a client that is still sending when the server answers and closes
+/// gets a connection reset instead of the answer (HTTP/1.1 has no better way). Bounded,
+/// so a huge or endless body costs at most this.
+const DRAIN_BYTES: usize = 8 * 1024 * 1024;
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+async fn drain<B: Body<Data = Bytes>>(mut body: std::pin::Pin<&mut B>) {
+    let mut left = DRAIN_BYTES;
+    let until = Instant::now() + DRAIN_TIME;
+    while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(until, body.frame()).await {
+        let n = frame.data_ref().map_or(0, Bytes::len);
+        match left.checked_sub(n) {
+            Some(l) => left = l,
+            None => return,
+        }
+    }
+}
+
+async fn read_body<B>(mut body: std::pin::Pin<&mut B>, limit: usize) -> Result<Bytes, ReadError>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let mut body = std::pin::pin!(body);
     let mut acc = Accumulator::default();
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
