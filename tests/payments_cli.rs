@@ -232,6 +232,36 @@ impl Api {
         self.send(req).await
     }
 
+    /// `copies` identical payments sent at once, each delayed by the server for
+    /// `delay_ms` before its effect.
+    async fn pay_concurrently(
+        &self,
+        copies: usize,
+        key: &str,
+        account: &str,
+        amount: i64,
+        delay_ms: &str,
+    ) -> Vec<Answer> {
+        let sends = (0..copies).map(|_| {
+            let api = self.clone();
+            let (key, account, delay) = (key.to_owned(), account.to_owned(), delay_ms.to_owned());
+            tokio::spawn(async move {
+                api.pay(
+                    &key,
+                    &account,
+                    amount,
+                    &[("x-simulate-delay-ms", delay.as_str())],
+                )
+                .await
+            })
+        });
+        futures_util::future::join_all(sends)
+            .await
+            .into_iter()
+            .map(Result::unwrap)
+            .collect()
+    }
+
     /// `GET /payments?account=A`: (count, total_cents).
     async fn totals(&self, account: &str) -> (u64, i64) {
         let res = self
@@ -337,23 +367,9 @@ async fn concurrent_duplicates_have_one_effect() {
     let server = Server::start(&[]);
     let api = Api::new(&server);
 
-    let copies = (0..30).map(|_| {
-        let api = api.clone();
-        tokio::spawn(async move {
-            api.pay(
-                "concurrent-1",
-                "acct-concurrent",
-                990,
-                &[("x-simulate-delay-ms", "600")],
-            )
-            .await
-        })
-    });
-    let answers: Vec<Answer> = futures_util::future::join_all(copies)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let answers = api
+        .pay_concurrently(30, "concurrent-1", "acct-concurrent", 990, "600")
+        .await;
 
     let created: Vec<&Answer> = answers
         .iter()
@@ -476,23 +492,9 @@ async fn in_flight_wait_gives_every_copy_the_answer() {
     let server = Server::start(&["--in-flight", "wait"]);
     let api = Api::new(&server);
 
-    let copies = (0..10).map(|_| {
-        let api = api.clone();
-        tokio::spawn(async move {
-            api.pay(
-                "wait-1",
-                "acct-wait",
-                300,
-                &[("x-simulate-delay-ms", "500")],
-            )
-            .await
-        })
-    });
-    let answers: Vec<Answer> = futures_util::future::join_all(copies)
-        .await
-        .into_iter()
-        .map(Result::unwrap)
-        .collect();
+    let answers = api
+        .pay_concurrently(10, "wait-1", "acct-wait", 300, "500")
+        .await;
     for a in &answers {
         a.assert_created("acct-wait", 300);
         assert_eq!(a.body, answers[0].body, "every copy gets the same answer");

@@ -502,8 +502,9 @@ where
     let mut handler = std::pin::pin!(handler);
     // The lease is renewed concurrently with the handler and the capture of its
     // response (never delaying them), every third of a lease, never past
-    // `max_execution`; it stops before the record is written.
-    let mut renewals = Box::pin(renew_lease(config, &id, token, cap, &lease));
+    // `max_execution`. It is only polled inside the two `select!`s below, so it stops
+    // (is simply no longer polled) before the record is written.
+    let mut renewals = std::pin::pin!(renew_lease(config, &id, token, cap, &lease));
     let outcome = tokio::select! {
         biased;
         out = &mut handler => out,
@@ -527,7 +528,6 @@ where
 
     let response = match outcome {
         Err(_panic) => {
-            drop(renewals);
             unknown(UnknownReason::Panicked).await;
             return Ok(problem_response(
                 config,
@@ -535,7 +535,6 @@ where
             ));
         }
         Ok(Err(e)) => {
-            drop(renewals);
             unknown(UnknownReason::ServiceError).await;
             return Err(e);
         }
@@ -545,7 +544,6 @@ where
     let no_effect = response.extensions().get::<NoEffect>().is_some();
     match Disposition::of(response.status(), no_effect) {
         Disposition::Release => {
-            drop(renewals);
             if let Err(e) =
                 write_with_retry(config, lease.until(), || config.store.release(&id, token)).await
             {
@@ -555,7 +553,6 @@ where
             Ok(response.map(ResponseBody::stream))
         }
         Disposition::OutcomeUnknown => {
-            drop(renewals);
             unknown(UnknownReason::Status(response.status())).await;
             let mut response = response.map(ResponseBody::stream);
             response
@@ -573,7 +570,6 @@ where
                 c = &mut capturing => c,
                 () = &mut renewals => capturing.await,
             };
-            drop(renewals);
             // A panic while the body was produced is a failed body.
             match captured.unwrap_or(Captured::Failed) {
                 Captured::Whole { data, trailers } => {

@@ -306,6 +306,14 @@ impl InFlight {
     }
 }
 
+/// The cache weight of an encoded record: its bytes, its key and the per-entry overhead.
+fn weight_of(encoded: &Bytes) -> u64 {
+    u64::try_from(encoded.len())
+        .unwrap_or(u64::MAX)
+        .saturating_add(KEY_BYTES)
+        .saturating_add(MemoryStore::ENTRY_OVERHEAD)
+}
+
 /// A completed or `outcome_unknown` record in the cache.
 #[derive(Clone)]
 struct Cached {
@@ -319,11 +327,7 @@ struct Cached {
 
 impl Cached {
     fn weight(&self) -> u32 {
-        let bytes = u64::try_from(self.bytes.len()).unwrap_or(u64::MAX);
-        let weight = bytes
-            .saturating_add(KEY_BYTES)
-            .saturating_add(MemoryStore::ENTRY_OVERHEAD);
-        u32::try_from(weight).unwrap_or(u32::MAX)
+        u32::try_from(weight_of(&self.bytes)).unwrap_or(u32::MAX)
     }
 }
 
@@ -471,11 +475,7 @@ impl Inner {
         let retention = retention.min(MAX_SPAN);
         // A record heavier than the whole cache would be evicted at once and a retry
         // would run again: keep the small "not stored" marker instead.
-        let weight = u64::try_from(bytes.len())
-            .unwrap_or(u64::MAX)
-            .saturating_add(KEY_BYTES)
-            .saturating_add(MemoryStore::ENTRY_OVERHEAD);
-        let bytes = if weight > self.max_bytes {
+        let bytes = if weight_of(&bytes) > self.max_bytes {
             match Record::decode(bytes.clone()) {
                 Ok(Record::Completed(c)) => Record::Completed(Completed {
                     fingerprint: c.fingerprint,
