@@ -9,16 +9,29 @@
 //! - [`idempotency`]: scopes, record keys, fingerprints, tokens, the record states and
 //!   their versioned byte encoding, the decision table of the `IdempotencyLayer`, and the
 //!   [`IdempotencyContext`](idempotency::IdempotencyContext) handlers see;
+//! - [`CallContext`]: what an inbound request passes to the outbound calls made for it
+//!   (deadline, retry point, idempotency record, whether downstream gave up);
+//! - [`classify`]: what an attempt's outcome means (retry safety, throttle, timeout,
+//!   fault side, requested delay), shared by retry, budget and breaker;
+//! - [`backoff`], [`budget`] and [`strategy`]: delays with jitter, retry budgets, and
+//!   the Smithy-shaped retry strategy; [`error`]: the client layers' typed errors;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
 //!   suite every backend passes.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+pub mod backoff;
+pub mod budget;
+pub mod classify;
 mod config;
+mod context;
 mod deadline;
+pub mod error;
 pub mod idempotency;
 pub mod store;
+pub mod strategy;
 pub mod wire;
 
 pub use config::ConfigError;
+pub use context::{CallContext, Scoped};
 pub use deadline::Deadline;

@@ -7,6 +7,9 @@
 
 #[cfg(feature = "idempotency")]
 pub mod idempotency;
+pub mod local;
+#[cfg(feature = "retry")]
+pub mod retry;
 #[cfg(feature = "idempotency")]
 pub mod server;
 

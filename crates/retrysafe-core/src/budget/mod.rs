@@ -1,0 +1,440 @@
+//! Retry budgets: a shared allowance that every retry to one downstream must draw from,
+//! refilled by the requests that downstream serves.
+//!
+//! # Why budgets and not only a maximum number of attempts?
+//!
+//! A maximum number of attempts bounds the retries of one request, not the load they
+//! add: when a downstream starts failing, every request retries, and 3 attempts per
+//! request triple the load on a service that is already struggling. Worse, attempts
+//! multiply across hops: when each of `depth` tiers makes 3 attempts, the deepest one
+//! sees 3^`depth` calls per top-level request (81 at depth 4) — a retry storm that
+//! grows with depth and turns a small fault into a self-inflicted denial of service.
+//!
+//! A budget bounds the *share* of retries instead: the default
+//! [ratio budget](RetryBudget::ratio) allows retries of at most 20 % of the requests of
+//! the last 10 s (plus a small floor), so one tier adds at most a fifth to the load
+//! of the next, however badly it fails; together with the `do-not-retry` signal of the
+//! wire convention, which keeps retries at one tier, the load of a storm stays bounded
+//! at any depth. The [token bucket](RetryBudget::token_bucket) of the AWS SDKs'
+//! standard retry mode is the other kind: every retry costs tokens, successes earn a
+//! few back.
+//!
+//! # Use
+//!
+//! One budget is shared (a [`RetryBudget`] is a cheap `Clone` handle) by every client of
+//! one downstream. Call [`deposit`](RetryBudget::deposit) exactly once per logical
+//! request (not per attempt), [`withdraw`](RetryBudget::withdraw) once before every
+//! retry — `false` means the budget refused it, and a refused withdrawal takes nothing
+//! — and [`record_success`](RetryBudget::record_success) when a request succeeds.
+//! Each kind ignores the calls it has no use for, so callers need not know which kind
+//! they hold.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use retrysafe_core::budget::{RetryBudget, RetryCost};
+//!
+//! // The default: retries ≤ 20 % of the requests of the last 10 s, plus 10 retries/s.
+//! let budget = RetryBudget::ratio();
+//! for _ in 0..1000 {
+//!     budget.deposit(); // once per logical request
+//! }
+//! assert_eq!(budget.available_retries(), 100 + 200); // the floor + 20 % of 1000
+//! let mut retries = 0;
+//! while budget.withdraw(RetryCost::Failure) {
+//!     retries += 1; // ... retry the request ...
+//! }
+//! assert_eq!(retries, 300);
+//!
+//! // 10 s later, those requests and retries have left the window: only the floor is left.
+//! tokio::time::advance(Duration::from_secs(10)).await;
+//! assert_eq!(budget.available_retries(), 100);
+//!
+//! // The AWS standard mode: 500 tokens, a retry costs 5, a retry after a timeout 10.
+//! let bucket = RetryBudget::token_bucket();
+//! assert!(bucket.withdraw(RetryCost::Timeout));
+//! assert_eq!(bucket.available_retries(), 98); // 490 tokens / 5
+//! bucket.record_success(Some(RetryCost::Timeout)); // the retry worked: its cost comes back
+//! assert_eq!(bucket.available_retries(), 100);
+//! # }
+//! ```
+//!
+//! # The ratio budget
+//!
+//! Over a sliding window of `ttl` (default 10 s), a ratio budget allows
+//! `min_per_sec × ttl + retry_ratio × deposits` retries, less the retries already
+//! taken in the window. The window is made of 10 buckets of `ttl / 10`, so a deposit or
+//! a withdrawal counts for between 9/10 of `ttl` and `ttl` (exactly until the end of the
+//! 10th bucket after its own). Retries are not weighted: a retry after a timeout takes
+//! one unit like any other, and successes do not matter.
+//!
+//! **The floor is per process and dominates at low rates.** `min_per_sec` (default 10)
+//! lets a client that sends few requests — or has just started — retry at all: it is a
+//! reserve of `min_per_sec × ttl` retries per window (100 by default), which may also be
+//! spent in one burst. Below 50 requests/s it allows more than the 20 %: a process that
+//! sends 10 requests/s may retry every one of them. And it is per budget, so per
+//! process: a fleet of 100 processes sharing a downstream may retry 1000 times per
+//! second however little traffic it sends. Lower `min_per_sec` where that matters.
+//!
+//! # The token bucket
+//!
+//! A token bucket starts full (`capacity`, default 500). A retry takes `retry_cost`
+//! tokens (5), or `timeout_cost` (10) after a timeout, and is refused when the bucket
+//! holds fewer. A success that needed no retry refunds `success_refund` (1); a retry
+//! that succeeds returns its own cost; neither fills the bucket beyond its capacity.
+//! Time plays no part, and [`deposit`](RetryBudget::deposit) does nothing.
+//!
+//! # Concurrency
+//!
+//! Budgets are lock-free. A ratio budget counts deposits in cache-padded stripes, one
+//! per thread (a thread-local index), with one atomic word per time bucket that holds the
+//! bucket's epoch and count together, so the rotation of a bucket cannot race an
+//! increment; depositing threads never write to a shared cache line. A withdrawal reads
+//! every stripe. A token bucket is one cache-padded atomic: a success on a full bucket
+//! only reads it. Time comes from [`tokio::time::Instant`], so budgets follow a paused
+//! test clock.
+
+mod bucket;
+mod ratio;
+mod stripe;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::ConfigError;
+
+use self::bucket::TokenBucket;
+use self::ratio::Ratio;
+
+/// What a retry costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetryCost {
+    /// A retry after an ordinary failure.
+    Failure,
+    /// A retry after a timeout.
+    Timeout,
+}
+
+/// A retry budget: a cheap `Clone` handle (one `Arc`) on state shared by every clone.
+///
+/// Either a [ratio budget](RetryBudget::ratio) (the default) or a
+/// [token bucket](RetryBudget::token_bucket); see the [module documentation](self) for
+/// what each allows and how to call it.
+///
+/// ```
+/// use retrysafe_core::budget::{RetryBudget, RetryCost};
+///
+/// let budget = RetryBudget::default();
+/// let clone = budget.clone();
+/// clone.deposit();
+/// assert!(budget.same_budget(&clone));
+/// assert_eq!(budget.available_retries(), clone.available_retries());
+/// ```
+#[derive(Debug, Clone)]
+pub struct RetryBudget {
+    inner: Arc<Inner>,
+}
+
+/// The two kinds of budget.
+#[derive(Debug)]
+enum Inner {
+    Ratio(Ratio),
+    TokenBucket(TokenBucket),
+}
+
+/// Configuration of a ratio budget.
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_core::budget::{RatioConfig, RetryBudget};
+///
+/// let mut config = RatioConfig::default();
+/// config.ttl = Duration::from_secs(30);
+/// config.min_per_sec = 1;
+/// config.retry_ratio = 0.1;
+/// let budget = RetryBudget::ratio_with(config).unwrap();
+/// assert_eq!(budget.available_retries(), 30); // 1/s × 30 s
+///
+/// config.retry_ratio = f64::NAN;
+/// assert_eq!(RetryBudget::ratio_with(config).unwrap_err().field(), "retry_ratio");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq)]
+#[non_exhaustive]
+pub struct RatioConfig {
+    /// How long a deposit counts: the length of the sliding window, from 1 s to 30 days
+    /// (default 10 s). A deposit counts for between 9/10 of it and all of it.
+    pub ttl: Duration,
+    /// Retries always allowed per second, whatever the traffic (per process; default
+    /// 10): a reserve of `min_per_sec × ttl` retries per window, rounded down.
+    pub min_per_sec: u32,
+    /// Share of requests that may be retried, from 0 to 1000 (default 0.2); 2.0 allows
+    /// two retries per request. Kept to 6 decimal places.
+    pub retry_ratio: f64,
+}
+
+/// Configuration of a token bucket.
+///
+/// ```
+/// use retrysafe_core::budget::{RetryBudget, TokenBucketConfig};
+///
+/// let mut config = TokenBucketConfig::default();
+/// config.capacity = 50;
+/// let bucket = RetryBudget::token_bucket_with(config).unwrap();
+/// assert_eq!(bucket.available_retries(), 10); // 50 tokens / 5
+///
+/// config.timeout_cost = 51;
+/// assert_eq!(RetryBudget::token_bucket_with(config).unwrap_err().field(), "timeout_cost");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TokenBucketConfig {
+    /// Capacity (and initial level); at least 1 (default 500).
+    pub capacity: u32,
+    /// Tokens a retry after a failure costs; 1 to `capacity` (default 5).
+    pub retry_cost: u32,
+    /// Tokens a retry after a timeout costs; 1 to `capacity` (default 10).
+    pub timeout_cost: u32,
+    /// Tokens returned by a success that needed no retry; 0 to `capacity` (default 1).
+    pub success_refund: u32,
+}
+
+/// What a budget holds at one instant, for tests and observability.
+///
+/// ```
+/// use retrysafe_core::budget::{BudgetSnapshot, RetryBudget};
+///
+/// let budget = RetryBudget::ratio();
+/// budget.deposit();
+/// match budget.snapshot() {
+///     BudgetSnapshot::Ratio { deposits, withdrawals, allowed } => {
+///         assert_eq!((deposits, withdrawals, allowed), (1, 0, 100));
+///     }
+///     other => panic!("not a ratio budget: {other:?}"),
+/// }
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum BudgetSnapshot {
+    /// A ratio budget's current window.
+    Ratio {
+        /// Deposits in the window.
+        deposits: u64,
+        /// Retries taken in the window.
+        withdrawals: u64,
+        /// Retries the window allows in all (taken ones included): the reserve plus the
+        /// ratio's share of the deposits, rounded down.
+        allowed: u64,
+    },
+    /// A token bucket's level.
+    TokenBucket {
+        /// Tokens left.
+        tokens: u32,
+        /// The capacity.
+        capacity: u32,
+    },
+}
+
+/// The longest ratio window.
+const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
+
+/// The shortest ratio window (Finagle's and tower's lower bound).
+const MIN_TTL: Duration = Duration::from_secs(1);
+
+impl RatioConfig {
+    /// Checks every field.
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.ttl.is_zero() {
+            return Err(ConfigError::new("ttl", "must be greater than zero"));
+        }
+        if self.ttl < MIN_TTL {
+            return Err(ConfigError::new("ttl", "must be at least 1 s"));
+        }
+        if self.ttl > MAX_TTL {
+            return Err(ConfigError::new("ttl", "must be at most 30 days"));
+        }
+        if !(0.0..=1000.0).contains(&self.retry_ratio) {
+            return Err(ConfigError::new(
+                "retry_ratio",
+                "must be a number from 0 to 1000",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl TokenBucketConfig {
+    /// Checks every field.
+    fn validate(&self) -> Result<(), ConfigError> {
+        if self.capacity == 0 {
+            return Err(ConfigError::new("capacity", "must be greater than zero"));
+        }
+        let cost = |field, value: u32| {
+            if value == 0 {
+                Err(ConfigError::new(field, "must be greater than zero"))
+            } else if value > self.capacity {
+                Err(ConfigError::new(field, "must not exceed the capacity"))
+            } else {
+                Ok(())
+            }
+        };
+        cost("retry_cost", self.retry_cost)?;
+        cost("timeout_cost", self.timeout_cost)?;
+        if self.success_refund > self.capacity {
+            return Err(ConfigError::new(
+                "success_refund",
+                "must not exceed the capacity",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl Default for RatioConfig {
+    /// 10 s, 10 retries/s, 20 %: Finagle's and tower's defaults.
+    fn default() -> Self {
+        RatioConfig {
+            ttl: Duration::from_secs(10),
+            min_per_sec: 10,
+            retry_ratio: 0.2,
+        }
+    }
+}
+
+impl Default for TokenBucketConfig {
+    /// 500 tokens, 5 per retry, 10 per retry after a timeout, 1 back per success: the
+    /// AWS SDKs' standard retry mode.
+    fn default() -> Self {
+        TokenBucketConfig {
+            capacity: 500,
+            retry_cost: 5,
+            timeout_cost: 10,
+            success_refund: 1,
+        }
+    }
+}
+
+impl Default for RetryBudget {
+    /// The default ratio budget, [`RetryBudget::ratio`].
+    fn default() -> Self {
+        Self::ratio()
+    }
+}
+
+impl RetryBudget {
+    /// The default ratio budget: retries ≤ 20 % of the deposits of the last 10 s, plus
+    /// 10 retries/s (a reserve of 100 per window; per process, see the
+    /// [module documentation](self#the-ratio-budget)).
+    #[must_use]
+    pub fn ratio() -> Self {
+        Self::from_inner(Inner::Ratio(Ratio::new(RatioConfig::default())))
+    }
+
+    /// A ratio budget; refuses a `ttl` outside 1 s to 30 days and a `retry_ratio`
+    /// outside 0 to 1000 (or NaN).
+    pub fn ratio_with(config: RatioConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self::from_inner(Inner::Ratio(Ratio::new(config))))
+    }
+
+    /// The default token bucket: the AWS SDKs' standard retry mode (capacity 500, retry
+    /// cost 5, timeout cost 10, refund 1).
+    #[must_use]
+    pub fn token_bucket() -> Self {
+        Self::from_inner(Inner::TokenBucket(TokenBucket::new(
+            TokenBucketConfig::default(),
+        )))
+    }
+
+    /// A token bucket; refuses a zero capacity, a zero cost, and a cost or refund
+    /// greater than the capacity.
+    pub fn token_bucket_with(config: TokenBucketConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self::from_inner(Inner::TokenBucket(TokenBucket::new(
+            config,
+        ))))
+    }
+
+    /// Wraps a state.
+    fn from_inner(inner: Inner) -> Self {
+        RetryBudget {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// Records one logical request: call it exactly once per request, not per attempt.
+    ///
+    /// A ratio budget counts it; a token bucket ignores it.
+    pub fn deposit(&self) {
+        match &*self.inner {
+            Inner::Ratio(r) => r.deposit(),
+            Inner::TokenBucket(_) => {}
+        }
+    }
+
+    /// Tries to pay for one retry: call it once before every retry, and do not retry on
+    /// `false`. A refused withdrawal takes nothing.
+    ///
+    /// A ratio budget counts every retry as one unit, whatever its `cost`.
+    #[must_use = "`false` means the budget refused the retry"]
+    pub fn withdraw(&self, cost: RetryCost) -> bool {
+        match &*self.inner {
+            Inner::Ratio(r) => r.withdraw(),
+            Inner::TokenBucket(b) => b.withdraw(cost),
+        }
+    }
+
+    /// Records a success; `after_retry` is the cost of the retry that succeeded, if any.
+    ///
+    /// A token bucket refunds `success_refund` for `None` and the retry's own cost for
+    /// `Some`, up to its capacity; a ratio budget ignores it.
+    pub fn record_success(&self, after_retry: Option<RetryCost>) {
+        match &*self.inner {
+            Inner::Ratio(_) => {}
+            Inner::TokenBucket(b) => b.record_success(after_retry),
+        }
+    }
+
+    /// How many retries after a failure ([`RetryCost::Failure`]) the budget would allow
+    /// now, with no further deposit or success: the window's allowance less its
+    /// withdrawals (ratio), or the tokens divided by `retry_cost` (token bucket).
+    pub fn available_retries(&self) -> u64 {
+        match &*self.inner {
+            Inner::Ratio(r) => r.available(),
+            Inner::TokenBucket(b) => u64::from(b.tokens())
+                .checked_div(u64::from(b.config().retry_cost))
+                .unwrap_or(0),
+        }
+    }
+
+    /// What the budget holds now. For a ratio budget this reads every stripe: meant for
+    /// tests, metrics and debugging, not for every request.
+    pub fn snapshot(&self) -> BudgetSnapshot {
+        match &*self.inner {
+            Inner::Ratio(r) => r.snapshot(),
+            Inner::TokenBucket(b) => b.snapshot(),
+        }
+    }
+
+    /// The ratio configuration, or `None` for a token bucket.
+    pub fn ratio_config(&self) -> Option<&RatioConfig> {
+        match &*self.inner {
+            Inner::Ratio(r) => Some(r.config()),
+            Inner::TokenBucket(_) => None,
+        }
+    }
+
+    /// The token bucket configuration, or `None` for a ratio budget.
+    pub fn token_bucket_config(&self) -> Option<&TokenBucketConfig> {
+        match &*self.inner {
+            Inner::Ratio(_) => None,
+            Inner::TokenBucket(b) => Some(b.config()),
+        }
+    }
+
+    /// Whether `self` and `other` are handles on the same budget (one is a clone of the
+    /// other).
+    pub fn same_budget(&self, other: &RetryBudget) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}

@@ -1,0 +1,546 @@
+//! Classification of outcomes, shared by retry, budget and breaker.
+//!
+//! A [`Classifier`] looks at what came back for one attempt — a response head (which
+//! carries a gRPC Trailers-Only status when there is one), the trailers at the end of a
+//! response stream (for breakers), or a transport [`Failure`] — and yields a
+//! [`Classification`]: whether a retry is safe, whether the callee throttled or timed
+//! out, whose fault it was, and any delay the callee asked for.
+//!
+//! The [`DefaultClassifier`] follows DESIGN §6:
+//!
+//! | outcome | retry | notes |
+//! |---|---|---|
+//! | connect failed, h2 `REFUSED_STREAM` | any request | nothing was processed |
+//! | closed or reset before a response; attempt timeout | safe requests | timeout for the latter |
+//! | 408, 502, 503, 504 | safe requests | 503 with `retry-after` throttles; 408 and 504 are timeouts |
+//! | 429 | safe requests | throttle |
+//! | 500 | safe requests, only with [`DefaultClassifier::retry_500`] | |
+//! | 409 with `retry-after`, request with an `Idempotency-Key` | after that delay | "still in flight" |
+//! | other 4xx, other 5xx | never | |
+//! | marked `do-not-retry` or `idempotent-replayed` | never | |
+//! | gRPC `UNAVAILABLE` | safe requests | |
+//! | gRPC `RESOURCE_EXHAUSTED` | only with `grpc-retry-pushback-ms` | throttle |
+//! | gRPC status in trailers after headers | never | past the commit point |
+//!
+//! "Safe requests" are those the caller may repeat: an RFC 9110 idempotent method, a
+//! request carrying an `Idempotency-Key`, or one the user declared idempotent
+//! ([`RequestFacts::safe`]).
+//!
+//! ```
+//! use http::{HeaderMap, StatusCode};
+//! use retrysafe_core::classify::{Classifier, DefaultClassifier, FaultSide, RequestFacts};
+//!
+//! let c = DefaultClassifier::default();
+//! let get = RequestFacts::SAFE;
+//! let post = RequestFacts::UNSAFE;
+//!
+//! let unavailable = c.classify_response(StatusCode::SERVICE_UNAVAILABLE, &HeaderMap::new(), &get);
+//! assert!(unavailable.is_retryable(&get));
+//! assert!(!unavailable.is_retryable(&post)); // a POST without a key is sent once
+//! assert_eq!(unavailable.fault, Some(FaultSide::Server));
+//!
+//! let mut marked = HeaderMap::new();
+//! marked.insert("do-not-retry", "1".parse().unwrap());
+//! let given_up = c.classify_response(StatusCode::SERVICE_UNAVAILABLE, &marked, &get);
+//! assert!(!given_up.is_retryable(&get));
+//! assert_eq!(given_up.fault, Some(FaultSide::Dependency)); // neutral for breakers
+//! ```
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::time::{Duration, SystemTime};
+
+use http::{HeaderMap, StatusCode};
+
+use crate::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded};
+use crate::wire::{
+    Convention, Pushback, parse_do_not_retry, parse_flag, parse_pushback, parse_retry_after,
+};
+
+/// Whether an outcome may be retried.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RetrySafety {
+    /// Retryable whatever the request: provably nothing was processed.
+    Yes,
+    /// Retryable when the request is safe to repeat ([`RequestFacts::safe`]).
+    Maybe,
+    /// Never retried.
+    No,
+}
+
+/// Whose fault a failure was; breakers count only [`FaultSide::Server`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultSide {
+    /// The request was wrong (most 4xx).
+    Client,
+    /// The callee itself failed.
+    Server,
+    /// The callee failed because one of *its* dependencies did (the answer was marked
+    /// `do-not-retry` by a server that gave up downstream, or is a replay). Neutral for
+    /// breakers, so one leaf outage cannot open every breaker up a chain.
+    Dependency,
+    /// The callee ran out of the deadline the caller propagated. Neutral for breakers.
+    CallerDeadline,
+}
+
+/// A delay the callee asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DelayHint {
+    /// None: the strategy's backoff decides.
+    #[default]
+    Backoff,
+    /// At least this long (`retry-after`).
+    AtLeast(Duration),
+    /// Exactly this long (`grpc-retry-pushback-ms`, gRFC A6).
+    Exactly(Duration),
+}
+
+/// What a breaker makes of an outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BreakerOutcome {
+    /// The callee answered as it should.
+    Success,
+    /// The callee failed.
+    Failure,
+    /// Neither: a dependency's failure or the caller's own deadline.
+    Neutral,
+}
+
+/// The classification of one attempt's outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct Classification {
+    /// Whether a retry may follow.
+    pub safety: RetrySafety,
+    /// The callee throttled (429, 503 with `retry-after`, `RESOURCE_EXHAUSTED`): the
+    /// backoff uses its throttle base.
+    pub throttle: bool,
+    /// The attempt timed out (408, 504, `DEADLINE_EXCEEDED`, attempt timeout): a budget
+    /// charges its timeout cost.
+    pub timeout: bool,
+    /// Whose fault it was; `None` for a success.
+    pub fault: Option<FaultSide>,
+    /// The delay the callee asked for.
+    pub delay: DelayHint,
+    /// The response was marked `do-not-retry` (or `idempotent-replayed`): a downstream
+    /// layer already retried or answered for good.
+    pub marked: bool,
+}
+
+impl Classification {
+    /// A success: nothing to retry, nobody's fault.
+    pub const SUCCESS: Classification = Classification {
+        safety: RetrySafety::No,
+        throttle: false,
+        timeout: false,
+        fault: None,
+        delay: DelayHint::Backoff,
+        marked: false,
+    };
+
+    /// A failure with `safety` and `fault`, no throttle, timeout or delay.
+    pub const fn failure(safety: RetrySafety, fault: FaultSide) -> Self {
+        Classification {
+            safety,
+            throttle: false,
+            timeout: false,
+            fault: Some(fault),
+            delay: DelayHint::Backoff,
+            marked: false,
+        }
+    }
+
+    /// Whether this is a success (no fault at all).
+    pub fn is_success(&self) -> bool {
+        self.fault.is_none()
+    }
+
+    /// Whether a retry of `request` is allowed by this outcome.
+    pub fn is_retryable(&self, request: &RequestFacts) -> bool {
+        match self.safety {
+            RetrySafety::Yes => true,
+            RetrySafety::Maybe => request.safe,
+            RetrySafety::No => false,
+        }
+    }
+
+    /// What a breaker counts.
+    pub fn breaker_outcome(&self) -> BreakerOutcome {
+        match self.fault {
+            None | Some(FaultSide::Client) => BreakerOutcome::Success,
+            Some(FaultSide::Server) => BreakerOutcome::Failure,
+            Some(FaultSide::Dependency | FaultSide::CallerDeadline) => BreakerOutcome::Neutral,
+        }
+    }
+
+    #[must_use]
+    const fn throttled(mut self) -> Self {
+        self.throttle = true;
+        self
+    }
+
+    #[must_use]
+    const fn timed_out(mut self) -> Self {
+        self.timeout = true;
+        self
+    }
+
+    #[must_use]
+    const fn with_delay(mut self, delay: DelayHint) -> Self {
+        self.delay = delay;
+        self
+    }
+}
+
+/// What a classifier knows about the request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub struct RequestFacts {
+    /// The request may be repeated: an idempotent method, an `Idempotency-Key`, or
+    /// declared idempotent by the user.
+    pub safe: bool,
+    /// The request carries an `Idempotency-Key`.
+    pub has_key: bool,
+    /// A gRPC request (`content-type: application/grpc…`).
+    pub grpc: bool,
+    /// The request carried a deadline (`request-timeout-ms` / `grpc-timeout`).
+    pub deadline_sent: bool,
+}
+
+impl RequestFacts {
+    /// A request safe to repeat (and nothing else known).
+    pub const SAFE: RequestFacts = RequestFacts {
+        safe: true,
+        has_key: false,
+        grpc: false,
+        deadline_sent: false,
+    };
+
+    /// A request not safe to repeat (a POST without a key).
+    pub const UNSAFE: RequestFacts = RequestFacts {
+        safe: false,
+        has_key: false,
+        grpc: false,
+        deadline_sent: false,
+    };
+
+    /// These facts for a gRPC request.
+    #[must_use]
+    pub const fn grpc(mut self) -> Self {
+        self.grpc = true;
+        self
+    }
+
+    /// These facts for a request carrying an `Idempotency-Key` (which makes it safe).
+    #[must_use]
+    pub const fn with_key(mut self) -> Self {
+        self.has_key = true;
+        self.safe = true;
+        self
+    }
+
+    /// These facts for a request that carried a deadline header.
+    #[must_use]
+    pub const fn with_deadline_sent(mut self) -> Self {
+        self.deadline_sent = true;
+        self
+    }
+
+    /// Facts about a request with this method and these headers (`safe` from the
+    /// method and key only; set it for a request the user declared idempotent).
+    pub fn of(method: &http::Method, headers: &HeaderMap, convention: &Convention) -> Self {
+        let has_key = headers.contains_key(convention.idempotency_key());
+        RequestFacts {
+            safe: method.is_idempotent() || has_key,
+            has_key,
+            grpc: is_grpc(headers),
+            deadline_sent: headers.contains_key(convention.request_timeout_ms())
+                || headers.contains_key(convention.grpc_timeout()),
+        }
+    }
+}
+
+/// Whether headers describe a gRPC message (`content-type: application/grpc…`).
+pub fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+}
+
+/// A transport failure: an attempt that produced no response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Failure {
+    /// The connection could not be made; nothing was sent.
+    ConnectFailed,
+    /// HTTP/2 `REFUSED_STREAM`: the server did not process the stream.
+    RefusedStream,
+    /// The request was (maybe) sent, but the connection closed or reset before a
+    /// response arrived.
+    NoResponse,
+    /// The attempt timed out.
+    Timeout,
+    /// The call was refused locally by a layer of ours (budget, breaker, deadline):
+    /// never retried.
+    Local,
+    /// Anything else.
+    Other,
+}
+
+impl Failure {
+    /// Finds what kind of failure `error` is by walking its `source()` chain: our own
+    /// local errors, `std::io::Error` kinds, and (through `extra`) whatever a transport
+    /// adapter recognises, such as hyper's or h2's error types.
+    pub fn of(
+        error: &(dyn StdError + 'static),
+        extra: impl Fn(&(dyn StdError + 'static)) -> Option<Failure>,
+    ) -> Failure {
+        let mut current: Option<&(dyn StdError + 'static)> = Some(error);
+        let mut found = Failure::Other;
+        while let Some(e) = current {
+            if let Some(f) = extra(e) {
+                return f;
+            }
+            if e.is::<BudgetExhausted>() || e.is::<CircuitOpen>() {
+                return Failure::Local;
+            }
+            if e.is::<DeadlineExceeded>() {
+                return Failure::Timeout;
+            }
+            if let Some(io) = e.downcast_ref::<std::io::Error>() {
+                use std::io::ErrorKind as K;
+                match io.kind() {
+                    K::ConnectionRefused | K::AddrNotAvailable | K::NotFound => {
+                        return Failure::ConnectFailed;
+                    }
+                    K::TimedOut => found = Failure::Timeout,
+                    K::ConnectionReset
+                    | K::ConnectionAborted
+                    | K::BrokenPipe
+                    | K::UnexpectedEof
+                    | K::NotConnected => found = Failure::NoResponse,
+                    _ => {}
+                }
+            }
+            current = e.source();
+        }
+        found
+    }
+}
+
+/// Classifies outcomes; shared by retry, budget and breaker. Implement it to change the
+/// rules (wrap a [`DefaultClassifier`] to change only some).
+pub trait Classifier: fmt::Debug + Send + Sync + 'static {
+    /// A response head. For a gRPC request this also sees a Trailers-Only status, whose
+    /// `grpc-status` is in the head.
+    fn classify_response(
+        &self,
+        status: StatusCode,
+        headers: &HeaderMap,
+        request: &RequestFacts,
+    ) -> Classification;
+
+    /// The trailers at the end of a response stream (for breakers): a gRPC status there
+    /// came after the response headers, past the commit point, and is never retried.
+    fn classify_trailers(&self, trailers: &HeaderMap, request: &RequestFacts) -> Classification;
+
+    /// A transport failure.
+    fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification;
+}
+
+/// The rules of DESIGN §6 (see the [module docs](self)).
+#[derive(Debug, Clone, Default)]
+pub struct DefaultClassifier {
+    convention: Convention,
+    retry_500: bool,
+}
+
+impl DefaultClassifier {
+    /// The defaults, reading headers by `convention`.
+    pub fn new(convention: Convention) -> Self {
+        DefaultClassifier {
+            convention,
+            retry_500: false,
+        }
+    }
+
+    /// Also retries 500 on safe requests (off by default: a 500 is usually
+    /// deterministic, and gRPC does not retry `INTERNAL` either).
+    #[must_use]
+    pub fn retry_500(mut self, yes: bool) -> Self {
+        self.retry_500 = yes;
+        self
+    }
+
+    fn retry_after(&self, headers: &HeaderMap) -> Option<Duration> {
+        let value = headers.get(self.convention.retry_after())?;
+        parse_retry_after(value.as_bytes()).map(|r| r.delay_from(SystemTime::now()))
+    }
+
+    fn grpc(&self, code: u32, headers: &HeaderMap, request: &RequestFacts) -> Classification {
+        use RetrySafety::{Maybe, No};
+        match code {
+            0 => Classification::SUCCESS,
+            // UNAVAILABLE
+            14 => match self.pushback(headers) {
+                Some(Pushback::DoNotRetry) => Classification::failure(No, FaultSide::Server),
+                Some(Pushback::After(d)) => Classification::failure(Maybe, FaultSide::Server)
+                    .with_delay(DelayHint::Exactly(d)),
+                None => Classification::failure(Maybe, FaultSide::Server),
+            },
+            // RESOURCE_EXHAUSTED: only with a pushback
+            8 => match self.pushback(headers) {
+                Some(Pushback::After(d)) => Classification::failure(Maybe, FaultSide::Server)
+                    .throttled()
+                    .with_delay(DelayHint::Exactly(d)),
+                _ => Classification::failure(No, FaultSide::Server).throttled(),
+            },
+            // DEADLINE_EXCEEDED
+            4 => {
+                let side = if request.deadline_sent {
+                    FaultSide::CallerDeadline
+                } else {
+                    FaultSide::Server
+                };
+                Classification::failure(No, side).timed_out()
+            }
+            // INVALID_ARGUMENT, NOT_FOUND, ALREADY_EXISTS, PERMISSION_DENIED,
+            // FAILED_PRECONDITION, ABORTED, OUT_OF_RANGE, UNIMPLEMENTED, UNAUTHENTICATED,
+            // CANCELLED (the caller's own cancellation)
+            1 | 3 | 5 | 6 | 7 | 9 | 10 | 11 | 12 | 16 => {
+                Classification::failure(No, FaultSide::Client)
+            }
+            // UNKNOWN, INTERNAL, DATA_LOSS, and anything unknown
+            _ => Classification::failure(No, FaultSide::Server),
+        }
+    }
+
+    fn pushback(&self, headers: &HeaderMap) -> Option<Pushback> {
+        headers
+            .get(self.convention.grpc_retry_pushback_ms())
+            .map(|v| parse_pushback(v.as_bytes()))
+    }
+}
+
+fn grpc_status(headers: &HeaderMap) -> Option<u32> {
+    let value = headers.get("grpc-status")?;
+    let s = std::str::from_utf8(value.as_bytes()).ok()?;
+    // Status codes are small; anything longer is garbage, read as UNKNOWN.
+    if s.is_empty() || s.len() > 3 {
+        return Some(2);
+    }
+    Some(s.trim().parse().unwrap_or(2))
+}
+
+impl Classifier for DefaultClassifier {
+    fn classify_response(
+        &self,
+        status: StatusCode,
+        headers: &HeaderMap,
+        request: &RequestFacts,
+    ) -> Classification {
+        use RetrySafety::{Maybe, No};
+        let marked = parse_do_not_retry(
+            headers
+                .get(self.convention.do_not_retry())
+                .map(|v| v.as_bytes()),
+        ) || parse_flag(
+            headers
+                .get(self.convention.idempotent_replayed())
+                .map(|v| v.as_bytes()),
+        );
+
+        let mut c = if request.grpc && status.is_success() {
+            match grpc_status(headers) {
+                // A Trailers-Only response: the status is in the head.
+                Some(code) => self.grpc(code, headers, request),
+                // Headers first: the status will come in the trailers.
+                None => Classification::SUCCESS,
+            }
+        } else {
+            match status.as_u16() {
+                200..=399 => Classification::SUCCESS,
+                408 => Classification::failure(Maybe, FaultSide::Server).timed_out(),
+                429 => Classification::failure(Maybe, FaultSide::Server).throttled(),
+                409 if request.has_key => match self.retry_after(headers) {
+                    // The IdempotencyLayer's "still in flight": not a fault.
+                    // (Client side, so breakers count it as the callee's success.)
+                    Some(d) => Classification::failure(Maybe, FaultSide::Client)
+                        .with_delay(DelayHint::AtLeast(d)),
+                    None => Classification::failure(No, FaultSide::Client),
+                },
+                400..=499 => Classification::failure(No, FaultSide::Client),
+                500 if self.retry_500 => Classification::failure(Maybe, FaultSide::Server),
+                502 => Classification::failure(Maybe, FaultSide::Server),
+                503 => {
+                    let c = Classification::failure(Maybe, FaultSide::Server);
+                    if headers.contains_key(self.convention.retry_after()) {
+                        c.throttled()
+                    } else {
+                        c
+                    }
+                }
+                504 => {
+                    let side = if request.deadline_sent {
+                        FaultSide::CallerDeadline
+                    } else {
+                        FaultSide::Server
+                    };
+                    Classification::failure(Maybe, side).timed_out()
+                }
+                _ => Classification::failure(No, FaultSide::Server),
+            }
+        };
+
+        if !c.is_success() {
+            if let (DelayHint::Backoff, Some(d)) = (c.delay, self.retry_after(headers)) {
+                c.delay = DelayHint::AtLeast(d);
+            }
+        }
+        if marked {
+            c.safety = RetrySafety::No;
+            c.marked = true;
+            if matches!(c.fault, Some(FaultSide::Server)) {
+                c.fault = Some(FaultSide::Dependency);
+            }
+        }
+        c
+    }
+
+    fn classify_trailers(&self, trailers: &HeaderMap, request: &RequestFacts) -> Classification {
+        match grpc_status(trailers) {
+            Some(code) => {
+                let mut c = self.grpc(code, trailers, request);
+                c.safety = RetrySafety::No;
+                if parse_do_not_retry(
+                    trailers
+                        .get(self.convention.do_not_retry())
+                        .map(|v| v.as_bytes()),
+                ) && matches!(c.fault, Some(FaultSide::Server))
+                {
+                    c.fault = Some(FaultSide::Dependency);
+                    c.marked = true;
+                }
+                c
+            }
+            None => Classification::SUCCESS,
+        }
+    }
+
+    fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification {
+        use RetrySafety::{Maybe, No, Yes};
+        let _ = request;
+        match failure {
+            Failure::ConnectFailed | Failure::RefusedStream => {
+                Classification::failure(Yes, FaultSide::Server)
+            }
+            Failure::NoResponse => Classification::failure(Maybe, FaultSide::Server),
+            Failure::Timeout => Classification::failure(Maybe, FaultSide::Server).timed_out(),
+            Failure::Local => Classification {
+                marked: true,
+                ..Classification::failure(No, FaultSide::Dependency)
+            },
+            Failure::Other => Classification::failure(No, FaultSide::Server),
+        }
+    }
+}

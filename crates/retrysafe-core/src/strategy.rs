@@ -1,0 +1,337 @@
+//! Retry strategies in the Smithy shape: acquire a token before the first attempt,
+//! refresh it after each retryable failure (which yields the delay, or a reason to
+//! give up), record a success.
+//!
+//! [`StandardRetryStrategy`] has the defaults of DESIGN §6: 3 attempts counting the
+//! first, full-jitter exponential backoff (base 50 ms, 1 s after a throttle, cap 20 s),
+//! the default [ratio budget](crate::budget), and — when the request has no deadline —
+//! a 10 s timeout per attempt and 30 s overall (or [`no_timeout`]).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use retrysafe_core::classify::{Classifier, DefaultClassifier, RequestFacts};
+//! use retrysafe_core::strategy::{GiveUp, RetryStrategy, StandardRetryStrategy};
+//! use http::{HeaderMap, StatusCode};
+//!
+//! let strategy = StandardRetryStrategy::new().seed(1);
+//! let get = RequestFacts::SAFE;
+//! let failure = DefaultClassifier::default()
+//!     .classify_response(StatusCode::SERVICE_UNAVAILABLE, &HeaderMap::new(), &get);
+//!
+//! let token = strategy.acquire_initial_retry_token(None);
+//! let token = strategy.refresh_retry_token(token, &failure, &get, None).unwrap();
+//! assert_eq!(token.attempt(), 2);
+//! assert!(token.delay() <= Duration::from_millis(50));
+//! let token = strategy.refresh_retry_token(token, &failure, &get, None).unwrap();
+//! assert!(token.delay() <= Duration::from_millis(100));
+//! assert_eq!(
+//!     strategy.refresh_retry_token(token, &failure, &get, None).unwrap_err(),
+//!     GiveUp::AttemptsExhausted,
+//! );
+//! # }
+//! ```
+//!
+//! [`no_timeout`]: StandardRetryStrategy::no_timeout
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::ConfigError;
+use crate::backoff::{Backoff, RetryRng, RngSource};
+use crate::budget::{RetryBudget, RetryCost};
+use crate::classify::{Classification, DelayHint, RequestFacts};
+use crate::wire::MAX_TIMEOUT;
+
+/// Why a strategy stopped retrying.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum GiveUp {
+    /// The outcome is not retryable for this request.
+    NotRetryable,
+    /// The maximum number of attempts was made.
+    AttemptsExhausted,
+    /// The retry budget refused the retry.
+    BudgetExhausted,
+    /// The delay needed, or the next attempt, does not fit in the time left.
+    NotEnoughTime,
+}
+
+impl GiveUp {
+    /// Whether the failure was retryable and retrying stopped for another reason: the
+    /// caller must then not retry either (the response is marked `do-not-retry`).
+    pub fn after_retryable_failure(self) -> bool {
+        !matches!(self, GiveUp::NotRetryable)
+    }
+}
+
+impl fmt::Display for GiveUp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            GiveUp::NotRetryable => "not retryable",
+            GiveUp::AttemptsExhausted => "attempts exhausted",
+            GiveUp::BudgetExhausted => "retry budget exhausted",
+            GiveUp::NotEnoughTime => "not enough time left",
+        })
+    }
+}
+
+/// The state of one logical request's retries.
+#[derive(Debug)]
+pub struct RetryToken {
+    attempt: u32,
+    max_attempts: u32,
+    delay: Duration,
+    last_cost: Option<RetryCost>,
+    rng: Option<RetryRng>,
+    budget: Option<RetryBudget>,
+}
+
+impl RetryToken {
+    /// The 1-based number of the attempt this token is for.
+    pub fn attempt(&self) -> u32 {
+        self.attempt
+    }
+
+    /// The delay to wait before this attempt (zero for the first).
+    pub fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// Limits this request to `max` attempts (for example one, when the caller is the
+    /// retry point). Never raises the strategy's limit.
+    pub fn limit_attempts(&mut self, max: u32) {
+        self.max_attempts = self.max_attempts.min(max.max(1));
+    }
+
+    /// The cost of the retry charged for this attempt, if it was a retry.
+    pub fn charged(&self) -> Option<RetryCost> {
+        self.last_cost
+    }
+}
+
+/// A retry strategy (the Smithy shape).
+pub trait RetryStrategy: fmt::Debug + Send + Sync + 'static {
+    /// Before the first attempt of a logical request. Makes the request's one deposit
+    /// into the budget: `budget` when the request overrides it, otherwise the
+    /// strategy's.
+    fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken;
+
+    /// After a failed attempt: the token of the next attempt (with its
+    /// [`delay`](RetryToken::delay)), or why to give up. `time_left` is the time left
+    /// on the call's deadline, if it has one. Charges the budget once per retry.
+    fn refresh_retry_token(
+        &self,
+        token: RetryToken,
+        failure: &Classification,
+        request: &RequestFacts,
+        time_left: Option<Duration>,
+    ) -> Result<RetryToken, GiveUp>;
+
+    /// After a successful attempt.
+    fn record_success(&self, token: &RetryToken);
+
+    /// The timeouts used when a request carries no deadline: `(per attempt, overall)`.
+    fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>);
+}
+
+/// The standard strategy (see the [module docs](self)).
+#[derive(Debug)]
+pub struct StandardRetryStrategy {
+    max_attempts: u32,
+    backoff: Backoff,
+    budget: Option<RetryBudget>,
+    attempt_timeout: Option<Duration>,
+    overall_timeout: Option<Duration>,
+    rng: RngSource,
+}
+
+impl Default for StandardRetryStrategy {
+    fn default() -> Self {
+        StandardRetryStrategy {
+            max_attempts: 3,
+            backoff: Backoff::default(),
+            budget: Some(RetryBudget::ratio()),
+            attempt_timeout: Some(Duration::from_secs(10)),
+            overall_timeout: Some(Duration::from_secs(30)),
+            rng: RngSource::os(),
+        }
+    }
+}
+
+impl StandardRetryStrategy {
+    /// The defaults.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// At most `n` attempts, counting the first (1 to 100).
+    pub fn max_attempts(mut self, n: u32) -> Result<Self, ConfigError> {
+        if !(1..=100).contains(&n) {
+            return Err(ConfigError::new(
+                "max attempts",
+                "must be between 1 and 100",
+            ));
+        }
+        self.max_attempts = n;
+        Ok(self)
+    }
+
+    /// The backoff.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// The budget every retry is charged to (shared by clones of the handle).
+    #[must_use]
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// No budget: only the attempt limit bounds retries. Not recommended.
+    #[must_use]
+    pub fn no_budget(mut self) -> Self {
+        self.budget = None;
+        self
+    }
+
+    /// The timeout of each attempt when the request has no deadline (default 10 s).
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        self.attempt_timeout = Some(checked_timeout("attempt timeout", timeout)?);
+        Ok(self)
+    }
+
+    /// The timeout of the whole call, retries included, when the request has no
+    /// deadline (default 30 s).
+    pub fn overall_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        self.overall_timeout = Some(checked_timeout("overall timeout", timeout)?);
+        Ok(self)
+    }
+
+    /// No default timeouts: without a deadline an attempt may take forever.
+    #[must_use]
+    pub fn no_timeout(mut self) -> Self {
+        self.attempt_timeout = None;
+        self.overall_timeout = None;
+        self
+    }
+
+    /// Seeds the jitter, so delays are reproducible (tests).
+    #[must_use]
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.rng = RngSource::seeded(seed);
+        self
+    }
+
+    /// The configured budget.
+    pub fn retry_budget(&self) -> Option<&RetryBudget> {
+        self.budget.as_ref()
+    }
+}
+
+fn checked_timeout(field: &'static str, timeout: Duration) -> Result<Duration, ConfigError> {
+    if timeout.is_zero() {
+        return Err(ConfigError::new(field, "must be greater than zero"));
+    }
+    if timeout > MAX_TIMEOUT {
+        return Err(ConfigError::new(field, "must be at most 30 days"));
+    }
+    Ok(timeout)
+}
+
+impl RetryStrategy for StandardRetryStrategy {
+    fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken {
+        if let Some(budget) = budget.as_ref().or(self.budget.as_ref()) {
+            budget.deposit();
+        }
+        RetryToken {
+            attempt: 1,
+            max_attempts: self.max_attempts,
+            delay: Duration::ZERO,
+            last_cost: None,
+            rng: None,
+            budget,
+        }
+    }
+
+    fn refresh_retry_token(
+        &self,
+        mut token: RetryToken,
+        failure: &Classification,
+        request: &RequestFacts,
+        time_left: Option<Duration>,
+    ) -> Result<RetryToken, GiveUp> {
+        if !failure.is_retryable(request) {
+            return Err(GiveUp::NotRetryable);
+        }
+        if token.attempt >= token.max_attempts {
+            return Err(GiveUp::AttemptsExhausted);
+        }
+        let retries_so_far = token.attempt - 1;
+        let delay = match failure.delay {
+            DelayHint::Exactly(d) => d,
+            hint => {
+                let rng = token.rng.get_or_insert_with(|| self.rng.next_rng());
+                let backoff =
+                    self.backoff
+                        .delay(retries_so_far, token.delay, failure.throttle, rng);
+                match hint {
+                    DelayHint::AtLeast(min) => backoff.max(min),
+                    _ => backoff,
+                }
+            }
+        };
+        if let Some(left) = time_left {
+            if delay >= left {
+                return Err(GiveUp::NotEnoughTime);
+            }
+        }
+        let cost = if failure.timeout {
+            RetryCost::Timeout
+        } else {
+            RetryCost::Failure
+        };
+        if let Some(budget) = token.budget.as_ref().or(self.budget.as_ref()) {
+            if !budget.withdraw(cost) {
+                return Err(GiveUp::BudgetExhausted);
+            }
+        }
+        token.attempt += 1;
+        token.delay = delay;
+        token.last_cost = Some(cost);
+        Ok(token)
+    }
+
+    fn record_success(&self, token: &RetryToken) {
+        if let Some(budget) = token.budget.as_ref().or(self.budget.as_ref()) {
+            budget.record_success(token.last_cost);
+        }
+    }
+
+    fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>) {
+        (self.attempt_timeout, self.overall_timeout)
+    }
+}
+
+/// Per-request override (a request extension): never retry this request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct NoRetry;
+
+/// Per-request override (a request extension): this request is safe to repeat even
+/// though its method is not idempotent (for example a gRPC call to a read-only
+/// method, or a POST the user knows to be idempotent).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Idempotent;
+
+/// Marks an attempt whose retry a `RetryLayer` already charged to a budget (a request
+/// extension on attempts 2 and later), so a budget layer below it does not charge it
+/// again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RetryCharged {
+    /// The 1-based attempt number.
+    pub attempt: u32,
+}

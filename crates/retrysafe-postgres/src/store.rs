@@ -1,0 +1,712 @@
+//! [`PostgresStore`]: an [`IdempotencyStore`] on one PostgreSQL table, and its sweeper.
+
+use std::fmt;
+use std::str::FromStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use retrysafe_core::ConfigError;
+use retrysafe_core::idempotency::{
+    CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record,
+    RecordId, Token,
+};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::Row;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use crate::sql::{self, STATE_COMPLETED, STATE_IN_PROGRESS, STATE_UNKNOWN, Sql};
+
+/// Durations longer than this (a century) are clamped.
+const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
+/// How many times a claim statement is repeated when it found the key taken by a row
+/// its snapshot could not see yet (a concurrent first claim committed meanwhile).
+const CLAIM_ATTEMPTS: usize = 8;
+
+/// An [`IdempotencyStore`] on a PostgreSQL table, through a sqlx [`PgPool`].
+///
+/// One row per record, keyed by the [`RecordId`] bytes (the table is described in the
+/// [crate docs](crate)). Every store call is one SQL statement — one round trip once
+/// the statement is prepared on the connection — timed out after the
+/// [`call_timeout`](PostgresStoreBuilder::call_timeout) (default 1 s):
+///
+/// - a claim is one `INSERT … ON CONFLICT (k) DO UPDATE … WHERE … RETURNING …` that
+///   inserts the claim, replaces a row past its retention, takes over an expired lease
+///   whose holder had not reached its commit point (same fingerprint), or turns an
+///   expired lease past the commit point into `outcome_unknown`, atomically; any other
+///   existing row is returned by the same statement. (When a concurrent first claim of
+///   the same key commits while the statement runs, the statement's snapshot cannot
+///   see the winner's row and is repeated: a second round trip on that losing path.)
+/// - complete, release, renew, commit point and mark-unknown are one `UPDATE` or
+///   `DELETE` whose `WHERE` checks the token; no row means [`StoreError::StaleToken`]
+///   (a token that never held the record, one that lost it, and an absent record alike);
+/// - all time comes from `clock_timestamp()`, the database's clock;
+/// - a record is absent from the end of its retention; the rows stay until deleted by
+///   [`sweep_expired`](Self::sweep_expired) or a [sweeper](Self::spawn_sweeper).
+///
+/// A timed-out call is [`StoreError::Timeout`] (also when the pool could not hand out a
+/// connection in time), any other database failure [`StoreError::Unavailable`], and a
+/// row that does not decode [`StoreError::Corrupt`].
+///
+/// Cloning is cheap and shares the pool.
+///
+/// ```no_run
+/// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+/// use std::time::Duration;
+/// use retrysafe_postgres::PostgresStore;
+///
+/// let store = PostgresStore::builder()
+///     .schema("idempotency")
+///     .table("records")
+///     .call_timeout(Duration::from_millis(500))
+///     .connect("postgres://postgres@127.0.0.1:5432/test")
+///     .await?;
+/// store.migrate().await?;
+/// let sweeper = store.spawn_sweeper(Duration::from_secs(60), 1_000)?;
+/// // … serve requests …
+/// sweeper.stop().await;
+/// # Ok(()) }
+/// ```
+#[derive(Clone)]
+pub struct PostgresStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    pool: PgPool,
+    sql: Sql,
+    call_timeout: Duration,
+}
+
+impl fmt::Debug for PostgresStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PostgresStore")
+            .field("table", &self.inner.sql.table)
+            .field("call_timeout", &self.inner.call_timeout)
+            .field("pool_size", &self.inner.pool.size())
+            .finish_non_exhaustive()
+    }
+}
+
+impl PostgresStore {
+    /// The default table name, `retrysafe_idempotency` (in the connection's
+    /// `search_path`).
+    pub const DEFAULT_TABLE: &'static str = sql::DEFAULT_TABLE;
+
+    /// The default store-call timeout: 1 s.
+    pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
+    /// A store on `pool` with the default table and call timeout. See
+    /// [`builder`](Self::builder) for the pool settings the store relies on.
+    pub fn new(pool: PgPool) -> Self {
+        PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql: Sql::new(None, sql::DEFAULT_TABLE),
+                call_timeout: Self::DEFAULT_CALL_TIMEOUT,
+            }),
+        }
+    }
+
+    /// Connects a pool to `url` with the defaults of [`builder`](Self::builder) and
+    /// makes a store on it. Does not create the table: see [`migrate`](Self::migrate).
+    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+        Self::builder().connect(url).await
+    }
+
+    /// A builder to set the table, the call timeout and the pool.
+    pub fn builder() -> PostgresStoreBuilder {
+        PostgresStoreBuilder::default()
+    }
+
+    /// The pool the store uses.
+    pub fn pool(&self) -> &PgPool {
+        &self.inner.pool
+    }
+
+    /// The table, qualified by its schema when one is set.
+    pub fn table(&self) -> &str {
+        &self.inner.sql.table
+    }
+
+    /// The SQL that [`migrate`](Self::migrate) runs, for users who run their own
+    /// migrations: `CREATE SCHEMA IF NOT EXISTS` (when a schema is set),
+    /// `CREATE TABLE IF NOT EXISTS` and `CREATE INDEX IF NOT EXISTS`, each ending with
+    /// `;`.
+    ///
+    /// ```
+    /// use retrysafe_postgres::PostgresStore;
+    /// let sql = PostgresStore::builder().schema("app").table("keys").migration_sql().unwrap();
+    /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.keys ("));
+    /// assert!(sql.contains("ON app.keys (expires_at)"));
+    /// ```
+    pub fn migration_sql(&self) -> String {
+        self.inner.sql.migration_script()
+    }
+
+    /// Creates the schema (when one is set), the table and its index if they do not
+    /// exist. Idempotent, and safe to run from several processes at once: it is one
+    /// script, run as one transaction under an advisory lock on the table name. Not
+    /// bounded by the call timeout.
+    pub async fn migrate(&self) -> Result<(), sqlx::Error> {
+        sqlx::raw_sql(&self.inner.sql.migrate)
+            .execute(&self.inner.pool)
+            .await
+            .map(drop)
+    }
+
+    /// Deletes the rows past their retention, in batches of `batch` rows (one statement
+    /// each, skipping rows another session holds locked), until a batch comes back
+    /// short. A `batch` of 0 counts as 1.
+    ///
+    /// An `in_progress` row is kept until its lease end plus its claim's retention:
+    /// that is as long as the `outcome_unknown` record an expired lease would become.
+    pub async fn sweep_expired(&self, batch: u32) -> Result<Swept, sqlx::Error> {
+        self.sweep_until(batch, || false).await
+    }
+
+    async fn sweep_until(
+        &self,
+        batch: u32,
+        mut stop: impl FnMut() -> bool,
+    ) -> Result<Swept, sqlx::Error> {
+        let batch = batch.max(1);
+        let mut swept = Swept::default();
+        loop {
+            let rows = sqlx::query(&self.inner.sql.sweep)
+                .bind(i64::from(batch))
+                .execute(&self.inner.pool)
+                .await?
+                .rows_affected();
+            swept.rows += rows;
+            swept.batches += 1;
+            if rows < u64::from(batch) || stop() {
+                return Ok(swept);
+            }
+        }
+    }
+
+    /// Spawns a task that runs [`sweep_expired`](Self::sweep_expired) every `interval`
+    /// (first right away), logging failures with `tracing` and carrying on. The task
+    /// stops when the handle is dropped or [stopped](SweeperHandle::stop), after the
+    /// batch it is running.
+    ///
+    /// Refuses a zero interval or batch, and a call outside a tokio runtime.
+    pub fn spawn_sweeper(&self, interval: Duration, batch: u32) -> Result<SweeperHandle, ConfigError> {
+        if interval.is_zero() {
+            return Err(ConfigError::new("interval", "must be greater than zero"));
+        }
+        if batch == 0 {
+            return Err(ConfigError::new("batch", "must be greater than zero"));
+        }
+        let runtime = tokio::runtime::Handle::try_current()
+            .map_err(|_| ConfigError::new("runtime", "spawn_sweeper needs a tokio runtime"))?;
+        let (stop_tx, mut stop_rx) = oneshot::channel::<()>();
+        let store = self.clone();
+        let task = runtime.spawn(async move {
+            let mut ticks = tokio::time::interval(interval.min(MAX_SPAN));
+            ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    biased;
+                    _ = &mut stop_rx => break,
+                    _ = ticks.tick() => {}
+                }
+                let stopped = || {
+                    !matches!(stop_rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
+                };
+                match store.sweep_until(batch, stopped).await {
+                    Ok(swept) => tracing::debug!(
+                        table = %store.table(),
+                        rows = swept.rows,
+                        batches = swept.batches,
+                        "swept expired idempotency records"
+                    ),
+                    Err(error) => tracing::warn!(
+                        table = %store.table(),
+                        %error,
+                        "sweeping expired idempotency records failed"
+                    ),
+                }
+            }
+        });
+        Ok(SweeperHandle {
+            stop: stop_tx,
+            task,
+        })
+    }
+
+    /// Runs `f` under the call timeout, mapping its errors.
+    async fn call<T>(
+        &self,
+        f: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        tokio::time::timeout(self.inner.call_timeout, f)
+            .await
+            .unwrap_or(Err(StoreError::Timeout))
+    }
+
+    /// Runs a token-checked change: one row changed, or the token is stale.
+    async fn change(&self, query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>) -> Result<(), StoreError> {
+        self.call(async {
+            let done = query.execute(&self.inner.pool).await.map_err(db_error)?;
+            if done.rows_affected() == 0 {
+                Err(StoreError::StaleToken)
+            } else {
+                Ok(())
+            }
+        })
+        .await
+    }
+}
+
+/// What [`PostgresStore::sweep_expired`] did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Swept {
+    /// Rows deleted.
+    pub rows: u64,
+    /// Statements run (one per batch).
+    pub batches: u64,
+}
+
+/// Stops the sweeper of [`PostgresStore::spawn_sweeper`] when dropped or
+/// [stopped](Self::stop).
+#[derive(Debug)]
+pub struct SweeperHandle {
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<()>,
+}
+
+impl SweeperHandle {
+    /// Stops the sweeper and waits for it to finish the batch it is running.
+    pub async fn stop(self) {
+        let SweeperHandle { stop, task } = self;
+        drop(stop);
+        // A panicked or cancelled task has stopped too.
+        let _ = task.await;
+    }
+
+    /// Whether the sweeper task has ended.
+    pub fn is_finished(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+/// Configures a [`PostgresStore`]; made by [`PostgresStore::builder`].
+///
+/// The store is built on a pool given with [`pool`](Self::pool) and
+/// [`build`](Self::build), or connected with [`connect`](Self::connect) /
+/// [`connect_with`](Self::connect_with). A connected pool:
+///
+/// - does not ping a connection before handing it out (sqlx's `test_before_acquire`,
+///   which would add a round trip to every store call): a connection the server closed
+///   fails one call with [`StoreError::Unavailable`] and is replaced;
+/// - sets the server's `statement_timeout` to the call timeout, so a statement the
+///   store gave up on does not keep running (and holding its connection) on the server;
+/// - tries for [`connect_timeout`](Self::connect_timeout) (default 5 s) to open a
+///   connection, and holds up to [`max_connections`](Self::max_connections)
+///   (default 10).
+///
+/// A pool given with [`pool`](Self::pool) is used as it is; consider the same settings.
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_postgres::PostgresStore;
+/// let builder = PostgresStore::builder()
+///     .schema("idempotency")
+///     .table("records")
+///     .call_timeout(Duration::from_millis(250));
+/// assert!(builder.migration_sql().unwrap().contains("idempotency.records"));
+/// assert!(PostgresStore::builder().table("Bad-Name").migration_sql().is_err());
+/// // `build` needs a pool: one of yours, or use `connect`.
+/// assert!(PostgresStore::builder().build().is_err());
+/// ```
+#[must_use]
+#[derive(Debug, Clone)]
+pub struct PostgresStoreBuilder {
+    schema: Option<String>,
+    table: String,
+    call_timeout: Duration,
+    connect_timeout: Duration,
+    max_connections: u32,
+    pool: Option<PgPool>,
+}
+
+impl Default for PostgresStoreBuilder {
+    fn default() -> Self {
+        PostgresStoreBuilder {
+            schema: None,
+            table: sql::DEFAULT_TABLE.to_owned(),
+            call_timeout: PostgresStore::DEFAULT_CALL_TIMEOUT,
+            connect_timeout: Duration::from_secs(5),
+            max_connections: 10,
+            pool: None,
+        }
+    }
+}
+
+impl PostgresStoreBuilder {
+    /// The schema of the table (default: none, the connection's `search_path`).
+    /// [`migrate`](PostgresStore::migrate) creates it if needed. Lowercase ASCII
+    /// letters, digits and underscores, not starting with a digit; at most 63 bytes.
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
+        self.schema = Some(schema.into());
+        self
+    }
+
+    /// The table name (default `retrysafe_idempotency`). Lowercase ASCII letters,
+    /// digits and underscores, not starting with a digit; at most 48 bytes (the index
+    /// is named after it).
+    pub fn table(mut self, table: impl Into<String>) -> Self {
+        self.table = table.into();
+        self
+    }
+
+    /// How long one store call may take (default 1 s), pool checkout included; a call
+    /// that takes longer fails with [`StoreError::Timeout`]. Must be greater than zero.
+    pub fn call_timeout(mut self, timeout: Duration) -> Self {
+        self.call_timeout = timeout;
+        self
+    }
+
+    /// How long [`connect`](Self::connect) tries to open its first connection, and the
+    /// pool's checkout timeout (default 5 s). Only for a connected pool. Must be greater
+    /// than zero.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
+        self
+    }
+
+    /// The most connections a connected pool holds (default 10). Only for a connected
+    /// pool. Must be greater than zero.
+    pub fn max_connections(mut self, max: u32) -> Self {
+        self.max_connections = max;
+        self
+    }
+
+    /// The pool to use, for [`build`](Self::build).
+    pub fn pool(mut self, pool: PgPool) -> Self {
+        self.pool = Some(pool);
+        self
+    }
+
+    /// The migration SQL for this table (see [`PostgresStore::migration_sql`]), without
+    /// a pool.
+    pub fn migration_sql(&self) -> Result<String, ConfigError> {
+        Ok(self.render()?.migration_script())
+    }
+
+    /// Builds the store on the [`pool`](Self::pool); refuses a missing pool and the
+    /// invalid settings named on each method.
+    pub fn build(self) -> Result<PostgresStore, ConfigError> {
+        let sql = self.render()?;
+        let pool = self.pool.ok_or(ConfigError::new(
+            "pool",
+            "is required: set one, or use connect",
+        ))?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql,
+                call_timeout: self.call_timeout,
+            }),
+        })
+    }
+
+    /// Connects a pool to `url` (a `postgres://` URL) as described on the builder and
+    /// builds the store on it. An invalid setting is a [`sqlx::Error::Configuration`]
+    /// holding the [`ConfigError`].
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, sqlx::Error> {
+        let options = PgConnectOptions::from_str(url)?;
+        self.connect_with(options).await
+    }
+
+    /// Like [`connect`](Self::connect), from connection options.
+    pub async fn connect_with(self, options: PgConnectOptions) -> Result<PostgresStore, sqlx::Error> {
+        let config = |e: ConfigError| sqlx::Error::Configuration(Box::new(e));
+        if self.pool.is_some() {
+            return Err(config(ConfigError::new(
+                "pool",
+                "set both a pool and a connection: use build with a pool",
+            )));
+        }
+        if self.connect_timeout.is_zero() {
+            return Err(config(ConfigError::new(
+                "connect_timeout",
+                "must be greater than zero",
+            )));
+        }
+        if self.max_connections == 0 {
+            return Err(config(ConfigError::new(
+                "max_connections",
+                "must be greater than zero",
+            )));
+        }
+        let sql = self.render().map_err(config)?;
+        // Whole milliseconds, rounded up, so the server never gives up first.
+        let statement_ms = self.call_timeout.min(MAX_SPAN).as_micros().div_ceil(1000);
+        let options = options.options([("statement_timeout", statement_ms.to_string())]);
+        let pool = PgPoolOptions::new()
+            .max_connections(self.max_connections)
+            .acquire_timeout(self.connect_timeout.min(MAX_SPAN))
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await?;
+        Ok(PostgresStore {
+            inner: Arc::new(Inner {
+                pool,
+                sql,
+                call_timeout: self.call_timeout,
+            }),
+        })
+    }
+
+    fn render(&self) -> Result<Sql, ConfigError> {
+        if self.call_timeout.is_zero() {
+            return Err(ConfigError::new(
+                "call_timeout",
+                "must be greater than zero",
+            ));
+        }
+        if let Some(schema) = &self.schema {
+            sql::check_schema(schema)?;
+        }
+        sql::check_table(&self.table)?;
+        Ok(Sql::new(self.schema.as_deref(), &self.table))
+    }
+}
+
+impl IdempotencyStore for PostgresStore {
+    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        let sql = &self.inner.sql;
+        self.call(async {
+            for _ in 0..CLAIM_ATTEMPTS {
+                let row = sqlx::query(&sql.claim)
+                    .bind(&id.as_bytes()[..])
+                    .bind(&claim.fingerprint.as_bytes()[..])
+                    .bind(&claim.token.to_bytes()[..])
+                    .bind(commit_point_code(claim.commit_point))
+                    .bind(micros(claim.lease))
+                    .bind(micros(claim.retention))
+                    .fetch_optional(&self.inner.pool)
+                    .await
+                    .map_err(db_error)?;
+                // No row: the key is held by a row this statement's snapshot predates
+                // (a concurrent claim committed while it waited). Look again.
+                let Some(row) = row else { continue };
+                let mine: bool = row.try_get("mine").map_err(db_error)?;
+                let takeovers: i32 = row.try_get("takeovers").map_err(db_error)?;
+                let record = record_from_row(&row)?;
+                return Ok(match (mine, record) {
+                    (true, Record::InProgress(_)) => ClaimOutcome::Claimed {
+                        takeover: takeovers > 0,
+                    },
+                    (mine, record) => ClaimOutcome::Existing {
+                        record,
+                        became_unknown: mine,
+                    },
+                });
+            }
+            Err(StoreError::unavailable(
+                "claim kept finding a concurrently changing row",
+            ))
+        })
+        .await
+    }
+
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let blob = Record::Completed(record.clone()).encode();
+        self.change(
+            sqlx::query(&self.inner.sql.complete)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec())
+                .bind(&record.fingerprint.as_bytes()[..])
+                .bind(micros(retention))
+                .bind(&blob[..]),
+        )
+        .await
+    }
+
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.change(
+            sqlx::query(&self.inner.sql.release)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec()),
+        )
+        .await
+    }
+
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.change(
+            sqlx::query(&self.inner.sql.renew)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec())
+                .bind(micros(lease)),
+        )
+        .await
+    }
+
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.change(
+            sqlx::query(&self.inner.sql.commit_point)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec()),
+        )
+        .await
+    }
+
+    async fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.change(
+            sqlx::query(&self.inner.sql.mark_unknown)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec())
+                .bind(micros(retention)),
+        )
+        .await
+    }
+
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.call(async {
+            let row = sqlx::query(&self.inner.sql.get)
+                .bind(&id.as_bytes()[..])
+                .fetch_optional(&self.inner.pool)
+                .await
+                .map_err(db_error)?;
+            row.as_ref().map(record_from_row).transpose()
+        })
+        .await
+    }
+}
+
+/// A duration in whole microseconds (clamped to a century), for
+/// `$n * interval '1 microsecond'`.
+fn micros(d: Duration) -> i64 {
+    i64::try_from(d.min(MAX_SPAN).as_micros()).unwrap_or(i64::MAX)
+}
+
+fn commit_point_code(c: CommitPoint) -> i16 {
+    match c {
+        CommitPoint::Before => 1,
+        CommitPoint::Passed => 2,
+        // Undeclared, and any later state: an expired lease becomes outcome_unknown,
+        // the safe reading.
+        _ => 0,
+    }
+}
+
+fn commit_point_from_code(code: i16) -> Result<CommitPoint, DecodeError> {
+    match code {
+        0 => Ok(CommitPoint::Undeclared),
+        1 => Ok(CommitPoint::Before),
+        2 => Ok(CommitPoint::Passed),
+        _ => Err(DecodeError::Invalid("commit point")),
+    }
+}
+
+/// Maps a database error: a checkout or statement timeout is [`StoreError::Timeout`],
+/// anything else [`StoreError::Unavailable`].
+fn db_error(e: sqlx::Error) -> StoreError {
+    match &e {
+        sqlx::Error::PoolTimedOut => StoreError::Timeout,
+        // query_canceled (statement_timeout), lock_not_available (lock_timeout).
+        sqlx::Error::Database(db) if matches!(db.code().as_deref(), Some("57014" | "55P03")) => {
+            StoreError::Timeout
+        }
+        _ => StoreError::unavailable(e),
+    }
+}
+
+/// Reads the record columns of a row (`state, fingerprint, token, commit_point,
+/// lease_ms, record`). Total: a row that does not describe a record is
+/// [`StoreError::Corrupt`].
+fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
+    let state: i16 = row.try_get("state").map_err(db_error)?;
+    let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(db_error)?;
+    let fingerprint = Fingerprint::from_bytes(exact(fingerprint, "fingerprint")?);
+    let corrupt = StoreError::Corrupt;
+    match state {
+        STATE_IN_PROGRESS => {
+            let token: Option<Vec<u8>> = row.try_get("token").map_err(db_error)?;
+            let commit_point: Option<i16> = row.try_get("commit_point").map_err(db_error)?;
+            let lease_ms: Option<i64> = row.try_get("lease_ms").map_err(db_error)?;
+            let token = token.ok_or(corrupt(DecodeError::Invalid("token")))?;
+            let lease_until_ms = lease_ms
+                .and_then(|ms| u64::try_from(ms).ok())
+                .ok_or(corrupt(DecodeError::Invalid("lease")))?;
+            let commit_point = commit_point
+                .ok_or(DecodeError::Invalid("commit point"))
+                .and_then(commit_point_from_code)
+                .map_err(corrupt)?;
+            Ok(Record::InProgress(InProgress {
+                lease_until_ms,
+                token: Token::from_bytes(exact(token, "token")?),
+                fingerprint,
+                commit_point,
+            }))
+        }
+        STATE_COMPLETED => {
+            let blob: Option<Vec<u8>> = row.try_get("record").map_err(db_error)?;
+            let blob = blob.ok_or(corrupt(DecodeError::Truncated))?;
+            match Record::decode(Bytes::from(blob)).map_err(corrupt)? {
+                Record::Completed(c) if c.fingerprint == fingerprint => Ok(Record::Completed(c)),
+                Record::Completed(_) => Err(corrupt(DecodeError::Invalid("fingerprint"))),
+                _ => Err(corrupt(DecodeError::Invalid("state tag"))),
+            }
+        }
+        STATE_UNKNOWN => Ok(Record::OutcomeUnknown(OutcomeUnknown { fingerprint })),
+        _ => Err(corrupt(DecodeError::Invalid("state"))),
+    }
+}
+
+/// A column that must hold exactly `N` bytes.
+fn exact<const N: usize>(bytes: Vec<u8>, what: &'static str) -> Result<[u8; N], StoreError> {
+    <[u8; N]>::try_from(bytes).map_err(|_| StoreError::Corrupt(DecodeError::Invalid(what)))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_are_micros_clamped() {
+        assert_eq!(micros(Duration::from_millis(1500)), 1_500_000);
+        assert_eq!(micros(Duration::from_nanos(999)), 0);
+        assert_eq!(micros(Duration::MAX), micros(MAX_SPAN));
+    }
+
+    #[test]
+    fn commit_points_round_trip() {
+        for c in [CommitPoint::Undeclared, CommitPoint::Before, CommitPoint::Passed] {
+            assert_eq!(commit_point_from_code(commit_point_code(c)), Ok(c));
+        }
+        assert!(commit_point_from_code(7).is_err());
+    }
+
+    #[test]
+    fn builder_refuses_bad_settings() {
+        let b = PostgresStore::builder;
+        assert_eq!(b().build().unwrap_err().field(), "pool");
+        assert_eq!(
+            b().call_timeout(Duration::ZERO).migration_sql().unwrap_err().field(),
+            "call_timeout"
+        );
+        assert_eq!(b().table("").migration_sql().unwrap_err().field(), "table");
+        assert_eq!(b().schema("9").migration_sql().unwrap_err().field(), "schema");
+    }
+}

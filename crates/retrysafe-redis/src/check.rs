@@ -1,0 +1,342 @@
+//! The start-up check of the server's configuration: [`RedisStore::check_config`].
+
+use std::collections::HashMap;
+use std::fmt;
+
+use redis::aio::ConnectionLike;
+use redis::{RedisError, RedisResult};
+use retrysafe_core::store::StoreError;
+
+use crate::RedisStore;
+use crate::store::{bounded, store_error};
+
+/// The server's `maxmemory-policy`: what Redis does when it reaches `maxmemory`.
+///
+/// ```
+/// use retrysafe_redis::EvictionPolicy;
+/// assert_eq!(EvictionPolicy::parse("noeviction"), EvictionPolicy::NoEviction);
+/// assert!(EvictionPolicy::parse("volatile-lru").is_supported());
+/// assert!(!EvictionPolicy::parse("allkeys-lru").is_supported());
+/// assert!(EvictionPolicy::parse("allkeys-lfu").is_unsafe());
+/// assert!(!EvictionPolicy::Unknown.is_unsafe());
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum EvictionPolicy {
+    /// `noeviction`: writes fail instead (the store answers them as unavailable).
+    NoEviction,
+    /// A `volatile-*` policy (named): only keys with an expiry are evicted.
+    Volatile(String),
+    /// An `allkeys-*` policy (named): any key may be evicted, an in-flight claim
+    /// included, and then a duplicate runs. Not supported.
+    AllKeys(String),
+    /// A policy this release does not know (named). Not supported.
+    Other(String),
+    /// The policy could not be read (the `CONFIG` command is refused, as on many
+    /// managed services, or the reply named no policy).
+    Unknown,
+}
+
+impl EvictionPolicy {
+    /// Reads a `maxmemory-policy` value (case-insensitive).
+    pub fn parse(value: &str) -> Self {
+        let v = value.trim().to_ascii_lowercase();
+        if v == "noeviction" {
+            EvictionPolicy::NoEviction
+        } else if v.starts_with("volatile-") {
+            EvictionPolicy::Volatile(v)
+        } else if v.starts_with("allkeys-") {
+            EvictionPolicy::AllKeys(v)
+        } else if v.is_empty() {
+            EvictionPolicy::Unknown
+        } else {
+            EvictionPolicy::Other(v)
+        }
+    }
+
+    /// Whether the store supports the policy: `noeviction` or `volatile-*`.
+    pub fn is_supported(&self) -> bool {
+        matches!(
+            self,
+            EvictionPolicy::NoEviction | EvictionPolicy::Volatile(_)
+        )
+    }
+
+    /// Whether the policy is known and not supported (`allkeys-*` or unknown to this
+    /// release). [`Unknown`](Self::Unknown) is not unsafe: it could not be checked.
+    pub fn is_unsafe(&self) -> bool {
+        matches!(self, EvictionPolicy::AllKeys(_) | EvictionPolicy::Other(_))
+    }
+}
+
+impl fmt::Display for EvictionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            EvictionPolicy::NoEviction => f.write_str("noeviction"),
+            EvictionPolicy::Volatile(p) | EvictionPolicy::AllKeys(p) | EvictionPolicy::Other(p) => {
+                f.write_str(p)
+            }
+            EvictionPolicy::Unknown => f.write_str("unknown"),
+        }
+    }
+}
+
+/// What [`RedisStore::check_config`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConfigReport {
+    /// The `maxmemory-policy`.
+    pub eviction_policy: EvictionPolicy,
+    /// Whether the append-only file is on (`appendonly yes`); `None` when unknown.
+    pub aof: Option<bool>,
+    /// Whether RDB snapshots are scheduled (a non-empty `save`); `None` when unknown.
+    pub rdb: Option<bool>,
+}
+
+impl ConfigReport {
+    /// Whether the server persists its data (AOF or RDB), `None` when unknown. Without
+    /// persistence a restart forgets every record: in-flight claims, stored responses
+    /// and `outcome_unknown` records, so copies of past requests run again.
+    pub fn persistent(&self) -> Option<bool> {
+        match (self.aof, self.rdb) {
+            (Some(true), _) | (_, Some(true)) => Some(true),
+            (Some(false), Some(false)) => Some(false),
+            _ => None,
+        }
+    }
+}
+
+/// Why [`RedisStore::check_config`] failed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum CheckError {
+    /// The server's eviction policy may evict records (`allkeys-*`, or a policy this
+    /// release does not know). The report says what else was found.
+    UnsafeEvictionPolicy(ConfigReport),
+    /// The server could not be asked.
+    Store(StoreError),
+}
+
+impl fmt::Display for CheckError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CheckError::UnsafeEvictionPolicy(r) => write!(
+                f,
+                "Redis maxmemory-policy is {}: it may evict idempotency records; \
+                 use noeviction or a volatile-* policy",
+                r.eviction_policy
+            ),
+            CheckError::Store(e) => write!(f, "cannot check the Redis configuration: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for CheckError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            CheckError::UnsafeEvictionPolicy(_) => None,
+            CheckError::Store(e) => Some(e),
+        }
+    }
+}
+
+impl From<StoreError> for CheckError {
+    fn from(e: StoreError) -> Self {
+        CheckError::Store(e)
+    }
+}
+
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// Checks the server's configuration at start-up, where permitted: reads
+    /// `maxmemory-policy`, `appendonly` and `save` with `CONFIG GET` (one round trip).
+    ///
+    /// - An `allkeys-*` policy (or one this release does not know) is
+    ///   [`CheckError::UnsafeEvictionPolicy`]: Redis could evict an in-flight claim and
+    ///   a duplicate would run.
+    /// - A refused `CONFIG` command (managed services, ACLs) is not an error: the report
+    ///   says [`EvictionPolicy::Unknown`] and the persistence is `None`; it is logged.
+    /// - No persistence is logged as a warning, not an error.
+    /// - A server that cannot be reached is [`CheckError::Store`].
+    ///
+    /// On a cluster connection the command goes to one node; configure all alike.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use retrysafe_redis::{EvictionPolicy, RedisStore};
+    ///
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
+    /// let report = store.check_config().await?; // refuses allkeys-* policies
+    /// if report.eviction_policy == EvictionPolicy::Unknown {
+    ///     eprintln!("could not check maxmemory-policy: make sure it is noeviction");
+    /// }
+    /// # Ok(()) }
+    /// ```
+    pub async fn check_config(&self) -> Result<ConfigReport, CheckError> {
+        let mut conn = self.connection().clone();
+        let mut pipe = redis::pipe();
+        for name in ["maxmemory-policy", "appendonly", "save"] {
+            pipe.cmd("CONFIG").arg("GET").arg(name);
+        }
+        let reply: RedisResult<Vec<HashMap<String, String>>> =
+            bounded_raw(self, pipe.query_async(&mut conn)).await?;
+        let report = match reply {
+            Ok(maps) => report_from(&maps),
+            Err(e) if e.code().is_some() => {
+                // The server answered, refusing: the configuration cannot be read.
+                tracing::warn!(
+                    error = %e,
+                    "cannot read the Redis configuration (CONFIG GET refused): \
+                     make sure maxmemory-policy is noeviction or volatile-* and that \
+                     persistence is on"
+                );
+                ConfigReport {
+                    eviction_policy: EvictionPolicy::Unknown,
+                    aof: None,
+                    rdb: None,
+                }
+            }
+            Err(e) => return Err(CheckError::Store(store_error(e))),
+        };
+        if report.eviction_policy.is_unsafe() {
+            tracing::error!(
+                policy = %report.eviction_policy,
+                "Redis maxmemory-policy may evict idempotency records"
+            );
+            return Err(CheckError::UnsafeEvictionPolicy(report));
+        }
+        if report.persistent() == Some(false) {
+            tracing::warn!(
+                "Redis persists nothing (appendonly no, no save schedule): a restart \
+                 forgets every idempotency record"
+            );
+        }
+        Ok(report)
+    }
+}
+
+/// Bounds `fut` by the store's call timeout, keeping the redis result (for its error
+/// code) unless the call timed out.
+async fn bounded_raw<C, T>(
+    store: &RedisStore<C>,
+    fut: impl Future<Output = RedisResult<T>>,
+) -> Result<RedisResult<T>, StoreError>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    bounded(store.call_timeout(), async {
+        Ok::<_, RedisError>(fut.await)
+    })
+    .await
+}
+
+/// The report from the three `CONFIG GET` replies (in order: `maxmemory-policy`,
+/// `appendonly`, `save`), each a map from the parameter to its value.
+pub(crate) fn report_from(maps: &[HashMap<String, String>]) -> ConfigReport {
+    let value = |i: usize, name: &str| maps.get(i).and_then(|m| m.get(name)).map(String::as_str);
+    ConfigReport {
+        eviction_policy: value(0, "maxmemory-policy")
+            .map_or(EvictionPolicy::Unknown, EvictionPolicy::parse),
+        aof: value(1, "appendonly").map(|v| v.trim().eq_ignore_ascii_case("yes")),
+        rdb: value(2, "save").map(|v| !v.trim().is_empty()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(k: &str, v: &str) -> HashMap<String, String> {
+        HashMap::from([(k.to_owned(), v.to_owned())])
+    }
+
+    #[test]
+    fn parses_policies() {
+        assert_eq!(
+            EvictionPolicy::parse("noeviction"),
+            EvictionPolicy::NoEviction
+        );
+        assert_eq!(
+            EvictionPolicy::parse(" NoEviction "),
+            EvictionPolicy::NoEviction
+        );
+        for p in [
+            "volatile-lru",
+            "volatile-lfu",
+            "volatile-random",
+            "volatile-ttl",
+        ] {
+            let parsed = EvictionPolicy::parse(p);
+            assert_eq!(parsed, EvictionPolicy::Volatile(p.to_owned()));
+            assert!(parsed.is_supported() && !parsed.is_unsafe());
+            assert_eq!(parsed.to_string(), p);
+        }
+        for p in ["allkeys-lru", "allkeys-lfu", "allkeys-random"] {
+            let parsed = EvictionPolicy::parse(p);
+            assert_eq!(parsed, EvictionPolicy::AllKeys(p.to_owned()));
+            assert!(!parsed.is_supported() && parsed.is_unsafe());
+        }
+        assert_eq!(
+            EvictionPolicy::parse("some-future-policy"),
+            EvictionPolicy::Other("some-future-policy".to_owned())
+        );
+        assert!(EvictionPolicy::parse("some-future-policy").is_unsafe());
+        assert_eq!(EvictionPolicy::parse(""), EvictionPolicy::Unknown);
+        assert!(!EvictionPolicy::Unknown.is_supported());
+        assert!(!EvictionPolicy::Unknown.is_unsafe());
+    }
+
+    #[test]
+    fn report_from_replies() {
+        let r = report_from(&[
+            map("maxmemory-policy", "allkeys-lru"),
+            map("appendonly", "yes"),
+            map("save", ""),
+        ]);
+        assert_eq!(
+            r,
+            ConfigReport {
+                eviction_policy: EvictionPolicy::AllKeys("allkeys-lru".to_owned()),
+                aof: Some(true),
+                rdb: Some(false),
+            }
+        );
+        assert_eq!(r.persistent(), Some(true));
+
+        let r = report_from(&[
+            map("maxmemory-policy", "noeviction"),
+            map("appendonly", "no"),
+            map("save", "3600 1 300 100 60 10000"),
+        ]);
+        assert_eq!(r.eviction_policy, EvictionPolicy::NoEviction);
+        assert_eq!(
+            (r.aof, r.rdb, r.persistent()),
+            (Some(false), Some(true), Some(true))
+        );
+
+        let r = report_from(&[
+            map("maxmemory-policy", "noeviction"),
+            map("appendonly", "no"),
+            map("save", ""),
+        ]);
+        assert_eq!(r.persistent(), Some(false));
+
+        // A parameter the server does not know comes back as an empty reply.
+        let r = report_from(&[HashMap::new(), HashMap::new()]);
+        assert_eq!(r.eviction_policy, EvictionPolicy::Unknown);
+        assert_eq!((r.aof, r.rdb, r.persistent()), (None, None, None));
+    }
+
+    #[test]
+    fn check_error_messages() {
+        let e = CheckError::UnsafeEvictionPolicy(report_from(&[map(
+            "maxmemory-policy",
+            "allkeys-lru",
+        )]));
+        assert!(e.to_string().contains("allkeys-lru"), "{e}");
+        assert!(e.to_string().contains("noeviction"), "{e}");
+    }
+}

@@ -1,0 +1,748 @@
+//! RedisStore against the real Redis at `REDIS_URL` (default `redis://127.0.0.1:6379`):
+//! the shared conformance suite, then what is specific to Redis (round trips, key
+//! naming, expiry, corrupt values, timeouts, the configuration check).
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+mod common;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::{fresh_prefix, host_port, manager, manager_to, redis_url, store};
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::{Cmd, Pipeline, RedisFuture, Value};
+use retrysafe_core::idempotency::{
+    CommitPoint, Completed, DecodeError, Fingerprint, OutcomeUnknown, Record, RecordId, Token,
+};
+use retrysafe_core::store::conformance::fresh_id;
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+mod conformance {
+    retrysafe_core::store_conformance_tests! {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        store = || super::store(),
+        clock = retrysafe_core::store::conformance::RealClock::default(),
+    }
+}
+
+const LEASE: Duration = Duration::from_secs(10);
+const RETENTION: Duration = Duration::from_secs(60);
+
+fn claim_args(fingerprint: u8, commit_point: CommitPoint) -> Claim {
+    Claim {
+        token: Token::random(),
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        lease: LEASE,
+        retention: RETENTION,
+        commit_point,
+    }
+}
+
+fn done(fingerprint: u8) -> Completed {
+    Completed {
+        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
+        response: None,
+    }
+}
+
+/// Redis's clock in milliseconds.
+async fn redis_now_ms(conn: &mut ConnectionManager) -> u64 {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await.unwrap();
+    secs * 1000 + micros / 1000
+}
+
+/// A connection that counts the requests it sends (a pipeline counts once): the round
+/// trips of each store call.
+#[derive(Clone)]
+struct Counting {
+    inner: ConnectionManager,
+    sent: Arc<AtomicUsize>,
+}
+
+impl Counting {
+    fn take(&self) -> usize {
+        self.sent.swap(0, Ordering::SeqCst)
+    }
+}
+
+impl ConnectionLike for Counting {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        self.inner.req_packed_command(cmd)
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        self.sent.fetch_add(1, Ordering::SeqCst);
+        self.inner.req_packed_commands(pipeline, offset, count)
+    }
+
+    fn get_db(&self) -> i64 {
+        self.inner.get_db()
+    }
+}
+
+#[tokio::test]
+async fn every_store_call_is_one_round_trip() {
+    let conn = Counting {
+        inner: manager().await,
+        sent: Arc::new(AtomicUsize::new(0)),
+    };
+    let store = RedisStore::builder(conn.clone())
+        .key_prefix(fresh_prefix())
+        .build()
+        .unwrap();
+
+    // Warm up: each script is loaded on its first use after a server start.
+    let warm = fresh_id();
+    let c = claim_args(1, CommitPoint::Before);
+    store.claim(&warm, &c).await.unwrap();
+    store.renew(&warm, c.token, LEASE).await.unwrap();
+    store.commit_point(&warm, c.token).await.unwrap();
+    store.mark_unknown(&warm, c.token, RETENTION).await.unwrap();
+    store
+        .complete(&warm, c.token, &done(1), RETENTION)
+        .await
+        .ok();
+    store.release(&warm, c.token).await.ok();
+    store.wait(&warm, Duration::ZERO).await.unwrap();
+    conn.take();
+
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Before);
+    assert_eq!(
+        store.claim(&id, &c).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    assert_eq!(conn.take(), 1, "claim");
+    let copy = claim_args(1, CommitPoint::Before);
+    assert!(matches!(
+        store.claim(&id, &copy).await.unwrap(),
+        ClaimOutcome::Existing {
+            record: Record::InProgress(_),
+            became_unknown: false
+        }
+    ));
+    assert_eq!(conn.take(), 1, "claim of an existing record returns it");
+    store.renew(&id, c.token, LEASE).await.unwrap();
+    assert_eq!(conn.take(), 1, "renew");
+    store.commit_point(&id, c.token).await.unwrap();
+    assert_eq!(conn.take(), 1, "commit_point");
+    assert!(matches!(
+        store.get(&id).await.unwrap(),
+        Some(Record::InProgress(_))
+    ));
+    assert_eq!(conn.take(), 1, "get");
+    store.wait(&id, Duration::ZERO).await.unwrap();
+    assert_eq!(conn.take(), 1, "wait: one poll");
+    assert!(matches!(
+        store.release(&id, copy.token).await,
+        Err(StoreError::StaleToken)
+    ));
+    assert_eq!(conn.take(), 1, "a refused release");
+    store
+        .complete(&id, c.token, &done(1), RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(conn.take(), 1, "complete");
+    assert_eq!(
+        store.claim(&id, &copy).await.unwrap(),
+        ClaimOutcome::Existing {
+            record: Record::Completed(done(1)),
+            became_unknown: false
+        }
+    );
+    assert_eq!(conn.take(), 1, "claim of a completed record returns it");
+
+    let other = fresh_id();
+    store.claim(&other, &c).await.unwrap();
+    conn.take();
+    store.release(&other, c.token).await.unwrap();
+    assert_eq!(conn.take(), 1, "release");
+    store.claim(&other, &c).await.unwrap();
+    conn.take();
+    store
+        .mark_unknown(&other, c.token, RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(conn.take(), 1, "mark_unknown");
+}
+
+#[tokio::test]
+async fn scripts_are_reloaded_after_a_flush() {
+    let store = store().await;
+    let mut admin = manager().await;
+    let () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Undeclared);
+    assert_eq!(
+        store.claim(&id, &c).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    store
+        .complete(&id, c.token, &done(1), RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get(&id).await.unwrap(),
+        Some(Record::Completed(done(1)))
+    );
+}
+
+#[tokio::test]
+async fn one_key_per_record_with_the_id_as_hash_tag() {
+    let prefix = fresh_prefix();
+    let store = RedisStore::builder(manager().await)
+        .key_prefix(prefix.clone())
+        .build()
+        .unwrap();
+    let mut admin = manager().await;
+    let id = fresh_id();
+    let key = store.key(&id);
+    assert_eq!(key, format!("{prefix}{{{}}}", id.to_hex()));
+    // The hash tag (between the first `{` and the next `}`) is exactly the record id.
+    let open = key.find('{').unwrap();
+    let close = open + key[open..].find('}').unwrap();
+    assert_eq!(&key[open + 1..close], id.to_hex());
+    assert_eq!(close, key.len() - 1);
+    assert_eq!(store.key_prefix(), prefix);
+
+    let c = claim_args(1, CommitPoint::Undeclared);
+    store.claim(&id, &c).await.unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg(format!("{prefix}*"))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(keys, vec![key.clone()], "one key per record");
+    let kind: String = redis::cmd("TYPE")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert_eq!(kind, "string");
+
+    // The value is the record's own encoding, and its size is the encoded length.
+    let raw: Vec<u8> = redis::cmd("GET")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let record = store.get(&id).await.unwrap().unwrap();
+    assert_eq!(raw, record.encode().to_vec());
+    assert_eq!(raw.len(), record.encoded_len());
+
+    // An in-progress key outlives its lease (by the claim's retention).
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let lease_ms = i64::try_from(LEASE.as_millis()).unwrap();
+    let retention_ms = i64::try_from(RETENTION.as_millis()).unwrap();
+    assert!(
+        pttl > lease_ms && pttl <= lease_ms + retention_ms,
+        "in-progress PTTL {pttl}"
+    );
+
+    // A completed record expires after its retention.
+    let retention = Duration::from_secs(5);
+    store
+        .complete(&id, c.token, &done(1), retention)
+        .await
+        .unwrap();
+    let pttl: i64 = redis::cmd("PTTL")
+        .arg(&key)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    assert!(pttl > 0 && pttl <= 5000, "completed PTTL {pttl}");
+}
+
+#[tokio::test]
+async fn leases_come_from_the_redis_clock() {
+    let store = store().await;
+    let mut admin = manager().await;
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Before);
+    let lease_ms = u64::try_from(LEASE.as_millis()).unwrap();
+    let before = redis_now_ms(&mut admin).await;
+    store.claim(&id, &c).await.unwrap();
+    let after = redis_now_ms(&mut admin).await;
+    let Some(Record::InProgress(p)) = store.get(&id).await.unwrap() else {
+        panic!("expected in_progress");
+    };
+    assert!(
+        (before + lease_ms..=after + lease_ms).contains(&p.lease_until_ms),
+        "lease end {} not within Redis TIME {before}..={after} plus the lease",
+        p.lease_until_ms
+    );
+    let before = redis_now_ms(&mut admin).await;
+    store.renew(&id, c.token, LEASE * 2).await.unwrap();
+    let after = redis_now_ms(&mut admin).await;
+    let Some(Record::InProgress(p)) = store.get(&id).await.unwrap() else {
+        panic!("expected in_progress");
+    };
+    assert!((before + 2 * lease_ms..=after + 2 * lease_ms).contains(&p.lease_until_ms));
+    // A renewal keeps the key alive for the renewed lease plus the retention.
+    let pttl: u64 = redis::cmd("PTTL")
+        .arg(store.key(&id))
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let retention_ms = u64::try_from(RETENTION.as_millis()).unwrap();
+    assert!(
+        pttl > 2 * lease_ms && pttl <= 2 * lease_ms + retention_ms,
+        "renewed PTTL {pttl}"
+    );
+}
+
+#[tokio::test]
+async fn an_expired_unclaimed_lease_past_its_commit_point_becomes_unknown() {
+    // The in-progress key outlives its lease, so a copy arriving later still finds it
+    // and reports the unknown outcome instead of running again.
+    let store = store().await;
+    let id = fresh_id();
+    let c = Claim {
+        lease: Duration::from_millis(50),
+        ..claim_args(1, CommitPoint::Undeclared)
+    };
+    store.claim(&id, &c).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let copy = claim_args(1, CommitPoint::Undeclared);
+    assert_eq!(
+        store.claim(&id, &copy).await.unwrap(),
+        ClaimOutcome::Existing {
+            record: Record::OutcomeUnknown(OutcomeUnknown {
+                fingerprint: Fingerprint::from_bytes([1; 32])
+            }),
+            became_unknown: true
+        }
+    );
+}
+
+#[tokio::test]
+async fn corrupt_values_are_reported_not_replayed() {
+    let store = store().await;
+    let mut admin = manager().await;
+    let cases: [(&[u8], StoreErrorKind); 4] = [
+        (
+            b"\x09\x01rest",
+            StoreErrorKind::Corrupt(DecodeError::UnknownVersion(9)),
+        ),
+        (b"\x01\x09", StoreErrorKind::Corrupt(DecodeError::Truncated)),
+        (
+            &[
+                1, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                0, 0, 0, 0, 0, 0,
+            ],
+            StoreErrorKind::Corrupt(DecodeError::Invalid("state tag")),
+        ),
+        // Looks like an in_progress record, but is cut short.
+        (
+            &[1, 1, 7, 7, 7],
+            StoreErrorKind::Corrupt(DecodeError::Truncated),
+        ),
+    ];
+    for (bytes, expected) in cases {
+        let id = fresh_id();
+        let () = redis::cmd("SET")
+            .arg(store.key(&id))
+            .arg(bytes)
+            .arg("PX")
+            .arg(60_000)
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        let got = store.get(&id).await;
+        assert_eq!(kind(&got), expected, "get of {bytes:?}: {got:?}");
+        let got = store.claim(&id, &claim_args(1, CommitPoint::Before)).await;
+        assert_eq!(kind(&got), expected, "claim of {bytes:?}: {got:?}");
+        // Nobody holds a corrupt record: token calls are refused, the value is kept.
+        let t = Token::random();
+        assert_eq!(
+            kind(&store.release(&id, t).await),
+            StoreErrorKind::StaleToken
+        );
+        assert_eq!(
+            kind(&store.complete(&id, t, &done(1), RETENTION).await),
+            StoreErrorKind::StaleToken
+        );
+        let raw: Vec<u8> = redis::cmd("GET")
+            .arg(store.key(&id))
+            .query_async(&mut admin)
+            .await
+            .unwrap();
+        assert_eq!(raw, bytes);
+    }
+}
+
+#[derive(Debug, PartialEq, Eq)]
+enum StoreErrorKind {
+    Ok,
+    StaleToken,
+    Timeout,
+    Unavailable,
+    Corrupt(DecodeError),
+    Other,
+}
+
+fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
+    match r {
+        Ok(_) => StoreErrorKind::Ok,
+        Err(StoreError::StaleToken) => StoreErrorKind::StaleToken,
+        Err(StoreError::Timeout) => StoreErrorKind::Timeout,
+        Err(StoreError::Unavailable(_)) => StoreErrorKind::Unavailable,
+        Err(StoreError::Corrupt(e)) => StoreErrorKind::Corrupt(*e),
+        Err(_) => StoreErrorKind::Other,
+    }
+}
+
+#[tokio::test]
+async fn builder_validates() {
+    // A builder needs no live connection: any `Clone` connection type will do.
+    let conn = || Counting {
+        inner: unreachable_manager(),
+        sent: Arc::default(),
+    };
+    for prefix in ["a{b", "a}b", "{x}"] {
+        let e = RedisStore::builder(conn())
+            .key_prefix(prefix)
+            .build()
+            .unwrap_err();
+        assert_eq!(e.field(), "key_prefix");
+    }
+    let e = RedisStore::builder(conn())
+        .call_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "call_timeout");
+    let e = RedisStore::builder(conn())
+        .call_timeout(Duration::from_secs(365 * 24 * 60 * 60))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.field(), "call_timeout");
+    let store = RedisStore::builder(conn())
+        .key_prefix("")
+        .call_timeout(Duration::from_millis(250))
+        .build()
+        .unwrap();
+    assert_eq!(store.call_timeout(), Duration::from_millis(250));
+    assert_eq!(
+        store.key(&RecordId::from_bytes([0; 32])),
+        format!("{{{}}}", "00".repeat(32))
+    );
+    let dbg = format!("{store:?}");
+    assert!(dbg.contains("RedisStore") && dbg.contains("250ms"), "{dbg}");
+}
+
+/// A lazily connecting manager to a closed port (never used for a request).
+fn unreachable_manager() -> ConnectionManager {
+    let client = redis::Client::open("redis://127.0.0.1:1").unwrap();
+    ConnectionManager::new_lazy_with_config(client, Default::default()).unwrap()
+}
+
+/// A port nothing listens on.
+async fn closed_port() -> u16 {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    drop(listener);
+    port
+}
+
+#[tokio::test]
+async fn a_closed_port_is_unavailable_not_a_hang() {
+    let port = closed_port().await;
+    let url = format!("redis://127.0.0.1:{port}");
+    let r = tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(url.as_str()))
+        .await
+        .expect("connect must give up by itself");
+    assert!(
+        matches!(
+            kind(&r),
+            StoreErrorKind::Unavailable | StoreErrorKind::Timeout
+        ),
+        "{r:?}"
+    );
+
+    // A store whose connection (made lazily) cannot reach its server: every call fails
+    // with a store error within the call timeout.
+    let client = redis::Client::open(url.as_str()).unwrap();
+    let conn = ConnectionManager::new_lazy_with_config(
+        client,
+        redis::aio::ConnectionManagerConfig::new().set_number_of_retries(1),
+    )
+    .unwrap();
+    let store = RedisStore::builder(conn)
+        .call_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Undeclared);
+    let outcomes = tokio::time::timeout(Duration::from_secs(20), async {
+        [
+            kind(&store.claim(&id, &c).await),
+            kind(&store.get(&id).await),
+            kind(&store.complete(&id, c.token, &done(1), RETENTION).await),
+            kind(&store.wait(&id, Duration::from_secs(1)).await),
+        ]
+    })
+    .await
+    .expect("store calls are bounded");
+    for k in outcomes {
+        assert!(
+            matches!(k, StoreErrorKind::Unavailable | StoreErrorKind::Timeout),
+            "{k:?}"
+        );
+    }
+}
+
+/// A TCP proxy to Redis that can stall: while paused, it holds the bytes it reads
+/// (a server or network that stopped answering), and delivers them when resumed.
+struct StallingProxy {
+    addr: SocketAddr,
+    paused: Arc<AtomicBool>,
+}
+
+impl StallingProxy {
+    async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let paused = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&paused);
+        tokio::spawn(async move {
+            while let Ok((down, _)) = listener.accept().await {
+                let Ok(up) = TcpStream::connect(&upstream).await else {
+                    continue;
+                };
+                let (dr, dw) = down.into_split();
+                let (ur, uw) = up.into_split();
+                tokio::spawn(pump(dr, uw, Arc::clone(&flag)));
+                tokio::spawn(pump(ur, dw, Arc::clone(&flag)));
+            }
+        });
+        StallingProxy { addr, paused }
+    }
+
+    fn url(&self) -> String {
+        let url = redis_url();
+        url.replacen(&host_port(&url), &self.addr.to_string(), 1)
+    }
+
+    fn pause(&self, paused: bool) {
+        self.paused.store(paused, Ordering::SeqCst);
+    }
+}
+
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    paused: Arc<AtomicBool>,
+) {
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        while paused.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
+    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let store = RedisStore::builder(manager_to(&proxy.url()).await)
+        .key_prefix(fresh_prefix())
+        .call_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Undeclared);
+    store.claim(&id, &c).await.unwrap();
+
+    proxy.pause(true);
+    let stalled = tokio::time::timeout(Duration::from_secs(20), async {
+        [
+            kind(&store.get(&id).await),
+            kind(&store.renew(&id, c.token, LEASE).await),
+            kind(
+                &store
+                    .claim(&id, &claim_args(1, CommitPoint::Undeclared))
+                    .await,
+            ),
+        ]
+    })
+    .await
+    .expect("calls are bounded by the call timeout");
+    assert_eq!(stalled, [StoreErrorKind::Timeout; 3]);
+
+    // The held requests reach Redis late (their replies are discarded); new calls work.
+    proxy.pause(false);
+    store
+        .complete(&id, c.token, &done(1), RETENTION)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.get(&id).await.unwrap(),
+        Some(Record::Completed(done(1)))
+    );
+}
+
+#[tokio::test]
+async fn connect_reaches_the_configured_server() {
+    let store = RedisStore::connect(redis_url().as_str())
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={}: {e}", redis_url()));
+    assert_eq!(store.key_prefix(), "retrysafe:");
+    assert_eq!(store.call_timeout(), Duration::from_secs(1));
+    // Keys under the default prefix: use a fresh id and clean up.
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Undeclared);
+    store.claim(&id, &c).await.unwrap();
+    store.release(&id, c.token).await.unwrap();
+    assert_eq!(store.get(&id).await.unwrap(), None);
+}
+
+/// Reads `maxmemory-policy` directly.
+async fn policy(admin: &mut ConnectionManager) -> String {
+    let (_, value): (String, String) = redis::cmd("CONFIG")
+        .arg("GET")
+        .arg("maxmemory-policy")
+        .query_async(admin)
+        .await
+        .unwrap();
+    value
+}
+
+async fn set_policy(admin: &mut ConnectionManager, value: &str) {
+    let () = redis::cmd("CONFIG")
+        .arg("SET")
+        .arg("maxmemory-policy")
+        .arg(value)
+        .query_async(admin)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn check_config_refuses_allkeys_policies() {
+    let store = store().await;
+    let mut admin = manager().await;
+    let original = policy(&mut admin).await;
+
+    let report = store.check_config().await;
+    // Changing the policy is harmless while `maxmemory` is 0 (no limit), and it is put
+    // back before anything is asserted.
+    set_policy(&mut admin, "allkeys-lru").await;
+    let allkeys = store.check_config().await;
+    set_policy(&mut admin, "volatile-ttl").await;
+    let volatile = store.check_config().await;
+    set_policy(&mut admin, &original).await;
+    assert_eq!(policy(&mut admin).await, original, "policy restored");
+
+    let parsed = EvictionPolicy::parse(&original);
+    match report {
+        Ok(r) => {
+            assert_eq!(r.eviction_policy, parsed);
+            assert!(r.aof.is_some() && r.rdb.is_some(), "{r:?}");
+        }
+        Err(CheckError::UnsafeEvictionPolicy(r)) => {
+            assert!(parsed.is_unsafe(), "{r:?}");
+        }
+        Err(e) => panic!("check_config: {e}"),
+    }
+    match allkeys {
+        Err(CheckError::UnsafeEvictionPolicy(r)) => {
+            assert_eq!(
+                r.eviction_policy,
+                EvictionPolicy::AllKeys("allkeys-lru".to_owned())
+            );
+        }
+        other => panic!("allkeys-lru must be refused, got {other:?}"),
+    }
+    let volatile = volatile.unwrap();
+    assert_eq!(
+        volatile.eviction_policy,
+        EvictionPolicy::Volatile("volatile-ttl".to_owned())
+    );
+}
+
+#[tokio::test]
+async fn check_config_reports_unknown_when_config_is_refused() {
+    let mut admin = manager().await;
+    let user = format!("retrysafe-test-{}", Token::random().to_hex());
+    let password = Token::random().to_hex();
+    let () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg(&user)
+        .arg("on")
+        .arg(format!(">{password}"))
+        .arg("~*")
+        .arg("+@all")
+        .arg("-config")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    let url = format!("redis://{user}:{password}@{}", host_port(&redis_url()));
+    let restricted = RedisStore::connect(url.as_str()).await;
+    let outcome = match &restricted {
+        Ok(store) => Some(store.check_config().await),
+        Err(_) => None,
+    };
+    let _: i64 = redis::cmd("ACL")
+        .arg("DELUSER")
+        .arg(&user)
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+
+    restricted.unwrap();
+    let report = outcome.unwrap().unwrap();
+    assert_eq!(report.eviction_policy, EvictionPolicy::Unknown);
+    assert_eq!(
+        (report.aof, report.rdb, report.persistent()),
+        (None, None, None)
+    );
+}
+
+#[tokio::test]
+async fn check_config_on_a_closed_port_is_a_store_error() {
+    let client = redis::Client::open(format!("redis://127.0.0.1:{}", closed_port().await)).unwrap();
+    let conn = ConnectionManager::new_lazy_with_config(
+        client,
+        redis::aio::ConnectionManagerConfig::new().set_number_of_retries(1),
+    )
+    .unwrap();
+    let store = RedisStore::builder(conn)
+        .call_timeout(Duration::from_millis(500))
+        .build()
+        .unwrap();
+    let r = tokio::time::timeout(Duration::from_secs(20), store.check_config())
+        .await
+        .expect("bounded");
+    assert!(matches!(r, Err(CheckError::Store(_))), "{r:?}");
+}

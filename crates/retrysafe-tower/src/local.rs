@@ -1,0 +1,119 @@
+//! How a client layer answers a failure it generated itself (a deadline, an open
+//! breaker, an exhausted budget): as an error, or — for gRPC requests — as a
+//! synthesised Trailers-Only response, so tonic's generated clients report the right
+//! code instead of `Unknown`.
+//!
+//! The choice is a type parameter of the layer, because only a response body that can
+//! be empty (`Default`, like `tonic::body::Body`) can carry a synthesised status:
+//! [`AsError`] (the default) works with any body, [`AsGrpcStatus`] with such bodies.
+//!
+//! | local failure | gRPC status | HTTP (and [`AsError`]) |
+//! |---|---|---|
+//! | [`DeadlineExceeded`] | 4 `DEADLINE_EXCEEDED` | the error |
+//! | [`BudgetExhausted`], [`CircuitOpen`] | 14 `UNAVAILABLE` | the error |
+//!
+//! Every synthesised status carries `do-not-retry: 1`.
+//!
+//! ```
+//! use retrysafe_core::error::DeadlineExceeded;
+//! use retrysafe_core::wire::Convention;
+//! use retrysafe_tower::local::{AsGrpcStatus, LocalFailure};
+//!
+//! let answer = <AsGrpcStatus as LocalFailure<String>>::answer(
+//!     true,
+//!     Box::new(DeadlineExceeded::new()),
+//!     &Convention::default(),
+//! );
+//! let response = answer.unwrap();
+//! assert_eq!(response.headers()["grpc-status"], "4");
+//! assert_eq!(response.headers()["do-not-retry"], "1");
+//! ```
+
+use http::{HeaderValue, Response, StatusCode};
+use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
+
+/// A boxed error, as the client layers return.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How a layer answers a failure it generated locally.
+pub trait LocalFailure<B>: Send + Sync + 'static {
+    /// The answer to `error` for a request that is gRPC (`grpc`) or not.
+    fn answer(
+        grpc: bool,
+        error: BoxError,
+        convention: &Convention,
+    ) -> Result<Response<B>, BoxError>;
+}
+
+/// Local failures are errors (works with any response body).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AsError;
+
+/// Local failures of gRPC requests are synthesised Trailers-Only responses; other
+/// requests get the error.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AsGrpcStatus;
+
+impl<B> LocalFailure<B> for AsError {
+    fn answer(_: bool, error: BoxError, _: &Convention) -> Result<Response<B>, BoxError> {
+        Err(error)
+    }
+}
+
+impl<B: Default> LocalFailure<B> for AsGrpcStatus {
+    fn answer(
+        grpc: bool,
+        error: BoxError,
+        convention: &Convention,
+    ) -> Result<Response<B>, BoxError> {
+        if !grpc {
+            return Err(error);
+        }
+        let code = if find::<DeadlineExceeded>(&*error).is_some() {
+            4
+        } else if find::<BudgetExhausted>(&*error).is_some()
+            || find::<CircuitOpen>(&*error).is_some()
+        {
+            14
+        } else {
+            return Err(error);
+        };
+        Ok(grpc_status_response(code, &error.to_string(), convention))
+    }
+}
+
+/// A Trailers-Only gRPC response with `code`, `message` (percent-encoded as gRPC
+/// requires) and `do-not-retry: 1`.
+pub fn grpc_status_response<B: Default>(
+    code: u8,
+    message: &str,
+    convention: &Convention,
+) -> Response<B> {
+    let mut response = Response::new(B::default());
+    *response.status_mut() = StatusCode::OK;
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/grpc"),
+    );
+    headers.insert("grpc-status", HeaderValue::from(u16::from(code)));
+    if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
+        headers.insert("grpc-message", v);
+    }
+    headers.insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+    response
+}
+
+fn percent_encode(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    for b in message.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push('%');
+            out.push_str(&format!("{b:02X}"));
+        }
+    }
+    out
+}

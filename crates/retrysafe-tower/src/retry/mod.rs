@@ -1,0 +1,84 @@
+//! Middleware that retries failed requests that are safe to retry, within a budget and
+//! a deadline.
+//!
+//! [`RetryLayer`] is driven by a [`RetryStrategy`](retrysafe_core::strategy::RetryStrategy)
+//! from core (default: the [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy))
+//! and classifies each attempt with a [`Classifier`](retrysafe_core::classify::Classifier).
+//! It:
+//!
+//! - retries **safe requests only**: RFC 9110 idempotent methods, requests with an
+//!   `Idempotency-Key`, and requests declared idempotent (the
+//!   [`Idempotent`](retrysafe_core::strategy::Idempotent) extension or
+//!   [`RetryLayer::idempotent_if`]); a POST without a key is sent once, unless nothing
+//!   was sent at all (a failed connect, h2 `REFUSED_STREAM`).
+//!   [`generate_idempotency_keys`](RetryLayer::generate_idempotency_keys) adds a key to
+//!   POST and PATCH, the same on every attempt — the child key of the inbound record
+//!   inside a guarded handler;
+//! - replays request bodies lazily through [`ReplayBody`]: the first attempt streams while
+//!   a copy is kept up to a cap (64 KiB); a larger body is sent once;
+//! - honours `retry-after` as a minimum delay and `grpc-retry-pushback-ms` as the delay;
+//! - is **deadline-aware**: the deadline is the soonest of the request's
+//!   [`Deadline`](retrysafe_core::Deadline) extension, the inherited
+//!   [`CallContext`](retrysafe_core::CallContext), and a timeout header already on the
+//!   request; `request-timeout-ms` (or `grpc-timeout`) is rewritten on every attempt
+//!   from the time left; no attempt starts, and no delay is waited, that the deadline
+//!   cannot cover. Without a deadline the strategy's default timeouts apply (10 s per
+//!   attempt, 30 s overall);
+//! - awaits the inner service's readiness after the backoff sleep, bounded by the
+//!   deadline;
+//! - sends `retry-attempt: N` (and `grpc-previous-rpc-attempts`) on attempts 2 and
+//!   later, tagged with [`RetryCharged`](retrysafe_core::strategy::RetryCharged) so a
+//!   `RetryBudgetLayer` below does not charge them twice;
+//! - makes one attempt when the caller is the retry point (`retry-point: caller`
+//!   inherited), or for a request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
+//! - when it **gives up on a retryable failure** (attempts exhausted, budget refused, not
+//!   enough time), returns the last real response marked `do-not-retry: 1` and records
+//!   `downstream_gave_up` in the inherited context, so the layers above do not retry
+//!   again;
+//! - with [`grpc_statuses`](RetryLayer::grpc_statuses), answers local failures of gRPC
+//!   requests as synthesised Trailers-Only statuses (see [`local`](crate::local));
+//! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
+//!   emits `tracing` events, and runs retried attempts in a span carrying
+//!   `http.request.resend_count`.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use http::{Request, Response, StatusCode};
+//! use retrysafe_core::strategy::StandardRetryStrategy;
+//! use retrysafe_tower::retry::{ReplayBody, RetryLayer};
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let seen = calls.clone();
+//! // Fails twice with 503, then succeeds.
+//! let inner = tower::service_fn(move |_req: Request<ReplayBody<String>>| {
+//!     let n = seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         let status = if n < 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK };
+//!         Ok::<_, std::convert::Infallible>(Response::builder().status(status).body(()).unwrap())
+//!     }
+//! });
+//! let client = ServiceBuilder::new()
+//!     .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().seed(7)))
+//!     .service(inner);
+//!
+//! let response = client.oneshot(Request::get("http://api/items").body(String::new()).unwrap()).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::OK);
+//! assert_eq!(calls.load(Ordering::SeqCst), 3);
+//! # }
+//! ```
+
+mod body;
+mod future;
+mod layer;
+mod service;
+mod transport;
+
+pub use body::ReplayBody;
+pub use future::ResponseFuture;
+pub use layer::{DEFAULT_REPLAY_CAP, GiveUpEvent, RetryEvent, RetryLayer};
+pub use service::Retry;
+pub use transport::failure_of;
