@@ -60,11 +60,27 @@
 //! # Features
 //!
 //! - `idempotency` (default): [`idempotency`] and [`server`].
+//! - `retry` (default): [`RetryLayer`] and [`ReplayBody`].
+//! - `budget` (default): [`RetryBudgetLayer`].
+//! - `propagate` (default): [`PropagateLayer`].
+//! - `edge` (default): [`EdgeLayer`].
 //! - `full`: everything.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 pub use retrysafe_core as core;
-pub use retrysafe_core::{ConfigError, Deadline, wire};
+pub use retrysafe_core::budget::RetryBudget;
+pub use retrysafe_core::strategy::StandardRetryStrategy;
+pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
+pub use retrysafe_tower::local;
+
+#[cfg(feature = "budget")]
+pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
+#[cfg(feature = "edge")]
+pub use retrysafe_tower::edge::{self, EdgeLayer};
+#[cfg(feature = "propagate")]
+pub use retrysafe_tower::propagate::{self, PropagateLayer};
+#[cfg(feature = "retry")]
+pub use retrysafe_tower::retry::{self, ReplayBody, RetryLayer};
 
 /// Idempotency keys on servers: the [`IdempotencyLayer`](idempotency::IdempotencyLayer),
 /// the [`MemoryStore`](idempotency::MemoryStore), and the model they share with every

@@ -2,12 +2,26 @@
 //!
 //! - [`idempotency`] (feature `idempotency`): the server-side `IdempotencyLayer` that makes
 //!   POST and PATCH safe to retry by `Idempotency-Key`, and the in-memory `MemoryStore`.
+//! - [`retry`] (feature `retry`): the client-side `RetryLayer` and its `ReplayBody`.
+//! - [`budget`] (feature `budget`): the `RetryBudgetLayer`, a budget on every attempt
+//!   marked as a retry.
+//! - [`propagate`] (feature `propagate`) and [`edge`] (feature `edge`): the server side
+//!   of the wire convention — inbound deadline and retry point into the inherited
+//!   [`CallContext`](retrysafe_core::CallContext), and stripping convention headers
+//!   from untrusted peers.
+//! - [`local`]: how client layers answer the failures they generate themselves.
 //! - [`server`]: a helper that assembles the recommended server order.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[cfg(feature = "budget")]
+pub mod budget;
+#[cfg(feature = "edge")]
+pub mod edge;
 #[cfg(feature = "idempotency")]
 pub mod idempotency;
 pub mod local;
+#[cfg(feature = "propagate")]
+pub mod propagate;
 #[cfg(feature = "retry")]
 pub mod retry;
 #[cfg(feature = "idempotency")]

@@ -117,3 +117,70 @@ fn percent_encode(message: &str) -> String {
     }
     out
 }
+
+/// Local failures on a server's inbound path: gRPC requests get a synthesised status,
+/// others an RFC 9457 `application/problem+json` 503 with `do-not-retry: 1` (type
+/// `urn:retrysafe:problem:<slug>`: `retry-budget-exhausted`, `deadline-exceeded` (504),
+/// `circuit-open`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct AsProblem;
+
+impl<B: Default + From<bytes::Bytes>> LocalFailure<B> for AsProblem {
+    fn answer(
+        grpc: bool,
+        error: BoxError,
+        convention: &Convention,
+    ) -> Result<Response<B>, BoxError> {
+        if grpc {
+            return AsGrpcStatus::answer(grpc, error, convention);
+        }
+        let (status, slug, title) = if find::<DeadlineExceeded>(&*error).is_some() {
+            (
+                StatusCode::GATEWAY_TIMEOUT,
+                "deadline-exceeded",
+                "Deadline exceeded",
+            )
+        } else if find::<BudgetExhausted>(&*error).is_some() {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "retry-budget-exhausted",
+                "Retry budget exhausted",
+            )
+        } else if find::<CircuitOpen>(&*error).is_some() {
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                "circuit-open",
+                "Circuit open",
+            )
+        } else {
+            return Err(error);
+        };
+        let body = serde_json_free_problem(status, slug, title, &error.to_string());
+        let mut response = Response::new(B::from(bytes::Bytes::from(body)));
+        *response.status_mut() = status;
+        let headers = response.headers_mut();
+        headers.insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        headers.insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+        Ok(response)
+    }
+}
+
+/// A problem+json document; `detail` is escaped as a JSON string.
+fn serde_json_free_problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> String {
+    let mut escaped = String::with_capacity(detail.len());
+    for c in detail.chars() {
+        match c {
+            '"' => escaped.push_str("\\\""),
+            '\\' => escaped.push_str("\\\\"),
+            c if u32::from(c) < 0x20 => escaped.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => escaped.push(c),
+        }
+    }
+    format!(
+        r#"{{"type":"urn:retrysafe:problem:{slug}","title":"{title}","status":{},"detail":"{escaped}"}}"#,
+        status.as_u16()
+    )
+}

@@ -14,6 +14,7 @@ use http::request::Parts;
 use http::{HeaderMap, Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
+use retrysafe_core::CallContext;
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
     Completed, Decision, Disposition, Fingerprint, IdempotencyContext, NoEffect, RecordId, Scope,
@@ -492,13 +493,21 @@ where
 {
     let token = ctx.token();
     let id = *ctx.record_id();
+    // The handler runs in this spawned task: re-scope the inherited call context (as a
+    // task-local and an extension), now carrying the record, so outbound client layers
+    // derive child keys and report back when they give up.
+    let call_context = CallContext::inherited(&parts.extensions)
+        .unwrap_or_default()
+        .with_idempotency(ctx.clone());
     parts.extensions.insert(ctx);
+    parts.extensions.insert(call_context.clone());
     let req = Request::from_parts(parts, RequestBody::buffered(body));
     let claimed_at = Instant::now();
     let lease = Lease::new(claimed_at, config.lease);
     let cap = claimed_at + config.max_execution;
 
-    let handler = AssertUnwindSafe(async move { inner.call(req).await }).catch_unwind();
+    let handler =
+        AssertUnwindSafe(call_context.scope(async move { inner.call(req).await })).catch_unwind();
     let mut handler = std::pin::pin!(handler);
     // The lease is renewed concurrently with the handler and the capture of its
     // response (never delaying them), every third of a lease, never past

@@ -380,7 +380,7 @@ where
             Some(state) => self.cursor.size_hint(state),
             // Another clone holds the state; this one has not started, so what is left
             // for it is the whole body.
-            None => self.shared.whole_size.clone(),
+            None => self.shared.whole_size,
         })
     }
 }

@@ -1,0 +1,276 @@
+//! Middleware that carries the wire convention from an inbound request to the outbound
+//! calls its handler makes (the server side of the convention).
+//!
+//! [`PropagateLayer`] reads the inbound deadline (`request-timeout-ms`, or `grpc-timeout`
+//! for gRPC requests; clamped to a maximum, less a margin of 10 ms by default) and
+//! `retry-point: caller` into a [`CallContext`], which it makes current for the inner
+//! service — as a tokio task-local around both `call` and the response future, and as a
+//! request extension for code that spawns tasks. Outbound client layers (a
+//! [`RetryLayer`](crate::retry::RetryLayer)) pick it up without plumbing: their deadline
+//! shrinks, a caller that is the retry point gets one attempt per outbound call, and
+//! when they give up they record `downstream_gave_up`. Then this layer marks the
+//! server's own failure response (5xx, or a gRPC error status in the head)
+//! `do-not-retry: 1`, so a chain of services retries at one layer only.
+//!
+//! A malformed inbound timeout is ignored here (the server form of the `DeadlineLayer`
+//! answers 400 instead). Put an [`EdgeLayer`](crate::edge::EdgeLayer) before this layer at
+//! a public edge: inbound convention headers are only honoured from trusted peers.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use http::{Request, Response, StatusCode};
+//! use retrysafe_core::CallContext;
+//! use retrysafe_tower::propagate::PropagateLayer;
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! let svc = ServiceBuilder::new()
+//!     .layer(PropagateLayer::new())
+//!     .service(tower::service_fn(|_req: Request<()>| async {
+//!         // Deep in the handler: the inherited context.
+//!         let ctx = CallContext::current().unwrap();
+//!         assert_eq!(ctx.deadline().unwrap().remaining(), Duration::from_millis(490));
+//!         assert!(ctx.caller_is_retry_point());
+//!         // An outbound call gave up after retrying:
+//!         ctx.mark_downstream_gave_up();
+//!         Ok::<_, std::convert::Infallible>(
+//!             Response::builder().status(StatusCode::BAD_GATEWAY).body(()).unwrap(),
+//!         )
+//!     }));
+//!
+//! let request = Request::post("/orders")
+//!     .header("request-timeout-ms", "500")
+//!     .header("retry-point", "caller")
+//!     .body(())
+//!     .unwrap();
+//! let response = svc.oneshot(request).await.unwrap();
+//! assert_eq!(response.headers()["do-not-retry"], "1");
+//! # }
+//! ```
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use http::{HeaderMap, Request, Response};
+use pin_project_lite::pin_project;
+use retrysafe_core::classify::is_grpc;
+use retrysafe_core::wire::{
+    Convention, DO_NOT_RETRY_VALUE, MAX_TIMEOUT, RetryPoint, TimeoutError, parse_grpc_timeout,
+    parse_request_timeout_ms, parse_retry_point,
+};
+use retrysafe_core::{CallContext, ConfigError, Deadline, Scoped};
+use tower_layer::Layer;
+use tower_service::Service;
+
+/// The default margin taken off an inbound deadline for outbound calls: 10 ms.
+pub const DEFAULT_MARGIN: Duration = Duration::from_millis(10);
+
+#[derive(Debug, Clone)]
+pub(crate) struct Inbound {
+    pub(crate) convention: Convention,
+    pub(crate) margin: Duration,
+    pub(crate) max_timeout: Duration,
+}
+
+impl Default for Inbound {
+    fn default() -> Self {
+        Inbound {
+            convention: Convention::default(),
+            margin: DEFAULT_MARGIN,
+            max_timeout: MAX_TIMEOUT,
+        }
+    }
+}
+
+impl Inbound {
+    /// The inbound timeout header, clamped to the maximum: `Ok(None)` when absent.
+    pub(crate) fn timeout(&self, headers: &HeaderMap) -> Result<Option<Duration>, TimeoutError> {
+        let parsed = if is_grpc(headers) {
+            headers
+                .get(self.convention.grpc_timeout())
+                .map(|v| parse_grpc_timeout(v.as_bytes()))
+        } else {
+            headers
+                .get(self.convention.request_timeout_ms())
+                .map(|v| parse_request_timeout_ms(v.as_bytes()))
+        };
+        parsed
+            .transpose()
+            .map(|t| t.map(|t| t.min(self.max_timeout)))
+    }
+
+    /// The context of an inbound request: what is left of `timeout` less the margin,
+    /// and the retry point.
+    pub(crate) fn context(
+        &self,
+        extensions: &http::Extensions,
+        headers: &HeaderMap,
+        timeout: Option<Duration>,
+    ) -> CallContext {
+        let mut ctx = CallContext::inherited(extensions).unwrap_or_default();
+        if let Some(t) = timeout {
+            ctx = ctx.with_deadline(Deadline::after(t.saturating_sub(self.margin)));
+        }
+        let retry_point = headers
+            .get(self.convention.retry_point())
+            .and_then(|v| parse_retry_point(v.as_bytes()));
+        if retry_point == Some(RetryPoint::Caller) {
+            ctx = ctx.with_caller_is_retry_point(true);
+        }
+        ctx
+    }
+}
+
+/// Carries the inbound deadline and retry point to outbound calls; see the [module
+/// docs](self).
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct PropagateLayer {
+    inbound: Arc<Inbound>,
+}
+
+impl PropagateLayer {
+    /// The defaults: margin 10 ms, inbound timeouts clamped to 30 days.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The header names.
+    pub fn convention(mut self, convention: Convention) -> Self {
+        Arc::make_mut(&mut self.inbound).convention = convention;
+        self
+    }
+
+    /// What outbound calls leave for the way back: they get the inbound time less this
+    /// (default 10 ms; at most 1 minute).
+    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
+        if margin > Duration::from_secs(60) {
+            return Err(ConfigError::new("margin", "must be at most 1 minute"));
+        }
+        Arc::make_mut(&mut self.inbound).margin = margin;
+        Ok(self)
+    }
+
+    /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days).
+    pub fn max_timeout(mut self, max: Duration) -> Result<Self, ConfigError> {
+        if max.is_zero() || max > MAX_TIMEOUT {
+            return Err(ConfigError::new(
+                "max timeout",
+                "must be greater than zero and at most 30 days",
+            ));
+        }
+        Arc::make_mut(&mut self.inbound).max_timeout = max;
+        Ok(self)
+    }
+}
+
+impl<S> Layer<S> for PropagateLayer {
+    type Service = Propagate<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        Propagate {
+            inner,
+            inbound: self.inbound.clone(),
+        }
+    }
+}
+
+/// The service of a [`PropagateLayer`].
+#[derive(Debug, Clone)]
+pub struct Propagate<S> {
+    inner: S,
+    inbound: Arc<Inbound>,
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for Propagate<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    type Response = Response<ResB>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
+        let timeout = self.inbound.timeout(request.headers()).unwrap_or_else(|e| {
+            tracing::debug!(error = %e, "ignoring a malformed inbound timeout");
+            None
+        });
+        let ctx = self
+            .inbound
+            .context(request.extensions(), request.headers(), timeout);
+        // For handlers, and for code that spawns tasks and carries it by hand.
+        if let Some(d) = ctx.deadline() {
+            request.extensions_mut().insert(d);
+        }
+        request.extensions_mut().insert(ctx.clone());
+        let future = ctx.clone().sync_scope(|| self.inner.call(request));
+        ResponseFuture::new(future, ctx, &self.inbound.convention)
+    }
+}
+
+pin_project! {
+    /// The response future of [`Propagate`]: the inner future with the context current,
+    /// marking a failure `do-not-retry: 1` when downstream gave up.
+    pub struct ResponseFuture<F> {
+        #[pin]
+        inner: Scoped<F>,
+        ctx: CallContext,
+        do_not_retry: http::HeaderName,
+    }
+}
+
+impl<F: Future> ResponseFuture<F> {
+    pub(crate) fn new(future: F, ctx: CallContext, convention: &Convention) -> Self {
+        ResponseFuture {
+            inner: ctx.clone().scope(future),
+            ctx,
+            do_not_retry: convention.do_not_retry().clone(),
+        }
+    }
+}
+
+impl<F, ResB, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+{
+    type Output = Result<Response<ResB>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = ready!(this.inner.poll(cx))?;
+        if this.ctx.downstream_gave_up() && is_failure(&response) {
+            response
+                .headers_mut()
+                .insert(this.do_not_retry.clone(), DO_NOT_RETRY_VALUE);
+        }
+        Poll::Ready(Ok(response))
+    }
+}
+
+/// A 5xx, or a gRPC error status in the head (a Trailers-Only response).
+pub(crate) fn is_failure<B>(response: &Response<B>) -> bool {
+    if response.status().is_server_error() {
+        return true;
+    }
+    response
+        .headers()
+        .get("grpc-status")
+        .is_some_and(|v| v.as_bytes() != b"0")
+}
+
+impl<F> fmt::Debug for ResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("ctx", &self.ctx)
+            .finish_non_exhaustive()
+    }
+}
