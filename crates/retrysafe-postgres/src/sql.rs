@@ -183,8 +183,7 @@ WHERE r.k = $1 AND r.expires_at > c.t AND NOT EXISTS (SELECT 1 FROM up)"
 FROM (SELECT clock_timestamp() AS t) c
 WHERE {holder} AND expires_at > c.t"
         );
-        let release =
-            format!("DELETE FROM {t} WHERE {holder} AND expires_at > clock_timestamp()");
+        let release = format!("DELETE FROM {t} WHERE {holder} AND expires_at > clock_timestamp()");
         // The retention of an in-progress row (expires_at - lease_until) is kept.
         let renew = format!(
             "UPDATE {t} SET lease_until = c.t + $3 * interval '1 microsecond',
@@ -272,7 +271,10 @@ mod tests {
     fn names_are_qualified() {
         let sql = Sql::new(Some("s"), "t");
         assert_eq!(sql.table, "s.t");
-        assert!(sql.migration_script().starts_with("CREATE SCHEMA IF NOT EXISTS s;\n"));
+        assert!(
+            sql.migration_script()
+                .starts_with("CREATE SCHEMA IF NOT EXISTS s;\n")
+        );
         assert!(sql.claim.contains("INSERT INTO s.t AS r"));
         let sql = Sql::new(None, DEFAULT_TABLE);
         assert_eq!(sql.table, DEFAULT_TABLE);

@@ -8,12 +8,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record,
-    RecordId, Token,
+    CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId,
+    Token,
 };
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use sqlx::Row;
+use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -39,7 +39,10 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///   expired lease past the commit point into `outcome_unknown`, atomically; any other
 ///   existing row is returned by the same statement. (When a concurrent first claim of
 ///   the same key commits while the statement runs, the statement's snapshot cannot
-///   see the winner's row and is repeated: a second round trip on that losing path.)
+///   see the winner's row and is repeated: a second round trip on that losing path.
+///   A claim that leaves an existing row alone — a replay, a copy of a request in
+///   flight — still locks it for the moment of the statement, as
+///   `ON CONFLICT DO UPDATE` does.)
 /// - complete, release, renew, commit point and mark-unknown are one `UPDATE` or
 ///   `DELETE` whose `WHERE` checks the token; no row means [`StoreError::StaleToken`]
 ///   (a token that never held the record, one that lost it, and an absent record alike);
@@ -164,6 +167,10 @@ impl PostgresStore {
     ///
     /// An `in_progress` row is kept until its lease end plus its claim's retention:
     /// that is as long as the `outcome_unknown` record an expired lease would become.
+    ///
+    /// On a pool made by [`connect`](PostgresStoreBuilder::connect) each batch runs
+    /// under the server's `statement_timeout`, set to the call timeout: keep batches to
+    /// a few thousand rows.
     pub async fn sweep_expired(&self, batch: u32) -> Result<Swept, sqlx::Error> {
         self.sweep_until(batch, || false).await
     }
@@ -195,7 +202,11 @@ impl PostgresStore {
     /// batch it is running.
     ///
     /// Refuses a zero interval or batch, and a call outside a tokio runtime.
-    pub fn spawn_sweeper(&self, interval: Duration, batch: u32) -> Result<SweeperHandle, ConfigError> {
+    pub fn spawn_sweeper(
+        &self,
+        interval: Duration,
+        batch: u32,
+    ) -> Result<SweeperHandle, ConfigError> {
         if interval.is_zero() {
             return Err(ConfigError::new("interval", "must be greater than zero"));
         }
@@ -215,9 +226,8 @@ impl PostgresStore {
                     _ = &mut stop_rx => break,
                     _ = ticks.tick() => {}
                 }
-                let stopped = || {
-                    !matches!(stop_rx.try_recv(), Err(oneshot::error::TryRecvError::Empty))
-                };
+                let stopped =
+                    || !matches!(stop_rx.try_recv(), Err(oneshot::error::TryRecvError::Empty));
                 match store.sweep_until(batch, stopped).await {
                     Ok(swept) => tracing::debug!(
                         table = %store.table(),
@@ -239,7 +249,7 @@ impl PostgresStore {
         })
     }
 
-    /// Runs `f` under the call timeout, mapping its errors.
+    /// Runs `f` under the call timeout: [`StoreError::Timeout`] when it runs out.
     async fn call<T>(
         &self,
         f: impl Future<Output = Result<T, StoreError>>,
@@ -250,7 +260,10 @@ impl PostgresStore {
     }
 
     /// Runs a token-checked change: one row changed, or the token is stale.
-    async fn change(&self, query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>) -> Result<(), StoreError> {
+    async fn change(
+        &self,
+        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+    ) -> Result<(), StoreError> {
         self.call(async {
             let done = query.execute(&self.inner.pool).await.map_err(db_error)?;
             if done.rows_affected() == 0 {
@@ -426,7 +439,10 @@ impl PostgresStoreBuilder {
     }
 
     /// Like [`connect`](Self::connect), from connection options.
-    pub async fn connect_with(self, options: PgConnectOptions) -> Result<PostgresStore, sqlx::Error> {
+    pub async fn connect_with(
+        self,
+        options: PgConnectOptions,
+    ) -> Result<PostgresStore, sqlx::Error> {
         let config = |e: ConfigError| sqlx::Error::Configuration(Box::new(e));
         if self.pool.is_some() {
             return Err(config(ConfigError::new(
@@ -692,7 +708,11 @@ mod tests {
 
     #[test]
     fn commit_points_round_trip() {
-        for c in [CommitPoint::Undeclared, CommitPoint::Before, CommitPoint::Passed] {
+        for c in [
+            CommitPoint::Undeclared,
+            CommitPoint::Before,
+            CommitPoint::Passed,
+        ] {
             assert_eq!(commit_point_from_code(commit_point_code(c)), Ok(c));
         }
         assert!(commit_point_from_code(7).is_err());
@@ -703,10 +723,16 @@ mod tests {
         let b = PostgresStore::builder;
         assert_eq!(b().build().unwrap_err().field(), "pool");
         assert_eq!(
-            b().call_timeout(Duration::ZERO).migration_sql().unwrap_err().field(),
+            b().call_timeout(Duration::ZERO)
+                .migration_sql()
+                .unwrap_err()
+                .field(),
             "call_timeout"
         );
         assert_eq!(b().table("").migration_sql().unwrap_err().field(), "table");
-        assert_eq!(b().schema("9").migration_sql().unwrap_err().field(), "schema");
+        assert_eq!(
+            b().schema("9").migration_sql().unwrap_err().field(),
+            "schema"
+        );
     }
 }

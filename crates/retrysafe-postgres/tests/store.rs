@@ -27,8 +27,8 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::sqlx::{self, PgConnection};
 use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
+use retrysafe_postgres::sqlx::{self, PgConnection};
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
@@ -63,7 +63,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 async fn must_claim(store: &impl IdempotencyStore, id: &RecordId, c: &Claim) {
     match store.claim(id, c).await.unwrap() {
         ClaimOutcome::Claimed { .. } => {}
-        other => panic!("expected a claim, got {other:?}"),
+        other @ ClaimOutcome::Existing { .. } => panic!("expected a claim, got {other:?}"),
     }
 }
 
@@ -92,18 +92,27 @@ async fn one_round_trip_per_call() {
         let copy = claim(1, HOUR, HOUR);
         assert!(matches!(
             store.claim(&id, &copy).await.unwrap(), // 2 existing, in progress
-            ClaimOutcome::Existing { record: Record::InProgress(_), .. }
+            ClaimOutcome::Existing {
+                record: Record::InProgress(_),
+                ..
+            }
         ));
         store.renew(&id, first.token, HOUR).await.unwrap(); // 3
         store.commit_point(&id, first.token).await.unwrap(); // 4
-        assert!(matches!(store.get(&id).await.unwrap(), Some(Record::InProgress(_)))); // 5
+        assert!(matches!(
+            store.get(&id).await.unwrap(),
+            Some(Record::InProgress(_))
+        )); // 5
         store
             .complete(&id, first.token, &completed(1, "done"), HOUR)
             .await
             .unwrap(); // 6
         assert!(matches!(
             store.claim(&id, &copy).await.unwrap(), // 7 replay
-            ClaimOutcome::Existing { record: Record::Completed(_), .. }
+            ClaimOutcome::Existing {
+                record: Record::Completed(_),
+                ..
+            }
         ));
         assert!(matches!(
             store.release(&id, first.token).await, // 8 refused: stale
@@ -157,8 +166,15 @@ async fn guarded_request_round_trips_through_the_layer() {
     assert_eq!(status, StatusCode::CREATED);
     assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(body, "effect 2");
-    assert_eq!(replay.statements, 1, "one claim answers the replay: {replay:?}");
-    assert_eq!(effects.load(Ordering::SeqCst), 2, "warm-up and k1, once each");
+    assert_eq!(
+        replay.statements, 1,
+        "one claim answers the replay: {replay:?}"
+    );
+    assert_eq!(
+        effects.load(Ordering::SeqCst),
+        2,
+        "warm-up and k1, once each"
+    );
 }
 
 fn app(store: PostgresStore, effects: Arc<AtomicUsize>) -> Router {
@@ -185,7 +201,11 @@ async fn send(app: &Router, key: &str, body: &'static str) -> (StatusCode, http:
         .unwrap();
     let res = app.clone().oneshot(req).await.unwrap();
     let (parts, body) = res.into_parts();
-    (parts.status, parts.headers, to_bytes(body, usize::MAX).await.unwrap())
+    (
+        parts.status,
+        parts.headers,
+        to_bytes(body, usize::MAX).await.unwrap(),
+    )
 }
 
 /// Through the layer, concurrent copies of one request run the handler once, and a
@@ -198,7 +218,9 @@ async fn layer_runs_the_handler_once() {
     let mut tasks = Vec::new();
     for _ in 0..8 {
         let app = app.clone();
-        tasks.push(tokio::spawn(async move { send(&app, "pay-1", "10").await.0 }));
+        tasks.push(tokio::spawn(
+            async move { send(&app, "pay-1", "10").await.0 },
+        ));
     }
     let mut statuses = Vec::new();
     for t in tasks {
@@ -212,7 +234,10 @@ async fn layer_runs_the_handler_once() {
         "{statuses:?}"
     );
     let (status, headers, body) = send(&app, "pay-1", "10").await;
-    assert_eq!((status, body.as_ref()), (StatusCode::CREATED, &b"effect 1"[..]));
+    assert_eq!(
+        (status, body.as_ref()),
+        (StatusCode::CREATED, &b"effect 1"[..])
+    );
     assert_eq!(headers.get("idempotent-replayed").unwrap(), "true");
     assert_eq!(
         send(&app, "pay-1", "99").await.0,
@@ -274,7 +299,10 @@ async fn sweep_deletes_expired_rows_in_batches() {
         if n == 28 {
             break;
         }
-        assert!(tokio::time::Instant::now() < deadline, "28 rows expire, {n} did");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "28 rows expire, {n} did"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 
@@ -304,9 +332,7 @@ async fn spawned_sweeper_runs_and_stops() {
     let keep = fresh_id();
     must_claim(&*store, &keep, &claim(1, HOUR, HOUR)).await;
 
-    let sweeper = store
-        .spawn_sweeper(Duration::from_millis(20), 2)
-        .unwrap();
+    let sweeper = store.spawn_sweeper(Duration::from_millis(20), 2).unwrap();
     let mut conn = admin().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while rows(&mut conn, &store).await > 1 {
@@ -326,7 +352,10 @@ async fn spawned_sweeper_runs_and_stops() {
         "interval"
     );
     assert_eq!(
-        store.spawn_sweeper(Duration::from_secs(1), 0).unwrap_err().field(),
+        store
+            .spawn_sweeper(Duration::from_secs(1), 0)
+            .unwrap_err()
+            .field(),
         "batch"
     );
 }
@@ -341,7 +370,10 @@ async fn dropped_sweeper_stops() {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     let start = proxy.seen().statements;
     while proxy.seen().statements < start + 3 {
-        assert!(tokio::time::Instant::now() < deadline, "the sweeper never ran");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the sweeper never ran"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     drop(sweeper);
@@ -385,12 +417,17 @@ async fn corrupt_rows_are_reported() {
     };
 
     // An unknown version byte.
-    sqlx::query(&tamper("record = '\\x09'::bytea || substring(record from 2)"))
-        .bind(&id.as_bytes()[..])
-        .execute(&mut conn)
-        .await
-        .unwrap();
-    assert_eq!(corrupt(store.get(&id).await), DecodeError::UnknownVersion(9));
+    sqlx::query(&tamper(
+        "record = '\\x09'::bytea || substring(record from 2)",
+    ))
+    .bind(&id.as_bytes()[..])
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    assert_eq!(
+        corrupt(store.get(&id).await),
+        DecodeError::UnknownVersion(9)
+    );
     match store.claim(&id, &claim(1, HOUR, HOUR)).await {
         Err(StoreError::Corrupt(DecodeError::UnknownVersion(9))) => {}
         other => panic!("expected Corrupt from claim, got {other:?}"),
@@ -408,10 +445,7 @@ async fn corrupt_rows_are_reported() {
         .execute(&mut conn)
         .await
         .unwrap();
-    assert!(matches!(
-        store.get(&id).await,
-        Err(StoreError::Corrupt(_))
-    ));
+    assert!(matches!(store.get(&id).await, Err(StoreError::Corrupt(_))));
     // An in-progress row with a short token, and one with an unknown commit point.
     let other = fresh_id();
     let c = claim(1, HOUR, HOUR);
@@ -455,7 +489,9 @@ async fn unreachable_server_is_unavailable() {
     let connect = PostgresStore::builder()
         .connect_timeout(Duration::from_millis(300))
         .connect(&url);
-    let result = tokio::time::timeout(guard, connect).await.expect("connect hung");
+    let result = tokio::time::timeout(guard, connect)
+        .await
+        .expect("connect hung");
     assert!(result.is_err(), "connect to a closed port: {result:?}");
 
     let pool = PgPoolOptions::new()
@@ -470,9 +506,17 @@ async fn unreachable_server_is_unavailable() {
     let id = fresh_id();
     let c = claim(1, HOUR, HOUR);
     let results = [
-        tokio::time::timeout(guard, store.claim(&id, &c)).await.expect("claim hung").map(drop),
-        tokio::time::timeout(guard, store.get(&id)).await.expect("get hung").map(drop),
-        tokio::time::timeout(guard, store.release(&id, c.token)).await.expect("release hung"),
+        tokio::time::timeout(guard, store.claim(&id, &c))
+            .await
+            .expect("claim hung")
+            .map(drop),
+        tokio::time::timeout(guard, store.get(&id))
+            .await
+            .expect("get hung")
+            .map(drop),
+        tokio::time::timeout(guard, store.release(&id, c.token))
+            .await
+            .expect("release hung"),
     ];
     for r in results {
         match r {
@@ -490,7 +534,8 @@ async fn unreachable_server_is_unavailable() {
 async fn hanging_server_times_out() {
     let proxy = Proxy::start().await;
     let store = isolated_store_with(proxy.connect_options(), |b| {
-        b.call_timeout(Duration::from_millis(300)).max_connections(2)
+        b.call_timeout(Duration::from_millis(300))
+            .max_connections(2)
     })
     .await;
     let id = fresh_id();
@@ -576,11 +621,17 @@ async fn leases_use_the_database_clock() {
     let mut conn = admin().await;
     let db_ms = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
     let lease = Duration::from_secs(30);
-    let before: i64 = sqlx::query_scalar(db_ms).fetch_one(&mut conn).await.unwrap();
+    let before: i64 = sqlx::query_scalar(db_ms)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
     let id = fresh_id();
     let c = claim(1, lease, HOUR);
     must_claim(&*store, &id, &c).await;
-    let after: i64 = sqlx::query_scalar(db_ms).fetch_one(&mut conn).await.unwrap();
+    let after: i64 = sqlx::query_scalar(db_ms)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
     let Some(Record::InProgress(p)) = store.get(&id).await.unwrap() else {
         panic!("expected in_progress");
     };
@@ -608,11 +659,17 @@ async fn settings_are_validated() {
     assert_eq!(b().table("a b").build().unwrap_err().field(), "table");
     assert_eq!(b().schema("").build().unwrap_err().field(), "schema");
     assert_eq!(
-        b().call_timeout(Duration::ZERO).build().unwrap_err().field(),
+        b().call_timeout(Duration::ZERO)
+            .build()
+            .unwrap_err()
+            .field(),
         "call_timeout"
     );
     // A pool and a URL at once.
-    let err = b().connect("postgres://postgres@127.0.0.1:1/test").await.unwrap_err();
+    let err = b()
+        .connect("postgres://postgres@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
     assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
     let err = PostgresStore::builder()
         .max_connections(0)
@@ -620,6 +677,8 @@ async fn settings_are_validated() {
         .await
         .unwrap_err();
     assert!(err.to_string().contains("max_connections"), "{err}");
-    let err = PostgresStore::connect("mysql://nope").await.unwrap_err();
+    let err = PostgresStore::connect("postgres://127.0.0.1/test?sslmode=bogus")
+        .await
+        .unwrap_err();
     assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
 }

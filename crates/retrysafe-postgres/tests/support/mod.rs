@@ -271,12 +271,7 @@ impl Proxy {
                         .await
                         .unwrap_or_else(|e| unreachable(e));
                     counts.connections.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(pipe(
-                        client,
-                        server,
-                        Arc::clone(&counts),
-                        frozen_rx.clone(),
-                    ));
+                    tokio::spawn(pipe(client, server, Arc::clone(&counts), frozen_rx.clone()));
                 }
             })
         };
