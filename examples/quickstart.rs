@@ -5,12 +5,18 @@
 //! duplicates one after another, many copies at once, a key reused for another
 //! request, a transient failure and its retry, and a batch of logical requests each
 //! sent one to three times, some failing transiently or losing their response on the
-//! way back. It then reads the ledger through `GET /payments` and prints what happened;
-//! the last line, `duplicates: N`, counts payments recorded more than once per key (the
-//! program fails unless it is 0).
+//! way back. Last, it drives a batch of POSTs *without* keys through the retrysafe
+//! client stack — a `RetryLayer` that generates an idempotency key per logical request,
+//! the same on every attempt — while the server fails some of them transiently (503
+//! marked `NoEffect`) and loses the response of others after committing their effect
+//! (the connection is closed without an answer). It then reads the ledger through
+//! `GET /payments` and prints logical requests, attempts, effects and what happened; the
+//! last line, `duplicates: N`, counts payments recorded more than once per logical
+//! request (the program fails unless it is 0).
 #![allow(clippy::print_stdout)]
 
 #[path = "payments/app.rs"]
+#[allow(dead_code)] // `serve`: this demo serves through its chaos layer
 mod app;
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -19,9 +25,18 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use std::collections::HashSet;
+use std::sync::Arc;
+
+use bytes::Bytes;
 use futures_util::StreamExt;
+use http_body_util::{BodyExt, Full};
+use hyper_util::client::legacy::Client as HyperClient;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use retrysafe::{ReplayBody, RetryLayer, StandardRetryStrategy};
 use serde::Deserialize;
 use serde_json::json;
+use tower::{ServiceBuilder, ServiceExt};
 
 /// Logical requests in the batch.
 const BATCH: u64 = 200;
@@ -29,6 +44,13 @@ const BATCH: u64 = 200;
 const CONCURRENT_COPIES: usize = 25;
 /// Accounts the batch spreads over.
 const BATCH_ACCOUNTS: u64 = 8;
+/// Logical requests sent through the client stack.
+const STACK_BATCH: u64 = 200;
+/// Accounts the client-stack batch spreads over.
+const STACK_ACCOUNTS: u64 = 4;
+/// The request header that asks the chaos layer for a failure: `fail-once` or
+/// `lose-once` (per idempotency key).
+const CHAOS: &str = "x-quickstart-chaos";
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
@@ -363,14 +385,179 @@ async fn batch(client: &Client) -> Result<(), Error> {
     Ok(())
 }
 
+/// What the server side of the demo did on purpose.
+#[derive(Debug, Default)]
+struct Chaos {
+    /// (mode, key) pairs already seen: each fault happens once per key.
+    seen: Mutex<HashSet<(String, String)>>,
+    failed: AtomicU64,
+    lost: AtomicU64,
+}
+
+impl Chaos {
+    /// Whether `request` asks for a fault that has not happened yet for its key.
+    fn first(&self, request: &http::Request<hyper::body::Incoming>, mode: &str) -> bool {
+        let asked = request.headers().get(CHAOS).is_some_and(|v| v == mode);
+        let key = request.headers().get("idempotency-key");
+        match (asked, key.and_then(|k| k.to_str().ok())) {
+            (true, Some(key)) => self
+                .seen
+                .lock()
+                .map(|mut seen| seen.insert((mode.to_owned(), key.to_owned())))
+                .unwrap_or(false),
+            _ => false,
+        }
+    }
+
+    /// Serves one request: `fail-once` turns the first copy into a 503 marked
+    /// `NoEffect` (the app's `x-simulate-fail` hook: nothing recorded); `lose-once` runs
+    /// the first copy to completion — the payment is recorded and its answer stored —
+    /// and then closes the connection without answering.
+    async fn serve(
+        &self,
+        router: axum::Router,
+        mut request: http::Request<hyper::body::Incoming>,
+    ) -> Result<axum::response::Response, std::io::Error> {
+        if self.first(&request, "fail-once") {
+            self.failed.fetch_add(1, Ordering::Relaxed);
+            request
+                .headers_mut()
+                .insert("x-simulate-fail", http::HeaderValue::from_static("503"));
+        }
+        let lose = self.first(&request, "lose-once");
+        let response = match router.oneshot(request.map(axum::body::Body::new)).await {
+            Ok(response) => response,
+            Err(never) => match never {},
+        };
+        if lose {
+            self.lost.fetch_add(1, Ordering::Relaxed);
+            // An error from the service makes hyper close the connection unanswered.
+            return Err(std::io::Error::other("a lost response (simulated)"));
+        }
+        Ok(response)
+    }
+}
+
+/// Serves `router` behind the chaos layer with hyper's connection API (so a response
+/// can really be lost) until `stopped`, then drains the guarded requests.
+async fn serve_with_chaos(
+    listener: tokio::net::TcpListener,
+    router: axum::Router,
+    shutdown: retrysafe::idempotency::Shutdown,
+    chaos: Arc<Chaos>,
+    mut stopped: tokio::sync::oneshot::Receiver<()>,
+) -> Result<(), Error> {
+    loop {
+        let (stream, _) = tokio::select! {
+            _ = &mut stopped => break,
+            accepted = listener.accept() => accepted?,
+        };
+        let (router, chaos) = (router.clone(), chaos.clone());
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |request| {
+                let (router, chaos) = (router.clone(), chaos.clone());
+                async move { chaos.serve(router, request).await }
+            });
+            // A closed connection is an expected end here.
+            let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+    shutdown.drain().await;
+    Ok(())
+}
+
+/// `STACK_BATCH` POSTs without keys through the client stack: a `RetryLayer` that
+/// generates one key per logical request (the same on every attempt), over hyper's
+/// client. Every 10th request's first copy fails with a 503 (no effect), every 10th
+/// loses its response after the effect: the layer retries both, with the same key.
+async fn client_stack(client: &Client, chaos: &Chaos) -> Result<(), Error> {
+    client.logical(STACK_BATCH);
+    let attempts = Arc::new(AtomicU64::new(0));
+    let counted = attempts.clone();
+    let stack = ServiceBuilder::new()
+        .layer(
+            RetryLayer::new()
+                .generate_idempotency_keys()
+                .strategy(StandardRetryStrategy::new().seed(7)),
+        )
+        .map_request(move |request: http::Request<ReplayBody<Full<Bytes>>>| {
+            counted.fetch_add(1, Ordering::Relaxed);
+            request
+        })
+        .service(HyperClient::builder(TokioExecutor::new()).build_http());
+
+    let runs = futures_util::stream::iter(0..STACK_BATCH)
+        .map(|i| {
+            let stack = stack.clone();
+            async move {
+                let account = format!("acct-stack-{}", i % STACK_ACCOUNTS);
+                let amount_cents = 500 + i64::try_from(i).unwrap_or(0);
+                let body = json!({ "account": account, "amount_cents": amount_cents });
+                let mut request = http::Request::post(format!("{}/payments", client.base))
+                    .header("content-type", "application/json")
+                    .body(Full::new(Bytes::from(body.to_string())))?;
+                let chaos = match i % 10 {
+                    3 => Some("fail-once"),
+                    7 => Some("lose-once"),
+                    _ => None,
+                };
+                if let Some(mode) = chaos {
+                    request
+                        .headers_mut()
+                        .insert(CHAOS, http::HeaderValue::from_static(mode));
+                }
+                let response = stack.oneshot(request).await?;
+                let status = response.status().as_u16();
+                let replayed = response.headers().contains_key("idempotent-replayed");
+                let body = response.into_body().collect().await?.to_bytes();
+                expect(status == 201, "a client-stack request should succeed")?;
+                let created: Created = serde_json::from_slice(&body)?;
+                let mut succeeded = client.tally.succeeded.lock().map_err(|_| "poisoned")?;
+                succeeded.insert(format!("client-stack-{i}"), (created.id, amount_cents));
+                if replayed {
+                    client.tally.replays.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok::<(), Error>(())
+            }
+        })
+        .buffer_unordered(32)
+        .collect::<Vec<_>>()
+        .await;
+    for run in runs {
+        run?;
+    }
+    let attempts = attempts.load(Ordering::Relaxed);
+    let t = &client.tally;
+    t.attempts.fetch_add(attempts, Ordering::Relaxed);
+    t.simulated_failures
+        .fetch_add(chaos.failed.load(Ordering::Relaxed), Ordering::Relaxed);
+    t.lost_responses
+        .fetch_add(chaos.lost.load(Ordering::Relaxed), Ordering::Relaxed);
+    println!(
+        "client stack: {STACK_BATCH} POSTs without keys through RetryLayer (generated keys) \
+         -> {STACK_BATCH} x 201 in {attempts} attempts; {} transient 503s and {} lost \
+         responses absorbed by retries with the same key",
+        chaos.failed.load(Ordering::Relaxed),
+        chaos.lost.load(Ordering::Relaxed),
+    );
+    Ok(())
+}
+
 async fn run() -> Result<bool, Error> {
     let (router, shutdown) = app::router(&app::Options::default())?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let addr = listener.local_addr()?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let server = tokio::spawn(app::serve(listener, router, shutdown, async {
-        let _ = stopped.await;
-    }));
+    let chaos = Arc::new(Chaos::default());
+    let server = tokio::spawn(serve_with_chaos(
+        listener,
+        router,
+        shutdown,
+        chaos.clone(),
+        stopped,
+    ));
     println!("payments server on http://{addr} (in-memory store)");
 
     let client = Client {
@@ -386,6 +573,7 @@ async fn run() -> Result<bool, Error> {
     transient_failure(&client).await?;
     lost_response(&client).await?;
     batch(&client).await?;
+    client_stack(&client, &chaos).await?;
 
     // The ledger, through the API.
     let mut accounts: BTreeSet<String> = [
@@ -398,6 +586,7 @@ async fn run() -> Result<bool, Error> {
     .map(str::to_owned)
     .collect();
     accounts.extend((0..BATCH_ACCOUNTS).map(|i| format!("acct-batch-{i}")));
+    accounts.extend((0..STACK_ACCOUNTS).map(|i| format!("acct-stack-{i}")));
     let (mut effects, mut total_cents) = (0u64, 0i64);
     for account in &accounts {
         let t = client.totals(account).await?;

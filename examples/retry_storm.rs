@@ -74,10 +74,11 @@ impl Options {
         };
         let mut args = std::env::args().skip(1);
         while let Some(flag) = args.next() {
-            let value = args
-                .next()
-                .ok_or_else(|| format!("{flag} needs a value"))?;
-            let n = |v: &str| v.parse::<u64>().map_err(|_| format!("{flag}: not a number: {v}"));
+            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
+            let n = |v: &str| {
+                v.parse::<u64>()
+                    .map_err(|_| format!("{flag}: not a number: {v}"))
+            };
             let small = |v: &str| {
                 n(v).and_then(|x| {
                     u32::try_from(x)
@@ -256,7 +257,11 @@ async fn serve(router: Router) -> Result<SocketAddr, BoxError> {
 }
 
 /// A chain edge → A → B → `d` in `stack`; returns the top-level client and the edge.
-async fn chain(stack: Stack, d: SocketAddr, seed: u64) -> Result<(HopClient, SocketAddr), BoxError> {
+async fn chain(
+    stack: Stack,
+    d: SocketAddr,
+    seed: u64,
+) -> Result<(HopClient, SocketAddr), BoxError> {
     let mut next = d;
     for (i, name) in ["B", "A", "edge"].into_iter().enumerate() {
         let hop = Hop {
@@ -359,7 +364,10 @@ async fn run(o: Options) -> Result<Report, BoxError> {
     let first = 100.min(outage_requests as usize);
     report.first = d.calls_for(seq..seq + first) as f64 / first as f64;
     let half = f64::from(o.secs) / 2.0;
-    let from = issued.iter().position(|t| *t >= half).unwrap_or(issued.len());
+    let from = issued
+        .iter()
+        .position(|t| *t >= half)
+        .unwrap_or(issued.len());
     report.steady_requests = issued.len() - from;
     report.steady = if report.steady_requests == 0 {
         0.0
