@@ -440,6 +440,10 @@ impl Classifier for DefaultClassifier {
         request: &RequestFacts,
     ) -> Classification {
         use RetrySafety::{Maybe, No};
+        // The common case first: a plain success needs no header lookup.
+        if !request.grpc && (status.is_success() || status.is_redirection()) {
+            return Classification::SUCCESS;
+        }
         let marked = parse_do_not_retry(
             headers
                 .get(self.convention.do_not_retry())

@@ -84,7 +84,8 @@ pub struct RetryToken {
     max_attempts: u32,
     delay: Duration,
     last_cost: Option<RetryCost>,
-    rng: Option<RetryRng>,
+    /// Made on the first retry (boxed: a token that never retries stays small).
+    rng: Option<Box<RetryRng>>,
     budget: Option<RetryBudget>,
 }
 
@@ -275,7 +276,9 @@ impl RetryStrategy for StandardRetryStrategy {
         let delay = match failure.delay {
             DelayHint::Exactly(d) => d,
             hint => {
-                let rng = token.rng.get_or_insert_with(|| self.rng.next_rng());
+                let rng = token
+                    .rng
+                    .get_or_insert_with(|| Box::new(self.rng.next_rng()));
                 let backoff =
                     self.backoff
                         .delay(retries_so_far, token.delay, failure.throttle, rng);
@@ -327,11 +330,41 @@ pub struct NoRetry;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Idempotent;
 
-/// Marks an attempt whose retry a `RetryLayer` already charged to a budget (a request
-/// extension on attempts 2 and later), so a budget layer below it does not charge it
-/// again.
+/// Marks an attempt a `RetryLayer` already accounted for in its budget (one deposit for
+/// the logical request, one withdrawal per retry), so a budget layer below it does not
+/// count it again.
+///
+/// Two marks, both set by the `RetryLayer`: this request extension on attempts 2 and
+/// later (it travels through a `Buffer`), and, around the synchronous `call` of every
+/// attempt, a thread-local flag ([`RetryCharged::scope`]) that a layer directly below
+/// reads with [`RetryCharged::is_marked`] — which keeps the first attempt, the common
+/// case, free of an extension allocation.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryCharged {
     /// The 1-based attempt number.
     pub attempt: u32,
+}
+
+thread_local! {
+    static CHARGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+impl RetryCharged {
+    /// Runs `call` (an inner service's `call`) with the thread-local mark set.
+    pub fn scope<R>(call: impl FnOnce() -> R) -> R {
+        struct Reset(bool);
+        impl Drop for Reset {
+            fn drop(&mut self) {
+                CHARGED.with(|c| c.set(self.0));
+            }
+        }
+        let _reset = Reset(CHARGED.with(|c| c.replace(true)));
+        call()
+    }
+
+    /// Whether a request with these extensions, being called now, was already
+    /// accounted for by a `RetryLayer` above.
+    pub fn is_marked(extensions: &http::Extensions) -> bool {
+        CHARGED.with(std::cell::Cell::get) || extensions.get::<RetryCharged>().is_some()
+    }
 }

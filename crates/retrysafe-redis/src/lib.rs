@@ -47,7 +47,7 @@
 //!   failover can lose the last writes, a recent claim among them.
 //! - **Clocks**: leases are measured by the Redis server's clock only; app-server clocks
 //!   do not matter.
-//! - **Cluster**: supported (feature `cluster`, [`RedisStore::connect_cluster`]): each
+//! - **Cluster**: supported (feature `cluster`, `RedisStore::connect_cluster`): each
 //!   record is one key and each script touches only that key.
 //!
 //! # Timeouts and failures

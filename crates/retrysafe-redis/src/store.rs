@@ -19,6 +19,12 @@ use tokio::time::Instant;
 
 use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, SCRIPTS, TAKEN_OVER};
 
+/// The default key prefix.
+const DEFAULT_KEY_PREFIX: &str = "retrysafe:";
+
+/// The default bound on every store call.
+const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// Durations longer than this (a century) are clamped before they become milliseconds.
 const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
@@ -69,7 +75,7 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
 /// use retrysafe_core::idempotency::{
-///     Completed, Fingerprint, Record, RecordId, Scope, Token,
+///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
 /// };
 /// use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
 /// use retrysafe_core::wire::IdempotencyKey;
@@ -136,12 +142,12 @@ impl RedisStore {
     pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, StoreError> {
         let client = redis::Client::open(url).map_err(StoreError::unavailable)?;
         let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(RedisStoreBuilder::<()>::DEFAULT_CALL_TIMEOUT))
+            .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
             .set_response_timeout(None)
             .set_number_of_retries(CONNECT_RETRIES)
             .set_max_delay(CONNECT_MAX_DELAY);
         // Each attempt is bounded by the connection timeout; the whole by a few of them.
-        let bound = RedisStoreBuilder::<()>::DEFAULT_CALL_TIMEOUT * 5;
+        let bound = DEFAULT_CALL_TIMEOUT * 5;
         let conn = bounded(bound, ConnectionManager::new_with_config(client, config)).await?;
         Ok(RedisStore::new(conn))
     }
@@ -169,7 +175,7 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
     pub async fn connect_cluster<T: IntoConnectionInfo>(
         nodes: impl IntoIterator<Item = T>,
     ) -> Result<Self, StoreError> {
-        let timeout = RedisStoreBuilder::<()>::DEFAULT_CALL_TIMEOUT;
+        let timeout = DEFAULT_CALL_TIMEOUT;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
             .build()
@@ -189,8 +195,8 @@ where
         RedisStore {
             conn,
             config: Arc::new(Config {
-                prefix: RedisStoreBuilder::<()>::DEFAULT_KEY_PREFIX.to_owned(),
-                call_timeout: RedisStoreBuilder::<()>::DEFAULT_CALL_TIMEOUT,
+                prefix: DEFAULT_KEY_PREFIX.to_owned(),
+                call_timeout: DEFAULT_CALL_TIMEOUT,
             }),
         }
     }
@@ -214,8 +220,8 @@ where
     pub fn builder(conn: C) -> RedisStoreBuilder<C> {
         RedisStoreBuilder {
             conn,
-            prefix: RedisStoreBuilder::<()>::DEFAULT_KEY_PREFIX.to_owned(),
-            call_timeout: RedisStoreBuilder::<()>::DEFAULT_CALL_TIMEOUT,
+            prefix: DEFAULT_KEY_PREFIX.to_owned(),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -455,12 +461,6 @@ impl<C> fmt::Debug for RedisStoreBuilder<C> {
 }
 
 impl<C> RedisStoreBuilder<C> {
-    /// The default key prefix: `retrysafe:`.
-    pub const DEFAULT_KEY_PREFIX: &'static str = "retrysafe:";
-
-    /// The default bound on every store call: 1 s.
-    pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
-
     /// The prefix of every key (default `retrysafe:`), to share a Redis database with
     /// other data or other stores. It must not contain `{` or `}`: the record id is the
     /// key's hash tag.

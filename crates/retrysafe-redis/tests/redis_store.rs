@@ -11,11 +11,11 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{fresh_prefix, host_port, manager, manager_to, redis_url, store};
+use common::{ServerLock, fresh_prefix, host_port, manager, manager_to, redis_url, store};
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::{Cmd, Pipeline, RedisFuture, Value};
 use retrysafe_core::idempotency::{
@@ -26,11 +26,12 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
+use tokio::task::AbortHandle;
 
 mod conformance {
     retrysafe_core::store_conformance_tests! {
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        store = || super::store(),
+        store = super::store,
         clock = retrysafe_core::store::conformance::RealClock::default(),
     }
 }
@@ -106,6 +107,9 @@ async fn every_store_call_is_one_round_trip() {
         .key_prefix(fresh_prefix())
         .build()
         .unwrap();
+    // No script flush while counting.
+    let mut admin = manager().await;
+    let lock = ServerLock::acquire(&mut admin, "scripts").await;
 
     // Warm up: each script is loaded on its first use after a server start.
     let warm = fresh_id();
@@ -180,17 +184,20 @@ async fn every_store_call_is_one_round_trip() {
         .await
         .unwrap();
     assert_eq!(conn.take(), 1, "mark_unknown");
+    lock.release(&mut admin).await;
 }
 
 #[tokio::test]
 async fn scripts_are_reloaded_after_a_flush() {
     let store = store().await;
     let mut admin = manager().await;
+    let lock = ServerLock::acquire(&mut admin, "scripts").await;
     let () = redis::cmd("SCRIPT")
         .arg("FLUSH")
         .query_async(&mut admin)
         .await
         .unwrap();
+    lock.release(&mut admin).await;
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
     assert_eq!(
@@ -395,7 +402,7 @@ async fn corrupt_values_are_reported_not_replayed() {
     }
 }
 
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum StoreErrorKind {
     Ok,
     StaleToken,
@@ -418,9 +425,9 @@ fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
 
 #[tokio::test]
 async fn builder_validates() {
-    // A builder needs no live connection: any `Clone` connection type will do.
+    let manager = manager().await;
     let conn = || Counting {
-        inner: unreachable_manager(),
+        inner: manager.clone(),
         sent: Arc::default(),
     };
     for prefix in ["a{b", "a}b", "{x}"] {
@@ -454,12 +461,6 @@ async fn builder_validates() {
     assert!(dbg.contains("RedisStore") && dbg.contains("250ms"), "{dbg}");
 }
 
-/// A lazily connecting manager to a closed port (never used for a request).
-fn unreachable_manager() -> ConnectionManager {
-    let client = redis::Client::open("redis://127.0.0.1:1").unwrap();
-    ConnectionManager::new_lazy_with_config(client, Default::default()).unwrap()
-}
-
 /// A port nothing listens on.
 async fn closed_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -469,7 +470,7 @@ async fn closed_port() -> u16 {
 }
 
 #[tokio::test]
-async fn a_closed_port_is_unavailable_not_a_hang() {
+async fn connecting_to_a_closed_port_is_unavailable_not_a_hang() {
     let port = closed_port().await;
     let url = format!("redis://127.0.0.1:{port}");
     let r = tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(url.as_str()))
@@ -482,21 +483,21 @@ async fn a_closed_port_is_unavailable_not_a_hang() {
         ),
         "{r:?}"
     );
+}
 
-    // A store whose connection (made lazily) cannot reach its server: every call fails
-    // with a store error within the call timeout.
-    let client = redis::Client::open(url.as_str()).unwrap();
-    let conn = ConnectionManager::new_lazy_with_config(
-        client,
-        redis::aio::ConnectionManagerConfig::new().set_number_of_retries(1),
-    )
-    .unwrap();
-    let store = RedisStore::builder(conn)
+#[tokio::test]
+async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
+    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let store = RedisStore::builder(manager_to(&proxy.url()).await)
+        .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(500))
         .build()
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
+    store.claim(&id, &c).await.unwrap();
+    // The server goes away: connections closed, the port refuses new ones.
+    proxy.shut_down();
     let outcomes = tokio::time::timeout(Duration::from_secs(20), async {
         [
             kind(&store.claim(&id, &c).await),
@@ -520,6 +521,7 @@ async fn a_closed_port_is_unavailable_not_a_hang() {
 struct StallingProxy {
     addr: SocketAddr,
     paused: Arc<AtomicBool>,
+    tasks: Arc<Mutex<Vec<AbortHandle>>>,
 }
 
 impl StallingProxy {
@@ -527,19 +529,34 @@ impl StallingProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let paused = Arc::new(AtomicBool::new(false));
+        let tasks = Arc::new(Mutex::new(Vec::new()));
         let flag = Arc::clone(&paused);
-        tokio::spawn(async move {
+        let pumps = Arc::clone(&tasks);
+        let accept = tokio::spawn(async move {
             while let Ok((down, _)) = listener.accept().await {
                 let Ok(up) = TcpStream::connect(&upstream).await else {
                     continue;
                 };
                 let (dr, dw) = down.into_split();
                 let (ur, uw) = up.into_split();
-                tokio::spawn(pump(dr, uw, Arc::clone(&flag)));
-                tokio::spawn(pump(ur, dw, Arc::clone(&flag)));
+                let mut pumps = pumps.lock().unwrap();
+                pumps.push(tokio::spawn(pump(dr, uw, Arc::clone(&flag))).abort_handle());
+                pumps.push(tokio::spawn(pump(ur, dw, Arc::clone(&flag))).abort_handle());
             }
         });
-        StallingProxy { addr, paused }
+        tasks.lock().unwrap().push(accept.abort_handle());
+        StallingProxy {
+            addr,
+            paused,
+            tasks,
+        }
+    }
+
+    /// Closes the listener and every connection.
+    fn shut_down(&self) {
+        for task in self.tasks.lock().unwrap().drain(..) {
+            task.abort();
+        }
     }
 
     fn url(&self) -> String {
@@ -652,6 +669,8 @@ async fn set_policy(admin: &mut ConnectionManager, value: &str) {
 async fn check_config_refuses_allkeys_policies() {
     let store = store().await;
     let mut admin = manager().await;
+    // Another run of this test must not take our temporary policy for the original.
+    let lock = ServerLock::acquire(&mut admin, "maxmemory-policy").await;
     let original = policy(&mut admin).await;
 
     let report = store.check_config().await;
@@ -662,7 +681,9 @@ async fn check_config_refuses_allkeys_policies() {
     set_policy(&mut admin, "volatile-ttl").await;
     let volatile = store.check_config().await;
     set_policy(&mut admin, &original).await;
-    assert_eq!(policy(&mut admin).await, original, "policy restored");
+    let restored = policy(&mut admin).await;
+    lock.release(&mut admin).await;
+    assert_eq!(restored, original, "policy restored");
 
     let parsed = EvictionPolicy::parse(&original);
     match report {
@@ -730,13 +751,10 @@ async fn check_config_reports_unknown_when_config_is_refused() {
 }
 
 #[tokio::test]
-async fn check_config_on_a_closed_port_is_a_store_error() {
-    let client = redis::Client::open(format!("redis://127.0.0.1:{}", closed_port().await)).unwrap();
-    let conn = ConnectionManager::new_lazy_with_config(
-        client,
-        redis::aio::ConnectionManagerConfig::new().set_number_of_retries(1),
-    )
-    .unwrap();
+async fn check_config_on_a_server_gone_is_a_store_error() {
+    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let conn = manager_to(&proxy.url()).await;
+    proxy.shut_down();
     let store = RedisStore::builder(conn)
         .call_timeout(Duration::from_millis(500))
         .build()

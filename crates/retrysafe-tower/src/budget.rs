@@ -185,7 +185,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        if request.extensions().get::<RetryCharged>().is_none() {
+        if !RetryCharged::is_marked(request.extensions()) {
             let config = &self.config;
             let retry = request
                 .headers()

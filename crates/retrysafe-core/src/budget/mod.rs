@@ -72,10 +72,11 @@
 //! **The floor is per process and dominates at low rates.** `min_per_sec` (default 10)
 //! lets a client that sends few requests — or has just started — retry at all: it is a
 //! reserve of `min_per_sec × ttl` retries per window (100 by default), which may also be
-//! spent in one burst. Below 50 requests/s it allows more than the 20 %: a process that
-//! sends 10 requests/s may retry every one of them. And it is per budget, so per
-//! process: a fleet of 100 processes sharing a downstream may retry 1000 times per
-//! second however little traffic it sends. Lower `min_per_sec` where that matters.
+//! spent in one burst. Below 50 requests/s the floor allows more retries than the ratio
+//! does: a process that sends 10 requests/s may retry every one of them. And it is per
+//! budget, so per process: a fleet of 100 processes sharing a downstream may retry 1000
+//! times per second however little traffic it sends. Lower `min_per_sec` where that
+//! matters.
 //!
 //! # The token bucket
 //!
@@ -87,13 +88,15 @@
 //!
 //! # Concurrency
 //!
-//! Budgets are lock-free. A ratio budget counts deposits in cache-padded stripes, one
-//! per thread (a thread-local index), with one atomic word per time bucket that holds the
+//! Budgets are lock-free. A ratio budget counts deposits in cache-padded stripes, one per
+//! thread (a thread-local index), with one atomic word per time bucket that holds the
 //! bucket's epoch and count together, so the rotation of a bucket cannot race an
-//! increment; depositing threads never write to a shared cache line. A withdrawal reads
-//! every stripe. A token bucket is one cache-padded atomic: a success on a full bucket
-//! only reads it. Time comes from [`tokio::time::Instant`], so budgets follow a paused
-//! test clock.
+//! increment; threads on different stripes (handed out round-robin; at least 8) do not
+//! write to a shared cache line. A withdrawal reads every stripe; its check and
+//! its count are one compare-and-swap, so concurrent withdrawals do not overdraw (except
+//! by at most one per racing thread at the instant a bucket rotates). A token bucket is
+//! one cache-padded atomic: a success on a full bucket only reads it. Time comes from
+//! [`tokio::time::Instant`], so budgets follow a paused test clock.
 
 mod bucket;
 mod ratio;

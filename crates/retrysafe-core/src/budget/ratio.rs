@@ -67,6 +67,8 @@ pub(super) struct Ratio {
     reserve: u64,
     /// `retry_ratio` × [`RATIO_SCALE`].
     ratio_scaled: u64,
+    /// The latest epoch computed (read-mostly: written once per bucket width).
+    epoch_hint: CachePadded<AtomicU64>,
     /// `deposits.len() - 1`; the length is a power of two.
     stripe_mask: usize,
     /// One ring of deposit counts per stripe.
@@ -93,6 +95,7 @@ impl Ratio {
             width_nanos,
             reserve: u64::try_from(reserve).unwrap_or(u64::MAX),
             ratio_scaled,
+            epoch_hint: CachePadded::default(),
             stripe_mask: stripes - 1,
             deposits: (0..stripes).map(|_| CachePadded::default()).collect(),
             withdrawals: CachePadded::default(),
@@ -106,7 +109,21 @@ impl Ratio {
 
     /// The current epoch: bucket widths elapsed since the budget was created.
     fn epoch(&self) -> u64 {
-        nanos(Instant::now().saturating_duration_since(self.start)) / self.width_nanos
+        let elapsed = nanos(Instant::now().saturating_duration_since(self.start));
+        // Usually the clock is still in the bucket of the last epoch computed: checking
+        // that takes a multiplication, where computing the epoch takes a division.
+        let hint = self.epoch_hint.0.load(Relaxed);
+        let width = self.width_nanos.get();
+        match elapsed.checked_sub(hint.saturating_mul(width)) {
+            Some(into_bucket) if into_bucket < width => hint,
+            _ => {
+                let epoch = elapsed / self.width_nanos;
+                if epoch > hint {
+                    self.epoch_hint.0.fetch_max(epoch, Relaxed);
+                }
+                epoch
+            }
+        }
     }
 
     /// Counts one request.

@@ -1,5 +1,6 @@
 //! Cache padding and the per-thread stripe index shared by the budgets' counters.
 
+use std::cell::Cell;
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -14,16 +15,29 @@ pub(super) struct CachePadded<T>(pub(super) T);
 /// time.
 static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
 
+/// Marks a thread that has no stripe index yet.
+const UNASSIGNED: usize = usize::MAX;
+
 thread_local! {
-    /// This thread's stripe index, assigned round-robin on first use.
-    static STRIPE: usize = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed);
+    /// This thread's stripe index, assigned round-robin on first use. Const-initialised
+    /// and without a destructor, so reading it is one thread-local load.
+    static STRIPE: Cell<usize> = const { Cell::new(UNASSIGNED) };
 }
 
 /// This thread's stripe index (any `usize`; callers reduce it modulo their stripe
-/// count). During thread teardown, after the thread-local is gone, every such caller
-/// shares stripe 0, which is correct, only slower.
+/// count).
 pub(super) fn thread_stripe() -> usize {
-    STRIPE.try_with(|s| *s).unwrap_or(0)
+    STRIPE
+        .try_with(|stripe| {
+            let index = stripe.get();
+            if index != UNASSIGNED {
+                return index;
+            }
+            let index = NEXT_STRIPE.fetch_add(1, Ordering::Relaxed) & (usize::MAX >> 1);
+            stripe.set(index);
+            index
+        })
+        .unwrap_or(0)
 }
 
 /// How many deposit stripes a ratio budget has: four per available core rounded up to

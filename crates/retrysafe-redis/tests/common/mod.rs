@@ -9,12 +9,12 @@ use retrysafe_core::idempotency::Token;
 use retrysafe_redis::RedisStore;
 
 /// `REDIS_URL`, default `redis://127.0.0.1:6379`.
-pub fn redis_url() -> String {
+pub(crate) fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
 }
 
 /// `host:port` of a `redis://[user[:password]@]host:port[/db]` URL.
-pub fn host_port(url: &str) -> String {
+pub(crate) fn host_port(url: &str) -> String {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
     let hp = rest.split('/').next().unwrap_or(rest);
@@ -27,7 +27,7 @@ pub fn host_port(url: &str) -> String {
 
 /// A connection manager to `url` without a response timeout of its own (the store's
 /// call timeout decides); fails the test, naming REDIS_URL, when Redis cannot be reached.
-pub async fn manager_to(url: &str) -> ConnectionManager {
+pub(crate) async fn manager_to(url: &str) -> ConnectionManager {
     let client = redis::Client::open(url)
         .unwrap_or_else(|e| panic!("REDIS_URL={url} is not a valid Redis URL: {e}"));
     let config = ConnectionManagerConfig::new()
@@ -49,19 +49,62 @@ pub async fn manager_to(url: &str) -> ConnectionManager {
 }
 
 /// A connection manager to `REDIS_URL`.
-pub async fn manager() -> ConnectionManager {
+pub(crate) async fn manager() -> ConnectionManager {
     manager_to(&redis_url()).await
 }
 
 /// A key prefix no other test uses.
-pub fn fresh_prefix() -> String {
+pub(crate) fn fresh_prefix() -> String {
     format!("retrysafe-test:{}:", Token::random().to_hex())
 }
 
 /// A store on `REDIS_URL` with a fresh key prefix.
-pub async fn store() -> RedisStore {
+pub(crate) async fn store() -> RedisStore {
     RedisStore::builder(manager().await)
         .key_prefix(fresh_prefix())
         .build()
         .unwrap_or_else(|e| panic!("builder: {e}"))
+}
+
+/// A lock held in Redis, so that tests that change server-wide state (the eviction
+/// policy, the script cache) do not overlap, in this process or another test run. It
+/// expires by itself after 30 s should a test fail while holding it.
+pub(crate) struct ServerLock {
+    key: String,
+    token: String,
+}
+
+impl ServerLock {
+    pub(crate) async fn acquire(conn: &mut ConnectionManager, name: &str) -> Self {
+        let key = format!("retrysafe-test:lock:{name}");
+        let token = Token::random().to_hex();
+        for _ in 0..600 {
+            let set: Option<String> = redis::cmd("SET")
+                .arg(&key)
+                .arg(&token)
+                .arg("NX")
+                .arg("PX")
+                .arg(30_000)
+                .query_async(conn)
+                .await
+                .unwrap_or_else(|e| panic!("lock {key}: {e}"));
+            if set.is_some() {
+                return ServerLock { key, token };
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("lock {key} not acquired within a minute");
+    }
+
+    pub(crate) async fn release(self, conn: &mut ConnectionManager) {
+        let _: i64 = redis::Script::new(
+            "if redis.call('GET', KEYS[1]) == ARGV[1] then \
+             return redis.call('DEL', KEYS[1]) end return 0",
+        )
+        .key(&self.key)
+        .arg(&self.token)
+        .invoke_async(conn)
+        .await
+        .unwrap_or_else(|e| panic!("unlock {}: {e}", self.key));
+    }
 }

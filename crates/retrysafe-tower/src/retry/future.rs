@@ -28,8 +28,10 @@ pin_project! {
     pub struct ResponseFuture<F, S, B, M> {
         #[pin]
         state: State<F>,
-        #[pin]
-        timer: Option<Sleep>,
+        // Boxed and made on first need (an attempt that did not complete at once, or a
+        // backoff): the future stays small, and a call answered at once never touches
+        // the timer wheel.
+        timer: Option<Pin<Box<Sleep>>>,
         armed: bool,
         service: S,
         template: http::request::Parts,
@@ -94,8 +96,9 @@ impl<F, S, B, M> ResponseFuture<F, S, B, M> {
         } else {
             let mut parts = template.clone();
             attempts.prepare(&mut parts, 1);
+            let request = Request::from_parts(parts, body);
             State::Calling {
-                future: service.call(Request::from_parts(parts, body)),
+                future: RetryCharged::scope(|| service.call(request)),
             }
         };
         ResponseFuture {
@@ -113,10 +116,10 @@ impl<F, S, B, M> ResponseFuture<F, S, B, M> {
     }
 }
 
-fn arm(mut timer: Pin<&mut Option<Sleep>>, at: Instant) {
-    match timer.as_mut().as_pin_mut() {
-        Some(sleep) => sleep.reset(at),
-        None => timer.set(Some(tokio::time::sleep_until(at))),
+fn arm(timer: &mut Option<Pin<Box<Sleep>>>, at: Instant) {
+    match timer {
+        Some(sleep) => sleep.as_mut().reset(at),
+        None => *timer = Some(Box::pin(tokio::time::sleep_until(at))),
     }
 }
 
@@ -149,10 +152,10 @@ where
                                 let Some(at) = this.attempts.attempt_until() else {
                                     return Poll::Pending;
                                 };
-                                arm(this.timer.as_mut(), at);
+                                arm(this.timer, at);
                                 *this.armed = true;
                             }
-                            match this.timer.as_mut().as_pin_mut() {
+                            match this.timer.as_mut().map(Pin::as_mut) {
                                 Some(timer) => ready!(timer.poll(cx)),
                                 None => return Poll::Pending,
                             }
@@ -178,7 +181,7 @@ where
                             if delay.is_zero() {
                                 this.state.set(State::Readying);
                             } else {
-                                arm(this.timer.as_mut(), Instant::now() + delay);
+                                arm(this.timer, Instant::now() + delay);
                                 *this.armed = true;
                                 this.state.set(State::Backoff);
                             }
@@ -186,7 +189,7 @@ where
                     }
                 }
                 StateProj::Backoff => {
-                    if let Some(timer) = this.timer.as_mut().as_pin_mut() {
+                    if let Some(timer) = this.timer.as_mut().map(Pin::as_mut) {
                         ready!(timer.poll(cx));
                     }
                     *this.armed = false;
@@ -201,7 +204,7 @@ where
                         let request = Request::from_parts(parts, this.body.clone());
                         let future = {
                             let _entered = this.span.as_ref().map(tracing::Span::enter);
-                            this.service.call(request)
+                            RetryCharged::scope(|| this.service.call(request))
                         };
                         this.state.set(State::Calling { future });
                     }
@@ -215,10 +218,10 @@ where
                             let Some(at) = this.attempts.overall_until() else {
                                 return Poll::Pending;
                             };
-                            arm(this.timer.as_mut(), at);
+                            arm(this.timer, at);
                             *this.armed = true;
                         }
-                        if let Some(timer) = this.timer.as_mut().as_pin_mut() {
+                        if let Some(timer) = this.timer.as_mut().map(Pin::as_mut) {
                             ready!(timer.poll(cx));
                         }
                         let grpc = this.attempts.facts.grpc;
@@ -279,18 +282,9 @@ impl Attempts {
         }
     }
 
-    fn started(&mut self) -> Instant {
-        *self.started.get_or_insert_with(Instant::now)
-    }
-
     /// When the whole call must end: the deadline, or the default overall timeout.
     fn overall_until(&mut self) -> Option<Instant> {
-        if let Some(d) = self.deadline {
-            return Some(d.instant());
-        }
-        let (_, overall) = self.config.strategy.default_timeouts();
-        let overall = overall?;
-        Some(self.started() + overall)
+        overall_until(self.deadline, &mut self.started, &self.config)
     }
 
     /// When the current attempt must end.
@@ -306,11 +300,6 @@ impl Attempts {
         }
     }
 
-    fn time_left(&mut self) -> Option<std::time::Duration> {
-        self.overall_until()
-            .map(|at| at.saturating_duration_since(Instant::now()))
-    }
-
     fn gave_up(&self) {
         if let Some(context) = &self.context {
             context.mark_downstream_gave_up();
@@ -323,7 +312,7 @@ impl Attempts {
         token: RetryToken,
         body: &ReplayBody<B>,
     ) -> Step<R> {
-        let config = self.config.clone();
+        let config = &*self.config;
         let (classification, status) = match &outcome {
             Outcome::Response(r) => (
                 config
@@ -354,7 +343,9 @@ impl Attempts {
         }
         if classification.marked {
             // Downstream already retried, or answered for good.
-            self.gave_up();
+            if let Some(context) = &self.context {
+                context.mark_downstream_gave_up();
+            }
         }
         let attempts = token.attempt();
         let decision = if self.passthrough {
@@ -363,20 +354,24 @@ impl Attempts {
             // A body over the replay cap is sent once.
             Err(GiveUp::NotRetryable)
         } else {
-            let time_left = self.time_left();
+            // (Split borrows: `config` borrows `self.config`.)
+            let time_left = overall_until(self.deadline, &mut self.started, config)
+                .map(|at| at.saturating_duration_since(Instant::now()));
             config
                 .strategy
                 .refresh_retry_token(token, &classification, &self.facts, time_left)
         };
         match decision {
             Ok(next) => {
-                self.on_retry(&next, status, &classification);
+                on_retry(config, &next, status, &classification);
                 Step::Retry(next)
             }
             Err(reason) => {
                 let gave_up = reason.after_retryable_failure();
                 if gave_up {
-                    self.gave_up();
+                    if let Some(context) = &self.context {
+                        context.mark_downstream_gave_up();
+                    }
                     tracing::debug!(attempts, %reason, status = status.map(|s| s.as_u16()), "giving up");
                     if let Some(hook) = &config.on_give_up {
                         hook(&GiveUpEvent {
@@ -405,20 +400,36 @@ impl Attempts {
             }
         }
     }
+}
 
-    fn on_retry(
-        &self,
-        next: &RetryToken,
-        status: Option<StatusCode>,
-        classification: &Classification,
-    ) {
+/// When the whole call must end: the deadline, or the default overall timeout counted
+/// from `started` (taken now if not yet).
+fn overall_until(
+    deadline: Option<Deadline>,
+    started: &mut Option<Instant>,
+    config: &Config,
+) -> Option<Instant> {
+    if let Some(d) = deadline {
+        return Some(d.instant());
+    }
+    let overall = config.strategy.default_timeouts().1?;
+    Some(*started.get_or_insert_with(Instant::now) + overall)
+}
+
+fn on_retry(
+    config: &Config,
+    next: &RetryToken,
+    status: Option<StatusCode>,
+    classification: &Classification,
+) {
+    {
         tracing::debug!(
             attempt = next.attempt(),
             delay_ms = u64::try_from(next.delay().as_millis()).unwrap_or(u64::MAX),
             status = status.map(|s| s.as_u16()),
             "retrying"
         );
-        if let Some(hook) = &self.config.on_retry {
+        if let Some(hook) = &config.on_retry {
             hook(&RetryEvent {
                 attempt: next.attempt(),
                 delay: next.delay(),

@@ -30,7 +30,8 @@
 //!   later, tagged with [`RetryCharged`](retrysafe_core::strategy::RetryCharged) so a
 //!   `RetryBudgetLayer` below does not charge them twice;
 //! - makes one attempt when the caller is the retry point (`retry-point: caller`
-//!   inherited), or for a request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
+//!   inherited; the header is passed on, so no hop below retries either), or for a
+//!   request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
 //! - when it **gives up on a retryable failure** (attempts exhausted, budget refused, not
 //!   enough time), returns the last real response marked `do-not-retry: 1` and records
 //!   `downstream_gave_up` in the inherited context, so the layers above do not retry

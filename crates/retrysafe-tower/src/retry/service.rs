@@ -5,7 +5,7 @@ use std::task::{Context, Poll};
 
 use http::{Method, Request, Response};
 use http_body::Body;
-use retrysafe_core::classify::RequestFacts;
+use retrysafe_core::classify::{RequestFacts, is_grpc};
 use retrysafe_core::idempotency::Token;
 use retrysafe_core::strategy::{Idempotent, NoRetry};
 use retrysafe_core::wire::{
@@ -83,7 +83,11 @@ where
         let (mut parts, body) = request.into_parts();
 
         let context = CallContext::inherited(&parts.extensions);
-        let mut facts = RequestFacts::of(&parts.method, &parts.headers, convention);
+        // (Not `RequestFacts::of`: the deadline headers are read once, below.)
+        let mut facts = RequestFacts::UNSAFE;
+        facts.has_key = parts.headers.contains_key(convention.idempotency_key());
+        facts.safe = parts.method.is_idempotent() || facts.has_key;
+        facts.grpc = is_grpc(&parts.headers);
         if parts.extensions.get::<Idempotent>().is_some()
             || config.idempotent_if.as_ref().is_some_and(|f| f(&parts))
         {
@@ -108,7 +112,12 @@ where
                 facts.safe = true;
             }
         }
-        if config.retry_point {
+        let caller_is_retry_point = context
+            .as_ref()
+            .is_some_and(CallContext::caller_is_retry_point);
+        // This layer is the retry point, or an upstream caller is: either way, nothing
+        // below may retry this request's calls.
+        if config.retry_point || caller_is_retry_point {
             parts
                 .headers
                 .insert(convention.retry_point().clone(), RETRY_POINT_CALLER);
@@ -123,16 +132,16 @@ where
         if let Some(d) = header_deadline(&parts, &facts, convention) {
             deadline = Some(d.tighten(deadline));
         }
+        // Every attempt carries the deadline header when there is a deadline, so a 504 or
+        // `DEADLINE_EXCEEDED` may be the callee running out of the time we gave it.
+        facts.deadline_sent = deadline.is_some();
 
         let budget = parts
             .extensions
             .get::<retrysafe_core::budget::RetryBudget>()
             .cloned();
         let mut token = config.strategy.acquire_initial_retry_token(budget);
-        let passthrough = no_retry
-            || context
-                .as_ref()
-                .is_some_and(CallContext::caller_is_retry_point);
+        let passthrough = no_retry || caller_is_retry_point;
         if passthrough {
             token.limit_attempts(1);
         }
@@ -171,9 +180,6 @@ fn header_deadline(
     facts: &RequestFacts,
     convention: &retrysafe_core::wire::Convention,
 ) -> Option<Deadline> {
-    if !facts.deadline_sent {
-        return None;
-    }
     let timeout = if facts.grpc {
         parts
             .headers
