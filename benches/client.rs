@@ -52,7 +52,9 @@ fn ok<B>(_: Request<B>) -> std::future::Ready<Result<Res, Infallible>> {
 }
 
 fn request() -> Req {
-    Request::get("http://inner/items").body(Empty::new()).unwrap()
+    Request::get("http://inner/items")
+        .body(Empty::new())
+        .unwrap()
 }
 
 #[derive(Clone)]
@@ -88,7 +90,8 @@ impl tower::retry::Policy<Req, Res, BoxError> for TowerPolicy {
 }
 
 fn cases() -> Vec<(&'static str, Svc)> {
-    let bare = BoxCloneSyncService::new(tower::service_fn(ok::<Empty<Bytes>>).map_err(BoxError::from));
+    let bare =
+        BoxCloneSyncService::new(tower::service_fn(ok::<Empty<Bytes>>).map_err(BoxError::from));
     let retrysafe = BoxCloneSyncService::new(
         ServiceBuilder::new()
             .layer(RetryLayer::new())

@@ -576,11 +576,11 @@ fn main() -> ExitCode {
     );
 
     let svg = chart(&table, options.seed, options.runs);
-    if let Some(dir) = options.out.parent().filter(|d| !d.as_os_str().is_empty()) {
-        if let Err(e) = std::fs::create_dir_all(dir) {
-            eprintln!("cannot create {}: {e}", dir.display());
-            return ExitCode::FAILURE;
-        }
+    if let Some(dir) = options.out.parent().filter(|d| !d.as_os_str().is_empty())
+        && let Err(e) = std::fs::create_dir_all(dir)
+    {
+        eprintln!("cannot create {}: {e}", dir.display());
+        return ExitCode::FAILURE;
     }
     if let Err(e) = std::fs::write(&options.out, svg) {
         eprintln!("cannot write {}: {e}", options.out.display());

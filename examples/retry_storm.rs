@@ -127,10 +127,9 @@ async fn dependency(State(d): State<Arc<Dependency>>, headers: HeaderMap) -> Sta
         .get(SEQ)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<usize>().ok())
+        && let Some(c) = d.per_seq.get(seq)
     {
-        if let Some(c) = d.per_seq.get(seq) {
-            c.fetch_add(1, Ordering::Relaxed);
-        }
+        c.fetch_add(1, Ordering::Relaxed);
     }
     // A seeded, deterministic pattern of failures.
     if splitmix(d.seed ^ n) % 1000 < u64::from(d.fail_permille.load(Ordering::Relaxed)) {

@@ -4,6 +4,8 @@
 //!   [`IdempotencyLayer`](idempotency::IdempotencyLayer): a request repeated with the
 //!   same `Idempotency-Key` gets a semantically equivalent response, and its side effect
 //!   happens once — however many copies arrive, concurrently or late.
+//! - **Clients** retry what is safe to retry, and nothing else, within a budget and a
+//!   deadline: [`RetryLayer`], [`RetryBudgetLayer`].
 //! - **Both sides** speak one small header convention ([`wire`]): `idempotency-key`,
 //!   `idempotent-replayed`, `do-not-retry`, `retry-attempt`, `retry-point`,
 //!   `request-timeout-ms`, `grpc-timeout`, `retry-after`, `grpc-retry-pushback-ms`.
@@ -53,9 +55,54 @@
 //!
 //! # Client
 //!
-//! The client layers (`DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` →
-//! `CircuitBreakerLayer` → transport) build on the same core; they are not part of this
-//! release yet.
+//! Recommended order, outermost first: `DeadlineLayer` → [`RetryLayer`] →
+//! [`RetryBudgetLayer`] → `CircuitBreakerLayer` → transport (the deadline and breaker
+//! layers are next). Each attempt passes the budget; a [`RetryLayer`] retries safe
+//! requests only, replays the body through a [`ReplayBody`], honours `retry-after` and
+//! `grpc-retry-pushback-ms`, and — when it gives up on a retryable failure — returns
+//! the last response marked `do-not-retry: 1`, so no layer above retries again. On
+//! servers, a [`PropagateLayer`] gives the handler's outbound calls the inbound deadline
+//! and retry point through a [`CallContext`], and marks the server's own failure
+//! `do-not-retry: 1` when one of them gave up.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use http::{Request, Response, StatusCode};
+//! use retrysafe::{ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer, StandardRetryStrategy};
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! // A transport that fails twice, then answers (in real code: hyper's client over
+//! // `ReplayBody<_>`, or a tonic `Channel`).
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let seen = calls.clone();
+//! let transport = tower::service_fn(move |req: Request<ReplayBody<String>>| {
+//!     let n = seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         assert!(req.headers().contains_key("idempotency-key")); // generated, same on every attempt
+//!         let status = if n < 2 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::CREATED };
+//!         Ok::<_, std::convert::Infallible>(Response::builder().status(status).body(()).unwrap())
+//!     }
+//! });
+//!
+//! let budget = RetryBudget::ratio(); // retries ≤ 20 % of requests + 10/s, shared by clones
+//! let client = ServiceBuilder::new()
+//!     .layer(
+//!         RetryLayer::new()
+//!             .strategy(StandardRetryStrategy::new().budget(budget.clone()))
+//!             .generate_idempotency_keys(), // the downstream honours Idempotency-Key
+//!     )
+//!     .layer(RetryBudgetLayer::new(budget)) // also bounds retries made by other code
+//!     .service(transport);
+//!
+//! let order = Request::post("http://orders.internal/orders").body("{}".to_owned()).unwrap();
+//! let response = client.oneshot(order).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::CREATED);
+//! assert_eq!(calls.load(Ordering::SeqCst), 3);
+//! # }
+//! ```
 //!
 //! # Features
 //!

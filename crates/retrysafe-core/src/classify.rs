@@ -289,28 +289,33 @@ pub enum Failure {
 
 impl Failure {
     /// Finds what kind of failure `error` is by walking its `source()` chain: our own
-    /// local errors, `std::io::Error` kinds, and (through `extra`) whatever a transport
-    /// adapter recognises, such as hyper's or h2's error types.
+    /// local errors (never retried), `std::io::Error` kinds, and (through `extra`) what a
+    /// transport adapter recognises, such as hyper-util's connect errors or h2's
+    /// `REFUSED_STREAM`. A refused connection counts as "nothing sent" only when it is
+    /// `error` itself or `extra` says so: deeper in a chain it may be a dependency's.
     pub fn of(
         error: &(dyn StdError + 'static),
         extra: impl Fn(&(dyn StdError + 'static)) -> Option<Failure>,
     ) -> Failure {
         let mut current: Option<&(dyn StdError + 'static)> = Some(error);
         let mut found = Failure::Other;
+        let mut depth = 0usize;
         while let Some(e) = current {
             if let Some(f) = extra(e) {
                 return f;
             }
-            if e.is::<BudgetExhausted>() || e.is::<CircuitOpen>() {
+            if e.is::<BudgetExhausted>() || e.is::<CircuitOpen>() || e.is::<DeadlineExceeded>() {
+                // Refused or given up by a layer of ours: never retried again.
                 return Failure::Local;
-            }
-            if e.is::<DeadlineExceeded>() {
-                return Failure::Timeout;
             }
             if let Some(io) = e.downcast_ref::<std::io::Error>() {
                 use std::io::ErrorKind as K;
                 match io.kind() {
-                    K::ConnectionRefused | K::AddrNotAvailable | K::NotFound => {
+                    // "Nothing was sent" is trusted only from the error itself (a
+                    // connector's own error), never from deep inside a chain, where a
+                    // service may report a refused connection of its own after doing
+                    // its work.
+                    K::ConnectionRefused | K::AddrNotAvailable if depth == 0 => {
                         return Failure::ConnectFailed;
                     }
                     K::TimedOut => found = Failure::Timeout,
@@ -323,6 +328,7 @@ impl Failure {
                 }
             }
             current = e.source();
+            depth += 1;
         }
         found
     }
@@ -496,10 +502,10 @@ impl Classifier for DefaultClassifier {
             }
         };
 
-        if !c.is_success() {
-            if let (DelayHint::Backoff, Some(d)) = (c.delay, self.retry_after(headers)) {
-                c.delay = DelayHint::AtLeast(d);
-            }
+        if !c.is_success()
+            && let (DelayHint::Backoff, Some(d)) = (c.delay, self.retry_after(headers))
+        {
+            c.delay = DelayHint::AtLeast(d);
         }
         if marked {
             c.safety = RetrySafety::No;

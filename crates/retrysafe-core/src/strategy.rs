@@ -40,9 +40,12 @@ use std::time::Duration;
 
 use crate::ConfigError;
 use crate::backoff::{Backoff, RetryRng, RngSource};
-use crate::budget::{RetryBudget, RetryCost};
+use crate::budget::{BudgetId, RetryBudget, RetryCost};
 use crate::classify::{Classification, DelayHint, RequestFacts};
 use crate::wire::MAX_TIMEOUT;
+
+/// The least time an attempt is started with: 1 ms, the smallest `request-timeout-ms`.
+pub const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(1);
 
 /// Why a strategy stopped retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -87,6 +90,7 @@ pub struct RetryToken {
     /// Made on the first retry (boxed: a token that never retries stays small).
     rng: Option<Box<RetryRng>>,
     budget: Option<RetryBudget>,
+    budget_id: Option<BudgetId>,
 }
 
 impl RetryToken {
@@ -104,6 +108,17 @@ impl RetryToken {
     /// retry point). Never raises the strategy's limit.
     pub fn limit_attempts(&mut self, max: u32) {
         self.max_attempts = self.max_attempts.min(max.max(1));
+    }
+
+    /// Whether this request is accounted for in a budget (its deposit was made, and
+    /// its retries are withdrawn): then a budget layer below must not count it again.
+    pub fn is_budgeted(&self) -> bool {
+        self.budget_id.is_some()
+    }
+
+    /// The budget this request is accounted for in, if any.
+    pub fn budget_id(&self) -> Option<BudgetId> {
+        self.budget_id
     }
 
     /// The cost of the retry charged for this attempt, if it was a retry.
@@ -246,9 +261,10 @@ fn checked_timeout(field: &'static str, timeout: Duration) -> Result<Duration, C
 
 impl RetryStrategy for StandardRetryStrategy {
     fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken {
-        if let Some(budget) = budget.as_ref().or(self.budget.as_ref()) {
+        let budget_id = budget.as_ref().or(self.budget.as_ref()).map(|budget| {
             budget.deposit();
-        }
+            budget.id()
+        });
         RetryToken {
             attempt: 1,
             max_attempts: self.max_attempts,
@@ -256,6 +272,7 @@ impl RetryStrategy for StandardRetryStrategy {
             last_cost: None,
             rng: None,
             budget,
+            budget_id,
         }
     }
 
@@ -289,7 +306,9 @@ impl RetryStrategy for StandardRetryStrategy {
             }
         };
         if let Some(left) = time_left {
-            if delay >= left {
+            // The next attempt needs the delay and at least a millisecond more (the
+            // least a timeout header can say).
+            if delay.saturating_add(MIN_ATTEMPT_TIME) >= left {
                 return Err(GiveUp::NotEnoughTime);
             }
         }
@@ -298,10 +317,10 @@ impl RetryStrategy for StandardRetryStrategy {
         } else {
             RetryCost::Failure
         };
-        if let Some(budget) = token.budget.as_ref().or(self.budget.as_ref()) {
-            if !budget.withdraw(cost) {
-                return Err(GiveUp::BudgetExhausted);
-            }
+        if let Some(budget) = token.budget.as_ref().or(self.budget.as_ref())
+            && !budget.withdraw(cost)
+        {
+            return Err(GiveUp::BudgetExhausted);
         }
         token.attempt += 1;
         token.delay = delay;
@@ -330,41 +349,58 @@ pub struct NoRetry;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Idempotent;
 
-/// Marks an attempt a `RetryLayer` already accounted for in its budget (one deposit for
-/// the logical request, one withdrawal per retry), so a budget layer below it does not
-/// count it again.
+/// Marks an attempt a `RetryLayer` already accounted for in a budget (one deposit for the
+/// logical request, one withdrawal per retry), so a budget layer below it that holds
+/// *the same* budget does not count it again (one holding another budget counts it).
 ///
 /// Two marks, both set by the `RetryLayer`: this request extension on attempts 2 and
 /// later (it travels through a `Buffer`), and, around the synchronous `call` of every
-/// attempt, a thread-local flag ([`RetryCharged::scope`]) that a layer directly below
-/// reads with [`RetryCharged::is_marked`] — which keeps the first attempt, the common
-/// case, free of an extension allocation.
+/// attempt, a thread-local mark ([`RetryCharged::mark`]) that a layer directly below
+/// reads with [`RetryCharged::covers`] — which keeps the first attempt, the common
+/// case, free of an extension allocation. Through a `Buffer`, a first attempt is
+/// therefore counted again by a budget layer holding the same budget.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryCharged {
     /// The 1-based attempt number.
     pub attempt: u32,
+    /// The budget that counted it.
+    pub budget: BudgetId,
+}
+
+/// The guard of [`RetryCharged::mark`]: restores the thread-local mark when dropped.
+#[derive(Debug)]
+#[must_use = "the mark lasts until the guard is dropped"]
+pub struct ChargeMark {
+    previous: usize,
+}
+
+impl Drop for ChargeMark {
+    fn drop(&mut self) {
+        CHARGED.with(|c| c.set(self.previous));
+    }
 }
 
 thread_local! {
-    static CHARGED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// The `BudgetId` of the call being made on this thread, 0 for none.
+    static CHARGED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
 impl RetryCharged {
-    /// Runs `call` (an inner service's `call`) with the thread-local mark set.
-    pub fn scope<R>(call: impl FnOnce() -> R) -> R {
-        struct Reset(bool);
-        impl Drop for Reset {
-            fn drop(&mut self) {
-                CHARGED.with(|c| c.set(self.0));
-            }
+    /// Marks the calls made on this thread until the guard is dropped as counted by
+    /// `budget`.
+    pub fn mark(budget: BudgetId) -> ChargeMark {
+        ChargeMark {
+            previous: CHARGED.with(|c| c.replace(budget.get())),
         }
-        let _reset = Reset(CHARGED.with(|c| c.replace(true)));
-        call()
     }
 
     /// Whether a request with these extensions, being called now, was already
-    /// accounted for by a `RetryLayer` above.
-    pub fn is_marked(extensions: &http::Extensions) -> bool {
-        CHARGED.with(std::cell::Cell::get) || extensions.get::<RetryCharged>().is_some()
+    /// accounted for in `budget` by a `RetryLayer` above.
+    pub fn covers(budget: &RetryBudget, extensions: &http::Extensions) -> bool {
+        let id = budget.id();
+        CHARGED.with(std::cell::Cell::get) == id.get()
+            || extensions
+                .get::<RetryCharged>()
+                .is_some_and(|c| c.budget == id)
     }
 }

@@ -848,7 +848,7 @@ proptest! {
         let back = parse_grpc_timeout(bytes).unwrap();
         prop_assert!(back <= d);
         prop_assert!(d.as_nanos() - back.as_nanos() < unit);
-        if d.as_nanos() % unit == 0 {
+        if d.as_nanos().is_multiple_of(unit) {
             prop_assert_eq!(back, d);
         }
         // The unit is the finest that fits: one finer would need more than 8 digits.

@@ -1,5 +1,6 @@
-//! PostgreSQL backends of retrysafe: [`PostgresStore`], an idempotency store on one
-//! table, through sqlx.
+//! PostgreSQL backends of retrysafe, through sqlx: [`PostgresStore`], an idempotency
+//! store on one table, and the transactional layer [`tx::TxIdempotencyLayer`], in which
+//! the idempotency key and the handler's effects commit together.
 //!
 //! Several application servers sharing one database behave as one: a key is claimed
 //! by exactly one of them, a takeover of an expired lease is atomic, and leases and
@@ -72,13 +73,19 @@
 //! A guarded request that runs costs a claim and a completion: two round trips. sqlx
 //! also pings a connection as it goes back to the pool, after the call has returned.
 //!
-//! A transactional layer, in which the idempotency key and the handler's effects
-//! commit together, will come in a later module of this crate.
+//! # The transactional layer
+//!
+//! [`tx::TxIdempotencyLayer`] goes further than a store can: it runs each guarded
+//! request in one transaction that also writes its key row, so the key and the
+//! handler's effects commit together — exactly once — and a failed call rolls both
+//! back. Handlers reach the transaction through the [`tx::IdempotentTx`] extractor. Its
+//! key rows live in the store's table, in the store's format; see the [`tx`] module.
 
 #![forbid(unsafe_code)]
 
 mod sql;
 mod store;
+pub mod tx;
 
 pub use store::{PostgresStore, PostgresStoreBuilder, SweeperHandle, Swept};
 

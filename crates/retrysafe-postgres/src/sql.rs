@@ -30,7 +30,7 @@ const MIGRATE_LOCK_CLASS: i32 = 0x7273_0001;
 
 /// The columns every record-returning statement selects, in this order, from a table
 /// aliased `r` (see [`crate::store`] for how they become a record).
-const RECORD_COLUMNS: &str = "r.state, r.fingerprint, r.token, r.commit_point, \
+pub(crate) const RECORD_COLUMNS: &str = "r.state, r.fingerprint, r.token, r.commit_point, \
      floor(extract(epoch FROM r.lease_until) * 1000)::bigint AS lease_ms, r.record";
 
 /// Checks a schema or table name: lowercase ASCII letters, digits and underscores, not

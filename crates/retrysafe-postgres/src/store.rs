@@ -20,7 +20,7 @@ use tokio::task::JoinHandle;
 use crate::sql::{self, STATE_COMPLETED, STATE_IN_PROGRESS, STATE_UNKNOWN, Sql};
 
 /// Durations longer than this (a century) are clamped.
-const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+pub(crate) const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
 /// How many times a claim statement is repeated when it found the key taken by a row
 /// its snapshot could not see yet (a concurrent first claim committed meanwhile).
@@ -611,7 +611,7 @@ impl IdempotencyStore for PostgresStore {
 
 /// A duration in whole microseconds (clamped to a century), for
 /// `$n * interval '1 microsecond'`.
-fn micros(d: Duration) -> i64 {
+pub(crate) fn micros(d: Duration) -> i64 {
     i64::try_from(d.min(MAX_SPAN).as_micros()).unwrap_or(i64::MAX)
 }
 
@@ -636,7 +636,7 @@ fn commit_point_from_code(code: i16) -> Result<CommitPoint, DecodeError> {
 
 /// Maps a database error: a checkout or statement timeout is [`StoreError::Timeout`],
 /// anything else [`StoreError::Unavailable`].
-fn db_error(e: sqlx::Error) -> StoreError {
+pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
     match &e {
         sqlx::Error::PoolTimedOut => StoreError::Timeout,
         // query_canceled (statement_timeout), lock_not_available (lock_timeout).
@@ -650,7 +650,7 @@ fn db_error(e: sqlx::Error) -> StoreError {
 /// Reads the record columns of a row (`state, fingerprint, token, commit_point,
 /// lease_ms, record`). Total: a row that does not describe a record is
 /// [`StoreError::Corrupt`].
-fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
+pub(crate) fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
     let state: i16 = row.try_get("state").map_err(db_error)?;
     let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(db_error)?;
     let fingerprint = Fingerprint::from_bytes(exact(fingerprint, "fingerprint")?);

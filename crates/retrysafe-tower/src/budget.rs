@@ -185,7 +185,7 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        if !RetryCharged::is_marked(request.extensions()) {
+        if !RetryCharged::covers(&self.config.budget, request.extensions()) {
             let config = &self.config;
             let retry = request
                 .headers()

@@ -56,10 +56,10 @@ async fn handler(
     if h.contains_key("x-panic") {
         panic!("handler panicked on purpose");
     }
-    if h.contains_key("x-commit") {
-        if let Some(Extension(ctx)) = &ctx {
-            ctx.commit_point().await.unwrap();
-        }
+    if h.contains_key("x-commit")
+        && let Some(Extension(ctx)) = &ctx
+    {
+        ctx.commit_point().await.unwrap();
     }
     let n = effects.count.fetch_add(1, Ordering::SeqCst) + 1;
     let status = num("x-status").map_or(StatusCode::CREATED, |s| {

@@ -501,8 +501,10 @@ async fn readiness_that_outlasts_the_deadline_is_a_deadline_exceeded() {
     advance_to(t0 + ms(500)).await;
     settle().await;
     assert!(join.is_finished());
-    let err = join.await.unwrap().unwrap_err();
-    assert!(find::<DeadlineExceeded>(&*err).is_some(), "{err}");
+    // The retry could not be made in time: the last real response, marked.
+    let res = join.await.unwrap().unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(res.headers()["do-not-retry"], "1");
     assert!(ctx.downstream_gave_up());
 }
 
@@ -1357,19 +1359,36 @@ async fn a_body_over_the_cap_is_sent_once() {
 
 #[tokio::test(start_paused = true)]
 async fn the_budget_layer_skips_attempts_the_retry_layer_charged() {
-    let budget = ratio(0, 0.0);
+    // One budget shared by the RetryLayer and the RetryBudgetLayer below it: still
+    // exactly one deposit for the logical request and one withdrawal for the retry.
+    let budget = ratio(0, 1.0);
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let stack = tower::ServiceBuilder::new()
-        .layer(RetryLayer::new().strategy(strategy().no_budget()))
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new().strategy(strategy().budget(budget.clone())))
         .layer(RetryBudgetLayer::new(budget.clone()))
         .service(mock);
-    let mut svc = stack;
     let join = call(&mut svc, get("http://api.local/x")).await;
     let seen = answer(&mut handle, vec![Ok(status(503)), Ok(status(200))]).await;
     assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(seen[1].header("retry-attempt"), Some("2"));
-    // The first attempt deposited; the charged retry passed without a withdrawal.
-    assert_eq!(ratio_counts(&budget), (1, 0));
+    assert_eq!(ratio_counts(&budget), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn without_a_budget_above_the_budget_layer_counts_every_attempt() {
+    // The RetryLayer has no budget, so it marks nothing: the RetryBudgetLayer deposits
+    // for the first attempt and withdraws for the retry (`retry-attempt: 2`).
+    let budget = ratio(0, 1.0);
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(RetryLayer::new().strategy(strategy().no_budget()))
+        .layer(RetryBudgetLayer::new(budget.clone()))
+        .service(mock);
+    let join = call(&mut svc, get("http://api.local/x")).await;
+    let seen = answer(&mut handle, vec![Ok(status(503)), Ok(status(200))]).await;
+    assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert!(seen[1].parts.extensions.get::<RetryCharged>().is_none());
+    assert_eq!(ratio_counts(&budget), (1, 1));
 }
 
 #[tokio::test(start_paused = true)]
@@ -1416,11 +1435,36 @@ async fn the_budget_layer_charges_foreign_retries() {
     reply.send_response(status(200));
     fut.await.unwrap();
     assert_eq!(ratio_counts(&budget), (3, 1));
-    let charged = with(retry(), RetryCharged { attempt: 2 });
+    let charged = with(
+        retry(),
+        RetryCharged {
+            attempt: 2,
+            budget: budget.id(),
+        },
+    );
     let fut = svc.ready().await.unwrap().call(charged);
     let (_, reply) = handle.next_request().await.unwrap();
     reply.send_response(status(200));
     fut.await.unwrap();
+    assert_eq!(ratio_counts(&budget), (3, 1));
+    // Charged to another budget: this one still counts it.
+    let other = ratio(0, 0.0);
+    let charged_elsewhere = with(
+        retry(),
+        RetryCharged {
+            attempt: 2,
+            budget: other.id(),
+        },
+    );
+    // (3 deposits at 50 % afford one retry, already taken: refused, not skipped.)
+    let err = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(charged_elsewhere)
+        .await
+        .unwrap_err();
+    assert!(err.is::<BudgetExhausted>());
     assert_eq!(ratio_counts(&budget), (3, 1));
 
     // With grpc_statuses, a refused gRPC retry is UNAVAILABLE.
@@ -1536,4 +1580,40 @@ async fn the_edge_layer_strips_a_forged_retry_attempt_before_the_budget() {
     let res = exposed.oneshot(forged()).await.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(ratio_counts(&budget), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts() {
+    // `RetryLayer::new()` keeps a private ratio budget; a shared budget below it is
+    // another budget, so it still sees one deposit and one withdrawal per retry.
+    let shared = ratio(0, 1.0);
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(layer())
+        .layer(RetryBudgetLayer::new(shared.clone()))
+        .service(mock);
+    let join = call(&mut svc, get("http://api.local/x")).await;
+    let seen = answer(&mut handle, vec![Ok(status(503)), Ok(status(200))]).await;
+    assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(seen.len(), 2);
+    assert_eq!(ratio_counts(&shared), (1, 1));
+
+    // A shared budget that affords no retry stops the RetryLayer's retries.
+    let strict = ratio(0, 0.0);
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = tower::ServiceBuilder::new()
+        .layer(layer())
+        .layer(RetryBudgetLayer::new(strict.clone()))
+        .service(mock);
+    let ctx = CallContext::new();
+    let join = call(&mut svc, with(get("http://api.local/x"), ctx.clone())).await;
+    let seen = answer(&mut handle, vec![Ok(status(503))]).await;
+    // The refused retry never reaches the service; the caller gets the last real
+    // response, marked, and the context records that downstream gave up.
+    let res = join.await.unwrap().unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(marked(&res));
+    assert!(ctx.downstream_gave_up());
+    no_more_attempts(&mut handle).await;
 }

@@ -440,4 +440,21 @@ impl RetryBudget {
     pub fn same_budget(&self, other: &RetryBudget) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
+
+    /// The identity of this budget, shared by its clones (for marks that say which
+    /// budget already counted a request).
+    pub fn id(&self) -> BudgetId {
+        BudgetId(Arc::as_ptr(&self.inner) as usize)
+    }
+}
+
+/// The identity of a [`RetryBudget`]: equal for clones of one handle. Never zero.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct BudgetId(usize);
+
+impl BudgetId {
+    /// The raw value (never zero).
+    pub fn get(self) -> usize {
+        self.0
+    }
 }

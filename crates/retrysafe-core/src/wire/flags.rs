@@ -128,6 +128,6 @@ pub fn parse_pushback(value: &[u8]) -> Pushback {
 pub fn encode_pushback(delay: Duration) -> HeaderValue {
     let millis = delay
         .as_millis()
-        .saturating_add(u128::from(delay.subsec_nanos() % 1_000_000 > 0));
+        .saturating_add(u128::from(!delay.subsec_nanos().is_multiple_of(1_000_000)));
     HeaderValue::from(u64::try_from(millis).unwrap_or(u64::MAX))
 }

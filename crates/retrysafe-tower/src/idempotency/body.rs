@@ -26,7 +26,8 @@ pin_project! {
 }
 
 impl<B> RequestBody<B> {
-    pub(crate) fn buffered(data: Bytes) -> Self {
+    /// A body of these bytes, already buffered (a guarded request).
+    pub fn buffered(data: Bytes) -> Self {
         RequestBody {
             kind: ReqKind::Buffered {
                 data: (!data.is_empty()).then_some(data),
@@ -34,7 +35,8 @@ impl<B> RequestBody<B> {
         }
     }
 
-    pub(crate) fn stream(inner: B) -> Self {
+    /// The original stream, untouched (a request that is not guarded).
+    pub fn stream(inner: B) -> Self {
         RequestBody {
             kind: ReqKind::Stream { inner },
         }
@@ -98,7 +100,8 @@ pin_project! {
 }
 
 impl<B> ResponseBody<B> {
-    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+    /// A body of these bytes and trailers (a stored answer, a replay, a problem).
+    pub fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         ResponseBody {
             kind: ResKind::Full {
                 data: (!data.is_empty()).then_some(data),
@@ -107,7 +110,8 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn stream(inner: B) -> Self {
+    /// The handler's own stream, untouched.
+    pub fn stream(inner: B) -> Self {
         ResponseBody {
             kind: ResKind::Stream {
                 prefix: None,

@@ -7,13 +7,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::FutureExt;
-use http::header::CONTENT_LENGTH;
 use http::request::Parts;
-use http::{HeaderMap, Request, Response};
+use http::{Request, Response};
 use http_body::Body;
-use http_body_util::BodyExt;
 use retrysafe_core::CallContext;
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
@@ -21,13 +19,12 @@ use retrysafe_core::idempotency::{
     StoredResponse, Token, decide,
 };
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_core::wire::{
-    DO_NOT_RETRY_VALUE, IdempotencyKey, REPLAYED_VALUE, encode_retry_after,
-};
+use retrysafe_core::wire::{DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use tokio::time::Instant;
 use tower_service::Service;
 use tracing::Instrument;
 
+use super::blocks::{self, CapturedBody};
 use super::body::{RequestBody, ResponseBody};
 use super::event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 use super::layer::{Config, IdempotencyLayer, InFlight};
@@ -116,15 +113,10 @@ where
 {
     let config = &layer.config;
     let limit = config.max_request_body;
-    let declared = parts
-        .headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
     let mut body = std::pin::pin!(body);
-    if declared.is_some_and(|n| n > limit as u64) || body.size_hint().lower() > limit as u64 {
-        drain(body.as_mut()).await;
-        return Ok(too_large(config));
+    if let Err(problem) = blocks::check_declared_length(&parts.headers, body.as_mut(), limit).await
+    {
+        return Ok(problem_response(config, problem));
     }
     // The permit is taken before the body is buffered, so the bound also caps the
     // memory held by buffered request bodies.
@@ -139,21 +131,9 @@ where
         ));
     };
 
-    let body = match read_body(body.as_mut(), limit).await {
+    let body = match blocks::buffer_request_body(body.as_mut(), limit).await {
         Ok(b) => b,
-        Err(ReadError::TooLarge) => {
-            drain(body.as_mut()).await;
-            return Ok(too_large(config));
-        }
-        Err(ReadError::Failed(e)) => {
-            return Ok(problem_response(
-                config,
-                Problem::new(
-                    ProblemKind::BodyUnreadable,
-                    format!("could not read the request body: {e}"),
-                ),
-            ));
-        }
+        Err(problem) => return Ok(problem_response(config, problem)),
     };
     let fingerprint =
         config
@@ -182,93 +162,6 @@ where
                     "the request could not be completed",
                 ),
             ))
-        }
-    }
-}
-
-fn too_large<B>(config: &Config) -> Res<B> {
-    problem_response(
-        config,
-        Problem::new(
-            ProblemKind::BodyTooLarge,
-            format!("the request body is over {} bytes", config.max_request_body),
-        ),
-    )
-}
-
-enum ReadError {
-    TooLarge,
-    Failed(Box<dyn std::error::Error + Send + Sync>),
-}
-
-/// How much of a refused request body is read and discarded before the 413 is sent,
-/// and for how long: a client that is still sending when the server answers and closes
-/// gets a connection reset instead of the answer (HTTP/1.1 has no better way). Bounded,
-/// so a huge or endless body costs at most this.
-const DRAIN_BYTES: usize = 8 * 1024 * 1024;
-const DRAIN_TIME: Duration = Duration::from_secs(2);
-
-async fn drain<B: Body<Data = Bytes>>(mut body: std::pin::Pin<&mut B>) {
-    let mut left = DRAIN_BYTES;
-    let until = Instant::now() + DRAIN_TIME;
-    while let Ok(Some(Ok(frame))) = tokio::time::timeout_at(until, body.frame()).await {
-        let n = frame.data_ref().map_or(0, Bytes::len);
-        match left.checked_sub(n) {
-            Some(l) => left = l,
-            None => return,
-        }
-    }
-}
-
-async fn read_body<B>(mut body: std::pin::Pin<&mut B>, limit: usize) -> Result<Bytes, ReadError>
-where
-    B: Body<Data = Bytes>,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let mut acc = Accumulator::default();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ReadError::Failed(e.into()))?;
-        let Ok(data) = frame.into_data() else {
-            continue; // request trailers are not part of the fingerprint
-        };
-        if acc.len() + data.len() > limit {
-            return Err(ReadError::TooLarge);
-        }
-        acc.push(data);
-    }
-    Ok(acc.freeze())
-}
-
-/// Collects body frames without copying a body that arrives in one frame.
-#[derive(Default)]
-struct Accumulator {
-    first: Option<Bytes>,
-    buf: Option<BytesMut>,
-}
-
-impl Accumulator {
-    fn len(&self) -> usize {
-        self.first.as_ref().map_or(0, Bytes::len) + self.buf.as_ref().map_or(0, BytesMut::len)
-    }
-
-    fn push(&mut self, data: Bytes) {
-        match (self.first.take(), &mut self.buf) {
-            (None, None) => self.first = Some(data),
-            (Some(f), None) => {
-                let mut b = BytesMut::with_capacity(f.len() + data.len());
-                b.extend_from_slice(&f);
-                b.extend_from_slice(&data);
-                self.buf = Some(b);
-            }
-            (_, Some(b)) => b.extend_from_slice(&data),
-        }
-    }
-
-    fn freeze(self) -> Bytes {
-        match (self.first, self.buf) {
-            (_, Some(b)) => b.freeze(),
-            (Some(f), None) => f,
-            (None, None) => Bytes::new(),
         }
     }
 }
@@ -463,17 +356,7 @@ where
 }
 
 fn replay<B>(config: &Config, stored: &StoredResponse) -> Res<B> {
-    let mut res = Response::new(ResponseBody::full(
-        stored.body.clone(),
-        stored.trailer_map(),
-    ));
-    *res.status_mut() = stored.status;
-    *res.headers_mut() = stored.header_map();
-    res.headers_mut().insert(
-        config.convention.idempotent_replayed().clone(),
-        REPLAYED_VALUE,
-    );
-    res
+    blocks::replay_response(&config.convention, stored)
 }
 
 /// Runs the handler with its lease renewed, then records what became of it.
@@ -571,8 +454,12 @@ where
         }
         Disposition::Store => {
             let (head, body) = response.into_parts();
-            let capturing =
-                AssertUnwindSafe(capture(body, config.max_stored_response, cap)).catch_unwind();
+            let capturing = AssertUnwindSafe(blocks::capture_response_body(
+                body,
+                config.max_stored_response,
+                cap,
+            ))
+            .catch_unwind();
             let mut capturing = std::pin::pin!(capturing);
             let captured = tokio::select! {
                 biased;
@@ -580,8 +467,8 @@ where
                 () = &mut renewals => capturing.await,
             };
             // A panic while the body was produced is a failed body.
-            match captured.unwrap_or(Captured::Failed) {
-                Captured::Whole { data, trailers } => {
+            match captured.unwrap_or(CapturedBody::Failed) {
+                CapturedBody::Whole { data, trailers } => {
                     let stored = StoredResponse::capture(
                         head.status,
                         &head.headers,
@@ -599,18 +486,15 @@ where
                         ResponseBody::full(data, trailers),
                     ))
                 }
-                Captured::TooLarge { prefix, rest } => {
+                CapturedBody::TooLarge(rest) => {
                     let done = Completed {
                         fingerprint,
                         response: None,
                     };
                     complete(config, &id, token, &done, lease.until()).await;
-                    Ok(Response::from_parts(
-                        head,
-                        ResponseBody::prefixed(prefix, rest),
-                    ))
+                    Ok(Response::from_parts(head, rest))
                 }
-                Captured::Failed => {
+                CapturedBody::Failed => {
                     unknown(UnknownReason::BodyError).await;
                     Ok(problem_response(
                         config,
@@ -674,68 +558,6 @@ async fn complete(
             "could not store the completed record; the handler's response is returned anyway"
         );
         emit(config, EventKind::CompletionLost, id);
-    }
-}
-
-enum Captured<B> {
-    Whole {
-        data: Bytes,
-        trailers: Option<HeaderMap>,
-    },
-    TooLarge {
-        prefix: [Option<Bytes>; 2],
-        rest: std::pin::Pin<Box<B>>,
-    },
-    Failed,
-}
-
-/// Collects a response body up to `limit` bytes and until `until`; past either, returns
-/// what was read and the rest of the stream (the response is then not stored).
-async fn capture<B>(body: B, limit: usize, until: Instant) -> Captured<B>
-where
-    B: Body<Data = Bytes>,
-{
-    let mut body = Box::pin(body);
-    let mut acc = Accumulator::default();
-    let mut trailers: Option<HeaderMap> = None;
-    loop {
-        let frame = match tokio::time::timeout_at(until, body.frame()).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => break,
-            Err(_) => {
-                return Captured::TooLarge {
-                    prefix: [Some(acc.freeze()), None],
-                    rest: body,
-                };
-            }
-        };
-        let Ok(frame) = frame else {
-            return Captured::Failed;
-        };
-        match frame.into_data() {
-            Ok(data) => {
-                if acc.len() + data.len() > limit {
-                    // The oversize frame is passed on as it is, never copied.
-                    return Captured::TooLarge {
-                        prefix: [Some(acc.freeze()), Some(data)],
-                        rest: body,
-                    };
-                }
-                acc.push(data);
-            }
-            Err(frame) => {
-                if let Ok(t) = frame.into_trailers() {
-                    match &mut trailers {
-                        None => trailers = Some(t),
-                        Some(existing) => existing.extend(t),
-                    }
-                }
-            }
-        }
-    }
-    Captured::Whole {
-        data: acc.freeze(),
-        trailers,
     }
 }
 

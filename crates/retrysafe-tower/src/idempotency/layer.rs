@@ -115,7 +115,32 @@ pub struct Shutdown {
     tracker: TaskTracker,
 }
 
+impl Default for Shutdown {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Shutdown {
+    /// A handle of its own, tracking nothing yet: for an idempotency layer of another
+    /// crate (the transactional layer of `retrysafe-postgres`) that runs its guarded
+    /// calls through [`spawn`](Self::spawn).
+    pub fn new() -> Self {
+        Shutdown {
+            tracker: TaskTracker::new(),
+        }
+    }
+
+    /// Spawns `task` on the current tokio runtime as one guarded call, tracked by this
+    /// handle (and every clone of it).
+    pub fn spawn<F>(&self, task: F) -> tokio::task::JoinHandle<F::Output>
+    where
+        F: std::future::Future + Send + 'static,
+        F::Output: Send + 'static,
+    {
+        self.tracker.spawn(task)
+    }
+
     /// Guarded calls still running (their handlers run to completion even when their
     /// clients are gone).
     pub fn in_flight(&self) -> usize {

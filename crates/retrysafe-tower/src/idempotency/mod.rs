@@ -76,6 +76,7 @@
 //! Nothing that cancels the handler or answers 408/5xx on its behalf (a timeout layer)
 //! may sit *inside* this layer.
 
+pub mod blocks;
 mod body;
 mod event;
 mod exec;

@@ -7,7 +7,8 @@ use bytes::Bytes;
 use http::header::CONTENT_TYPE;
 use http::{HeaderValue, Response, StatusCode};
 
-/// The stable cases in which the `IdempotencyLayer` answers for the handler.
+/// The stable cases in which the `IdempotencyLayer` (or the transactional layer of
+/// `retrysafe-postgres`, which answers with the same problems) answers for the handler.
 ///
 /// Each has a stable problem `type` URI ([`ProblemKind::type_uri`]), a status and a
 /// rule for `do-not-retry` and `retry-after`.
@@ -37,8 +38,16 @@ pub enum ProblemKind {
     Overloaded,
     /// 500: no scope could be derived (no `Principal`): a configuration error.
     ScopeMissing,
-    /// 500 with `do-not-retry`: the handler panicked.
+    /// 500 with `do-not-retry`: the handler panicked. (The transactional layer of
+    /// `retrysafe-postgres` rolls the call back and answers without `do-not-retry`.)
     HandlerPanicked,
+    /// 500 (transactional layer of `retrysafe-postgres`): the handler still held its
+    /// transaction guard after it answered; the transaction is rolled back.
+    TransactionLeaked,
+    /// 500 (transactional layer of `retrysafe-postgres`): a handler asked for the
+    /// request's transaction, and there is none: the route is not behind the layer, the
+    /// request is not guarded, or the transaction is already taken.
+    TransactionMissing,
 }
 
 impl ProblemKind {
@@ -53,7 +62,9 @@ impl ProblemKind {
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::OutcomeUnknown
             | ProblemKind::ScopeMissing
-            | ProblemKind::HandlerPanicked => StatusCode::INTERNAL_SERVER_ERROR,
+            | ProblemKind::HandlerPanicked
+            | ProblemKind::TransactionLeaked
+            | ProblemKind::TransactionMissing => StatusCode::INTERNAL_SERVER_ERROR,
             ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
                 StatusCode::SERVICE_UNAVAILABLE
             }
@@ -75,6 +86,8 @@ impl ProblemKind {
             ProblemKind::Overloaded => "overloaded",
             ProblemKind::ScopeMissing => "scope-missing",
             ProblemKind::HandlerPanicked => "handler-panicked",
+            ProblemKind::TransactionLeaked => "transaction-leaked",
+            ProblemKind::TransactionMissing => "transaction-missing",
         }
     }
 
@@ -102,6 +115,8 @@ impl ProblemKind {
             ProblemKind::Overloaded => "Too many requests in progress",
             ProblemKind::ScopeMissing => "Idempotency scope is missing",
             ProblemKind::HandlerPanicked => "The request handler failed",
+            ProblemKind::TransactionLeaked => "The request handler kept its transaction",
+            ProblemKind::TransactionMissing => "The request has no transaction",
         }
     }
 
@@ -134,7 +149,10 @@ pub struct Problem {
 }
 
 impl Problem {
-    pub(crate) fn new(kind: ProblemKind, detail: impl Into<Cow<'static, str>>) -> Self {
+    /// A problem of `kind` with a human-readable `detail`, for layers of other crates
+    /// that answer with the same problems (the transactional layer of
+    /// `retrysafe-postgres`).
+    pub fn new(kind: ProblemKind, detail: impl Into<Cow<'static, str>>) -> Self {
         Problem {
             kind,
             detail: detail.into(),
@@ -142,7 +160,9 @@ impl Problem {
         }
     }
 
-    pub(crate) fn retry_after(mut self, d: Duration) -> Self {
+    /// Adds a `retry-after` hint (for 409 in-flight and 503 answers).
+    #[must_use]
+    pub fn retry_after(mut self, d: Duration) -> Self {
         self.retry_after = Some(d);
         self
     }

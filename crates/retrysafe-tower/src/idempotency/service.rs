@@ -2,14 +2,13 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::header::{AUTHORIZATION, CONTENT_TYPE};
-use http::request::Parts;
+use http::header::AUTHORIZATION;
 use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::idempotency::{Principal, Scope};
-use retrysafe_core::wire::IdempotencyKey;
 use tower_service::Service;
 
+use super::blocks;
 use super::body::{RequestBody, ResponseBody};
 use super::exec;
 use super::future::ResponseFuture;
@@ -35,14 +34,6 @@ impl<S> Idempotency<S> {
     }
 }
 
-/// Whether a request is gRPC (`content-type: application/grpc*`).
-fn is_grpc(parts: &Parts) -> bool {
-    parts
-        .headers
-        .get(CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
-}
-
 impl<S, B, ResB> Service<Request<B>> for Idempotency<S>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
@@ -66,46 +57,24 @@ where
         let config = &self.layer.config;
         let (parts, body) = req.into_parts();
 
-        let guarded =
-            config.methods.contains(&parts.method) && (config.guard_grpc || !is_grpc(&parts));
+        let guarded = config.methods.contains(&parts.method)
+            && (config.guard_grpc || !blocks::is_grpc(&parts.headers));
         if !guarded {
             return ResponseFuture::passthrough(
                 inner.call(Request::from_parts(parts, RequestBody::stream(body))),
             );
         }
 
-        let mut keys = parts
-            .headers
-            .get_all(config.convention.idempotency_key())
-            .iter();
-        let key = match (keys.next(), keys.next()) {
-            (None, _) if config.require_key => {
-                return self.problem(Problem::new(
-                    ProblemKind::KeyMissing,
-                    "this endpoint requires an Idempotency-Key header",
-                ));
-            }
-            (None, _) => {
-                return ResponseFuture::passthrough(
-                    inner.call(Request::from_parts(parts, RequestBody::stream(body))),
-                );
-            }
-            (Some(_), Some(_)) => {
-                return self.problem(Problem::new(
-                    ProblemKind::KeyInvalid,
-                    "the Idempotency-Key header must be sent once",
-                ));
-            }
-            (Some(v), None) => match IdempotencyKey::from_header(v) {
-                Ok(k) => k,
-                Err(e) => {
-                    return self.problem(Problem::new(
-                        ProblemKind::KeyInvalid,
-                        format!("{e}: a key is 1 to 255 printable ASCII characters"),
-                    ));
+        let key =
+            match blocks::idempotency_key(&parts.headers, &config.convention, config.require_key) {
+                Ok(Some(key)) => key,
+                Ok(None) => {
+                    return ResponseFuture::passthrough(
+                        inner.call(Request::from_parts(parts, RequestBody::stream(body))),
+                    );
                 }
-            },
-        };
+                Err(problem) => return self.problem(problem),
+            };
 
         let scope = match &config.scope {
             ScopeRule::Principal => parts.extensions.get::<Principal>().map(Scope::from),

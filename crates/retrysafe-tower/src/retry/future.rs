@@ -8,9 +8,10 @@ use std::task::{Context, Poll, ready};
 use http::{HeaderValue, Request, Response, StatusCode};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use retrysafe_core::budget::BudgetId;
 use retrysafe_core::classify::{Classification, Failure, RequestFacts};
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryToken};
+use retrysafe_core::strategy::{GiveUp, MIN_ATTEMPT_TIME, RetryCharged, RetryToken};
 use retrysafe_core::wire::{
     DO_NOT_RETRY_VALUE, encode_grpc_timeout, encode_request_timeout_ms, encode_retry_attempt,
 };
@@ -25,18 +26,24 @@ use crate::local::{BoxError, LocalFailure};
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
-    pub struct ResponseFuture<F, S, B, M> {
+    pub struct ResponseFuture<S, B, M>
+    where
+        S: Service<Request<ReplayBody<B>>>,
+    {
         #[pin]
-        state: State<F>,
-        // Boxed and made on first need (an attempt that did not complete at once, or a
-        // backoff): the future stays small, and a call answered at once never touches
-        // the timer wheel.
-        timer: Option<Pin<Box<Sleep>>>,
+        state: State<S::Future>,
+        // The attempt timeout, the backoff, or the deadline while awaiting readiness.
+        // Made on first need: a call answered at once never touches the timer wheel.
+        #[pin]
+        timer: Option<Sleep>,
         armed: bool,
         service: S,
         template: http::request::Parts,
         body: ReplayBody<B>,
         token: Option<RetryToken>,
+        // The last real response while a retry is pending: returned, marked
+        // `do-not-retry`, when the retry cannot be made after all.
+        last: Option<S::Response>,
         attempts: Attempts,
         span: Option<tracing::Span>,
         _local: PhantomData<fn() -> M>,
@@ -74,31 +81,37 @@ enum Outcome<R> {
 
 enum Step<R> {
     Done(Result<Response<R>, BoxError>),
-    Retry(RetryToken),
+    Retry(RetryToken, Option<Response<R>>),
 }
 
-impl<F, S, B, M> ResponseFuture<F, S, B, M> {
+/// Whether a deadline leaves too little time to start an attempt.
+fn too_late(deadline: Option<Deadline>) -> bool {
+    deadline.is_some_and(|d| d.remaining() < MIN_ATTEMPT_TIME)
+}
+
+impl<S, B, M> ResponseFuture<S, B, M>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
     pub(crate) fn start(
         mut service: S,
         template: http::request::Parts,
         body: ReplayBody<B>,
         token: RetryToken,
         attempts: Attempts,
-    ) -> Self
-    where
-        S: Service<Request<ReplayBody<B>>, Future = F>,
-    {
+    ) -> Self {
         let backup = body.clone();
-        let state = if attempts.deadline.is_some_and(Deadline::is_expired) {
+        let state = if too_late(attempts.deadline) {
             State::Failed {
                 error: Some(Box::new(DeadlineExceeded::new())),
             }
         } else {
             let mut parts = template.clone();
-            attempts.prepare(&mut parts, 1);
+            attempts.prepare(&mut parts, 1, token.budget_id());
             let request = Request::from_parts(parts, body);
+            let _mark = token.budget_id().map(RetryCharged::mark);
             State::Calling {
-                future: RetryCharged::scope(|| service.call(request)),
+                future: service.call(request),
             }
         };
         ResponseFuture {
@@ -109,6 +122,7 @@ impl<F, S, B, M> ResponseFuture<F, S, B, M> {
             template,
             body: backup,
             token: Some(token),
+            last: None,
             attempts,
             span: None,
             _local: PhantomData,
@@ -116,18 +130,17 @@ impl<F, S, B, M> ResponseFuture<F, S, B, M> {
     }
 }
 
-fn arm(timer: &mut Option<Pin<Box<Sleep>>>, at: Instant) {
-    match timer {
-        Some(sleep) => sleep.as_mut().reset(at),
-        None => *timer = Some(Box::pin(tokio::time::sleep_until(at))),
+fn arm(mut timer: Pin<&mut Option<Sleep>>, at: Instant) {
+    match timer.as_mut().as_pin_mut() {
+        Some(sleep) => sleep.reset(at),
+        None => timer.set(Some(tokio::time::sleep_until(at))),
     }
 }
 
-impl<F, S, B, M, R, E> Future for ResponseFuture<F, S, B, M>
+impl<S, B, M, R> Future for ResponseFuture<S, B, M>
 where
-    F: Future<Output = Result<Response<R>, E>>,
-    S: Service<Request<ReplayBody<B>>, Future = F, Response = Response<R>, Error = E>,
-    E: Into<BoxError>,
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
     B: Body,
     M: LocalFailure<R>,
 {
@@ -152,10 +165,10 @@ where
                                 let Some(at) = this.attempts.attempt_until() else {
                                     return Poll::Pending;
                                 };
-                                arm(this.timer, at);
+                                arm(this.timer.as_mut(), at);
                                 *this.armed = true;
                             }
-                            match this.timer.as_mut().map(Pin::as_mut) {
+                            match this.timer.as_mut().as_pin_mut() {
                                 Some(timer) => ready!(timer.poll(cx)),
                                 None => return Poll::Pending,
                             }
@@ -166,12 +179,19 @@ where
                     let Some(token) = this.token.take() else {
                         return Poll::Ready(Err("retry future polled after completion".into()));
                     };
-                    match this.attempts.decide::<R, M, B>(outcome, token, this.body) {
+                    let step = this.attempts.decide::<R, M, B>(
+                        outcome,
+                        token,
+                        this.body,
+                        this.last.take(),
+                    );
+                    match step {
                         Step::Done(result) => {
                             this.state.set(State::Failed { error: None });
                             return Poll::Ready(result);
                         }
-                        Step::Retry(next) => {
+                        Step::Retry(next, last) => {
+                            *this.last = last;
                             let delay = next.delay();
                             *this.span = Some(tracing::debug_span!(
                                 "retry",
@@ -181,7 +201,7 @@ where
                             if delay.is_zero() {
                                 this.state.set(State::Readying);
                             } else {
-                                arm(this.timer, Instant::now() + delay);
+                                arm(this.timer.as_mut(), Instant::now() + delay);
                                 *this.armed = true;
                                 this.state.set(State::Backoff);
                             }
@@ -189,52 +209,66 @@ where
                     }
                 }
                 StateProj::Backoff => {
-                    if let Some(timer) = this.timer.as_mut().map(Pin::as_mut) {
+                    if let Some(timer) = this.timer.as_mut().as_pin_mut() {
                         ready!(timer.poll(cx));
                     }
                     *this.armed = false;
                     this.state.set(State::Readying);
                 }
-                StateProj::Readying => match this.service.poll_ready(cx) {
-                    Poll::Ready(Ok(())) => {
-                        *this.armed = false;
-                        let attempt = this.token.as_ref().map_or(1, RetryToken::attempt);
-                        let mut parts = this.template.clone();
-                        this.attempts.prepare(&mut parts, attempt);
-                        let request = Request::from_parts(parts, this.body.clone());
-                        let future = {
-                            let _entered = this.span.as_ref().map(tracing::Span::enter);
-                            RetryCharged::scope(|| this.service.call(request))
-                        };
-                        this.state.set(State::Calling { future });
-                    }
-                    Poll::Ready(Err(e)) => {
-                        this.state.set(State::Failed { error: None });
-                        return Poll::Ready(Err(e.into()));
-                    }
-                    Poll::Pending => {
-                        // Waiting for readiness counts against the deadline.
-                        if !*this.armed {
-                            let Some(at) = this.attempts.overall_until() else {
-                                return Poll::Pending;
-                            };
-                            arm(this.timer, at);
-                            *this.armed = true;
+                StateProj::Readying => {
+                    let ready = this.service.poll_ready(cx);
+                    // The deadline may have passed during the backoff or the wait.
+                    let expired = match ready {
+                        Poll::Ready(Ok(())) => too_late(this.attempts.deadline),
+                        Poll::Ready(Err(_)) => false,
+                        Poll::Pending => {
+                            // Waiting for readiness counts against the deadline.
+                            if !*this.armed {
+                                let Some(at) = this.attempts.overall_until() else {
+                                    return Poll::Pending;
+                                };
+                                arm(this.timer.as_mut(), at);
+                                *this.armed = true;
+                            }
+                            if let Some(timer) = this.timer.as_mut().as_pin_mut() {
+                                ready!(timer.poll(cx));
+                            }
+                            true
                         }
-                        if let Some(timer) = this.timer.as_mut().map(Pin::as_mut) {
-                            ready!(timer.poll(cx));
-                        }
-                        let grpc = this.attempts.facts.grpc;
-                        let convention = this.attempts.config.convention.clone();
-                        this.attempts.gave_up();
-                        this.state.set(State::Failed { error: None });
-                        return Poll::Ready(M::answer(
-                            grpc,
+                    };
+                    if expired {
+                        let token = this.token.take();
+                        let result = this.attempts.give_up::<R, M>(
+                            GiveUp::NotEnoughTime,
+                            token.as_ref().map_or(1, RetryToken::attempt) - 1,
+                            this.last.take(),
                             Box::new(DeadlineExceeded::new()),
-                            &convention,
-                        ));
+                        );
+                        this.state.set(State::Failed { error: None });
+                        return Poll::Ready(result);
                     }
-                },
+                    match ready {
+                        Poll::Ready(Ok(())) => {
+                            *this.armed = false;
+                            let attempt = this.token.as_ref().map_or(1, RetryToken::attempt);
+                            let budget = this.token.as_ref().and_then(RetryToken::budget_id);
+                            let mut parts = this.template.clone();
+                            this.attempts.prepare(&mut parts, attempt, budget);
+                            let request = Request::from_parts(parts, this.body.clone());
+                            let future = {
+                                let _entered = this.span.as_ref().map(tracing::Span::enter);
+                                let _mark = budget.map(RetryCharged::mark);
+                                this.service.call(request)
+                            };
+                            this.state.set(State::Calling { future });
+                        }
+                        Poll::Ready(Err(e)) => {
+                            this.state.set(State::Failed { error: None });
+                            return Poll::Ready(Err(e.into()));
+                        }
+                        Poll::Pending => return Poll::Pending,
+                    }
+                }
                 StateProj::Failed { error } => {
                     let Some(error) = error.take() else {
                         return Poll::Ready(Err("retry future polled after completion".into()));
@@ -252,7 +286,12 @@ where
 
 impl Attempts {
     /// Sets the per-attempt headers: the attempt number and the time left.
-    pub(crate) fn prepare(&self, parts: &mut http::request::Parts, attempt: u32) {
+    pub(crate) fn prepare(
+        &self,
+        parts: &mut http::request::Parts,
+        attempt: u32,
+        budget: Option<BudgetId>,
+    ) {
         let convention = &self.config.convention;
         if attempt >= 2 {
             parts.headers.insert(
@@ -265,7 +304,9 @@ impl Attempts {
                     HeaderValue::from(attempt - 1),
                 );
             }
-            parts.extensions.insert(RetryCharged { attempt });
+            if let Some(budget) = budget {
+                parts.extensions.insert(RetryCharged { attempt, budget });
+            }
         }
         if let Some(deadline) = self.deadline {
             let left = deadline.remaining();
@@ -300,17 +341,48 @@ impl Attempts {
         }
     }
 
-    fn gave_up(&self) {
+    /// Gives up on a retryable failure: the last real response marked `do-not-retry`
+    /// (or, with none, `error` as a local failure), `downstream_gave_up` recorded, the
+    /// hook called.
+    fn give_up<R, M: LocalFailure<R>>(
+        &self,
+        reason: GiveUp,
+        attempts: u32,
+        last: Option<Response<R>>,
+        error: BoxError,
+    ) -> Result<Response<R>, BoxError> {
+        let config = &*self.config;
+        let status = last.as_ref().map(Response::status);
         if let Some(context) = &self.context {
             context.mark_downstream_gave_up();
         }
+        tracing::debug!(attempts, %reason, status = status.map(|s| s.as_u16()), "giving up");
+        if let Some(hook) = &config.on_give_up {
+            hook(&GiveUpEvent {
+                attempts,
+                reason,
+                status,
+            });
+        }
+        match last {
+            Some(mut response) => {
+                response
+                    .headers_mut()
+                    .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+                Ok(response)
+            }
+            None => M::answer(self.facts.grpc, error, &config.convention),
+        }
     }
 
+    /// After an attempt: done, or retry after a delay. `last` is the last real response
+    /// of an earlier attempt, if any.
     fn decide<R, M: LocalFailure<R>, B>(
         &mut self,
         outcome: Outcome<R>,
         token: RetryToken,
         body: &ReplayBody<B>,
+        last: Option<Response<R>>,
     ) -> Step<R> {
         let config = &*self.config;
         let (classification, status) = match &outcome {
@@ -348,10 +420,8 @@ impl Attempts {
             }
         }
         let attempts = token.attempt();
-        let decision = if self.passthrough {
-            Err(GiveUp::NotRetryable)
-        } else if !body.is_replayable() {
-            // A body over the replay cap is sent once.
+        let decision = if self.passthrough || !body.is_replayable() {
+            // One attempt only; or a body over the replay cap, which is sent once.
             Err(GiveUp::NotRetryable)
         } else {
             // (Split borrows: `config` borrows `self.config`.)
@@ -364,39 +434,35 @@ impl Attempts {
         match decision {
             Ok(next) => {
                 on_retry(config, &next, status, &classification);
-                Step::Retry(next)
+                let last = match outcome {
+                    Outcome::Response(r) => Some(r),
+                    Outcome::Error(_) | Outcome::TimedOut => last,
+                };
+                Step::Retry(next, last)
             }
-            Err(reason) => {
-                let gave_up = reason.after_retryable_failure();
-                if gave_up {
-                    if let Some(context) = &self.context {
-                        context.mark_downstream_gave_up();
-                    }
-                    tracing::debug!(attempts, %reason, status = status.map(|s| s.as_u16()), "giving up");
-                    if let Some(hook) = &config.on_give_up {
-                        hook(&GiveUpEvent {
-                            attempts,
-                            reason,
-                            status,
-                        });
-                    }
-                }
+            Err(GiveUp::NotRetryable) => {
+                // Not retryable: this outcome as it is — unless it is a local refusal
+                // (a budget or breaker below refused a retry) after a real response,
+                // which is then the answer.
                 let grpc = self.facts.grpc;
-                Step::Done(match outcome {
-                    Outcome::Response(mut r) => {
-                        if gave_up {
-                            r.headers_mut().insert(
-                                config.convention.do_not_retry().clone(),
-                                DO_NOT_RETRY_VALUE,
-                            );
-                        }
-                        Ok(r)
+                Step::Done(match (outcome, last) {
+                    (Outcome::Response(r), _) => Ok(r),
+                    (Outcome::Error(e), Some(last)) if classification.marked => {
+                        self.give_up::<R, M>(GiveUp::BudgetExhausted, attempts, Some(last), e)
                     }
-                    Outcome::Error(e) => M::answer(grpc, e, &config.convention),
-                    Outcome::TimedOut => {
+                    (Outcome::Error(e), _) => M::answer(grpc, e, &config.convention),
+                    (Outcome::TimedOut, _) => {
                         M::answer(grpc, Box::new(DeadlineExceeded::new()), &config.convention)
                     }
                 })
+            }
+            Err(reason) => {
+                let (last, error): (_, BoxError) = match outcome {
+                    Outcome::Response(r) => (Some(r), Box::new(DeadlineExceeded::new())),
+                    Outcome::Error(e) => (last, e),
+                    Outcome::TimedOut => (last, Box::new(DeadlineExceeded::new())),
+                };
+                Step::Done(self.give_up::<R, M>(reason, attempts, last, error))
             }
         }
     }
@@ -440,7 +506,10 @@ fn on_retry(
     }
 }
 
-impl<F, S: fmt::Debug, B, M> fmt::Debug for ResponseFuture<F, S, B, M> {
+impl<S, B, M> fmt::Debug for ResponseFuture<S, B, M>
+where
+    S: Service<Request<ReplayBody<B>>> + fmt::Debug,
+{
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("service", &self.service)

@@ -69,7 +69,7 @@ where
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Future, S, ReqB, M>;
+    type Future = ResponseFuture<S, ReqB, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)

@@ -19,15 +19,15 @@ use retrysafe_core::classify::Failure;
 /// ```
 pub fn failure_of(error: &(dyn StdError + 'static)) -> Failure {
     Failure::of(error, |e| {
-        if let Some(h2) = e.downcast_ref::<h2::Error>() {
-            if h2.reason() == Some(h2::Reason::REFUSED_STREAM) {
-                return Some(Failure::RefusedStream);
-            }
+        if let Some(h2) = e.downcast_ref::<h2::Error>()
+            && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+        {
+            return Some(Failure::RefusedStream);
         }
-        if let Some(legacy) = e.downcast_ref::<hyper_util::client::legacy::Error>() {
-            if legacy.is_connect() {
-                return Some(Failure::ConnectFailed);
-            }
+        if let Some(legacy) = e.downcast_ref::<hyper_util::client::legacy::Error>()
+            && legacy.is_connect()
+        {
+            return Some(Failure::ConnectFailed);
         }
         if let Some(hyper) = e.downcast_ref::<hyper::Error>() {
             // An h2 error below decides first (REFUSED_STREAM is retryable for any
