@@ -10,275 +10,13 @@
     missing_docs
 )]
 
-use std::io::{BufRead, BufReader, Read};
-use std::path::PathBuf;
-use std::process::{Child, Command, ExitStatus, Stdio};
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+mod support;
+
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http::{HeaderMap, HeaderValue, StatusCode};
-use serde_json::{Value, json};
-
-/// The example binary, built once per test run (cargo does nothing when it is fresh).
-fn binary() -> PathBuf {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| root.join("target"), PathBuf::from);
-            let path = target
-                .join("debug")
-                .join("examples")
-                .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
-            // `cargo test --test payments_cli` does not build examples: build it here,
-            // also when it exists, so that a stale binary is never tested.
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "--example", "payments"])
-                .current_dir(&root)
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "cargo build --example payments failed");
-            assert!(path.exists(), "no example binary at {}", path.display());
-            path
-        })
-        .clone()
-}
-
-/// A running `payments` process, killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-    stderr: Arc<Mutex<String>>,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-impl Server {
-    /// Starts `payments --listen 127.0.0.1:0 ARGS` and waits for its ready line.
-    fn start(args: &[&str]) -> Server {
-        let mut child = Command::new(binary())
-            .args(["--listen", "127.0.0.1:0"])
-            .args(args)
-            .env("RUST_LOG", "warn")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .expect("start the payments example");
-        let stderr = Arc::new(Mutex::new(String::new()));
-        drain(child.stderr.take().unwrap(), Arc::clone(&stderr));
-
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
-        let mut server = Server {
-            child,
-            base: String::new(),
-            stderr,
-        };
-        let line = rx.recv_timeout(Duration::from_secs(30)).unwrap_or_default();
-        let Some(addr) = line.trim_end().strip_prefix("listening on http://") else {
-            std::thread::sleep(Duration::from_millis(200));
-            panic!(
-                "no ready line: stdout {line:?}, exit {:?}, stderr:\n{}",
-                server.child.try_wait(),
-                server.stderr.lock().unwrap()
-            );
-        };
-        let port = addr.rsplit(':').next().unwrap();
-        assert_ne!(
-            port, "0",
-            "the ready line must show the port actually bound"
-        );
-        assert!(addr.starts_with("127.0.0.1:"), "ready line {line:?}");
-        server.base = format!("http://{addr}");
-        server
-    }
-}
-
-fn drain(mut from: impl Read + Send + 'static, into: Arc<Mutex<String>>) {
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 4096];
-        while let Ok(n) = from.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            into.lock()
-                .unwrap()
-                .push_str(&String::from_utf8_lossy(&buf[..n]));
-        }
-    });
-}
-
-/// Runs `payments ARGS` to its exit (killed after 20 s): its status and stderr.
-fn run_to_exit(args: &[&str]) -> (ExitStatus, String) {
-    let mut child = Command::new(binary())
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start the payments example");
-    let stderr = Arc::new(Mutex::new(String::new()));
-    drain(child.stderr.take().unwrap(), Arc::clone(&stderr));
-    let started = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break status;
-        }
-        if started.elapsed() > Duration::from_secs(20) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("payments {args:?} did not exit");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    // Let the reader thread see the end of the pipe.
-    std::thread::sleep(Duration::from_millis(50));
-    let text = stderr.lock().unwrap().clone();
-    (status, text)
-}
-
-#[derive(Debug)]
-struct Answer {
-    status: StatusCode,
-    headers: HeaderMap,
-    body: Bytes,
-}
-
-impl Answer {
-    fn json(&self) -> Value {
-        serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("not JSON ({e}): {:?}", self.body))
-    }
-
-    fn replayed(&self) -> bool {
-        self.headers
-            .get("idempotent-replayed")
-            .is_some_and(|v| v == "true")
-    }
-
-    /// A `status` problem+json answer with a `type`.
-    fn assert_problem(&self, status: u16) {
-        assert_eq!(self.status.as_u16(), status, "{self:?}");
-        let ct = self.headers.get("content-type").unwrap().to_str().unwrap();
-        assert!(ct.starts_with("application/problem+json"), "{self:?}");
-        assert!(self.json()["type"].is_string(), "{self:?}");
-    }
-
-    /// A 201 for `account` / `amount`; returns the payment id.
-    fn assert_created(&self, account: &str, amount: i64) -> String {
-        assert_eq!(self.status, StatusCode::CREATED, "{self:?}");
-        let v = self.json();
-        assert_eq!(v["account"], account, "{self:?}");
-        assert_eq!(v["amount_cents"], amount, "{self:?}");
-        let id = v["id"].as_str().unwrap();
-        assert!(!id.is_empty(), "{self:?}");
-        id.to_owned()
-    }
-}
-
-#[derive(Clone)]
-struct Api {
-    http: reqwest::Client,
-    base: String,
-}
-
-impl Api {
-    fn new(server: &Server) -> Api {
-        Api {
-            http: reqwest::Client::builder()
-                .timeout(Duration::from_secs(15))
-                .build()
-                .unwrap(),
-            base: server.base.clone(),
-        }
-    }
-
-    async fn send(&self, req: reqwest::RequestBuilder) -> Answer {
-        let res = req.send().await.unwrap();
-        Answer {
-            status: res.status(),
-            headers: res.headers().clone(),
-            body: res.bytes().await.unwrap(),
-        }
-    }
-
-    fn post(&self) -> reqwest::RequestBuilder {
-        self.http.post(format!("{}/payments", self.base))
-    }
-
-    /// `POST /payments` with `key`, a JSON payment and extra headers.
-    async fn pay(&self, key: &str, account: &str, amount: i64, extra: &[(&str, &str)]) -> Answer {
-        let mut req = self
-            .post()
-            .header("idempotency-key", key)
-            .json(&json!({ "account": account, "amount_cents": amount }));
-        for (name, value) in extra {
-            req = req.header(*name, *value);
-        }
-        self.send(req).await
-    }
-
-    /// `copies` identical payments sent at once, each delayed by the server for
-    /// `delay_ms` before its effect.
-    async fn pay_concurrently(
-        &self,
-        copies: usize,
-        key: &str,
-        account: &str,
-        amount: i64,
-        delay_ms: &str,
-    ) -> Vec<Answer> {
-        let sends = (0..copies).map(|_| {
-            let api = self.clone();
-            let (key, account, delay) = (key.to_owned(), account.to_owned(), delay_ms.to_owned());
-            tokio::spawn(async move {
-                api.pay(
-                    &key,
-                    &account,
-                    amount,
-                    &[("x-simulate-delay-ms", delay.as_str())],
-                )
-                .await
-            })
-        });
-        futures_util::future::join_all(sends)
-            .await
-            .into_iter()
-            .map(Result::unwrap)
-            .collect()
-    }
-
-    /// `GET /payments?account=A`: (count, total_cents).
-    async fn totals(&self, account: &str) -> (u64, i64) {
-        let res = self
-            .send(
-                self.http
-                    .get(format!("{}/payments", self.base))
-                    .query(&[("account", account)]),
-            )
-            .await;
-        assert_eq!(res.status, StatusCode::OK, "{res:?}");
-        let v = res.json();
-        (
-            v["count"].as_u64().unwrap(),
-            v["total_cents"].as_i64().unwrap(),
-        )
-    }
-}
+use http::{HeaderValue, StatusCode};
+use serde_json::json;
+use support::{Answer, Api, Server, run_to_exit};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_replay_and_bad_input_is_refused() {
@@ -418,6 +156,53 @@ async fn simulated_failure_then_clean_retry_runs_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_delay_after_hook_waits_after_the_effect() {
+    let server = Server::start(&[]);
+    let api = Api::new(&server);
+
+    let slow = {
+        let api = api.clone();
+        tokio::spawn(async move {
+            api.pay(
+                "after-1",
+                "acct-after",
+                75,
+                &[("x-simulate-delay-after-ms", "30000")],
+            )
+            .await
+        })
+    };
+    // The payment is recorded while its request is still in flight.
+    let started = Instant::now();
+    while api.totals("acct-after").await != (1, 75) {
+        assert!(started.elapsed() < Duration::from_secs(20), "no payment");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    api.pay("after-1", "acct-after", 75, &[])
+        .await
+        .assert_problem(409);
+    slow.abort();
+
+    // Bad hook values are refused before anything happens.
+    for (name, value) in [
+        ("x-simulate-delay-after-ms", "soon"),
+        ("x-simulate-delay-after-ms", "30001"),
+        ("x-simulate-delay-ms", "-1"),
+        ("x-simulate-fail", "404"),
+    ] {
+        let bad = api.pay("hook-1", "acct-hook", 1, &[(name, value)]).await;
+        bad.assert_problem(400);
+        assert!(
+            bad.json()["type"]
+                .as_str()
+                .unwrap()
+                .ends_with("invalid-test-hook")
+        );
+    }
+    assert_eq!(api.totals("acct-hook").await, (0, 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_principal_has_its_own_keys() {
     let server = Server::start(&[]);
     let api = Api::new(&server);
@@ -531,18 +316,42 @@ async fn a_short_lease_is_renewed_while_the_handler_runs() {
 }
 
 #[test]
-fn unavailable_stores_and_bad_arguments_exit_non_zero() {
+fn unreachable_stores_and_bad_arguments_exit_non_zero() {
+    // Nothing listens on port 1: the store cannot be reached, and the process says so
+    // (exit 1) instead of serving without its store.
     for (store, name) in [
-        ("redis://127.0.0.1:6379", "redis"),
-        ("postgres://localhost/payments", "postgres"),
+        ("redis://127.0.0.1:1", "redis"),
+        ("postgres://postgres@127.0.0.1:1/test", "postgres"),
     ] {
-        let (status, stderr) = run_to_exit(&["--listen", "127.0.0.1:0", "--store", store]);
-        assert!(!status.success(), "--store {store}: {status:?}");
+        let (status, stderr) = run_to_exit(&["--listen", "127.0.0.1:0", "--store", store], &[]);
+        assert_eq!(status.code(), Some(1), "--store {store}: {stderr}");
         assert!(
-            stderr.contains("not implemented yet") && stderr.contains(name),
+            stderr.contains(&format!(
+                "error: cannot connect to the {name} store at {store}"
+            )),
             "--store {store}: {stderr:?}"
         );
     }
+    // A password in the URL is not echoed.
+    let (status, stderr) = run_to_exit(
+        &["--store", "postgres://alice:s3cret@127.0.0.1:1/test"],
+        &[],
+    );
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("postgres://alice:***@127.0.0.1:1/test"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("s3cret"), "{stderr}");
+
+    // A schema name that is not one is refused before connecting.
+    let (status, stderr) = run_to_exit(
+        &["--store", "postgres://postgres@127.0.0.1:1/test"],
+        &[("PAYMENTS_PG_SCHEMA", "Bad-Name; DROP")],
+    );
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("error: PAYMENTS_PG_SCHEMA"), "{stderr}");
+
     for bad in [
         &["--bogus"][..],
         &["--listen"],
@@ -551,8 +360,28 @@ fn unavailable_stores_and_bad_arguments_exit_non_zero() {
         &["--in-flight", "sometimes"],
         &["--store", "mysql://x"],
     ] {
-        let (status, stderr) = run_to_exit(bad);
+        let (status, stderr) = run_to_exit(bad, &[]);
         assert_eq!(status.code(), Some(2), "{bad:?}: {stderr}");
         assert!(stderr.starts_with("error: "), "{bad:?}: {stderr}");
     }
+}
+
+#[test]
+fn help_names_the_stores_and_their_environment() {
+    let out = std::process::Command::new(support::binary())
+        .arg("--help")
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let usage = String::from_utf8(out.stdout).unwrap();
+    for needle in [
+        "redis://",
+        "postgres://",
+        "PAYMENTS_REDIS_PREFIX",
+        "PAYMENTS_PG_SCHEMA",
+        "--in-flight",
+    ] {
+        assert!(usage.contains(needle), "{needle}: {usage}");
+    }
+    assert!(!usage.contains("not yet"), "{usage}");
 }

@@ -2,15 +2,33 @@
 //!
 //! `POST /payments` records a payment once per `Idempotency-Key` (required);
 //! `GET /payments?account=A` answers the count and total of that account's payments.
-//! Two request headers are test hooks, outside the fingerprint: `x-simulate-delay-ms: N`
-//! waits before the effect, and `x-simulate-fail: 500` answers a 500 marked `NoEffect`
-//! without an effect, so a retry with the same key runs again.
+//! Three request headers are test hooks, outside the fingerprint:
+//! `x-simulate-delay-ms: N` waits before the effect (before the commit point),
+//! `x-simulate-delay-after-ms: N` waits after the effect, before answering (so that a
+//! test can kill the process once the payment is recorded but before its answer is
+//! stored or, with PostgreSQL, committed), and `x-simulate-fail: 500` answers a 500
+//! marked `NoEffect` without an effect, so a retry with the same key runs again.
+//!
+//! The backend ([`Backend`]) holds both the idempotency records and the ledger:
+//!
+//! - memory: the `IdempotencyLayer` over a `MemoryStore`, and an in-process ledger;
+//! - Redis: the `IdempotencyLayer` over a `RedisStore`; the payment is written to Redis
+//!   just after the handler's `commit_point()`. A holder that dies before it is taken
+//!   over once its lease expires; one that dies after it leaves an `outcome_unknown`
+//!   record (a 500 `outcome-unknown` problem for later copies, never a second payment);
+//! - PostgreSQL: the `TxIdempotencyLayer`; the payment is inserted through the
+//!   `IdempotentTx` guard, in the transaction that also writes the key: both commit or
+//!   neither does. The handler code is the same: `commit_point()` on the transactional
+//!   layer's (detached) context returns at once, the transaction being the commit point.
 //!
 //! Layers, outermost first: `TraceLayer` → authentication (`Authorization: Bearer T` is
-//! principal `T`, no header an anonymous principal) → `IdempotencyLayer` → handlers.
+//! principal `T`, no header an anonymous principal) → `IdempotencyLayer` (or
+//! `TxIdempotencyLayer`) → handlers.
+
+#[path = "ledger.rs"]
+mod ledger;
 
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use axum::extract::rejection::JsonRejection;
@@ -23,9 +41,14 @@ use axum::{Extension, Json, Router};
 use retrysafe::ConfigError;
 use retrysafe::idempotency::{IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown};
 use retrysafe::server::ServerLayers;
-use serde::{Deserialize, Serialize};
+use retrysafe_postgres::PostgresStore;
+use retrysafe_postgres::tx::{IdempotentTx, TxIdempotencyLayer};
+use retrysafe_redis::RedisStore;
+use serde::Deserialize;
 use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;
+
+pub(crate) use ledger::Ledger;
 
 /// The principal of requests without an `Authorization` header. It contains a space,
 /// which no bearer token can, so no token shares its scope.
@@ -34,26 +57,75 @@ pub(crate) const ANONYMOUS: &str = "anonymous client";
 /// How long a copy waits for the in-flight original with `--in-flight wait`.
 pub(crate) const WAIT_FOR_IN_FLIGHT: Duration = Duration::from_secs(5);
 
-/// The longest `x-simulate-delay-ms` honoured.
+/// The longest `x-simulate-delay-ms` (or `x-simulate-delay-after-ms`) honoured.
 const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(30);
 
-/// Server settings; `None` keeps the `IdempotencyLayer` default.
+/// Server settings; `None` keeps the layer's default.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Options {
-    /// `IdempotencyLayer::lease`.
+    /// `IdempotencyLayer::lease`. With PostgreSQL, whose transactional layer has no
+    /// lease (the open transaction holds the key), the
+    /// `TxIdempotencyLayer::idle_in_transaction_timeout`: how long the key of a holder
+    /// gone silent stays taken.
     pub(crate) lease: Option<Duration>,
-    /// `IdempotencyLayer::retention`.
+    /// `IdempotencyLayer::retention` (`TxIdempotencyLayer::retention`).
     pub(crate) retention: Option<Duration>,
-    /// `IdempotencyLayer::wait_for_in_flight(WAIT_FOR_IN_FLIGHT)` instead of 409.
+    /// `wait_for_in_flight(WAIT_FOR_IN_FLIGHT)` instead of 409.
     pub(crate) wait_for_in_flight: bool,
+}
+
+/// Where idempotency records and payments live.
+#[derive(Debug)]
+pub(crate) enum Backend {
+    /// Both in this process.
+    Memory,
+    /// Records in a `RedisStore` (with its own key prefix), payments in a Redis ledger.
+    Redis {
+        /// The idempotency store.
+        store: RedisStore,
+        /// The ledger (`Ledger::Redis`).
+        ledger: Ledger,
+    },
+    /// Records and payments in one PostgreSQL transaction per request.
+    Postgres {
+        /// The store whose table the transactional layer writes its key rows to.
+        store: PostgresStore,
+        /// The ledger (`Ledger::Postgres`, on the store's pool).
+        ledger: Ledger,
+    },
 }
 
 /// The payments app over an in-memory idempotency store, and the handle that drains
 /// its guarded requests on shutdown.
+#[allow(
+    dead_code,
+    reason = "the quickstart's entry point; `payments` uses `router_on`"
+)]
 pub(crate) fn router(options: &Options) -> Result<(Router, Shutdown), ConfigError> {
-    let mut idempotency = IdempotencyLayer::in_memory()
-        .require_key()
-        .handlers_declare_commit_point();
+    router_on(Backend::Memory, options)
+}
+
+/// The payments app over `backend`, and the handle that drains its guarded requests on
+/// shutdown.
+pub(crate) fn router_on(
+    backend: Backend,
+    options: &Options,
+) -> Result<(Router, Shutdown), ConfigError> {
+    let (layer, ledger) = match backend {
+        Backend::Memory => (IdempotencyLayer::in_memory(), Ledger::memory()),
+        Backend::Redis { store, ledger } => (
+            IdempotencyLayer::new(store).on_outcome_unknown(|unknown| {
+                tracing::error!(
+                    record = %unknown.record.to_hex(),
+                    reason = ?unknown.reason,
+                    "a payment's outcome is unknown: reconcile it with the ledger"
+                );
+            }),
+            ledger,
+        ),
+        Backend::Postgres { store, ledger } => return transactional(&store, ledger, options),
+    };
+    let mut idempotency = layer.require_key().handlers_declare_commit_point();
     if let Some(lease) = options.lease {
         idempotency = idempotency.lease(lease)?;
     }
@@ -67,16 +139,47 @@ pub(crate) fn router(options: &Options) -> Result<(Router, Shutdown), ConfigErro
 
     let router = Router::new()
         .route("/payments", post(create_payment).get(totals))
-        .with_state(Ledger::default())
+        .with_state(ledger)
         .layer(
             ServerLayers::new(idempotency)
                 .authentication(axum::middleware::map_request(authenticate)),
-        )
-        // The IdempotencyLayer enforces its own 1 MiB limit (413 problem) on every
+        );
+    Ok((outer(router), shutdown))
+}
+
+/// The app with PostgreSQL's transactional layer: key and payment in one transaction.
+fn transactional(
+    store: &PostgresStore,
+    ledger: Ledger,
+    options: &Options,
+) -> Result<(Router, Shutdown), ConfigError> {
+    let mut idempotency = TxIdempotencyLayer::from_store(store).require_key();
+    if let Some(lease) = options.lease {
+        idempotency = idempotency.idle_in_transaction_timeout(lease)?;
+    }
+    if let Some(retention) = options.retention {
+        idempotency = idempotency.retention(retention)?;
+    }
+    if options.wait_for_in_flight {
+        idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT)?;
+    }
+    let shutdown = idempotency.shutdown_handle();
+
+    let router = Router::new()
+        .route("/payments", post(create_payment).get(totals))
+        .with_state(ledger)
+        .layer(idempotency)
+        .layer(axum::middleware::map_request(authenticate));
+    Ok((outer(router), shutdown))
+}
+
+/// The layers outside authentication.
+fn outer(router: Router) -> Router {
+    router
+        // The idempotency layers enforce their own 1 MiB limit (413 problem) on every
         // POST; axum's 2 MB default must not answer first with something else.
         .layer(DefaultBodyLimit::disable())
-        .layer(TraceLayer::new_for_http());
-    Ok((router, shutdown))
+        .layer(TraceLayer::new_for_http())
 }
 
 /// Serves `router` until `signal` completes, then waits for the guarded requests still
@@ -100,52 +203,10 @@ pub(crate) async fn serve(
     Ok(())
 }
 
-/// One recorded payment.
-#[derive(Debug, Clone, Serialize)]
-struct Payment {
-    id: String,
-    account: String,
-    amount_cents: i64,
-}
-
-/// The backend: an in-memory ledger.
-#[derive(Debug, Clone, Default)]
-struct Ledger(Arc<Mutex<Vec<Payment>>>);
-
-impl Ledger {
-    fn record(&self, account: String, amount_cents: i64) -> Payment {
-        let mut payments = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        let payment = Payment {
-            id: format!("pay_{:x}_{}", std::process::id(), payments.len() + 1),
-            account,
-            amount_cents,
-        };
-        payments.push(payment.clone());
-        payment
-    }
-
-    fn totals(&self, account: Option<&str>) -> Totals {
-        let payments = self.0.lock().unwrap_or_else(PoisonError::into_inner);
-        payments
-            .iter()
-            .filter(|p| account.is_none_or(|a| p.account == a))
-            .fold(Totals::default(), |t, p| Totals {
-                count: t.count + 1,
-                total_cents: t.total_cents.saturating_add(p.amount_cents),
-            })
-    }
-}
-
 #[derive(Debug, Deserialize)]
 struct NewPayment {
     account: String,
     amount_cents: i64,
-}
-
-#[derive(Debug, Default, Serialize)]
-struct Totals {
-    count: u64,
-    total_cents: i64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -154,14 +215,34 @@ struct TotalsQuery {
     account: Option<String>,
 }
 
+/// The test hooks of one request.
+#[derive(Debug)]
+struct Hooks {
+    delay: Option<Duration>,
+    delay_after: Option<Duration>,
+    fail: Option<StatusCode>,
+}
+
+impl Hooks {
+    /// Reads the hook headers; the error is the problem detail.
+    fn read(headers: &HeaderMap) -> Result<Hooks, &'static str> {
+        Ok(Hooks {
+            delay: simulated_delay(headers, "x-simulate-delay-ms")?,
+            delay_after: simulated_delay(headers, "x-simulate-delay-after-ms")?,
+            fail: simulated_failure(headers)?,
+        })
+    }
+}
+
 async fn create_payment(
     State(ledger): State<Ledger>,
     idempotency: Option<Extension<IdempotencyContext>>,
+    // The request's transaction with PostgreSQL; `None` with the other backends.
+    tx: Option<IdempotentTx>,
     headers: HeaderMap,
     payment: Result<Json<NewPayment>, JsonRejection>,
 ) -> Response {
-    let hooks = simulated_delay(&headers).and_then(|d| Ok((d, simulated_failure(&headers)?)));
-    let (delay, fail) = match hooks {
+    let hooks = match Hooks::read(&headers) {
         Ok(hooks) => hooks,
         Err(detail) => {
             return problem(
@@ -184,11 +265,12 @@ async fn create_payment(
         }
     };
 
-    if let Some(delay) = delay {
+    if let Some(delay) = hooks.delay {
         tokio::time::sleep(delay).await;
     }
-    if let Some(status) = fail {
-        // Nothing happened: the IdempotencyLayer releases the key, a retry runs again.
+    if let Some(status) = hooks.fail {
+        // Nothing happened: the idempotency layer releases the key (or rolls back), and
+        // a retry runs again.
         let mut res = problem(
             status,
             "simulated-failure",
@@ -199,7 +281,9 @@ async fn create_payment(
         return res;
     }
     if let Some(Extension(ctx)) = idempotency {
-        // Just before the effect: a copy may take over a stalled claim until here.
+        // Just before the effect: a copy may take over a stalled claim until here. (With
+        // PostgreSQL's transactional layer this returns at once: the transaction is the
+        // commit point.)
         if let Err(e) = ctx.commit_point().await {
             tracing::warn!(error = %e, "commit point failed; the payment is not recorded");
             let mut res = problem(
@@ -214,17 +298,65 @@ async fn create_payment(
             return res;
         }
     }
-    let recorded = ledger.record(payment.account, payment.amount_cents);
+    let recorded = match ledger
+        .record(tx, payment.account, payment.amount_cents)
+        .await
+    {
+        Ok(recorded) => recorded,
+        Err(e) if ledger.is_transactional() => {
+            // The 5xx rolls the transaction back: nothing happened, a retry runs again.
+            tracing::warn!(error = %e, "the payment could not be recorded; rolled back");
+            let mut res = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ledger-unavailable",
+                "The payment could not be recorded",
+                &e.to_string(),
+            );
+            res.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            return res;
+        }
+        Err(e) => {
+            // Not marked `NoEffect`: the write may have reached Redis before it failed.
+            // The idempotency layer records the outcome as unknown (never run again) and
+            // reports it to the reconcile hook.
+            tracing::error!(error = %e, "the payment may or may not have been recorded");
+            return problem(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "payment-outcome-unknown",
+                "The payment may or may not have been recorded",
+                &e.to_string(),
+            );
+        }
+    };
+    if let Some(delay) = hooks.delay_after {
+        tokio::time::sleep(delay).await;
+    }
     (StatusCode::CREATED, Json(recorded)).into_response()
 }
 
-async fn totals(State(ledger): State<Ledger>, Query(query): Query<TotalsQuery>) -> Json<Totals> {
-    Json(ledger.totals(query.account.as_deref()))
+async fn totals(State(ledger): State<Ledger>, Query(query): Query<TotalsQuery>) -> Response {
+    match ledger.totals(query.account.as_deref()).await {
+        Ok(totals) => Json(totals).into_response(),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read the ledger");
+            let mut res = problem(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "ledger-unavailable",
+                "The ledger cannot be read",
+                &e.to_string(),
+            );
+            res.headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+            res
+        }
+    }
 }
 
-/// `x-simulate-delay-ms: N`; the error is the problem detail.
-fn simulated_delay(headers: &HeaderMap) -> Result<Option<Duration>, &'static str> {
-    let Some(value) = headers.get("x-simulate-delay-ms") else {
+/// `NAME: N` (`x-simulate-delay-ms`, `x-simulate-delay-after-ms`); the error is the
+/// problem detail.
+fn simulated_delay(headers: &HeaderMap, name: &str) -> Result<Option<Duration>, &'static str> {
+    let Some(value) = headers.get(name) else {
         return Ok(None);
     };
     let ms = value
@@ -233,7 +365,10 @@ fn simulated_delay(headers: &HeaderMap) -> Result<Option<Duration>, &'static str
         .and_then(|v| v.trim().parse::<u64>().ok());
     match ms.map(Duration::from_millis) {
         Some(d) if d <= MAX_SIMULATED_DELAY => Ok(Some(d)),
-        _ => Err("x-simulate-delay-ms must be a whole number of milliseconds, at most 30000"),
+        _ => Err(
+            "x-simulate-delay-ms and x-simulate-delay-after-ms must be whole numbers \
+                  of milliseconds, at most 30000",
+        ),
     }
 }
 

@@ -1,4 +1,5 @@
-//! A payments API made safe to retry with the `IdempotencyLayer`.
+//! A payments API made safe to retry with the `IdempotencyLayer`, on an in-memory,
+//! Redis or PostgreSQL backend.
 //!
 //! ```text
 //! cargo run --example payments -- [--listen ADDR] [--store memory | redis://… | postgres://…]
@@ -15,8 +16,17 @@
 //! ```
 //!
 //! Send the POST twice: the second answer is the first one replayed
-//! (`idempotent-replayed: true`) and the ledger holds one payment. See `app.rs` for the
-//! routes and the test hooks `x-simulate-delay-ms` and `x-simulate-fail`.
+//! (`idempotent-replayed: true`) and the ledger holds one payment.
+//!
+//! With `--store redis://HOST:PORT` the idempotency records (a `RedisStore`) and the
+//! ledger live in Redis; with `--store postgres://USER@HOST:PORT/DB` each payment is
+//! inserted in the same transaction as its idempotency key (the `TxIdempotencyLayer`).
+//! Several instances on one Redis or one PostgreSQL database behave as one. Two
+//! environment variables keep instances apart: `PAYMENTS_REDIS_PREFIX` (the prefix of
+//! every Redis key, default `payments:`) and `PAYMENTS_PG_SCHEMA` (the schema of the
+//! tables, default none: the connection's `search_path`). See `app.rs` for the routes and
+//! the test hooks `x-simulate-delay-ms`, `x-simulate-delay-after-ms` and
+//! `x-simulate-fail`.
 #![allow(clippy::print_stdout)]
 
 mod app;
@@ -26,6 +36,8 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use retrysafe_postgres::{PostgresStore, SweeperHandle};
+use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -34,20 +46,31 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
 
   --listen ADDR        address to listen on (default 127.0.0.1:3000; port 0 picks one)
-  --store STORE        idempotency store (default memory; redis and postgres: not yet)
-  --lease-ms N         lease of a claim in milliseconds (default 10000)
+  --store STORE        where idempotency records and payments live: `memory` (default),
+                       a redis:// URL (RedisStore and a Redis ledger), or a postgres://
+                       URL (key and payment in one PostgreSQL transaction); instances
+                       sharing one Redis or database behave as one
+  --lease-ms N         lease of a claim in milliseconds (default 10000); with postgres,
+                       how long an idle transaction keeps its key (a vanished holder's)
   --ttl-ms N           how long completed keys are kept, in milliseconds (default 24 h)
   --in-flight MODE     a copy of a request still in progress: `conflict` answers 409
                        (default), `wait` waits up to 5 s for the original's answer
 
+environment:
+  PAYMENTS_REDIS_PREFIX   prefix of every Redis key (default `payments:`)
+  PAYMENTS_PG_SCHEMA      PostgreSQL schema of the tables (default: the search_path)
+
 exit codes: 0 after ctrl-c, 1 on a runtime error or an unavailable store, 2 on bad arguments";
 
-/// The idempotency store asked for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The default prefix of the Redis keys (`PAYMENTS_REDIS_PREFIX`).
+const DEFAULT_REDIS_PREFIX: &str = "payments:";
+
+/// The idempotency store asked for, with its URL.
+#[derive(Debug, Clone, PartialEq, Eq)]
 enum Store {
     Memory,
-    Redis,
-    Postgres,
+    Redis(String),
+    Postgres(String),
 }
 
 #[derive(Debug)]
@@ -110,9 +133,11 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
 
     let store = match store.as_deref() {
         None | Some("memory") => Store::Memory,
-        Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => Store::Redis,
+        Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => {
+            Store::Redis(s.to_owned())
+        }
         Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => {
-            Store::Postgres
+            Store::Postgres(s.to_owned())
         }
         Some(other) => {
             return Err(format!(
@@ -168,19 +193,6 @@ async fn main() -> ExitCode {
         }
         Err(message) => return usage_error(&message),
     };
-    match args.store {
-        Store::Memory => {}
-        Store::Redis | Store::Postgres => {
-            let name = if args.store == Store::Redis {
-                "redis"
-            } else {
-                "postgres"
-            };
-            eprintln!("error: the {name} store is not implemented yet (only --store memory)");
-            return ExitCode::FAILURE;
-        }
-    }
-
     tracing_subscriber::fmt()
         .with_env_filter(
             EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info")),
@@ -188,7 +200,31 @@ async fn main() -> ExitCode {
         .with_writer(std::io::stderr)
         .init();
 
-    let (router, shutdown) = match app::router(&args.options) {
+    let mut sweeper = None;
+    let backend = match &args.store {
+        Store::Memory => Ok(app::Backend::Memory),
+        Store::Redis(url) => {
+            connect_redis(url, &env_or("PAYMENTS_REDIS_PREFIX", DEFAULT_REDIS_PREFIX)).await
+        }
+        Store::Postgres(url) => {
+            let schema = std::env::var("PAYMENTS_PG_SCHEMA")
+                .ok()
+                .filter(|s| !s.is_empty());
+            connect_postgres(url, schema).await.map(|(backend, s)| {
+                sweeper = Some(s);
+                backend
+            })
+        }
+    };
+    let backend = match backend {
+        Ok(backend) => backend,
+        Err(message) => {
+            eprintln!("error: {message}");
+            return ExitCode::FAILURE;
+        }
+    };
+
+    let (router, shutdown) = match app::router_on(backend, &args.options) {
         Ok(r) => r,
         Err(e) => return usage_error(&format!("invalid configuration: {e}")),
     };
@@ -215,12 +251,123 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
 
-    match app::serve(listener, router, shutdown, shutdown_signal()).await {
+    let served = app::serve(listener, router, shutdown, shutdown_signal()).await;
+    if let Some(sweeper) = sweeper {
+        sweeper.stop().await;
+    }
+    match served {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: server failed: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// The environment variable `name`, or `default` when it is unset or empty.
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_owned())
+}
+
+/// Connects to Redis and checks its configuration: the idempotency records go under
+/// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. The error is the message.
+async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> {
+    let shown = redact(url);
+    let connected = RedisStore::connect(url)
+        .await
+        .map_err(|e| format!("cannot connect to the redis store at {shown}: {e}"))?;
+    let conn = connected.connection().clone();
+    let store = RedisStore::builder(conn.clone())
+        .key_prefix(format!("{prefix}idem:"))
+        .build()
+        .map_err(|e| format!("invalid redis store settings: {e}"))?;
+    match store.check_config().await {
+        Ok(report) => {
+            if report.eviction_policy == EvictionPolicy::Unknown {
+                eprintln!(
+                    "warning: cannot read the maxmemory-policy of {shown}: make sure it is \
+                     noeviction or volatile-*"
+                );
+            }
+            if report.persistent() == Some(false) {
+                eprintln!(
+                    "warning: {shown} persists nothing: a restart forgets every idempotency \
+                     record and payment"
+                );
+            }
+        }
+        Err(CheckError::UnsafeEvictionPolicy(report))
+            if matches!(report.eviction_policy, EvictionPolicy::AllKeys(_)) =>
+        {
+            return Err(format!(
+                "the redis store at {shown} has maxmemory-policy {}, which can evict an \
+                 in-flight claim; set noeviction or a volatile-* policy",
+                report.eviction_policy
+            ));
+        }
+        Err(CheckError::UnsafeEvictionPolicy(report)) => eprintln!(
+            "warning: {shown} has maxmemory-policy {}, unknown to this release: make sure \
+             it never evicts keys that have an expiry",
+            report.eviction_policy
+        ),
+        Err(e) => return Err(format!("cannot use the redis store at {shown}: {e}")),
+    }
+    let ledger = app::Ledger::redis(conn, prefix);
+    Ok(app::Backend::Redis { store, ledger })
+}
+
+/// Connects to PostgreSQL, creates the tables if needed and starts the sweeper of
+/// expired keys. The error is the message.
+async fn connect_postgres(
+    url: &str,
+    schema: Option<String>,
+) -> Result<(app::Backend, SweeperHandle), String> {
+    let shown = redact(url);
+    let mut builder = PostgresStore::builder();
+    if let Some(schema) = schema {
+        builder = builder.schema(schema);
+        builder
+            .migration_sql()
+            .map_err(|e| format!("PAYMENTS_PG_SCHEMA is not a usable schema name: {e}"))?;
+    }
+    let store = builder
+        .connect(url)
+        .await
+        .map_err(|e| format!("cannot connect to the postgres store at {shown}: {e}"))?;
+    store
+        .migrate()
+        .await
+        .map_err(|e| format!("cannot create the idempotency table at {shown}: {e}"))?;
+    let ledger = app::Ledger::postgres(&store)
+        .await
+        .map_err(|e| format!("cannot create the payments table at {shown}: {e}"))?;
+    let sweeper = store
+        .spawn_sweeper(SWEEP_EVERY, SWEEP_BATCH)
+        .map_err(|e| format!("cannot start the sweeper: {e}"))?;
+    Ok((app::Backend::Postgres { store, ledger }, sweeper))
+}
+
+/// How often expired key rows are deleted, and how many per statement.
+const SWEEP_EVERY: Duration = Duration::from_secs(60);
+const SWEEP_BATCH: u32 = 1_000;
+
+/// `url` with its password, if any, replaced by `***`, for messages.
+fn redact(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    let (authority, path) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((userinfo, host)) => {
+            let user = userinfo.split_once(':').map_or(userinfo, |(user, _)| user);
+            let hidden = if userinfo.contains(':') { ":***" } else { "" };
+            format!("{scheme}://{user}{hidden}@{host}{path}")
+        }
+        None => url.to_owned(),
     }
 }
 
