@@ -41,11 +41,10 @@ pin_project! {
         template: http::request::Parts,
         body: ReplayBody<B>,
         token: Option<RetryToken>,
-        // The last real response while a retry is pending: returned, marked
-        // `do-not-retry`, when the retry cannot be made after all.
-        last: Option<S::Response>,
+        // What only a retry needs, made on the first retry (a call that does not retry
+        // keeps the future small and allocates nothing for it).
+        retry: Option<Box<Retrying<S::Response>>>,
         attempts: Attempts,
-        span: Option<tracing::Span>,
         _local: PhantomData<fn() -> M>,
     }
 }
@@ -58,6 +57,15 @@ pin_project! {
         Readying,
         Failed { error: Option<BoxError> },
     }
+}
+
+/// The state of a call that retries.
+struct Retrying<Res> {
+    /// The last real response while a retry is pending: returned, marked
+    /// `do-not-retry`, when the retry cannot be made after all.
+    last: Option<Res>,
+    /// The span of the retried attempt (`http.request.resend_count`).
+    span: tracing::Span,
 }
 
 /// What the future knows about the logical request across its attempts.
@@ -122,9 +130,8 @@ where
             template,
             body: backup,
             token: Some(token),
-            last: None,
+            retry: None,
             attempts,
-            span: None,
             _local: PhantomData,
         }
     }
@@ -154,7 +161,7 @@ where
                     // The response first: a timer polled before it would drop a response
                     // that was ready.
                     let polled = {
-                        let _entered = this.span.as_ref().map(tracing::Span::enter);
+                        let _entered = this.retry.as_ref().map(|r| r.span.enter());
                         future.poll(cx)
                     };
                     let outcome = match polled {
@@ -183,7 +190,7 @@ where
                         outcome,
                         token,
                         this.body,
-                        this.last.take(),
+                        this.retry.as_mut().and_then(|r| r.last.take()),
                     );
                     match step {
                         Step::Done(result) => {
@@ -191,12 +198,18 @@ where
                             return Poll::Ready(result);
                         }
                         Step::Retry(next, last) => {
-                            *this.last = last;
                             let delay = next.delay();
-                            *this.span = Some(tracing::debug_span!(
+                            let span = tracing::debug_span!(
                                 "retry",
                                 http.request.resend_count = next.attempt() - 1
-                            ));
+                            );
+                            match this.retry {
+                                Some(r) => {
+                                    r.last = last;
+                                    r.span = span;
+                                }
+                                None => *this.retry = Some(Box::new(Retrying { last, span })),
+                            }
                             *this.token = Some(next);
                             if delay.is_zero() {
                                 this.state.set(State::Readying);
@@ -241,7 +254,7 @@ where
                         let result = this.attempts.give_up::<R, M>(
                             GiveUp::NotEnoughTime,
                             token.as_ref().map_or(1, RetryToken::attempt) - 1,
-                            this.last.take(),
+                            this.retry.as_mut().and_then(|r| r.last.take()),
                             Box::new(DeadlineExceeded::new()),
                         );
                         this.state.set(State::Failed { error: None });
@@ -256,7 +269,7 @@ where
                             this.attempts.prepare(&mut parts, attempt, budget);
                             let request = Request::from_parts(parts, this.body.clone());
                             let future = {
-                                let _entered = this.span.as_ref().map(tracing::Span::enter);
+                                let _entered = this.retry.as_ref().map(|r| r.span.enter());
                                 let _mark = budget.map(RetryCharged::mark);
                                 this.service.call(request)
                             };
