@@ -42,7 +42,7 @@ use retrysafe::ConfigError;
 use retrysafe::idempotency::{IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown};
 use retrysafe::server::ServerLayers;
 use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::tx::{IdempotentTx, TxIdempotencyLayer};
+use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
 use serde::Deserialize;
 use tokio::net::TcpListener;
@@ -65,7 +65,7 @@ const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(30);
 pub(crate) struct Options {
     /// `IdempotencyLayer::lease`. With PostgreSQL, whose transactional layer has no
     /// lease (the open transaction holds the key), the
-    /// `TxIdempotencyLayer::idle_in_transaction_timeout`: how long the key of a holder
+    /// `TxBackend::idle_in_transaction_timeout`: how long the key of a holder
     /// gone silent stays taken.
     pub(crate) lease: Option<Duration>,
     /// `IdempotencyLayer::retention` (`TxIdempotencyLayer::retention`).
@@ -153,10 +153,11 @@ fn transactional(
     ledger: Ledger,
     options: &Options,
 ) -> Result<(Router, Shutdown), ConfigError> {
-    let mut idempotency = TxIdempotencyLayer::from_store(store).require_key();
+    let mut backend = TxBackend::from_store(store);
     if let Some(lease) = options.lease {
-        idempotency = idempotency.idle_in_transaction_timeout(lease)?;
+        backend = backend.idle_in_transaction_timeout(lease)?;
     }
+    let mut idempotency = TxIdempotencyLayer::with_backend(backend).require_key();
     if let Some(retention) = options.retention {
         idempotency = idempotency.retention(retention)?;
     }

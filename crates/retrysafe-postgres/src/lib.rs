@@ -80,6 +80,13 @@
 //! handler's effects commit together — exactly once — and a failed call rolls both
 //! back. Handlers reach the transaction through the [`tx::IdempotentTx`] extractor. Its
 //! key rows live in the store's table, in the store's format; see the [`tx`] module.
+//!
+//! It is retrysafe-tower's
+//! [`IdempotencyLayer`](retrysafe_tower::idempotency::IdempotencyLayer) over a
+//! [`tx::TxBackend`] (built with
+//! `TxIdempotencyLayer::with_backend(TxBackend::from_store(&store))`), so the two layers
+//! share one guard and one set of builder methods; see
+//! [the `tx` module](tx#one-layer-two-backends) for what changed.
 
 #![forbid(unsafe_code)]
 

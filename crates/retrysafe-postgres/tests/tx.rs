@@ -26,7 +26,7 @@ use retrysafe_core::idempotency::{Principal, Record, RecordId, Scope};
 use retrysafe_core::store::IdempotencyStore;
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_postgres::sqlx;
-use retrysafe_postgres::tx::{IdempotentTx, NoEffect, TxIdempotencyLayer};
+use retrysafe_postgres::tx::{IdempotentTx, NoEffect, TxBackend, TxIdempotencyLayer};
 use retrysafe_tower::idempotency::{EventKind, IdempotencyContext, ProblemKind};
 use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tokio::sync::Semaphore;
@@ -175,8 +175,12 @@ impl Env {
         }
     }
 
+    fn backend(&self) -> TxBackend {
+        TxBackend::from_store(&self.store)
+    }
+
     fn layer(&self) -> TxIdempotencyLayer {
-        TxIdempotencyLayer::from_store(&self.store)
+        TxIdempotencyLayer::with_backend(self.backend())
     }
 
     fn app(&self, layer: TxIdempotencyLayer) -> Router {
@@ -459,10 +463,11 @@ async fn guard_moved_into_a_task_rolls_back_and_answers_500() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kept_guard_is_freed_by_the_idle_timeout() {
     let env = Env::new(4).await;
-    let layer = env
-        .layer()
-        .idle_in_transaction_timeout(Duration::from_millis(300))
-        .unwrap();
+    let layer = TxIdempotencyLayer::with_backend(
+        env.backend()
+            .idle_in_transaction_timeout(Duration::from_millis(300))
+            .unwrap(),
+    );
     let app = env.app(layer);
 
     let kept = send(&app, pay_req(Some("k"), "keep", "acc")).await;
@@ -689,11 +694,11 @@ async fn connection_acquisition_is_bounded_by_the_deadline() {
     assert!(busy.headers.contains_key("retry-after"));
 
     // Without a deadline, the layer's acquire timeout bounds it.
-    let quick = env.app(
-        env.layer()
+    let quick = env.app(TxIdempotencyLayer::with_backend(
+        env.backend()
             .acquire_timeout(Duration::from_millis(200))
             .unwrap(),
-    );
+    ));
     let busy = send(&quick, pay_req(Some("k"), "ok", "acc")).await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE);
 
@@ -1038,20 +1043,21 @@ async fn handler_sees_the_context_and_nests_savepoints() {
 async fn settings_are_validated() {
     let env = Env::new(2).await;
     let l = || env.layer();
-    assert_eq!(l().table("Bad").unwrap_err().field(), "table");
-    assert_eq!(l().schema("1x").unwrap_err().field(), "schema");
+    let b = || env.backend();
+    assert_eq!(b().table("Bad").unwrap_err().field(), "table");
+    assert_eq!(b().schema("1x").unwrap_err().field(), "schema");
     assert_eq!(
-        l().acquire_timeout(Duration::ZERO).unwrap_err().field(),
+        b().acquire_timeout(Duration::ZERO).unwrap_err().field(),
         "acquire_timeout"
     );
     assert_eq!(
-        l().idle_in_transaction_timeout(Duration::from_micros(10))
+        b().idle_in_transaction_timeout(Duration::from_micros(10))
             .unwrap_err()
             .field(),
         "idle_in_transaction_timeout"
     );
     assert_eq!(
-        l().idle_in_transaction_timeout(Duration::from_secs(30 * 24 * 3600))
+        b().idle_in_transaction_timeout(Duration::from_secs(30 * 24 * 3600))
             .unwrap_err()
             .field(),
         "idle_in_transaction_timeout"
@@ -1061,8 +1067,8 @@ async fn settings_are_validated() {
         "retention"
     );
     assert_eq!(l().max_in_flight(0).unwrap_err().field(), "max_in_flight");
-    assert_eq!(l().table_name(), env.store.table());
-    let named = TxIdempotencyLayer::new(env.store.pool().clone())
+    assert_eq!(l().backend().table_name(), env.store.table());
+    let named = TxBackend::new(env.store.pool().clone())
         .schema(env.store.schema.clone())
         .unwrap();
     assert_eq!(named.table_name(), env.store.table());

@@ -33,7 +33,7 @@
 //! ```no_run
 //! use axum::{Router, routing::post, http::StatusCode};
 //! use retrysafe_postgres::{PostgresStore, sqlx};
-//! use retrysafe_postgres::tx::{IdempotentTx, TxIdempotencyLayer};
+//! use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 //! use retrysafe_core::idempotency::Principal;
 //!
 //! async fn pay(mut tx: IdempotentTx, body: String) -> Result<(StatusCode, String), StatusCode> {
@@ -55,7 +55,7 @@
 //!
 //! let app: Router = Router::new()
 //!     .route("/payments", post(pay))
-//!     .layer(TxIdempotencyLayer::from_store(&store).require_key())
+//!     .layer(TxIdempotencyLayer::with_backend(TxBackend::from_store(&store)).require_key())
 //!     // authentication, outside: inserts the Principal that scopes the keys
 //!     .layer(axum::middleware::map_request(|mut req: axum::extract::Request| async move {
 //!         req.extensions_mut().insert(Principal::new("alice"));
@@ -66,6 +66,42 @@
 //! sweeper.stop().await;
 //! # Ok(()) }
 //! ```
+//!
+//! # One layer, two backends
+//!
+//! [`TxIdempotencyLayer`] is the
+//! [`IdempotencyLayer`](retrysafe_tower::idempotency::IdempotencyLayer) of
+//! `retrysafe-tower` over a [`TxBackend`] instead of a store: the same code decides which
+//! requests are guarded, reads the key and the scope, limits and fingerprints the body,
+//! bounds the requests in flight, answers with the same problems and reports the same
+//! events. The guard's settings (methods, key, scope, limits, retention, in-flight
+//! policy, problem answers, events, shutdown) are therefore the `IdempotencyLayer`'s
+//! builder methods; the transaction's (pool, table, timeouts, lock class) are the
+//! [`TxBackend`]'s, set before the layer is built:
+//!
+//! ```no_run
+//! # use std::time::Duration;
+//! # use retrysafe_postgres::PostgresStore;
+//! # use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
+//! # async fn run(store: PostgresStore) -> Result<(), Box<dyn std::error::Error>> {
+//! let backend = TxBackend::from_store(&store)
+//!     .idle_in_transaction_timeout(Duration::from_secs(5))?;
+//! let layer = TxIdempotencyLayer::with_backend(backend)
+//!     .require_key()
+//!     .retention(Duration::from_secs(3600))?;
+//! assert_eq!(layer.backend().table_name(), store.table());
+//! # Ok(()) }
+//! ```
+//!
+//! *Changed:* `TxIdempotencyLayer` used to be a type of its own, with copies of those
+//! builder methods. `TxIdempotencyLayer::from_store(&store)` and
+//! `TxIdempotencyLayer::new(pool)` are now
+//! `TxIdempotencyLayer::with_backend(TxBackend::from_store(&store))` and
+//! `TxIdempotencyLayer::with_backend(TxBackend::new(pool))`; `schema`, `table`,
+//! `acquire_timeout`, `commit_timeout`, `idle_in_transaction_timeout`,
+//! `advisory_lock_class`, `pool`, `table_name` and `DEFAULT_LOCK_CLASS` moved to
+//! [`TxBackend`] (on a built layer: `layer.backend().pool()`); [`TxIdempotency`] is
+//! `Idempotency<S, TxBackend>`, and [`ResponseFuture`] is the `IdempotencyLayer`'s.
 //!
 //! **Handlers must not make remote calls inside the transaction** (HTTP, gRPC, a
 //! message broker, another database): those effects do not roll back with it, and while
@@ -81,14 +117,14 @@
 //! |---|---|---|
 //! | method not guarded (default: other than POST, PATCH), or gRPC | passes through | none |
 //! | no key, key not required | the handler's answer, no deduplication | a transaction of its own, committed or rolled back by the rules below, no key row |
-//! | no key with [`require_key`](TxIdempotencyLayer::require_key) | 400 `key-missing` | none |
+//! | no key with [`require_key`](retrysafe_tower::idempotency::IdempotencyLayer::require_key) | 400 `key-missing` | none |
 //! | key empty, over 255 characters, not printable ASCII, or sent twice | 400 `key-invalid` | none |
 //! | no scope (no [`Principal`]) | 500 `scope-missing` | none |
 //! | body over the limit (1 MiB) | 413 `body-too-large`, before any connection is taken | none |
 //! | no connection and transaction within the deadline (1 s) | 503 `store-unavailable` with `retry-after` | none |
 //! | first request | the handler runs | key row inserted with the lock |
 //! | same key and request, committed | the stored response, `idempotent-replayed: true` | rolled back (read only) |
-//! | same key and request, in flight (lock busy) | 409 `request-in-flight` with `retry-after`, at once; or, with [`wait_for_in_flight`](TxIdempotencyLayer::wait_for_in_flight), the replay | rolled back before waiting |
+//! | same key and request, in flight (lock busy) | 409 `request-in-flight` with `retry-after`, at once; or, with [`wait_for_in_flight`](retrysafe_tower::idempotency::IdempotencyLayer::wait_for_in_flight), the replay | rolled back before waiting |
 //! | same key, different request | 422 `key-mismatch`, `do-not-retry: 1` | rolled back |
 //! | handler answers 2xx, 3xx, or 4xx but 401/403/408/429 | the answer | key row `completed` with the response, one commit with the effect |
 //! | handler answers 401, 403, 429, 5xx or 408, or marks [`NoEffect`] | the answer (a 5xx is not marked `do-not-retry`) | rolled back: no key, no effect |
@@ -102,13 +138,13 @@
 //!
 //! The problem answers are the `IdempotencyLayer`'s
 //! ([`Problem`](retrysafe_tower::idempotency::Problem), replaceable with
-//! [`problem_responder`](TxIdempotencyLayer::problem_responder)).
+//! [`problem_responder`](retrysafe_tower::idempotency::IdempotencyLayer::problem_responder)).
 //!
 //! # Execution model
 //!
 //! As with the `IdempotencyLayer`: after the body is buffered and fingerprinted, one
 //! spawned task (bounded by `max_in_flight`, tracked by
-//! [`shutdown_handle`](TxIdempotencyLayer::shutdown_handle)) runs the transaction and
+//! [`shutdown_handle`](retrysafe_tower::idempotency::IdempotencyLayer::shutdown_handle)) runs the transaction and
 //! the handler; dropping the response future cancels nothing. The guard must be gone
 //! when the handler's response is returned (an axum handler that takes it as an
 //! argument drops it by returning); a response body cannot use it.
@@ -145,16 +181,50 @@
 //! deadline layers outside; nothing that cancels the handler or answers 408/5xx for it
 //! (a timeout layer) inside.
 
+mod backend;
 mod exec;
 mod extract;
-mod future;
-mod layer;
-mod service;
 mod sql;
 mod txn;
 
+pub use backend::TxBackend;
 pub use extract::{IdempotentTx, IdempotentTxRejection};
-pub use future::ResponseFuture;
-pub use layer::TxIdempotencyLayer;
 pub use retrysafe_core::idempotency::{NoEffect, Principal};
-pub use service::TxIdempotency;
+/// Response future of [`TxIdempotency`]: the
+/// [`IdempotencyLayer`](retrysafe_tower::idempotency::IdempotencyLayer)'s own.
+pub use retrysafe_tower::idempotency::ResponseFuture;
+
+/// Applies [`TxIdempotency`] to a service: runs each guarded request (POST and PATCH by
+/// default) in one PostgreSQL transaction that also holds its idempotency key, so that
+/// the key and the handler's effects commit — or roll back — together. See the
+/// [module docs](self) for the pattern and the full behaviour.
+///
+/// It is the [`IdempotencyLayer`](retrysafe_tower::idempotency::IdempotencyLayer) over
+/// a [`TxBackend`]: built with
+/// [`with_backend`](retrysafe_tower::idempotency::IdempotencyLayer::with_backend), set
+/// with the `IdempotencyLayer`'s guard methods (methods, key, scope, limits, retention,
+/// in-flight policy, problem answers, events) and the backend's own
+/// ([`acquire_timeout`](TxBackend::acquire_timeout), …):
+///
+/// ```no_run
+/// use retrysafe_postgres::PostgresStore;
+/// use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
+///
+/// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+/// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
+/// let layer = TxIdempotencyLayer::with_backend(TxBackend::from_store(&store))
+///     .require_key()
+///     .max_request_body(64 * 1024)?;
+/// # drop(layer);
+/// # Ok(()) }
+/// ```
+///
+/// The layer holds its configuration in `Arc`s: cloning it, and applying it to
+/// services, is cheap.
+pub type TxIdempotencyLayer = retrysafe_tower::idempotency::IdempotencyLayer<TxBackend>;
+
+/// Middleware that runs each guarded request in one PostgreSQL transaction holding its
+/// idempotency key: the
+/// [`Idempotency`](retrysafe_tower::idempotency::Idempotency) service over a
+/// [`TxBackend`]. Built by [`TxIdempotencyLayer`].
+pub type TxIdempotency<S> = retrysafe_tower::idempotency::Idempotency<S, TxBackend>;

@@ -2,7 +2,8 @@
 //! idempotency layers of other crates — the transactional layer of `retrysafe-postgres` —
 //! compose them instead of copying them: the request-head rules (gRPC detection, the
 //! `Idempotency-Key` header), the bounded request-body buffering with its 413, the
-//! bounded capture of a response body, and the replay of a stored response.
+//! bounded capture of a response body, the replay of a stored response, and the
+//! validation of duration settings.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -30,6 +31,7 @@ use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
 use http::{HeaderMap, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
+use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::StoredResponse;
 use retrysafe_core::wire::{Convention, IdempotencyKey, REPLAYED_VALUE};
 use tokio::time::Instant;
@@ -285,4 +287,30 @@ pub fn replay_response<B>(
     res.headers_mut()
         .insert(convention.idempotent_replayed().clone(), REPLAYED_VALUE);
     res
+}
+
+/// A duration setting named `field`, validated as the layers validate theirs: greater
+/// than zero and at most `max`.
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_tower::idempotency::blocks::duration_setting;
+///
+/// let max = Duration::from_secs(60);
+/// assert_eq!(duration_setting(Duration::from_secs(1), "timeout", max), Ok(Duration::from_secs(1)));
+/// assert_eq!(duration_setting(Duration::ZERO, "timeout", max).unwrap_err().field(), "timeout");
+/// assert!(duration_setting(Duration::from_secs(61), "timeout", max).is_err());
+/// ```
+pub fn duration_setting(
+    value: Duration,
+    field: &'static str,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    if value.is_zero() {
+        Err(ConfigError::new(field, "must be greater than zero"))
+    } else if value > max {
+        Err(ConfigError::new(field, "is too large"))
+    } else {
+        Ok(value)
+    }
 }

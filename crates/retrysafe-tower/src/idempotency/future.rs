@@ -15,7 +15,9 @@ pin_project! {
     /// Response future of [`Idempotency`](super::Idempotency).
     ///
     /// Requests the layer does not guard are polled in place; guarded ones await the
-    /// spawned task that runs them (so dropping this future cancels nothing).
+    /// spawned task that runs them, so dropping this future cancels nothing (with the
+    /// transactional layer of `retrysafe-postgres`, the transaction still commits or
+    /// rolls back as the handler's answer says).
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,

@@ -75,12 +75,34 @@
 //!
 //! Nothing that cancels the handler or answers 408/5xx on its behalf (a timeout layer)
 //! may sit *inside* this layer.
+//!
+//! # Backends
+//!
+//! The layer is one piece in two parts. Its [`Guard`] — which requests are guarded, the
+//! key, the scope, the fingerprint, the limits, the in-flight policy, the problem
+//! answers and the events — is set with the builder methods of
+//! [`IdempotencyLayer<X>`](IdempotencyLayer), and applied by its service before any
+//! record is touched. What runs a guarded request is its [`Backend`] `X`: by default the
+//! [`StoreBackend`], the claim–run–complete protocol above over any
+//! [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore), whose own settings
+//! ([`lease`](IdempotencyLayer::lease), [`fail_open`](IdempotencyLayer::fail_open), …)
+//! are methods of `IdempotencyLayer` too. The transactional layer of
+//! `retrysafe-postgres` (`TxIdempotencyLayer`) is `IdempotencyLayer<TxBackend>`: the
+//! same guard, with a backend that runs the handler in a PostgreSQL transaction that
+//! also writes its key ([`IdempotencyLayer::with_backend`]).
+//!
+//! *Changed:* `IdempotencyLayer` and [`Idempotency`] gained the backend as a type
+//! parameter, defaulted to [`StoreBackend`], so code that names them is unchanged; the
+//! transactional layer's copies of the guard (its builder methods, service and response
+//! future) are gone, and with them `Shutdown::new` and `Shutdown::spawn`, which only it
+//! used.
 
 pub mod blocks;
 mod body;
 mod event;
 mod exec;
 mod future;
+mod guard;
 mod layer;
 mod memory;
 mod problem;
@@ -88,7 +110,9 @@ mod service;
 
 pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+pub use exec::StoreBackend;
 pub use future::ResponseFuture;
+pub use guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler, InFlightWait};
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use memory::*;
 pub use problem::{Problem, ProblemKind};

@@ -1,0 +1,522 @@
+//! The part both idempotency layers share: which requests are guarded and how (the
+//! [`Guard`]), and the [`Backend`] trait for what runs a guarded request.
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::FutureExt;
+use http::header::AUTHORIZATION;
+use http::request::Parts;
+use http::{HeaderMap, Method, Request, Response};
+use http_body::Body;
+use retrysafe_core::idempotency::{
+    Decision, Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, Principal, Record,
+    RecordId, Scope, StoredResponse, decide,
+};
+use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
+use retrysafe_core::{CallContext, Deadline};
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_util::task::TaskTracker;
+use tower_service::Service;
+
+use super::blocks::{self, CapturedBody};
+use super::body::{RequestBody, ResponseBody};
+use super::event::{EventHook, EventKind, IdempotencyEvent};
+use super::problem::{Problem, ProblemKind, Responder};
+
+type Res<B> = Response<ResponseBody<B>>;
+
+/// A user's rule from request head to scope.
+pub(crate) type ScopeFn = Arc<dyn Fn(&Parts) -> Option<Scope> + Send + Sync>;
+
+#[derive(Clone)]
+pub(crate) enum ScopeRule {
+    Principal,
+    Global,
+    AuthorizationHash,
+    Custom(ScopeFn),
+}
+
+impl fmt::Debug for ScopeRule {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ScopeRule::Principal => "Principal",
+            ScopeRule::Global => "Global",
+            ScopeRule::AuthorizationHash => "AuthorizationHash",
+            ScopeRule::Custom(_) => "Custom",
+        })
+    }
+}
+
+/// The options of the guard, set by the layer's builder methods.
+#[derive(Clone)]
+pub(crate) struct GuardConfig {
+    pub(crate) convention: Convention,
+    pub(crate) methods: Vec<Method>,
+    pub(crate) guard_grpc: bool,
+    pub(crate) require_key: bool,
+    pub(crate) scope: ScopeRule,
+    pub(crate) fingerprinter: Fingerprinter,
+    pub(crate) header_filter: HeaderFilter,
+    pub(crate) max_request_body: usize,
+    pub(crate) max_stored_response: usize,
+    pub(crate) retention: Duration,
+    pub(crate) in_flight_retry_after: Duration,
+    pub(crate) wait_for_in_flight: Option<Duration>,
+    pub(crate) unavailable_retry_after: Duration,
+    pub(crate) responder: Option<Responder>,
+    pub(crate) on_event: Option<EventHook>,
+    /// The backend rolls a failed handler back ([`Backend::ROLLS_BACK`]).
+    pub(crate) rolls_back: bool,
+}
+
+pub(crate) const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+const MIB: usize = 1024 * 1024;
+
+impl GuardConfig {
+    pub(crate) fn new(rolls_back: bool) -> Self {
+        GuardConfig {
+            convention: Convention::default(),
+            methods: vec![Method::POST, Method::PATCH],
+            guard_grpc: false,
+            require_key: false,
+            scope: ScopeRule::Principal,
+            fingerprinter: Fingerprinter::default(),
+            header_filter: HeaderFilter::default(),
+            max_request_body: MIB,
+            max_stored_response: MIB,
+            retention: Duration::from_secs(24 * 60 * 60),
+            in_flight_retry_after: Duration::from_secs(1),
+            wait_for_in_flight: None,
+            unavailable_retry_after: Duration::from_secs(1),
+            responder: None,
+            on_event: None,
+            rolls_back,
+        }
+    }
+}
+
+/// Runtime state shared by every clone of a layer and its services.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) tracker: TaskTracker,
+    pub(crate) scope_warned: AtomicBool,
+}
+
+impl Shared {
+    pub(crate) fn new(max_in_flight: usize, tracker: TaskTracker) -> Self {
+        Shared {
+            permits: Arc::new(Semaphore::new(max_in_flight)),
+            tracker,
+            scope_warned: AtomicBool::new(false),
+        }
+    }
+}
+
+/// The rules an idempotency layer guards requests by — the methods guarded, the key,
+/// the scope, the fingerprint, the limits, the in-flight policy, the problem answers and
+/// the events — with the state every clone of the layer shares (the bound of requests
+/// in flight and the tracked tasks).
+///
+/// Set with the builder methods of [`IdempotencyLayer`](super::IdempotencyLayer),
+/// whatever its [`Backend`]; a backend gets it with every request it runs, to answer as
+/// the layer does.
+#[derive(Clone)]
+pub struct Guard {
+    pub(crate) config: Arc<GuardConfig>,
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl fmt::Debug for Guard {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let c = &self.config;
+        f.debug_struct("Guard")
+            .field("methods", &c.methods)
+            .field("guard_grpc", &c.guard_grpc)
+            .field("require_key", &c.require_key)
+            .field("scope", &c.scope)
+            .field("max_request_body", &c.max_request_body)
+            .field("max_stored_response", &c.max_stored_response)
+            .field("retention", &c.retention)
+            .field("in_flight_retry_after", &c.in_flight_retry_after)
+            .field("wait_for_in_flight", &c.wait_for_in_flight)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Guard {
+    /// The header names in use.
+    pub fn convention(&self) -> &Convention {
+        &self.config.convention
+    }
+
+    /// How long a completed record is kept.
+    pub fn retention(&self) -> Duration {
+        self.config.retention
+    }
+
+    /// Whether the request is guarded at all: a guarded method, and not gRPC unless
+    /// gRPC is guarded too.
+    pub(crate) fn guards(&self, parts: &Parts) -> bool {
+        let c = &self.config;
+        c.methods.contains(&parts.method) && (c.guard_grpc || !blocks::is_grpc(&parts.headers))
+    }
+
+    /// The request's key (see [`blocks::idempotency_key`]).
+    pub(crate) fn key(&self, headers: &HeaderMap) -> Result<Option<IdempotencyKey>, Problem> {
+        blocks::idempotency_key(headers, &self.config.convention, self.config.require_key)
+    }
+
+    /// The request's scope by the configured rule; `None` refuses to guard.
+    pub(crate) fn scope(&self, parts: &Parts) -> Option<Scope> {
+        match &self.config.scope {
+            ScopeRule::Principal => parts.extensions.get::<Principal>().map(Scope::from),
+            ScopeRule::Global => Some(Scope::global()),
+            ScopeRule::AuthorizationHash => parts
+                .headers
+                .get(AUTHORIZATION)
+                .map(|v| Scope::from_authorization(v.as_bytes())),
+            ScopeRule::Custom(f) => f(parts),
+        }
+    }
+
+    /// The answer to `problem`: the configured responder's (or the default RFC 9457
+    /// one), with the `do-not-retry` and `retry-after` headers its case requires and the
+    /// [`Problem`] as a response extension. With a backend that
+    /// [rolls back](Backend::ROLLS_BACK), a `handler-panicked` answer is not marked
+    /// `do-not-retry`: nothing happened, so a retry is safe.
+    pub fn problem<B>(&self, problem: Problem) -> Res<B> {
+        let config = &self.config;
+        let res = match &config.responder {
+            Some(f) => f(&problem),
+            None => problem.to_response(),
+        };
+        let (mut parts, body) = res.into_parts();
+        let kind = problem.kind();
+        if kind.do_not_retry() && !(config.rolls_back && kind == ProblemKind::HandlerPanicked) {
+            parts
+                .headers
+                .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+        }
+        if let Some(d) = problem.retry_after_hint() {
+            parts.headers.insert(
+                config.convention.retry_after().clone(),
+                encode_retry_after(d),
+            );
+        }
+        parts.extensions.insert(problem);
+        Response::from_parts(parts, ResponseBody::full(body, None))
+    }
+
+    /// A 503 `store-unavailable` answer with the configured `retry-after`.
+    pub fn store_unavailable<B>(&self, detail: &'static str) -> Res<B> {
+        self.problem(
+            Problem::new(ProblemKind::StoreUnavailable, detail)
+                .retry_after(self.config.unavailable_retry_after),
+        )
+    }
+
+    /// Reports `kind` for `record`: a `tracing` event, and the `on_event` hook.
+    pub fn emit(&self, kind: EventKind, record: &RecordId) {
+        tracing::debug!(target: "retrysafe::idempotency", event = kind.as_str(), record = ?record);
+        if let Some(f) = &self.config.on_event {
+            f(&IdempotencyEvent {
+                kind,
+                record: *record,
+            });
+        }
+    }
+
+    /// The answer a copy gets from the existing `record` of its key (`fingerprint`
+    /// being its own): the replay, or a 422 `key-mismatch`, 500 `outcome-unknown` or 409
+    /// `response-not-stored` problem. `None` while the record is in flight (see
+    /// [`in_flight_wait`](Self::in_flight_wait)).
+    pub fn answer<B>(
+        &self,
+        id: &RecordId,
+        record: &Record,
+        fingerprint: &Fingerprint,
+    ) -> Option<Res<B>> {
+        let problem = match decide(record, fingerprint) {
+            Decision::InFlight => return None,
+            Decision::Replay(stored) => {
+                self.emit(EventKind::Replayed, id);
+                return Some(blocks::replay_response(&self.config.convention, stored));
+            }
+            Decision::Mismatch => {
+                self.emit(EventKind::Mismatch, id);
+                Problem::new(
+                    ProblemKind::KeyMismatch,
+                    "this Idempotency-Key was already used with a different request",
+                )
+            }
+            Decision::OutcomeUnknown => Problem::new(
+                ProblemKind::OutcomeUnknown,
+                "the first request with this Idempotency-Key may or may not have taken \
+                 effect; it will not be run again",
+            ),
+            Decision::NotStored => Problem::new(
+                ProblemKind::ResponseNotStored,
+                "the request with this Idempotency-Key completed, but its response was \
+                 too large to store",
+            ),
+        };
+        Some(self.problem(problem))
+    }
+
+    /// The in-flight policy for one copy, from now: see [`InFlightWait::next`].
+    pub fn in_flight_wait(&self, deadline: Option<Deadline>) -> InFlightWait {
+        InFlightWait {
+            guard: self.clone(),
+            started: Instant::now(),
+            deadline,
+            conflicted: false,
+        }
+    }
+
+    /// Collects a handler's response to store it: the body up to the storable limit
+    /// and until `until` (see [`blocks::capture_response_body`]); the stored form keeps
+    /// the headers the filter lets through. `None` when the body failed, or panicked,
+    /// while it was collected.
+    pub async fn capture<B>(&self, response: Response<B>, until: Instant) -> Option<Captured<B>>
+    where
+        B: Body<Data = Bytes>,
+    {
+        let config = &self.config;
+        let (head, body) = response.into_parts();
+        let captured = AssertUnwindSafe(blocks::capture_response_body(
+            body,
+            config.max_stored_response,
+            until,
+        ))
+        .catch_unwind()
+        .await
+        .unwrap_or(CapturedBody::Failed);
+        match captured {
+            CapturedBody::Whole { data, trailers } => Some(Captured {
+                stored: Some(StoredResponse::capture(
+                    head.status,
+                    &head.headers,
+                    data.clone(),
+                    trailers.as_ref(),
+                    &config.header_filter,
+                )),
+                response: Response::from_parts(head, ResponseBody::full(data, trailers)),
+            }),
+            CapturedBody::TooLarge(rest) => Some(Captured {
+                stored: None,
+                response: Response::from_parts(head, rest),
+            }),
+            CapturedBody::Failed => None,
+        }
+    }
+}
+
+/// A handler's response as [`Guard::capture`] collected it.
+#[derive(Debug)]
+pub struct Captured<B> {
+    /// The response as it is stored; `None` when it was too large (or too slow) to
+    /// store, in which case [`response`](Self::response) streams the rest of the body.
+    pub stored: Option<StoredResponse>,
+    /// The response to send.
+    pub response: Res<B>,
+}
+
+/// How long a copy that finds its key in flight may wait for it: the layer's
+/// [`wait_for_in_flight`](super::IdempotencyLayer::wait_for_in_flight) (zero without
+/// it), counted from the copy's first attempt and bounded by its deadline.
+#[derive(Debug)]
+pub struct InFlightWait {
+    guard: Guard,
+    started: Instant,
+    deadline: Option<Deadline>,
+    conflicted: bool,
+}
+
+impl InFlightWait {
+    /// The key was found in flight (again): reports a conflict the first time, then
+    /// returns the time the copy may still wait, or — none left — the 409
+    /// `request-in-flight` problem with the configured `retry-after`.
+    pub fn next(&mut self, id: &RecordId) -> Result<Duration, Problem> {
+        let guard = &self.guard;
+        if !self.conflicted {
+            guard.emit(EventKind::Conflict, id);
+        }
+        self.conflicted = true;
+        let max = guard.config.wait_for_in_flight.unwrap_or(Duration::ZERO);
+        let left = Deadline::bound(self.deadline, max.saturating_sub(self.started.elapsed()));
+        if left.is_zero() {
+            return Err(self.timed_out());
+        }
+        Ok(left)
+    }
+
+    /// The 409 `request-in-flight` problem with the configured `retry-after`, for a
+    /// copy whose wait ran out.
+    pub fn timed_out(&self) -> Problem {
+        Problem::new(
+            ProblemKind::InFlight,
+            "a request with this Idempotency-Key is still in progress; retry later",
+        )
+        .retry_after(self.guard.config.in_flight_retry_after)
+    }
+}
+
+/// A guarded request with a key, buffered and fingerprinted, as a [`Backend`] gets it.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct GuardedRequest {
+    /// The request head.
+    pub parts: Parts,
+    /// The buffered body.
+    pub body: Bytes,
+    /// The idempotency key.
+    pub key: IdempotencyKey,
+    /// The scope.
+    pub scope: Scope,
+    /// The fingerprint of method, path, query, the configured headers and the body.
+    pub fingerprint: Fingerprint,
+}
+
+impl GuardedRequest {
+    /// The record key: scope and idempotency key.
+    pub fn record_id(&self) -> RecordId {
+        RecordId::new(&self.scope, &self.key)
+    }
+
+    /// The request's [`Deadline`], if it has one.
+    pub fn deadline(&self) -> Option<Deadline> {
+        self.parts.extensions.get::<Deadline>().copied()
+    }
+
+    /// The request for the inner service, and the call context to scope its call with:
+    /// the inherited [`CallContext`] now carrying the record's [`IdempotencyContext`]
+    /// (made by `ctx` from scope and key), so outbound client layers derive child keys
+    /// from the record. Both are request extensions too.
+    pub fn into_request<B>(
+        self,
+        ctx: impl FnOnce(Scope, IdempotencyKey) -> IdempotencyContext,
+    ) -> (Request<RequestBody<B>>, CallContext) {
+        let ctx = ctx(self.scope, self.key);
+        let mut parts = self.parts;
+        let context = CallContext::inherited(&parts.extensions)
+            .unwrap_or_default()
+            .with_idempotency(ctx.clone());
+        parts.extensions.insert(ctx);
+        parts.extensions.insert(context.clone());
+        (
+            Request::from_parts(parts, RequestBody::buffered(self.body)),
+            context,
+        )
+    }
+}
+
+/// The inner service of a guarded request, as a [`Backend`] gets it: called once, with
+/// the request it is to run. (The layer's service passes its inner service wrapped in
+/// one; backends only call it.)
+pub trait Handler: Send + 'static {
+    /// The body of the requests the layer receives (the service gets it as a
+    /// [`RequestBody`]).
+    type ReqBody: Body<Data = Bytes> + Send + 'static;
+    /// The body of the service's responses.
+    type ResBody: Body<Data = Bytes> + Send + 'static;
+    /// The service's error.
+    type Error: Send + 'static;
+
+    /// Calls the service with `request`.
+    fn call(
+        self,
+        request: Request<RequestBody<Self::ReqBody>>,
+    ) -> impl Future<Output = Result<Response<Self::ResBody>, Self::Error>> + Send + 'static;
+}
+
+/// What a [`Backend`] answers for handler `H`: the layer's response, or the service's
+/// error.
+pub type Answer<H> = Result<Response<ResponseBody<<H as Handler>::ResBody>>, <H as Handler>::Error>;
+
+/// A service `S` taking requests with bodies `B`, as a [`Handler`].
+pub(crate) struct Inner<S, B> {
+    service: S,
+    body: PhantomData<fn(B)>,
+}
+
+impl<S, B> Inner<S, B> {
+    pub(crate) fn new(service: S) -> Self {
+        Inner {
+            service,
+            body: PhantomData,
+        }
+    }
+}
+
+impl<S, B, ResB> Handler for Inner<S, B>
+where
+    S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    B: Body<Data = Bytes> + Send + 'static,
+    ResB: Body<Data = Bytes> + Send + 'static,
+{
+    type ReqBody = B;
+    type ResBody = ResB;
+    type Error = S::Error;
+
+    fn call(
+        mut self,
+        request: Request<RequestBody<B>>,
+    ) -> impl Future<Output = Result<Response<ResB>, S::Error>> + Send + 'static {
+        self.service.call(request)
+    }
+}
+
+/// What runs the guarded part of a request for an
+/// [`IdempotencyLayer`](super::IdempotencyLayer): the layer's service
+/// ([`Idempotency`](super::Idempotency)) does the rest — the methods, the key, the scope,
+/// the body limit and the fingerprint, the bound of requests in flight and the spawned,
+/// tracked task that calls the backend, so that dropping the response future cancels
+/// nothing.
+///
+/// [`StoreBackend`](super::StoreBackend) runs the claim, handler and completion over an
+/// [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore); the transactional
+/// layer of `retrysafe-postgres` runs the request in a PostgreSQL transaction that
+/// also writes its key.
+pub trait Backend: fmt::Debug + Send + Sync + 'static {
+    /// Whether a request on a guarded method without a key runs through
+    /// [`run_unkeyed`](Self::run_unkeyed) (in a spawned task, bounded like the others)
+    /// instead of passing to the service untouched.
+    const GUARDS_UNKEYED: bool = false;
+
+    /// Whether the backend undoes a failed handler's effects (its transaction rolls
+    /// back): a `handler-panicked` answer is then not marked `do-not-retry`.
+    const ROLLS_BACK: bool = false;
+
+    /// Runs a request with a key: claims it (or answers from the record found), calls
+    /// the handler, and records what became of the call.
+    fn run<H: Handler>(
+        &self,
+        guard: &Guard,
+        handler: H,
+        request: GuardedRequest,
+    ) -> impl Future<Output = Answer<H>> + Send;
+
+    /// Runs a request without a key, when [`GUARDS_UNKEYED`](Self::GUARDS_UNKEYED) is
+    /// set. The default calls the handler: the request is not guarded.
+    fn run_unkeyed<H: Handler>(
+        &self,
+        guard: &Guard,
+        handler: H,
+        request: Request<RequestBody<H::ReqBody>>,
+    ) -> impl Future<Output = Answer<H>> + Send {
+        let _ = guard;
+        let call = handler.call(request);
+        async move { Ok(call.await?.map(ResponseBody::stream)) }
+    }
+}
