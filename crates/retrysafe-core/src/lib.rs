@@ -15,12 +15,14 @@
 //!   fault side, requested delay), shared by retry, budget and breaker;
 //! - [`backoff`], [`budget`] and [`strategy`]: delays with jitter, retry budgets, and
 //!   the Smithy-shaped retry strategy; [`error`]: the client layers' typed errors;
+//! - [`breaker`]: the circuit breaker's state machine and sliding windows;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
 //!   suite every backend passes.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
 pub mod backoff;
+pub mod breaker;
 pub mod budget;
 pub mod classify;
 mod config;
@@ -30,6 +32,7 @@ pub mod error;
 pub mod idempotency;
 pub mod store;
 pub mod strategy;
+mod stripe;
 pub mod wire;
 
 pub use config::ConfigError;

@@ -9,8 +9,8 @@ use std::fmt;
 use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering::Relaxed;
 
-use super::stripe::CachePadded;
 use super::{BudgetSnapshot, RetryCost, TokenBucketConfig};
+use crate::stripe::CachePadded;
 
 /// A token bucket's state.
 pub(super) struct TokenBucket {

@@ -100,7 +100,6 @@
 
 mod bucket;
 mod ratio;
-mod stripe;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -29,17 +29,19 @@ use std::fmt;
 use std::num::NonZeroU64;
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
-use std::time::Duration;
 
-use tokio::time::Instant;
-
-use super::stripe::{CachePadded, stripe_count, thread_stripe};
 use super::{BudgetSnapshot, RatioConfig};
+use crate::stripe::{CachePadded, EpochClock, nanos, stripe_count, thread_stripe};
 
 /// Buckets per window.
 const BUCKETS: usize = 10;
 /// [`BUCKETS`] as a `u64`, for epoch arithmetic.
 const BUCKETS_U64: u64 = 10;
+/// [`BUCKETS`], for the clock.
+const BUCKETS_NONZERO: NonZeroU64 = match NonZeroU64::new(BUCKETS_U64) {
+    Some(n) => n,
+    None => NonZeroU64::MIN,
+};
 /// Low bits of a bucket word that hold its count.
 const COUNT_BITS: u32 = 36;
 /// The largest count (and the mask of the count bits).
@@ -59,16 +61,13 @@ type WindowLaps = [Option<u64>; BUCKETS];
 /// A ratio budget's state.
 pub(super) struct Ratio {
     config: RatioConfig,
-    /// Epoch zero.
-    start: Instant,
-    /// The width of one bucket.
-    width_nanos: NonZeroU64,
+    /// Epochs of one bucket width each (read-mostly: its hint is written once per
+    /// bucket width, on lines of its own).
+    clock: CachePadded<EpochClock>,
     /// Retries always allowed per window: `min_per_sec` × `ttl`.
     reserve: u64,
     /// `retry_ratio` × [`RATIO_SCALE`].
     ratio_scaled: u64,
-    /// The latest epoch computed (read-mostly: written once per bucket width).
-    epoch_hint: CachePadded<AtomicU64>,
     /// `deposits.len() - 1`; the length is a power of two.
     stripe_mask: usize,
     /// One ring of deposit counts per stripe.
@@ -81,7 +80,7 @@ impl Ratio {
     /// A budget for a configuration that [`RatioConfig::validate`] accepted.
     pub(super) fn new(config: RatioConfig) -> Self {
         let ttl_nanos = nanos(config.ttl);
-        let width_nanos = NonZeroU64::new(ttl_nanos / BUCKETS_U64).unwrap_or(NonZeroU64::MIN);
+        let clock = CachePadded(EpochClock::new(config.ttl, BUCKETS_NONZERO));
         let reserve = u128::from(config.min_per_sec) * u128::from(ttl_nanos) / 1_000_000_000;
         #[allow(
             clippy::cast_possible_truncation,
@@ -91,11 +90,9 @@ impl Ratio {
         let stripes = stripe_count();
         Ratio {
             config,
-            start: Instant::now(),
-            width_nanos,
+            clock,
             reserve: u64::try_from(reserve).unwrap_or(u64::MAX),
             ratio_scaled,
-            epoch_hint: CachePadded::default(),
             stripe_mask: stripes - 1,
             deposits: (0..stripes).map(|_| CachePadded::default()).collect(),
             withdrawals: CachePadded::default(),
@@ -107,31 +104,12 @@ impl Ratio {
         &self.config
     }
 
-    /// The current epoch: bucket widths elapsed since the budget was created.
-    fn epoch(&self) -> u64 {
-        let elapsed = nanos(Instant::now().saturating_duration_since(self.start));
-        // Usually the clock is still in the bucket of the last epoch computed: checking
-        // that takes a multiplication, where computing the epoch takes a division.
-        let hint = self.epoch_hint.0.load(Relaxed);
-        let width = self.width_nanos.get();
-        match elapsed.checked_sub(hint.saturating_mul(width)) {
-            Some(into_bucket) if into_bucket < width => hint,
-            _ => {
-                let epoch = elapsed / self.width_nanos;
-                if epoch > hint {
-                    self.epoch_hint.0.fetch_max(epoch, Relaxed);
-                }
-                epoch
-            }
-        }
-    }
-
     /// Counts one request.
     pub(super) fn deposit(&self) {
         let Some(stripe) = self.deposits.get(thread_stripe() & self.stripe_mask) else {
             return;
         };
-        let mut epoch = self.epoch();
+        let mut epoch = self.clock.0.epoch();
         'rotate: loop {
             let (slot, lap) = position(epoch);
             let Some(cell) = stripe.0.get(slot) else {
@@ -147,7 +125,7 @@ impl Ratio {
                 } else {
                     // An older lap: this bucket starts over. A newer one means another
                     // thread saw a later time than ours; then read the clock again.
-                    let now = self.epoch();
+                    let now = self.clock.0.epoch();
                     if now != epoch {
                         epoch = now;
                         continue 'rotate;
@@ -166,7 +144,7 @@ impl Ratio {
 
     /// Takes one retry if the window allows it.
     pub(super) fn withdraw(&self) -> bool {
-        let mut epoch = self.epoch();
+        let mut epoch = self.clock.0.epoch();
         'rotate: loop {
             let laps = window_laps(epoch);
             let allowed = self.allowed(self.deposits_in(&laps));
@@ -179,7 +157,7 @@ impl Ratio {
                 let current = if lap_of(word) == lap {
                     count_of(word)
                 } else {
-                    let now = self.epoch();
+                    let now = self.clock.0.epoch();
                     if now != epoch {
                         epoch = now;
                         continue 'rotate;
@@ -200,7 +178,7 @@ impl Ratio {
 
     /// Deposits, withdrawals and the retries allowed in the current window.
     pub(super) fn snapshot(&self) -> BudgetSnapshot {
-        let laps = window_laps(self.epoch());
+        let laps = window_laps(self.clock.0.epoch());
         let deposits = self.deposits_in(&laps);
         BudgetSnapshot::Ratio {
             deposits,
@@ -211,7 +189,7 @@ impl Ratio {
 
     /// Retries the current window still allows.
     pub(super) fn available(&self) -> u64 {
-        let laps = window_laps(self.epoch());
+        let laps = window_laps(self.clock.0.epoch());
         let allowed = self.allowed(self.deposits_in(&laps));
         allowed.saturating_sub(ring_sum(&self.withdrawals.0, &laps, None))
     }
@@ -241,13 +219,6 @@ impl fmt::Debug for Ratio {
             .field("now", &self.snapshot())
             .finish()
     }
-}
-
-/// A duration in nanoseconds, saturating (at about 584 years).
-fn nanos(d: Duration) -> u64 {
-    d.as_secs()
-        .saturating_mul(1_000_000_000)
-        .saturating_add(u64::from(d.subsec_nanos()))
 }
 
 /// The bucket index and the (truncated) lap of an epoch.

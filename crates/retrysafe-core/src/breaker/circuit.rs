@@ -1,0 +1,499 @@
+//! The breaker handle, its permits and its state machine.
+
+use std::fmt;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use crate::ConfigError;
+use crate::classify::BreakerOutcome;
+use crate::error::CircuitOpen;
+
+use super::config::BreakerConfig;
+use super::state::{State, StateChange, Word};
+use super::window::{Call, Window, WindowCounts};
+use crate::stripe::{CachePadded, nanos};
+
+/// Fixed-point scale of the rate thresholds: percent × 10 000, so 100 % is one million.
+const RATE_SCALE: u128 = 1_000_000;
+
+/// A circuit breaker: a cheap `Clone` handle (one `Arc`) on state shared by every
+/// clone.
+///
+/// Ask for a [`Permit`] before every call with [`try_acquire`](Self::try_acquire) and
+/// [`record`](Permit::record) the call's outcome on it; see the
+/// [module documentation](super) for the states and what moves the breaker between
+/// them.
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_core::breaker::{CircuitBreaker, State};
+/// use retrysafe_core::classify::BreakerOutcome;
+///
+/// let breaker = CircuitBreaker::default();
+/// let clone = breaker.clone();
+/// assert!(breaker.same_breaker(&clone));
+/// for _ in 0..20 {
+///     let permit = clone.try_acquire().unwrap();
+///     permit.record(BreakerOutcome::Failure, Duration::from_millis(3));
+/// }
+/// assert_eq!(breaker.state(), State::Open);
+/// ```
+#[derive(Clone)]
+pub struct CircuitBreaker {
+    shared: Arc<Shared>,
+}
+
+/// What the hot paths read: the state word and the "suspect" flag, kept on cache lines
+/// of their own by [`CachePadded`] (also apart from the `Arc`'s reference counts, which
+/// every permit writes).
+#[derive(Debug)]
+struct Hot {
+    /// The current [`Word`].
+    state: AtomicU64,
+    /// The last evaluation found a rate at or above its threshold with fewer than
+    /// `minimum_calls` calls: successes must then evaluate too, since one may bring the
+    /// window to `minimum_calls`.
+    suspect: AtomicBool,
+}
+
+/// The state shared by the clones of a breaker.
+struct Shared {
+    hot: CachePadded<Hot>,
+    /// Epoch zero of the times below.
+    start: Instant,
+    /// When an open breaker lets a probe through, in nanoseconds since `start`.
+    open_until: AtomicU64,
+    /// When the last probe of the half-open phase was handed out (or the phase began),
+    /// in nanoseconds since `start`.
+    last_probe_at: AtomicU64,
+    /// Serialises changes of state; holds the number of consecutive openings since
+    /// the breaker last closed.
+    transitions: Mutex<u32>,
+    window: Window,
+    /// The failure-rate threshold × [`RATE_SCALE`] / 100.
+    failure_threshold: u128,
+    /// The slow-call-rate threshold × [`RATE_SCALE`] / 100.
+    slow_threshold: u128,
+    minimum_calls: u64,
+    probes: u64,
+    open_nanos: u64,
+    max_open_nanos: u64,
+    half_open_timeout_nanos: u64,
+    config: BreakerConfig,
+}
+
+/// Permission to make one call, from [`CircuitBreaker::try_acquire`].
+///
+/// [`record`](Self::record) the call's outcome on it. A permit dropped without a
+/// result counts as a **failure** when it is a half-open probe (so a probe whose call
+/// was cancelled cannot keep the breaker half-open), and as **nothing** when the breaker
+/// was closed (a call cancelled by its caller says nothing about the callee). Results
+/// that arrive after the breaker changed state (a call that was in flight when it
+/// opened) are ignored.
+#[must_use = "record the call's outcome on the permit"]
+pub struct Permit {
+    shared: Arc<Shared>,
+    /// The phase (state and generation) the permit was handed out in.
+    phase: Word,
+    /// Recorded: the drop guard has nothing left to do.
+    done: bool,
+}
+
+impl CircuitBreaker {
+    /// A breaker with `config`, closed; refuses a configuration with a field out of its
+    /// documented range (the error names the field).
+    pub fn new(config: BreakerConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(CircuitBreaker {
+            shared: Arc::new(Shared::new(config)),
+        })
+    }
+
+    /// Asks to make one call.
+    ///
+    /// - **Closed**: a permit, lock-free (one atomic load).
+    /// - **Open**: [`CircuitOpen`] with the time left until a probe is allowed; once it
+    ///   has passed, this call moves the breaker to half-open and takes the first probe.
+    /// - **Half-open**: one of the `half_open_probes` permits, however many callers race
+    ///   for them; every other caller gets [`CircuitOpen`], with the time left until
+    ///   the half-open timeout would reopen the breaker. Once every probe is out and the
+    ///   timeout has passed, this call reopens the breaker.
+    /// - **Forced open**: always [`CircuitOpen`], with `max_open_duration` as a hint.
+    /// - **Disabled**: always a permit, whose result is not counted.
+    pub fn try_acquire(&self) -> Result<Permit, CircuitOpen> {
+        let shared = &self.shared;
+        loop {
+            let word = Word(shared.hot.0.state.load(Acquire));
+            match word.state() {
+                State::Closed | State::Disabled => return Ok(self.permit(word)),
+                State::ForcedOpen => {
+                    return Err(CircuitOpen::new(shared.config.max_open_duration));
+                }
+                State::Open => {
+                    let now = shared.now();
+                    let until = shared.open_until.load(Relaxed);
+                    if now < until {
+                        return Err(CircuitOpen::new(Duration::from_nanos(until - now)));
+                    }
+                    shared.transition(Some(word), State::HalfOpen);
+                }
+                State::HalfOpen => {
+                    let now = shared.now();
+                    let issued = word.issued();
+                    if issued < shared.probes {
+                        // Before the CAS, so a caller that sees every probe out also
+                        // sees when the last one left (a failed CAS only delays the
+                        // timeout).
+                        shared.last_probe_at.fetch_max(now, Relaxed);
+                        let next = word.with_issued(issued + 1);
+                        if shared
+                            .hot
+                            .0
+                            .state
+                            .compare_exchange(word.0, next.0, AcqRel, Acquire)
+                            .is_ok()
+                        {
+                            return Ok(self.permit(word));
+                        }
+                        continue;
+                    }
+                    let deadline = shared
+                        .last_probe_at
+                        .load(Relaxed)
+                        .saturating_add(shared.half_open_timeout_nanos);
+                    if now < deadline {
+                        return Err(CircuitOpen::new(Duration::from_nanos(deadline - now)));
+                    }
+                    tracing::debug!("circuit breaker probes timed out");
+                    shared.transition(Some(word), State::Open);
+                }
+            }
+        }
+    }
+
+    /// A permit for the phase of `word`.
+    fn permit(&self, word: Word) -> Permit {
+        Permit {
+            shared: Arc::clone(&self.shared),
+            phase: word,
+            done: false,
+        }
+    }
+
+    /// The current state.
+    ///
+    /// Reading it changes nothing: an open breaker whose open duration has passed
+    /// stays [`State::Open`] until the next [`try_acquire`](Self::try_acquire).
+    pub fn state(&self) -> State {
+        Word(self.shared.hot.0.state.load(Acquire)).state()
+    }
+
+    /// The calls in the window now. The window is emptied when the breaker closes again
+    /// (or is [`reset`](Self::reset)), and counts nothing while it is not closed. This
+    /// reads every bucket (of every stripe): meant for tests, metrics and debugging.
+    pub fn window(&self) -> WindowCounts {
+        self.shared.window.counts()
+    }
+
+    /// Forces the breaker open: every call is refused until [`reset`](Self::reset).
+    pub fn force_open(&self) {
+        self.shared.transition(None, State::ForcedOpen);
+    }
+
+    /// Disables the breaker: every call goes through and nothing is counted, until
+    /// [`reset`](Self::reset).
+    pub fn disable(&self) {
+        self.shared.transition(None, State::Disabled);
+    }
+
+    /// Closes the breaker, from any state, with an empty window and the open duration
+    /// back to `open_duration`. Results of permits handed out before are ignored.
+    pub fn reset(&self) {
+        self.shared.transition(None, State::Closed);
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &BreakerConfig {
+        &self.shared.config
+    }
+
+    /// Whether `self` and `other` are handles on the same breaker (one is a clone of
+    /// the other).
+    pub fn same_breaker(&self, other: &CircuitBreaker) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+}
+
+impl Default for CircuitBreaker {
+    /// A breaker with the default configuration ([`BreakerConfig::default`]).
+    fn default() -> Self {
+        CircuitBreaker {
+            shared: Arc::new(Shared::new(BreakerConfig::default())),
+        }
+    }
+}
+
+impl fmt::Debug for CircuitBreaker {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let word = Word(self.shared.hot.0.state.load(Acquire));
+        f.debug_struct("CircuitBreaker")
+            .field("state", &word.state())
+            .field("window", &self.shared.window)
+            .field("config", &self.shared.config)
+            .finish()
+    }
+}
+
+impl Permit {
+    /// Records the call's outcome ([`Classification::breaker_outcome`]) and how long it
+    /// took (compared with `slow_call_duration`).
+    ///
+    /// [`Classification::breaker_outcome`]: crate::classify::Classification::breaker_outcome
+    ///
+    /// In a closed breaker, a success or a failure is counted in the window (a neutral
+    /// outcome is not), and a failure or a slow call (or a success while the window
+    /// holds too few calls but too many failures) checks the rates. On a half-open
+    /// probe, a failure (or, with slow-call tracking, a slow call) reopens the breaker
+    /// at once, a success counts towards closing it, and a neutral outcome — which says
+    /// nothing about the callee — gives the probe back for another caller to take.
+    pub fn record(mut self, outcome: BreakerOutcome, elapsed: Duration) {
+        self.done = true;
+        match self.phase.state() {
+            State::Closed => self.shared.record_closed(self.phase, outcome, elapsed),
+            State::HalfOpen => self.shared.record_probe(self.phase, outcome, elapsed),
+            State::Open | State::ForcedOpen | State::Disabled => {}
+        }
+    }
+
+    /// Whether this permit is a half-open probe (its result decides whether the breaker
+    /// closes).
+    pub fn is_probe(&self) -> bool {
+        self.phase.state() == State::HalfOpen
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        if !self.done && self.phase.state() == State::HalfOpen {
+            tracing::debug!("circuit breaker probe dropped without a result");
+            self.shared.transition(Some(self.phase), State::Open);
+        }
+    }
+}
+
+impl fmt::Debug for Permit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Permit")
+            .field("state", &self.phase.state())
+            .field("probe", &self.is_probe())
+            .finish()
+    }
+}
+
+impl Shared {
+    /// The state of a breaker with `config`, which [`BreakerConfig::validate`] accepted.
+    fn new(config: BreakerConfig) -> Self {
+        let rate = |percent: f64| {
+            #[allow(
+                clippy::cast_possible_truncation,
+                clippy::cast_sign_loss,
+                reason = "validated to (0, 100], so the product is at most one million"
+            )]
+            let scaled = (percent * 10_000.0).round() as u64;
+            u128::from(scaled.max(1))
+        };
+        Shared {
+            hot: CachePadded(Hot {
+                state: AtomicU64::new(Word::INITIAL.0),
+                suspect: AtomicBool::new(false),
+            }),
+            start: Instant::now(),
+            open_until: AtomicU64::new(0),
+            last_probe_at: AtomicU64::new(0),
+            transitions: Mutex::new(0),
+            window: Window::new(config.window),
+            failure_threshold: rate(config.failure_rate_threshold),
+            slow_threshold: rate(config.slow_call_rate_threshold),
+            minimum_calls: u64::from(config.minimum_calls),
+            probes: u64::from(config.half_open_probes),
+            open_nanos: nanos(config.open_duration),
+            max_open_nanos: nanos(config.max_open_duration),
+            half_open_timeout_nanos: nanos(config.half_open_timeout),
+            config,
+        }
+    }
+
+    /// Nanoseconds since `start`.
+    fn now(&self) -> u64 {
+        nanos(Instant::now().saturating_duration_since(self.start))
+    }
+
+    /// Whether a call that took `elapsed` is slow.
+    fn is_slow(&self, elapsed: Duration) -> bool {
+        self.config
+            .slow_call_duration
+            .is_some_and(|slow| elapsed >= slow)
+    }
+
+    /// A result in the closed phase `phase`.
+    fn record_closed(&self, phase: Word, outcome: BreakerOutcome, elapsed: Duration) {
+        let failure = match outcome {
+            BreakerOutcome::Success => false,
+            BreakerOutcome::Failure => true,
+            BreakerOutcome::Neutral => return,
+        };
+        let word = Word(self.hot.0.state.load(Acquire));
+        if word.phase() != phase.phase() {
+            return;
+        }
+        let call = Call {
+            failure,
+            slow: self.is_slow(elapsed),
+        };
+        self.window.record(call);
+        if call.failure || call.slow || self.hot.0.suspect.load(Relaxed) {
+            self.evaluate(word);
+        }
+    }
+
+    /// Checks the window's rates in the closed phase of `word`; opens the breaker when
+    /// one is at or above its threshold over at least `minimum_calls` calls.
+    fn evaluate(&self, word: Word) {
+        let counts = self.window.counts();
+        let calls = u128::from(counts.calls());
+        let over = |count: u64, threshold: u128| {
+            calls > 0 && u128::from(count) * RATE_SCALE >= threshold * calls
+        };
+        let failing = over(counts.failures, self.failure_threshold)
+            || (self.config.slow_call_duration.is_some()
+                && over(counts.slow_calls, self.slow_threshold));
+        if failing && counts.calls() >= self.minimum_calls {
+            self.transition(Some(word), State::Open);
+            return;
+        }
+        let suspect = failing;
+        if self.hot.0.suspect.load(Relaxed) != suspect {
+            self.hot.0.suspect.store(suspect, Relaxed);
+        }
+    }
+
+    /// A result of a probe of the half-open phase `phase`.
+    fn record_probe(&self, phase: Word, outcome: BreakerOutcome, elapsed: Duration) {
+        let failed = match outcome {
+            BreakerOutcome::Success => self.is_slow(elapsed),
+            BreakerOutcome::Failure => true,
+            BreakerOutcome::Neutral => {
+                self.release_probe(phase);
+                return;
+            }
+        };
+        if failed {
+            self.transition(Some(phase), State::Open);
+            return;
+        }
+        let mut word = Word(self.hot.0.state.load(Acquire));
+        loop {
+            if word.phase() != phase.phase() {
+                return;
+            }
+            let succeeded = word.succeeded() + 1;
+            let next = word.with_succeeded(succeeded);
+            match self
+                .hot
+                .0
+                .state
+                .compare_exchange_weak(word.0, next.0, AcqRel, Acquire)
+            {
+                Ok(_) => {
+                    if succeeded >= self.probes {
+                        self.transition(Some(next), State::Closed);
+                    }
+                    return;
+                }
+                Err(actual) => word = Word(actual),
+            }
+        }
+    }
+
+    /// Gives a probe of the half-open phase `phase` back.
+    fn release_probe(&self, phase: Word) {
+        let mut word = Word(self.hot.0.state.load(Acquire));
+        while word.phase() == phase.phase() && word.issued() > 0 {
+            let next = word.with_issued(word.issued() - 1);
+            match self
+                .hot
+                .0
+                .state
+                .compare_exchange_weak(word.0, next.0, AcqRel, Acquire)
+            {
+                Ok(_) => return,
+                Err(actual) => word = Word(actual),
+            }
+        }
+    }
+
+    /// Moves the breaker to `to`, if it is still in the phase of `from` (`None`: from
+    /// any phase); reports the change after the lock is released.
+    fn transition(&self, from: Option<Word>, to: State) {
+        let change = {
+            let mut opens = self
+                .transitions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let current = Word(self.hot.0.state.load(Acquire));
+            if from.is_some_and(|from| from.phase() != current.phase()) {
+                return; // another caller made this change (or another) first
+            }
+            let at = Instant::now();
+            let now = nanos(at.saturating_duration_since(self.start));
+            match to {
+                State::Open => {
+                    let factor = 1u64.checked_shl(*opens).unwrap_or(u64::MAX);
+                    let duration = self
+                        .open_nanos
+                        .saturating_mul(factor)
+                        .min(self.max_open_nanos);
+                    *opens = opens.saturating_add(1);
+                    self.open_until.store(now.saturating_add(duration), Relaxed);
+                }
+                State::HalfOpen => self.last_probe_at.store(now, Relaxed),
+                State::Closed => {
+                    *opens = 0;
+                    self.window.reset();
+                    self.hot.0.suspect.store(false, Relaxed);
+                }
+                State::ForcedOpen | State::Disabled => {}
+            }
+            // Under the lock only probe counts change concurrently, never the phase:
+            // swapping replaces them with the new phase's.
+            self.hot.0.state.swap(current.next(to).0, AcqRel);
+            StateChange {
+                from: current.state(),
+                to,
+                at,
+            }
+        };
+        if change.from == change.to {
+            return;
+        }
+        match to {
+            State::Open | State::ForcedOpen => tracing::warn!(
+                from = change.from.as_str(),
+                to = change.to.as_str(),
+                "circuit breaker opened"
+            ),
+            State::Closed | State::HalfOpen | State::Disabled => tracing::info!(
+                from = change.from.as_str(),
+                to = change.to.as_str(),
+                "circuit breaker state changed"
+            ),
+        }
+        if let Some(hook) = &self.config.on_state_change {
+            hook(change);
+        }
+    }
+}
