@@ -5,6 +5,8 @@
 //! - [`retry`] (feature `retry`): the client-side `RetryLayer` and its `ReplayBody`.
 //! - [`budget`] (feature `budget`): the `RetryBudgetLayer`, a budget on every attempt
 //!   marked as a retry.
+//! - [`deadline`] (feature `deadline`): the `DeadlineLayer`, bounding a whole client call
+//!   by a deadline, and its server form enforcing the inbound deadline.
 //! - [`propagate`] (feature `propagate`) and [`edge`] (feature `edge`): the server side
 //!   of the wire convention — inbound deadline and retry point into the inherited
 //!   [`CallContext`](retrysafe_core::CallContext), and stripping convention headers
@@ -15,6 +17,8 @@
 
 #[cfg(feature = "budget")]
 pub mod budget;
+#[cfg(feature = "deadline")]
+pub mod deadline;
 #[cfg(feature = "edge")]
 pub mod edge;
 #[cfg(feature = "idempotency")]

@@ -124,6 +124,21 @@ impl Inbound {
         }
         ctx
     }
+
+    /// The [`context`](Inbound::context) of `request`, also put in its extensions (with
+    /// its deadline) for handlers and for code that spawns tasks and carries it by hand.
+    pub(crate) fn attach<B>(
+        &self,
+        request: &mut Request<B>,
+        timeout: Option<Duration>,
+    ) -> CallContext {
+        let ctx = self.context(request.extensions(), request.headers(), timeout);
+        if let Some(d) = ctx.deadline() {
+            request.extensions_mut().insert(d);
+        }
+        request.extensions_mut().insert(ctx.clone());
+        ctx
+    }
 }
 
 /// Carries the inbound deadline and retry point to outbound calls; see the [module
@@ -204,14 +219,7 @@ where
             tracing::debug!(error = %e, "ignoring a malformed inbound timeout");
             None
         });
-        let ctx = self
-            .inbound
-            .context(request.extensions(), request.headers(), timeout);
-        // For handlers, and for code that spawns tasks and carries it by hand.
-        if let Some(d) = ctx.deadline() {
-            request.extensions_mut().insert(d);
-        }
-        request.extensions_mut().insert(ctx.clone());
+        let ctx = self.inbound.attach(&mut request, timeout);
         let future = ctx.clone().sync_scope(|| self.inner.call(request));
         ResponseFuture::new(future, ctx, &self.inbound.convention)
     }

@@ -1,0 +1,318 @@
+//! The client form: [`DeadlineLayer`], [`EnforceDeadline`] and its [`ResponseFuture`].
+
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{Request, Response};
+use pin_project_lite::pin_project;
+use retrysafe_core::classify::is_grpc;
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::wire::{Convention, MAX_TIMEOUT};
+use retrysafe_core::{CallContext, ConfigError, Deadline};
+use tokio::time::Sleep;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use super::body::{BoundBody, Unbounded, WrapBody};
+use super::server::ServerDeadlineLayer;
+use crate::local::{AsError, AsGrpcStatus, BoxError, LocalFailure};
+
+#[derive(Debug)]
+struct Config {
+    timeout: Duration,
+    convention: Convention,
+}
+
+/// Bounds a whole call by a deadline; see the [module docs](super).
+///
+/// `M` says how the deadline running out is answered ([`AsError`]: the error
+/// [`DeadlineExceeded`]; [`AsGrpcStatus`]: a synthesised `DEADLINE_EXCEEDED` for gRPC
+/// requests), `W` whether the response body is bounded too ([`Unbounded`],
+/// [`BoundBody`]).
+#[must_use]
+pub struct DeadlineLayer<M = AsError, W = Unbounded> {
+    config: Arc<Config>,
+    _marker: PhantomData<fn() -> (M, W)>,
+}
+
+impl DeadlineLayer {
+    /// A client-side layer giving each call at most `timeout` (greater than zero, at most
+    /// 30 days), or less when the request or the inherited context has a sooner deadline.
+    pub fn new(timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() || timeout > MAX_TIMEOUT {
+            return Err(ConfigError::new(
+                "timeout",
+                "must be greater than zero and at most 30 days",
+            ));
+        }
+        Ok(DeadlineLayer {
+            config: Arc::new(Config {
+                timeout,
+                convention: Convention::default(),
+            }),
+            _marker: PhantomData,
+        })
+    }
+
+    /// The server form: enforces the inbound deadline and hands what is left of it to
+    /// the handler's outbound calls; see [`ServerDeadlineLayer`].
+    pub fn server() -> ServerDeadlineLayer {
+        ServerDeadlineLayer::default()
+    }
+}
+
+impl<M, W> DeadlineLayer<M, W> {
+    /// The header names (`do-not-retry` on synthesised statuses).
+    pub fn convention(self, convention: Convention) -> Self {
+        DeadlineLayer {
+            config: Arc::new(Config {
+                timeout: self.config.timeout,
+                convention,
+            }),
+            _marker: PhantomData,
+        }
+    }
+
+    /// The deadline running out on a gRPC request becomes a synthesised Trailers-Only
+    /// `DEADLINE_EXCEEDED` (4) with `do-not-retry: 1` (needs a response body with
+    /// `Default`, like tonic's).
+    pub fn grpc_statuses(self) -> DeadlineLayer<AsGrpcStatus, W> {
+        DeadlineLayer {
+            config: self.config,
+            _marker: PhantomData,
+        }
+    }
+
+    /// The deadline also bounds the response body: a body still streaming at the
+    /// deadline ends with a [`DeadlineExceeded`] error (see
+    /// [`DeadlineBody`](super::DeadlineBody)).
+    pub fn bound_body(self) -> DeadlineLayer<M, BoundBody> {
+        DeadlineLayer {
+            config: self.config,
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<M, W> Clone for DeadlineLayer<M, W> {
+    fn clone(&self) -> Self {
+        DeadlineLayer {
+            config: self.config.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<M, W> fmt::Debug for DeadlineLayer<M, W> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadlineLayer")
+            .field("timeout", &self.config.timeout)
+            .field("local", &std::any::type_name::<M>())
+            .field("body", &std::any::type_name::<W>())
+            .finish()
+    }
+}
+
+impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
+    type Service = EnforceDeadline<S, M, W>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        EnforceDeadline {
+            inner,
+            config: self.config.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+/// The service of a [`DeadlineLayer`].
+///
+/// Its `poll_ready` is always ready: the inner service's readiness is awaited inside the
+/// response future, so that time waiting for it counts against the deadline.
+pub struct EnforceDeadline<S, M = AsError, W = Unbounded> {
+    inner: S,
+    config: Arc<Config>,
+    _marker: PhantomData<fn() -> (M, W)>,
+}
+
+impl<S: Clone, M, W> Clone for EnforceDeadline<S, M, W> {
+    fn clone(&self) -> Self {
+        EnforceDeadline {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+impl<S: fmt::Debug, M, W> fmt::Debug for EnforceDeadline<S, M, W> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("EnforceDeadline")
+            .field("inner", &self.inner)
+            .field("timeout", &self.config.timeout)
+            .finish()
+    }
+}
+
+impl<S, M, W, ReqB, ResB> Service<Request<ReqB>> for EnforceDeadline<S, M, W>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    W: WrapBody<ResB>,
+    M: LocalFailure<W::Body>,
+{
+    type Response = Response<W::Body>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, ReqB, M, W>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Readiness is awaited in the future, against the deadline.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
+        // The inner service, ready or not; a clone stays for the next call.
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+
+        // The soonest of: ours, the request's own, the inherited one.
+        let mut deadline = Deadline::after(self.config.timeout)
+            .tighten(request.extensions().get::<Deadline>().copied());
+        if let Some(inherited) =
+            CallContext::inherited(request.extensions()).and_then(|c| c.deadline())
+        {
+            deadline = deadline.tighten(Some(inherited));
+        }
+        request.extensions_mut().insert(deadline);
+
+        let grpc = is_grpc(request.headers());
+        let state = if deadline.is_expired() {
+            // No attempt starts that cannot finish in time.
+            State::Expired
+        } else {
+            State::Readying {
+                service,
+                request: Some(request),
+            }
+        };
+        ResponseFuture {
+            state,
+            sleep: tokio::time::sleep_until(deadline.instant()),
+            deadline,
+            grpc,
+            config: self.config.clone(),
+            _marker: PhantomData,
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`EnforceDeadline`]: awaits the inner service's readiness,
+    /// then its response head, both bounded by the deadline.
+    pub struct ResponseFuture<S, ReqB, M, W>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, Request<ReqB>, S::Future>,
+        #[pin]
+        sleep: Sleep,
+        deadline: Deadline,
+        grpc: bool,
+        config: Arc<Config>,
+        _marker: PhantomData<fn() -> (M, W)>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, R, F> {
+        Readying { service: S, request: Option<R> },
+        Calling { #[pin] future: F },
+        Expired,
+        Done,
+    }
+}
+
+impl<S, M, W, ReqB, ResB> Future for ResponseFuture<S, ReqB, M, W>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    W: WrapBody<ResB>,
+    M: LocalFailure<W::Body>,
+{
+    type Output = Result<Response<W::Body>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Readying { service, request } => match service.poll_ready(cx) {
+                    Poll::Ready(Ok(())) => {
+                        let Some(request) = request.take() else {
+                            this.state.set(State::Done);
+                            return Poll::Ready(Err(polled_after_completion()));
+                        };
+                        let future = service.call(request);
+                        this.state.set(State::Calling { future });
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => {
+                        this.state.set(State::Done);
+                        return Poll::Ready(Err(e.into()));
+                    }
+                    Poll::Pending => {}
+                },
+                StateProj::Calling { future } => {
+                    // The inner future before the timer: a response that is ready is
+                    // never dropped.
+                    if let Poll::Ready(result) = future.poll(cx) {
+                        this.state.set(State::Done);
+                        let deadline = *this.deadline;
+                        return Poll::Ready(
+                            result
+                                .map(|r| r.map(|b| W::wrap(b, deadline)))
+                                .map_err(Into::into),
+                        );
+                    }
+                }
+                StateProj::Expired => {}
+                StateProj::Done => return Poll::Ready(Err(polled_after_completion())),
+            }
+            if !matches!(this.state.as_mut().project(), StateProj::Expired) {
+                if this.sleep.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+                tracing::debug!("deadline exceeded before the response head");
+            }
+            // Drops the inner future (or the unready service) at once.
+            this.state.set(State::Done);
+            return Poll::Ready(M::answer(
+                *this.grpc,
+                Box::new(DeadlineExceeded::new()),
+                &this.config.convention,
+            ));
+        }
+    }
+}
+
+fn polled_after_completion() -> BoxError {
+    "deadline ResponseFuture polled after completion".into()
+}
+
+impl<S, ReqB, M, W> fmt::Debug for ResponseFuture<S, ReqB, M, W>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("deadline", &self.deadline.remaining())
+            .field("grpc", &self.grpc)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,249 @@
+//! The server form: [`ServerDeadlineLayer`], [`ServerDeadline`] and its
+//! [`ServerResponseFuture`].
+
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderValue, Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+use retrysafe_core::ConfigError;
+use retrysafe_core::classify::is_grpc;
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::wire::{Convention, MAX_TIMEOUT, TimeoutError};
+use tokio::time::Sleep;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::local::{AsProblem, LocalFailure, grpc_status_response};
+use crate::propagate::{self, Inbound};
+
+/// The server form of the [`DeadlineLayer`](super::DeadlineLayer), made by
+/// [`DeadlineLayer::server`](super::DeadlineLayer::server); see the [module docs](super).
+///
+/// Everything a [`PropagateLayer`](crate::propagate::PropagateLayer) does, plus: a
+/// malformed inbound timeout answers 400 (gRPC: `INVALID_ARGUMENT`), and a handler that
+/// outlives the inbound deadline (less the margin) is dropped and answered 504 (gRPC:
+/// `DEADLINE_EXCEEDED`).
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct ServerDeadlineLayer {
+    inbound: Arc<Inbound>,
+}
+
+impl ServerDeadlineLayer {
+    /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days; the
+    /// default is 30 days).
+    pub fn max(mut self, max: Duration) -> Result<Self, ConfigError> {
+        if max.is_zero() || max > MAX_TIMEOUT {
+            return Err(ConfigError::new(
+                "max timeout",
+                "must be greater than zero and at most 30 days",
+            ));
+        }
+        Arc::make_mut(&mut self.inbound).max_timeout = max;
+        Ok(self)
+    }
+
+    /// What is kept for the way back (default 10 ms; at most 1 minute): the handler, and
+    /// its outbound calls, get the inbound time less this.
+    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
+        if margin > Duration::from_secs(60) {
+            return Err(ConfigError::new("margin", "must be at most 1 minute"));
+        }
+        Arc::make_mut(&mut self.inbound).margin = margin;
+        Ok(self)
+    }
+
+    /// The header names.
+    pub fn convention(mut self, convention: Convention) -> Self {
+        Arc::make_mut(&mut self.inbound).convention = convention;
+        self
+    }
+}
+
+impl<S> Layer<S> for ServerDeadlineLayer {
+    type Service = ServerDeadline<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ServerDeadline {
+            inner,
+            inbound: self.inbound.clone(),
+        }
+    }
+}
+
+/// The service of a [`ServerDeadlineLayer`].
+#[derive(Debug, Clone)]
+pub struct ServerDeadline<S> {
+    inner: S,
+    inbound: Arc<Inbound>,
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadline<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    ResB: Default + From<Bytes>,
+{
+    type Response = Response<ResB>;
+    type Error = S::Error;
+    type Future = ServerResponseFuture<S::Future, ResB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: Request<ReqB>) -> Self::Future {
+        let grpc = is_grpc(request.headers());
+        let timeout = match self.inbound.timeout(request.headers()) {
+            Ok(timeout) => timeout,
+            Err(error) => {
+                tracing::debug!(%error, "refusing a malformed inbound timeout");
+                return ServerResponseFuture {
+                    kind: Kind::Invalid {
+                        grpc,
+                        error,
+                        inbound: self.inbound.clone(),
+                        _body: std::marker::PhantomData,
+                    },
+                };
+            }
+        };
+        // The same context as the `PropagateLayer`'s: the handler and its outbound
+        // calls get the deadline less the margin, and the layer enforces that.
+        let ctx = self.inbound.attach(&mut request, timeout);
+        let sleep = ctx
+            .deadline()
+            .map(|d| tokio::time::sleep_until(d.instant()));
+        let future = ctx.clone().sync_scope(|| self.inner.call(request));
+        ServerResponseFuture {
+            kind: Kind::Inner {
+                future: propagate::ResponseFuture::new(future, ctx, &self.inbound.convention),
+                sleep,
+                grpc,
+                inbound: self.inbound.clone(),
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`ServerDeadline`].
+    pub struct ServerResponseFuture<F, B> {
+        #[pin]
+        kind: Kind<F, B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B> {
+        Invalid {
+            grpc: bool,
+            error: TimeoutError,
+            inbound: Arc<Inbound>,
+            _body: std::marker::PhantomData<fn() -> B>,
+        },
+        Inner {
+            #[pin]
+            future: propagate::ResponseFuture<F>,
+            #[pin]
+            sleep: Option<Sleep>,
+            grpc: bool,
+            inbound: Arc<Inbound>,
+        },
+    }
+}
+
+impl<F, B, E> Future for ServerResponseFuture<F, B>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+    B: Default + From<Bytes>,
+{
+    type Output = Result<Response<B>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Invalid {
+                grpc,
+                error,
+                inbound,
+                ..
+            } => Poll::Ready(Ok(invalid_timeout(*grpc, *error, &inbound.convention))),
+            KindProj::Inner {
+                future,
+                sleep,
+                grpc,
+                inbound,
+            } => {
+                // The handler before the timer: a response that is ready is never dropped.
+                if let Poll::Ready(result) = future.poll(cx) {
+                    return Poll::Ready(result);
+                }
+                let Some(sleep) = sleep.as_pin_mut() else {
+                    return Poll::Pending;
+                };
+                ready!(sleep.poll(cx));
+                tracing::debug!("the handler outlived the inbound deadline");
+                Poll::Ready(Ok(deadline_exceeded(*grpc, &inbound.convention)))
+            }
+        }
+    }
+}
+
+impl<F, B> fmt::Debug for ServerResponseFuture<F, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerResponseFuture")
+            .finish_non_exhaustive()
+    }
+}
+
+/// 504 problem+json `deadline-exceeded` (gRPC: `DEADLINE_EXCEEDED`), `do-not-retry: 1`,
+/// with the [`DeadlineExceeded`] error in the extensions.
+fn deadline_exceeded<B: Default + From<Bytes>>(grpc: bool, convention: &Convention) -> Response<B> {
+    let mut response =
+        <AsProblem as LocalFailure<B>>::answer(grpc, Box::new(DeadlineExceeded::new()), convention)
+            .unwrap_or_else(|_| {
+                let mut r = Response::new(B::default());
+                *r.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+                r
+            });
+    response.extensions_mut().insert(DeadlineExceeded::new());
+    response
+}
+
+/// 400 problem+json `timeout-invalid` (gRPC: `INVALID_ARGUMENT`), with the
+/// [`TimeoutError`] in the extensions.
+fn invalid_timeout<B: Default + From<Bytes>>(
+    grpc: bool,
+    error: TimeoutError,
+    convention: &Convention,
+) -> Response<B> {
+    let header = if grpc {
+        convention.grpc_timeout()
+    } else {
+        convention.request_timeout_ms()
+    };
+    // Header names and the error's text are plain ASCII without quotes or backslashes.
+    let detail = format!("{header}: {error}");
+    let mut response = if grpc {
+        grpc_status_response(3, &detail, convention)
+    } else {
+        let body = format!(
+            r#"{{"type":"urn:retrysafe:problem:timeout-invalid","title":"Invalid timeout","status":400,"detail":"{detail}"}}"#
+        );
+        let mut response = Response::new(B::from(Bytes::from(body)));
+        *response.status_mut() = StatusCode::BAD_REQUEST;
+        response.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        response
+    };
+    response.extensions_mut().insert(error);
+    response
+}
