@@ -109,6 +109,10 @@
 //! - `idempotency` (default): [`idempotency`] and [`server`].
 //! - `retry` (default): [`RetryLayer`] and [`ReplayBody`].
 //! - `budget` (default): [`RetryBudgetLayer`].
+//! - `deadline` (default): [`DeadlineLayer`].
+//! - `redis`: the `retrysafe-redis` crate (`RedisStore`) as `retrysafe::redis`.
+//! - `postgres`: the `retrysafe-postgres` crate (`PostgresStore`, the transactional
+//!   `TxIdempotencyLayer`) as `retrysafe::postgres`.
 //! - `propagate` (default): [`PropagateLayer`].
 //! - `edge` (default): [`EdgeLayer`].
 //! - `full`: everything.
@@ -122,8 +126,14 @@ pub use retrysafe_tower::local;
 
 #[cfg(feature = "budget")]
 pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
+#[cfg(feature = "deadline")]
+pub use retrysafe_tower::deadline::{self, DeadlineLayer};
 #[cfg(feature = "edge")]
 pub use retrysafe_tower::edge::{self, EdgeLayer};
+#[cfg(feature = "postgres")]
+pub use retrysafe_postgres as postgres;
+#[cfg(feature = "redis")]
+pub use retrysafe_redis as redis;
 #[cfg(feature = "propagate")]
 pub use retrysafe_tower::propagate::{self, PropagateLayer};
 #[cfg(feature = "retry")]
