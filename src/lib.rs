@@ -109,6 +109,7 @@
 //! - `idempotency` (default): [`idempotency`] and [`server`].
 //! - `retry` (default): [`RetryLayer`] and [`ReplayBody`].
 //! - `budget` (default): [`RetryBudgetLayer`].
+//! - `breaker` (default): [`CircuitBreakerLayer`].
 //! - `deadline` (default): [`DeadlineLayer`].
 //! - `redis`: the `retrysafe-redis` crate (`RedisStore`) as `retrysafe::redis`.
 //! - `postgres`: the `retrysafe-postgres` crate (`PostgresStore`, the transactional
@@ -124,6 +125,8 @@ pub use retrysafe_core::strategy::StandardRetryStrategy;
 pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
 pub use retrysafe_tower::local;
 
+#[cfg(feature = "breaker")]
+pub use retrysafe_tower::breaker::{self, CircuitBreakerLayer};
 #[cfg(feature = "budget")]
 pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
 #[cfg(feature = "deadline")]

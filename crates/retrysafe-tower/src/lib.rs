@@ -5,6 +5,8 @@
 //! - [`retry`] (feature `retry`): the client-side `RetryLayer` and its `ReplayBody`.
 //! - [`budget`] (feature `budget`): the `RetryBudgetLayer`, a budget on every attempt
 //!   marked as a retry.
+//! - [`breaker`] (feature `breaker`): the `CircuitBreakerLayer`, plain or keyed per
+//!   authority, failing fast while a downstream keeps failing.
 //! - [`deadline`] (feature `deadline`): the `DeadlineLayer`, bounding a whole client call
 //!   by a deadline, and its server form enforcing the inbound deadline.
 //! - [`propagate`] (feature `propagate`) and [`edge`] (feature `edge`): the server side
@@ -15,6 +17,8 @@
 //! - [`server`]: a helper that assembles the recommended server order.
 #![cfg_attr(docsrs, feature(doc_auto_cfg))]
 
+#[cfg(feature = "breaker")]
+pub mod breaker;
 #[cfg(feature = "budget")]
 pub mod budget;
 #[cfg(feature = "deadline")]

@@ -1,0 +1,258 @@
+//! The response future: drives the inner service's readiness, calls it, and records
+//! the outcome on the permit.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::marker::PhantomData;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use http::{HeaderMap, Request, Response};
+use pin_project_lite::pin_project;
+use retrysafe_core::breaker::Permit;
+use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts};
+use retrysafe_core::error::CircuitOpen;
+use tokio::time::Instant;
+use tower_service::Service;
+
+use super::body::ResponseBody;
+use super::layer::Config;
+use crate::local::{BoxError, LocalFailure};
+
+pin_project! {
+    /// The response future of [`Breaker`](super::Breaker).
+    ///
+    /// Dropping it before the response arrives drops its permit: a half-open probe
+    /// dropped this way counts as a failure, a call of a closed breaker as nothing.
+    pub struct ResponseFuture<S, ReqB, M>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, Request<ReqB>, S::Future>,
+        _local: PhantomData<fn() -> M>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, R, F> {
+        // Admitted: awaiting the readiness of a clone of the inner service.
+        Readying { service: S, request: Option<R>, call: Option<Call> },
+        Calling { #[pin] future: F, call: Option<Call> },
+        Refused { grpc: bool, open: Option<CircuitOpen>, config: Arc<Config> },
+        Done,
+    }
+}
+
+impl<S, ReqB, M> ResponseFuture<S, ReqB, M>
+where
+    S: Service<Request<ReqB>>,
+{
+    /// An admitted call of `request` on `service` (not yet ready).
+    pub(crate) fn ready(service: S, request: Request<ReqB>, call: Call) -> Self {
+        ResponseFuture {
+            state: State::Readying {
+                service,
+                request: Some(request),
+                call: Some(call),
+            },
+            _local: PhantomData,
+        }
+    }
+
+    /// A refused call.
+    pub(crate) fn refused(grpc: bool, open: CircuitOpen, config: Arc<Config>) -> Self {
+        ResponseFuture {
+            state: State::Refused {
+                grpc,
+                open: Some(open),
+                config,
+            },
+            _local: PhantomData,
+        }
+    }
+}
+
+impl<S, ReqB, M, ResB> Future for ResponseFuture<S, ReqB, M>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    M: LocalFailure<ResB>,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, BoxError>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        loop {
+            let mut state = self.as_mut().project().state;
+            match state.as_mut().project() {
+                StateProj::Readying {
+                    service,
+                    request,
+                    call,
+                } => match ready!(service.poll_ready(cx)) {
+                    Ok(()) => {
+                        let (Some(request), Some(mut call)) = (request.take(), call.take()) else {
+                            state.set(State::Done);
+                            continue;
+                        };
+                        call.start();
+                        let future = service.call(request);
+                        state.set(State::Calling {
+                            future,
+                            call: Some(call),
+                        });
+                    }
+                    Err(error) => {
+                        let error = error.into();
+                        if let Some(call) = call.take() {
+                            call.failed(&*error);
+                        }
+                        state.set(State::Done);
+                        return Poll::Ready(Err(error));
+                    }
+                },
+                StateProj::Calling { future, call } => {
+                    let result = ready!(future.poll(cx));
+                    let call = call.take();
+                    state.set(State::Done);
+                    return Poll::Ready(match (result, call) {
+                        (Ok(response), Some(call)) => Ok(call.respond(response)),
+                        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
+                        (Err(error), call) => {
+                            let error = error.into();
+                            if let Some(call) = call {
+                                call.failed(&*error);
+                            }
+                            Err(error)
+                        }
+                    });
+                }
+                StateProj::Refused { grpc, open, config } => {
+                    let open = open
+                        .take()
+                        .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO));
+                    let answer = M::answer(*grpc, Box::new(open), &config.convention)
+                        .map(|response| response.map(ResponseBody::plain));
+                    state.set(State::Done);
+                    return Poll::Ready(answer);
+                }
+                StateProj::Done => {
+                    return Poll::Ready(Err(
+                        "breaker response future polled after completion".into()
+                    ));
+                }
+            }
+        }
+    }
+}
+
+impl<S, ReqB, M> fmt::Debug for ResponseFuture<S, ReqB, M>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// An admitted call: its permit and what classifying its outcome needs.
+pub(crate) struct Call {
+    permit: Permit,
+    facts: RequestFacts,
+    config: Arc<Config>,
+    /// Slow calls are tracked: time the call.
+    timed: bool,
+    started: Option<Instant>,
+}
+
+impl Call {
+    pub(crate) fn new(
+        permit: Permit,
+        facts: RequestFacts,
+        config: Arc<Config>,
+        timed: bool,
+    ) -> Self {
+        Call {
+            permit,
+            facts,
+            config,
+            timed,
+            started: None,
+        }
+    }
+
+    /// The inner service is being called now (readiness waits are not the callee's
+    /// slowness).
+    fn start(&mut self) {
+        if self.timed {
+            self.started = Some(Instant::now());
+        }
+    }
+
+    /// Records `outcome` with the time since [`start`](Self::start).
+    pub(crate) fn record(self, outcome: BreakerOutcome) {
+        let elapsed = self.started.map_or(Duration::ZERO, |s| s.elapsed());
+        self.permit.record(outcome, elapsed);
+    }
+
+    /// The call failed with `error` (no response, or a broken response stream).
+    pub(crate) fn failed(self, error: &(dyn StdError + 'static)) {
+        let c = self
+            .config
+            .classifier
+            .classify_failure(failure_of(error), &self.facts);
+        self.record(c.breaker_outcome());
+    }
+
+    /// The response stream broke after the head.
+    pub(crate) fn stream_failed(self) {
+        let c = self
+            .config
+            .classifier
+            .classify_failure(Failure::Other, &self.facts);
+        self.record(c.breaker_outcome());
+    }
+
+    /// The trailers at the end of the response stream (empty when it ended without).
+    pub(crate) fn trailers(self, trailers: &HeaderMap) {
+        let c = self
+            .config
+            .classifier
+            .classify_trailers(trailers, &self.facts);
+        self.record(c.breaker_outcome());
+    }
+
+    /// The response head arrived: records its outcome now, or — for a gRPC response
+    /// whose status will come in the trailers — wraps the body to record it then.
+    fn respond<B>(self, response: Response<B>) -> Response<ResponseBody<B>> {
+        if self.facts.grpc
+            && response.status().is_success()
+            && !response.headers().contains_key("grpc-status")
+        {
+            return response.map(|body| ResponseBody::pending(body, self));
+        }
+        let c = self.config.classifier.classify_response(
+            response.status(),
+            response.headers(),
+            &self.facts,
+        );
+        self.record(c.breaker_outcome());
+        response.map(ResponseBody::plain)
+    }
+}
+
+/// What kind of transport failure `error` is.
+fn failure_of(error: &(dyn StdError + 'static)) -> Failure {
+    #[cfg(feature = "retry")]
+    {
+        crate::retry::failure_of(error)
+    }
+    #[cfg(not(feature = "retry"))]
+    {
+        Failure::of(error, |_| None)
+    }
+}

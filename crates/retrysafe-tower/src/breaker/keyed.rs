@@ -1,0 +1,214 @@
+//! One breaker per key (authority, route…) in a bounded map.
+
+use std::fmt;
+use std::hash::Hash;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::uri::Authority;
+use moka::policy::EvictionPolicy;
+use moka::sync::Cache;
+use retrysafe_core::ConfigError;
+use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, StateChange};
+
+/// The default bound of a [`KeyedBreakers`] map.
+pub const DEFAULT_MAX_KEYS: u64 = 1024;
+/// The largest bound a [`KeyedBreakers`] map accepts.
+const MAX_MAX_KEYS: u64 = 1 << 20;
+
+type KeyFn<K> = Arc<dyn Fn(&Parts) -> K + Send + Sync>;
+type KeyedHook<K> = Arc<dyn Fn(&K, StateChange) + Send + Sync>;
+
+/// Picks the breaker of a request (type-erased, so the layer has no key parameter).
+pub(crate) trait Select: fmt::Debug + Send + Sync + 'static {
+    /// The breaker guarding the request with head `parts`.
+    fn select(&self, parts: &Parts) -> CircuitBreaker;
+}
+
+/// One [`CircuitBreaker`] per key of a request, in a map bounded to
+/// [`max_keys`](Self::max_keys) keys (default 1024), all with one configuration; for
+/// [`CircuitBreakerLayer::keyed`](super::CircuitBreakerLayer::keyed).
+///
+/// A cheap `Clone` handle: clones share the map. The least recently used key is
+/// evicted when the map is full (LRU, not moka's frequency-based admission, which
+/// could refuse a new key again and again and so never let its breaker count); a key
+/// seen again later gets a new, closed breaker. Bound the map above the number of
+/// downstreams you expect.
+///
+/// ```
+/// use http::Request;
+/// use retrysafe_core::breaker::{BreakerConfig, State};
+/// use retrysafe_tower::breaker::KeyedBreakers;
+///
+/// let breakers = KeyedBreakers::per_authority(BreakerConfig::default()).unwrap();
+/// let (a, _) = Request::get("http://a.example/x").body(()).unwrap().into_parts();
+/// let (b, _) = Request::get("http://b.example/y").body(()).unwrap().into_parts();
+/// breakers.breaker(&breakers.key_of(&a)).force_open();
+/// assert_eq!(breakers.breaker(&breakers.key_of(&a)).state(), State::ForcedOpen);
+/// assert_eq!(breakers.breaker(&breakers.key_of(&b)).state(), State::Closed);
+/// ```
+pub struct KeyedBreakers<K> {
+    inner: Arc<Inner<K>>,
+}
+
+struct Inner<K> {
+    config: BreakerConfig,
+    key: KeyFn<K>,
+    on_state_change: Option<KeyedHook<K>>,
+    max_keys: u64,
+    cache: Cache<K, CircuitBreaker>,
+}
+
+impl KeyedBreakers<Option<Authority>> {
+    /// One breaker per authority (`host:port`) of the request URI, or of its `Host`
+    /// header when the URI has none; requests with neither share one breaker (key
+    /// `None`). Behind a tonic `Channel`, which adds the origin itself, requests
+    /// usually carry no authority: one channel is one downstream anyway.
+    pub fn per_authority(config: BreakerConfig) -> Result<Self, ConfigError> {
+        Self::new(config, |parts: &Parts| {
+            parts.uri.authority().cloned().or_else(|| {
+                parts
+                    .headers
+                    .get(http::header::HOST)
+                    .and_then(|host| Authority::try_from(host.as_bytes()).ok())
+            })
+        })
+    }
+}
+
+impl<K> KeyedBreakers<K>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+{
+    /// One breaker per `key(request head)`, each configured by `config` (refused,
+    /// naming the field, when a field is out of range). For example, per route:
+    /// `KeyedBreakers::new(config, |p| p.uri.path().to_owned())`.
+    pub fn new(
+        config: BreakerConfig,
+        key: impl Fn(&Parts) -> K + Send + Sync + 'static,
+    ) -> Result<Self, ConfigError> {
+        // Validates once: every breaker of the map is made from this configuration.
+        CircuitBreaker::new(config.clone())?;
+        Ok(KeyedBreakers {
+            inner: Arc::new(Inner {
+                config,
+                key: Arc::new(key),
+                on_state_change: None,
+                max_keys: DEFAULT_MAX_KEYS,
+                cache: cache(DEFAULT_MAX_KEYS),
+            }),
+        })
+    }
+
+    /// Bounds the map to `max_keys` breakers (default 1024; from 1 to 1 048 576).
+    /// Returns a new, empty map.
+    pub fn max_keys(self, max_keys: u64) -> Result<Self, ConfigError> {
+        if max_keys == 0 {
+            return Err(ConfigError::new("max_keys", "must be greater than zero"));
+        }
+        if max_keys > MAX_MAX_KEYS {
+            return Err(ConfigError::new("max_keys", "must be at most 1048576"));
+        }
+        Ok(self.rebuild(|inner| inner.max_keys = max_keys))
+    }
+
+    /// Calls `f` with the key after every change of state of one of the map's
+    /// breakers (after the configuration's own
+    /// [`on_state_change`](BreakerConfig::on_state_change), if any). Returns a new,
+    /// empty map.
+    pub fn on_state_change(self, f: impl Fn(&K, StateChange) + Send + Sync + 'static) -> Self {
+        self.rebuild(|inner| inner.on_state_change = Some(Arc::new(f)))
+    }
+
+    fn rebuild(self, f: impl FnOnce(&mut Inner<K>)) -> Self {
+        let old = &self.inner;
+        let mut inner = Inner {
+            config: old.config.clone(),
+            key: old.key.clone(),
+            on_state_change: old.on_state_change.clone(),
+            max_keys: old.max_keys,
+            cache: cache(1),
+        };
+        f(&mut inner);
+        inner.cache = cache(inner.max_keys);
+        KeyedBreakers {
+            inner: Arc::new(inner),
+        }
+    }
+
+    /// The key of a request with head `parts`.
+    pub fn key_of(&self, parts: &Parts) -> K {
+        (self.inner.key)(parts)
+    }
+
+    /// The breaker of `key`, made (closed) if the map has none.
+    pub fn breaker(&self, key: &K) -> CircuitBreaker {
+        let inner = &self.inner;
+        inner.cache.get_with_by_ref(key, || inner.make(key))
+    }
+
+    /// The breaker of `key`, if the map has one.
+    pub fn get(&self, key: &K) -> Option<CircuitBreaker> {
+        self.inner.cache.get(key)
+    }
+}
+
+impl<K> Inner<K>
+where
+    K: Clone + Send + Sync + 'static,
+{
+    /// A new breaker for `key`.
+    fn make(&self, key: &K) -> CircuitBreaker {
+        let mut config = self.config.clone();
+        if let Some(hook) = &self.on_state_change {
+            let hook = hook.clone();
+            let key = key.clone();
+            let own = config.on_state_change.take();
+            config.on_state_change = Some(Arc::new(move |change| {
+                if let Some(own) = &own {
+                    own(change);
+                }
+                hook(&key, change);
+            }));
+        }
+        // `new` validated this configuration; the default is never used.
+        CircuitBreaker::new(config).unwrap_or_default()
+    }
+}
+
+fn cache<K, V>(max_keys: u64) -> Cache<K, V>
+where
+    K: Hash + Eq + Send + Sync + 'static,
+    V: Clone + Send + Sync + 'static,
+{
+    Cache::builder()
+        .max_capacity(max_keys)
+        .eviction_policy(EvictionPolicy::lru())
+        .build()
+}
+
+impl<K> Clone for KeyedBreakers<K> {
+    fn clone(&self) -> Self {
+        KeyedBreakers {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
+impl<K> fmt::Debug for KeyedBreakers<K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KeyedBreakers")
+            .field("config", &self.inner.config)
+            .field("max_keys", &self.inner.max_keys)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<K> Select for KeyedBreakers<K>
+where
+    K: Hash + Eq + Clone + Send + Sync + 'static,
+{
+    fn select(&self, parts: &Parts) -> CircuitBreaker {
+        self.breaker(&self.key_of(parts))
+    }
+}

@@ -1,0 +1,128 @@
+//! The service: decides in `call`.
+
+use std::fmt;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use retrysafe_core::breaker::CircuitBreaker;
+use retrysafe_core::classify::{RequestFacts, is_grpc};
+use tower_service::Service;
+
+use super::body::ResponseBody;
+use super::future::{Call, ResponseFuture};
+use super::layer::{Breakers, Config};
+use crate::local::{BoxError, LocalFailure};
+
+/// The service of a [`CircuitBreakerLayer`](super::CircuitBreakerLayer).
+///
+/// [`poll_ready`](Service::poll_ready) is always ready and never polls the inner
+/// service: [`call`](Service::call) asks the breaker, answers a refusal at once, and
+/// otherwise returns a future that drives the readiness of a clone of the inner
+/// service before calling it. Hence `S: Clone` (wrap a service that is not in a
+/// `tower::buffer::Buffer`).
+pub struct Breaker<S, M> {
+    inner: S,
+    config: Arc<Config>,
+    _local: PhantomData<fn() -> M>,
+}
+
+impl<S, M> Breaker<S, M> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
+        Breaker {
+            inner,
+            config,
+            _local: PhantomData,
+        }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone, M> Clone for Breaker<S, M> {
+    fn clone(&self) -> Self {
+        Breaker {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+            _local: PhantomData,
+        }
+    }
+}
+
+impl<S: fmt::Debug, M> fmt::Debug for Breaker<S, M> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Breaker")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, M, ReqB, ResB> Service<Request<ReqB>> for Breaker<S, M>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    M: LocalFailure<ResB>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, ReqB, M>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The breaker decides in `call`: polling the inner service here would make
+        // callers wait on a downstream the breaker may be about to refuse.
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let config = &self.config;
+        let timed = |b: &CircuitBreaker| b.config().slow_call_duration.is_some();
+        let (acquired, timed, request) = match &config.breakers {
+            Breakers::One(breaker) => (breaker.try_acquire(), timed(breaker), request),
+            Breakers::Keyed(select) => {
+                let (parts, body) = request.into_parts();
+                let breaker = select.select(&parts);
+                let request = Request::from_parts(parts, body);
+                (breaker.try_acquire(), timed(&breaker), request)
+            }
+        };
+        match acquired {
+            Ok(permit) => {
+                let facts = facts_of(request.headers(), config);
+                ResponseFuture::ready(
+                    self.inner.clone(),
+                    request,
+                    Call::new(permit, facts, config.clone(), timed),
+                )
+            }
+            Err(open) => {
+                tracing::debug!(
+                    retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
+                    "request refused: circuit open"
+                );
+                ResponseFuture::refused(is_grpc(request.headers()), open, config.clone())
+            }
+        }
+    }
+}
+
+/// What the classifier needs to know of a request for a breaker: whether it is gRPC, and
+/// whether it carried a deadline (a 504 / `DEADLINE_EXCEEDED` is then the caller's).
+/// Whether it is safe to repeat changes no breaker outcome, so it is not looked up.
+fn facts_of(headers: &http::HeaderMap, config: &Config) -> RequestFacts {
+    let mut facts = RequestFacts::default();
+    if is_grpc(headers) {
+        facts = facts.grpc();
+    }
+    let convention = &config.convention;
+    if headers.contains_key(convention.request_timeout_ms())
+        || headers.contains_key(convention.grpc_timeout())
+    {
+        facts = facts.with_deadline_sent();
+    }
+    facts
+}
