@@ -125,6 +125,10 @@ pub use retrysafe_core::strategy::StandardRetryStrategy;
 pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
 pub use retrysafe_tower::local;
 
+#[cfg(feature = "postgres")]
+pub use retrysafe_postgres as postgres;
+#[cfg(feature = "redis")]
+pub use retrysafe_redis as redis;
 #[cfg(feature = "breaker")]
 pub use retrysafe_tower::breaker::{self, CircuitBreakerLayer};
 #[cfg(feature = "budget")]
@@ -133,10 +137,6 @@ pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
 pub use retrysafe_tower::deadline::{self, DeadlineLayer};
 #[cfg(feature = "edge")]
 pub use retrysafe_tower::edge::{self, EdgeLayer};
-#[cfg(feature = "postgres")]
-pub use retrysafe_postgres as postgres;
-#[cfg(feature = "redis")]
-pub use retrysafe_redis as redis;
 #[cfg(feature = "propagate")]
 pub use retrysafe_tower::propagate::{self, PropagateLayer};
 #[cfg(feature = "retry")]
