@@ -12,6 +12,9 @@
 //!   copy of the request head;
 //! - `retrysafe_with_budget_layer`: the same plus a `RetryBudgetLayer` sharing the
 //!   budget (it skips the attempts the `RetryLayer` charged);
+//! - `full_stack` (one thread): the recommended stack of DESIGN §6 — `DeadlineLayer`
+//!   (10 s) → `RetryLayer` → `RetryBudgetLayer` (one shared budget) →
+//!   `CircuitBreakerLayer` (defaults);
 //! - `tower_retry_tps`: tower's `Retry` with a policy that deposits into a `TpsBudget`
 //!   on success and withdraws on a retry (tower's documented pattern), cloning the
 //!   request for a possible retry.
@@ -36,7 +39,11 @@ use criterion::{Criterion, criterion_group};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
-use retrysafe::{RetryBudget, RetryBudgetLayer, RetryLayer, StandardRetryStrategy};
+use retrysafe::breaker::ResponseBody;
+use retrysafe::{
+    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
+    StandardRetryStrategy,
+};
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::BoxCloneSyncService;
@@ -126,19 +133,45 @@ fn cases() -> Vec<(&'static str, Svc)> {
     cases
 }
 
-fn call(svc: &mut Svc) -> Option<Res> {
+fn call<S: Service<Req>>(svc: &mut S) -> Option<S::Response> {
     svc.ready().now_or_never()?.ok()?;
     svc.call(request()).now_or_never()?.ok()
 }
 
-fn run(svc: &mut Svc, iters: u64) {
+fn run<S: Service<Req>>(svc: &mut S, iters: u64) {
     for _ in 0..iters {
         black_box(call(svc));
     }
 }
 
+/// The recommended client stack of DESIGN §6: deadline → retry → budget → breaker
+/// (one shared budget; the breaker wraps the response body, hence its own type).
+fn full_stack() -> BoxCloneSyncService<Req, Response<ResponseBody<()>>, BoxError> {
+    let budget = RetryBudget::ratio();
+    let svc = BoxCloneSyncService::new(
+        ServiceBuilder::new()
+            .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+            .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
+            .layer(RetryBudgetLayer::new(budget))
+            .layer(CircuitBreakerLayer::default())
+            .service(tower::service_fn(ok)),
+    );
+    let response = call(&mut svc.clone()).expect("full_stack completes");
+    assert_eq!(response.status(), StatusCode::OK);
+    svc
+}
+
 fn one_thread(c: &mut Criterion) {
     let mut group = c.benchmark_group("client_1_thread");
+    let stack = full_stack();
+    group.bench_function("full_stack", |b| {
+        b.iter_custom(|iters| {
+            let mut svc = stack.clone();
+            let start = Instant::now();
+            run(&mut svc, iters);
+            start.elapsed()
+        });
+    });
     for (name, svc) in cases() {
         group.bench_function(name, |b| {
             b.iter_custom(|iters| {
@@ -189,6 +222,10 @@ fn main() {
         std::env::var("CLIENT_BENCH_CALLS"),
     ) {
         let calls: u64 = calls.parse().unwrap();
+        if case == "full_stack" {
+            run(&mut full_stack(), calls);
+            return;
+        }
         let (_, svc) = cases().into_iter().find(|(n, _)| *n == case).unwrap();
         run(&mut svc.clone(), calls);
         return;

@@ -202,7 +202,7 @@ where
         };
         ResponseFuture {
             state,
-            sleep: tokio::time::sleep_until(deadline.instant()),
+            sleep: None,
             deadline,
             grpc,
             config: self.config.clone(),
@@ -220,8 +220,10 @@ pin_project! {
     {
         #[pin]
         state: State<S, Request<ReqB>, S::Future>,
+        // Made when the call first waits: a call answered at once never touches the
+        // timer wheel (nor needs a runtime).
         #[pin]
-        sleep: Sleep,
+        sleep: Option<Sleep>,
         deadline: Deadline,
         grpc: bool,
         config: Arc<Config>,
@@ -285,7 +287,13 @@ where
                 StateProj::Done => return Poll::Ready(Err(polled_after_completion())),
             }
             if !matches!(this.state.as_mut().project(), StateProj::Expired) {
-                if this.sleep.as_mut().poll(cx).is_pending() {
+                if this.sleep.is_none() {
+                    this.sleep
+                        .set(Some(tokio::time::sleep_until(this.deadline.instant())));
+                }
+                if let Some(sleep) = this.sleep.as_mut().as_pin_mut()
+                    && sleep.poll(cx).is_pending()
+                {
                     return Poll::Pending;
                 }
                 tracing::debug!("deadline exceeded before the response head");
