@@ -5,7 +5,8 @@
 //!   same `Idempotency-Key` gets a semantically equivalent response, and its side effect
 //!   happens once — however many copies arrive, concurrently or late.
 //! - **Clients** retry what is safe to retry, and nothing else, within a budget and a
-//!   deadline: [`RetryLayer`], [`RetryBudgetLayer`].
+//!   deadline: [`DeadlineLayer`], [`RetryLayer`], [`RetryBudgetLayer`],
+//!   [`CircuitBreakerLayer`].
 //! - **Both sides** speak one small header convention ([`wire`]): `idempotency-key`,
 //!   `idempotent-replayed`, `do-not-retry`, `retry-attempt`, `retry-point`,
 //!   `request-timeout-ms`, `grpc-timeout`, `retry-after`, `grpc-retry-pushback-ms`.
@@ -55,9 +56,9 @@
 //!
 //! # Client
 //!
-//! Recommended order, outermost first: `DeadlineLayer` → [`RetryLayer`] →
-//! [`RetryBudgetLayer`] → `CircuitBreakerLayer` → transport (the deadline and breaker
-//! layers are next). Each attempt passes the budget; a [`RetryLayer`] retries safe
+//! Recommended order, outermost first: [`DeadlineLayer`] → [`RetryLayer`] →
+//! [`RetryBudgetLayer`] → [`CircuitBreakerLayer`] → transport. The deadline covers the
+//! whole call; each attempt passes the budget and the breaker; a [`RetryLayer`] retries safe
 //! requests only, replays the body through a [`ReplayBody`], honours `retry-after` and
 //! `grpc-retry-pushback-ms`, and — when it gives up on a retryable failure — returns
 //! the last response marked `do-not-retry: 1`, so no layer above retries again. On
@@ -101,6 +102,71 @@
 //! let response = client.oneshot(order).await.unwrap();
 //! assert_eq!(response.status(), StatusCode::CREATED);
 //! assert_eq!(calls.load(Ordering::SeqCst), 3);
+//! # }
+//! ```
+//!
+//! The whole §6 stack, assembled with `ServiceBuilder`: the deadline covers the call, the
+//! retry layer and the budget layer share one budget, and every attempt passes the
+//! breaker.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use std::time::Duration;
+//! use http::{Request, Response, StatusCode};
+//! use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+//! use retrysafe::core::error::{CircuitOpen, find};
+//! use retrysafe::{
+//!     CircuitBreakerLayer, Deadline, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer,
+//!     RetryLayer, StandardRetryStrategy,
+//! };
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! // A downstream that is down (in real code: hyper's client over `ReplayBody<_>`).
+//! let calls = Arc::new(AtomicU32::new(0));
+//! let seen = calls.clone();
+//! let transport = tower::service_fn(move |req: Request<ReplayBody<String>>| {
+//!     seen.fetch_add(1, Ordering::SeqCst);
+//!     async move {
+//!         // Every attempt carries the call's deadline and the time left on the wire.
+//!         assert!(req.extensions().get::<Deadline>().is_some());
+//!         assert!(req.headers().contains_key("request-timeout-ms"));
+//!         let status = StatusCode::SERVICE_UNAVAILABLE;
+//!         Ok::<_, std::convert::Infallible>(Response::builder().status(status).body(()).unwrap())
+//!     }
+//! });
+//!
+//! let mut config = BreakerConfig::default();
+//! config.window = SlidingWindow::count(10, 10);
+//! config.minimum_calls = 4; // opens at 50 % failures of at least 4 attempts
+//! let breaker = CircuitBreaker::new(config).unwrap();
+//! let budget = RetryBudget::ratio();
+//! let client = ServiceBuilder::new()
+//!     .layer(DeadlineLayer::new(Duration::from_secs(2)).unwrap())
+//!     .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
+//!     .layer(RetryBudgetLayer::new(budget))
+//!     .layer(CircuitBreakerLayer::new(breaker.clone()))
+//!     .service(transport);
+//!
+//! let get = || Request::get("http://inventory.internal/items").body(String::new()).unwrap();
+//! // Three attempts, then the last answer, marked so that no layer above retries it.
+//! let response = client.clone().oneshot(get()).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+//! assert_eq!(response.headers()["do-not-retry"], "1");
+//! assert_eq!(calls.load(Ordering::SeqCst), 3);
+//!
+//! // The fourth failed attempt opens the breaker, which refuses the retry after it.
+//! let response = client.clone().oneshot(get()).await.unwrap();
+//! assert_eq!(response.headers()["do-not-retry"], "1");
+//! assert_eq!(calls.load(Ordering::SeqCst), 4);
+//! assert_eq!(breaker.state(), State::Open);
+//!
+//! // Open: the call fails fast, without reaching the downstream.
+//! let error = client.oneshot(get()).await.unwrap_err();
+//! assert!(find::<CircuitOpen>(&*error).is_some());
+//! assert_eq!(calls.load(Ordering::SeqCst), 4);
 //! # }
 //! ```
 //!
