@@ -533,6 +533,9 @@ impl Classifier for DefaultClassifier {
                 }
                 c
             }
+            // A gRPC stream must end with a status: one that ends without is a
+            // protocol error (tonic reports it as UNKNOWN), never a success.
+            None if request.grpc => Classification::failure(RetrySafety::No, FaultSide::Server),
             None => Classification::SUCCESS,
         }
     }

@@ -360,7 +360,12 @@ fn grpc_status_in_trailers_is_past_the_commit_point() {
 
     let t = c.classify_trailers(&headers(&[("grpc-status", "0")]), &facts);
     assert!(t.is_success());
-    assert!(c.classify_trailers(&HeaderMap::new(), &facts).is_success());
+    // A gRPC stream that ends without a status is a protocol error, not a success.
+    let t = c.classify_trailers(&HeaderMap::new(), &facts);
+    assert_eq!(t.breaker_outcome(), BreakerOutcome::Failure);
+    assert_eq!(t.safety, RetrySafety::No);
+    // Trailers without a status on a non-gRPC request say nothing.
+    assert!(c.classify_trailers(&HeaderMap::new(), &GET).is_success());
 
     let t = c.classify_trailers(
         &headers(&[("grpc-status", "14"), ("do-not-retry", "1")]),
