@@ -180,6 +180,8 @@
 //! - `redis`: the `retrysafe-redis` crate (`RedisStore`) as `retrysafe::redis`.
 //! - `postgres`: the `retrysafe-postgres` crate (`PostgresStore`, the transactional
 //!   `TxIdempotencyLayer`) as `retrysafe::postgres`.
+//! - `reqwest`: the `retrysafe-reqwest` crate (reqwest-middleware implementations) as
+//!   `retrysafe::reqwest`.
 //! - `propagate` (default): [`PropagateLayer`].
 //! - `edge` (default): [`EdgeLayer`].
 //! - `full`: everything.
@@ -195,6 +197,8 @@ pub use retrysafe_tower::local;
 pub use retrysafe_postgres as postgres;
 #[cfg(feature = "redis")]
 pub use retrysafe_redis as redis;
+#[cfg(feature = "reqwest")]
+pub use retrysafe_reqwest as reqwest;
 #[cfg(feature = "breaker")]
 pub use retrysafe_tower::breaker::{self, CircuitBreakerLayer};
 #[cfg(feature = "budget")]
