@@ -1,4 +1,10 @@
-//! reqwest-middleware implementations of retrysafe's client layers.
+//! reqwest-middleware implementations of retrysafe's client layers: retry, circuit
+//! breaker and deadline, driven by `retrysafe-core` like the tower layers.
 //!
-//! (Being built: retry, circuit breaker and deadline middleware over
-//! `retrysafe-core`, the same core the tower layers drive.)
+//! (Crate docs with the recommended middleware order and a runnable example: being
+//! written.)
+
+pub mod breaker;
+pub mod deadline;
+pub mod error;
+pub mod retry;

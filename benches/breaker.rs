@@ -1,0 +1,2 @@
+//! Circuit breaker and deadline benches (being written).
+fn main() {}
