@@ -79,7 +79,9 @@ pub enum FaultSide {
     /// `do-not-retry` by a server that gave up downstream, or is a replay). Neutral for
     /// breakers, so one leaf outage cannot open every breaker up a chain.
     Dependency,
-    /// The callee ran out of the deadline the caller propagated. Neutral for breakers.
+    /// The callee ran out of the deadline the caller propagated: a 504 /
+    /// `DEADLINE_EXCEEDED` that came when that deadline was spent
+    /// ([`RequestFacts::deadline_spent`]). Neutral for breakers.
     CallerDeadline,
 }
 
@@ -205,6 +207,10 @@ pub struct RequestFacts {
     pub grpc: bool,
     /// The request carried a deadline (`request-timeout-ms` / `grpc-timeout`).
     pub deadline_sent: bool,
+    /// The deadline the request carried had run out, or nearly (see
+    /// [`deadline_spent`]), when the answer came: a 504 / `DEADLINE_EXCEEDED` is then the
+    /// caller's deadline at work, not the callee's fault, and neutral for breakers.
+    pub deadline_spent: bool,
 }
 
 impl RequestFacts {
@@ -214,6 +220,7 @@ impl RequestFacts {
         has_key: false,
         grpc: false,
         deadline_sent: false,
+        deadline_spent: false,
     };
 
     /// A request not safe to repeat (a POST without a key).
@@ -222,6 +229,7 @@ impl RequestFacts {
         has_key: false,
         grpc: false,
         deadline_sent: false,
+        deadline_spent: false,
     };
 
     /// These facts for a gRPC request.
@@ -246,6 +254,15 @@ impl RequestFacts {
         self
     }
 
+    /// These facts for a request whose deadline had run out (or nearly) when the answer
+    /// came (see [`deadline_spent`]); it was sent, too.
+    #[must_use]
+    pub const fn with_deadline_spent(mut self) -> Self {
+        self.deadline_sent = true;
+        self.deadline_spent = true;
+        self
+    }
+
     /// Facts about a request with this method and these headers (`safe` from the
     /// method and key only; set it for a request the user declared idempotent).
     pub fn of(method: &http::Method, headers: &HeaderMap, convention: &Convention) -> Self {
@@ -256,8 +273,35 @@ impl RequestFacts {
             grpc: is_grpc(headers),
             deadline_sent: headers.contains_key(convention.request_timeout_ms())
                 || headers.contains_key(convention.grpc_timeout()),
+            deadline_spent: false,
         }
     }
+}
+
+/// The least slack of [`deadline_spent`].
+const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
+
+/// Whether a deadline of `given` had run out, or nearly, `elapsed` after the request was
+/// sent: within a tenth of `given` (at least 50 ms) of its end.
+///
+/// A 504 / `DEADLINE_EXCEEDED` that comes then is the caller's deadline at work — the
+/// callee gave up on the time it was given, less the margins of the hops in between —
+/// and neutral for breakers. One that comes early is the callee's own timeout, a fault
+/// of the callee.
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_core::classify::deadline_spent;
+///
+/// let given = Duration::from_secs(1);
+/// assert!(deadline_spent(given, Duration::from_millis(950)));
+/// assert!(deadline_spent(given, Duration::from_secs(2)));
+/// assert!(!deadline_spent(given, Duration::from_millis(100)));
+/// ```
+#[must_use]
+pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
+    let slack = (given / 10).max(SPENT_SLACK_MIN);
+    elapsed.saturating_add(slack) >= given
 }
 
 /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
@@ -403,7 +447,7 @@ impl DefaultClassifier {
             },
             // DEADLINE_EXCEEDED
             4 => {
-                let side = if request.deadline_sent {
+                let side = if request.deadline_spent {
                     FaultSide::CallerDeadline
                 } else {
                     FaultSide::Server
@@ -491,7 +535,7 @@ impl Classifier for DefaultClassifier {
                     }
                 }
                 504 => {
-                    let side = if request.deadline_sent {
+                    let side = if request.deadline_spent {
                         FaultSide::CallerDeadline
                     } else {
                         FaultSide::Server

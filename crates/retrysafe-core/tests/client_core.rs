@@ -19,7 +19,7 @@ use retrysafe_core::backoff::{Backoff, Jitter, RetryRng, RngSource};
 use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget, RetryCost};
 use retrysafe_core::classify::{
     BreakerOutcome, Classification, Classifier, DefaultClassifier, DelayHint, Failure, FaultSide,
-    RequestFacts, RetrySafety,
+    RequestFacts, RetrySafety, deadline_spent,
 };
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
@@ -262,7 +262,16 @@ fn a_504_caused_by_the_propagated_deadline_is_neutral() {
     assert_eq!(own.fault, Some(FaultSide::Server));
     assert_eq!(own.breaker_outcome(), BreakerOutcome::Failure);
 
-    let sent = GET.with_deadline_sent();
+    // A deadline was sent but the callee answered long before it ran out: its own
+    // timeout, its fault.
+    let early = GET.with_deadline_sent();
+    let c = classify(504, &[], &early);
+    assert_eq!(c.fault, Some(FaultSide::Server));
+    assert_eq!(c.breaker_outcome(), BreakerOutcome::Failure);
+    let g = grpc(&[("grpc-status", "4")], &GET.grpc().with_deadline_sent());
+    assert_eq!(g.fault, Some(FaultSide::Server));
+
+    let sent = GET.with_deadline_spent();
     let c = classify(504, &[], &sent);
     assert_eq!(c.fault, Some(FaultSide::CallerDeadline));
     assert!(c.timeout);
@@ -270,13 +279,29 @@ fn a_504_caused_by_the_propagated_deadline_is_neutral() {
     // Still retryable (the retry layer decides whether time is left).
     assert!(c.is_retryable(&sent));
 
-    let g = grpc(&[("grpc-status", "4")], &GET.grpc().with_deadline_sent());
+    let g = grpc(&[("grpc-status", "4")], &GET.grpc().with_deadline_spent());
     assert_eq!(g.fault, Some(FaultSide::CallerDeadline));
     assert!(g.timeout);
     assert_eq!(g.safety, RetrySafety::No);
     assert_eq!(g.breaker_outcome(), BreakerOutcome::Neutral);
     let g = grpc(&[("grpc-status", "4")], &GET.grpc());
     assert_eq!(g.fault, Some(FaultSide::Server));
+}
+
+#[test]
+fn a_deadline_is_spent_within_a_tenth_of_its_end_and_at_least_50_ms() {
+    let ms = Duration::from_millis;
+    // 1 s given: spent from 900 ms on.
+    assert!(!deadline_spent(ms(1000), ms(899)));
+    assert!(deadline_spent(ms(1000), ms(900)));
+    assert!(deadline_spent(ms(1000), ms(5000)));
+    // 100 ms given: the 50 ms floor.
+    assert!(!deadline_spent(ms(100), ms(49)));
+    assert!(deadline_spent(ms(100), ms(50)));
+    // Degenerate: nothing given is spent at once; huge values do not overflow.
+    assert!(deadline_spent(Duration::ZERO, Duration::ZERO));
+    assert!(!deadline_spent(Duration::MAX, Duration::ZERO));
+    assert!(deadline_spent(Duration::MAX, Duration::MAX));
 }
 
 #[test]

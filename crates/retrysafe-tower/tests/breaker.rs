@@ -289,12 +289,13 @@ async fn dependency_and_caller_deadline_failures_are_neutral() {
         let out = exchange(&mut svc, &mut handle, get("http://a.example/"), marked).await;
         assert_eq!(out.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
 
-        // A 504 caused by the deadline this caller sent.
+        // A 504 caused by the deadline this caller sent: it comes when the 100 ms are
+        // (nearly) spent.
         let request = Request::get("http://a.example/")
             .header("request-timeout-ms", "100")
             .body(())
             .unwrap();
-        let out = exchange(&mut svc, &mut handle, request, status(504)).await;
+        let out = answer_after(&mut svc, &mut handle, request, status(504), 95).await;
         assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
 
         // A layer below refused locally (another breaker).
@@ -322,6 +323,75 @@ async fn dependency_and_caller_deadline_failures_are_neutral() {
     assert!(out.is_err());
     assert_eq!(breaker.window().failures, 1);
     assert_eq!(breaker.state(), State::Open);
+}
+
+/// Calls `svc` with `request` and answers it with `response` after `ms` milliseconds.
+async fn answer_after<S>(
+    svc: &mut S,
+    handle: &mut Handle<Req, Res>,
+    request: Req,
+    response: Res,
+    ms: u64,
+) -> Result<Response<ResponseBody<TestBody>>, BoxError>
+where
+    S: Service<Req, Response = Response<ResponseBody<TestBody>>, Error = BoxError>,
+{
+    let future = svc.ready().await.unwrap().call(request);
+    let respond = async {
+        let (_, send) = handle.next_request().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+        send.send_response(response);
+    };
+    let (out, ()) = tokio::join!(future, respond);
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+
+    // 1 s given, answered 504 after 100 ms: the callee's own timeout, a failure.
+    let request = Request::get("http://a.example/")
+        .header("request-timeout-ms", "1000")
+        .body(())
+        .unwrap();
+    let out = answer_after(&mut svc, &mut handle, request, status(504), 100).await;
+    assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(breaker.window().failures, 1);
+
+    // gRPC: DEADLINE_EXCEEDED after 300 ms of 10 s given: a failure too.
+    let mut request = grpc();
+    request
+        .headers_mut()
+        .insert("grpc-timeout", HeaderValue::from_static("10S"));
+    let mut response = status(200);
+    response
+        .headers_mut()
+        .insert("content-type", HeaderValue::from_static("application/grpc"));
+    response
+        .headers_mut()
+        .insert("grpc-status", HeaderValue::from_static("4"));
+    let out = answer_after(&mut svc, &mut handle, request, response, 300).await;
+    assert!(out.is_ok());
+    assert_eq!(breaker.window().failures, 2);
+    assert_eq!(breaker.state(), State::Open);
+
+    // The same answers when the deadline is spent are neutral.
+    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    for _ in 0..5 {
+        let request = Request::get("http://a.example/")
+            .header("request-timeout-ms", "1000")
+            .body(())
+            .unwrap();
+        let out = answer_after(&mut svc, &mut handle, request, status(504), 990).await;
+        assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
+    }
+    assert_eq!(breaker.window().calls(), 0);
+    assert_eq!(breaker.state(), State::Closed);
 }
 
 #[tokio::test(start_paused = true)]

@@ -13,7 +13,7 @@ use std::time::Duration;
 use http::{HeaderMap, Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::breaker::Permit;
-use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts};
+use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts, deadline_spent};
 use retrysafe_core::error::CircuitOpen;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -166,6 +166,8 @@ pub(crate) struct Call {
     config: Arc<Config>,
     /// Slow calls are tracked: time the call.
     timed: bool,
+    /// The deadline the request carries to the callee (its timeout header).
+    given: Option<Duration>,
     started: Option<Instant>,
 }
 
@@ -173,6 +175,7 @@ impl Call {
     pub(crate) fn new(
         permit: Permit,
         facts: RequestFacts,
+        given: Option<Duration>,
         config: Arc<Config>,
         timed: bool,
     ) -> Self {
@@ -181,21 +184,36 @@ impl Call {
             facts,
             config,
             timed,
+            given,
             started: None,
         }
     }
 
     /// The inner service is being called now (readiness waits are not the callee's
-    /// slowness).
+    /// slowness, nor part of the time the callee was given).
     fn start(&mut self) {
-        if self.timed {
+        if self.timed || self.given.is_some() {
             self.started = Some(Instant::now());
+        }
+    }
+
+    /// The facts to classify with now: a deadline the request carried is spent when
+    /// the callee's answer comes at (or near) its end — a timeout then is the caller's.
+    fn facts(&self) -> RequestFacts {
+        match (self.given, self.started) {
+            (Some(given), Some(started)) if deadline_spent(given, started.elapsed()) => {
+                self.facts.with_deadline_spent()
+            }
+            _ => self.facts,
         }
     }
 
     /// Records `outcome` with the time since [`start`](Self::start).
     pub(crate) fn record(self, outcome: BreakerOutcome) {
-        let elapsed = self.started.map_or(Duration::ZERO, |s| s.elapsed());
+        let elapsed = match self.started {
+            Some(started) if self.timed => started.elapsed(),
+            _ => Duration::ZERO,
+        };
         self.permit.record(outcome, elapsed);
     }
 
@@ -204,7 +222,7 @@ impl Call {
         let c = self
             .config
             .classifier
-            .classify_failure(failure_of(error), &self.facts);
+            .classify_failure(failure_of(error), &self.facts());
         self.record(c.breaker_outcome());
     }
 
@@ -213,7 +231,7 @@ impl Call {
         let c = self
             .config
             .classifier
-            .classify_failure(Failure::Other, &self.facts);
+            .classify_failure(Failure::Other, &self.facts());
         self.record(c.breaker_outcome());
     }
 
@@ -222,7 +240,7 @@ impl Call {
         let c = self
             .config
             .classifier
-            .classify_trailers(trailers, &self.facts);
+            .classify_trailers(trailers, &self.facts());
         self.record(c.breaker_outcome());
     }
 
@@ -238,7 +256,7 @@ impl Call {
         let c = self.config.classifier.classify_response(
             response.status(),
             response.headers(),
-            &self.facts,
+            &self.facts(),
         );
         self.record(c.breaker_outcome());
         response.map(ResponseBody::plain)
