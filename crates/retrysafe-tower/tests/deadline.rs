@@ -604,3 +604,32 @@ async fn two_real_hops_see_the_deadline_shrink() {
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert!(incoming_text(res).await.contains("timeout-invalid"));
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_server_future_polled_after_completion_stays_pending() {
+    use std::task::Poll;
+    let mut svc = DeadlineLayer::server().layer(reporting(Duration::ZERO));
+    let req = Request::get("/")
+        .header("request-timeout-ms", "1000")
+        .body(())
+        .unwrap();
+    let mut future = std::pin::pin!(svc.ready().await.unwrap().call(req));
+    let res = (&mut future).await.unwrap();
+    // The handler saw 990 ms (1 s less the 10 ms margin).
+    assert_eq!(text(res.into_body()).await, "990 990");
+    // Polled again (not allowed by the `Future` contract, but harmless): no panic from
+    // the handler's task-local scope, and nothing more.
+    let again = futures_util::poll!(&mut future);
+    assert!(matches!(again, Poll::Pending));
+    // So is a refused (malformed) one.
+    let req = Request::get("/")
+        .header("request-timeout-ms", "x")
+        .body(())
+        .unwrap();
+    let mut future = std::pin::pin!(svc.ready().await.unwrap().call(req));
+    assert_eq!(
+        (&mut future).await.unwrap().status(),
+        StatusCode::BAD_REQUEST
+    );
+    assert!(matches!(futures_util::poll!(&mut future), Poll::Pending));
+}

@@ -156,6 +156,7 @@ pin_project! {
             grpc: bool,
             inbound: Arc<Inbound>,
         },
+        Done,
     }
 }
 
@@ -167,13 +168,14 @@ where
     type Output = Result<Response<B>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
+        let mut kind = self.project().kind;
+        let output = match kind.as_mut().project() {
             KindProj::Invalid {
                 grpc,
                 error,
                 inbound,
                 ..
-            } => Poll::Ready(Ok(invalid_timeout(*grpc, *error, &inbound.convention))),
+            } => Ok(invalid_timeout(*grpc, *error, &inbound.convention)),
             KindProj::Inner {
                 future,
                 sleep,
@@ -182,16 +184,22 @@ where
             } => {
                 // The handler before the timer: a response that is ready is never dropped.
                 if let Poll::Ready(result) = future.poll(cx) {
-                    return Poll::Ready(result);
+                    result
+                } else {
+                    let Some(sleep) = sleep.as_pin_mut() else {
+                        return Poll::Pending;
+                    };
+                    ready!(sleep.poll(cx));
+                    tracing::debug!("the handler outlived the inbound deadline");
+                    Ok(deadline_exceeded(*grpc, &inbound.convention))
                 }
-                let Some(sleep) = sleep.as_pin_mut() else {
-                    return Poll::Pending;
-                };
-                ready!(sleep.poll(cx));
-                tracing::debug!("the handler outlived the inbound deadline");
-                Poll::Ready(Ok(deadline_exceeded(*grpc, &inbound.convention)))
             }
-        }
+            KindProj::Done => return Poll::Pending,
+        };
+        // Done: the handler's future (and its task-local scope) is dropped now, and a
+        // poll after completion is harmless.
+        kind.set(Kind::Done);
+        Poll::Ready(output)
     }
 }
 
