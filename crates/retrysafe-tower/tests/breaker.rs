@@ -605,3 +605,73 @@ fn futures_and_bodies_are_send() {
     send::<<Svc as Service<Req>>::Future>();
     send::<ResponseBody<TestBody>>();
 }
+
+#[tokio::test(start_paused = true)]
+async fn behind_a_full_buffer_an_open_breaker_still_fails_fast() {
+    // A tower `Buffer` (what a tonic `Channel` is) whose one slot is taken and whose
+    // worker cannot make progress: the inner service is not ready.
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    handle.allow(0);
+    let buffered = tower::buffer::Buffer::new(mock, 1);
+    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(buffered);
+
+    // Two closed calls queue: one in the buffer's channel, one waiting for a slot.
+    let mut first = Box::pin(svc.ready().await.unwrap().call(get("http://a.example/")));
+    let mut second = Box::pin(svc.ready().await.unwrap().call(get("http://a.example/")));
+    assert!(first.as_mut().now_or_never().is_none());
+    assert!(second.as_mut().now_or_never().is_none());
+    assert!(handle.poll_request().is_pending());
+
+    // Opened (by hand here; by failures elsewhere in practice): new calls are refused at
+    // once, although the buffer behind is full and its service not ready.
+    breaker.force_open();
+    for _ in 0..100 {
+        assert!(svc.ready().now_or_never().unwrap().is_ok());
+        let error = match svc.call(get("http://a.example/")).now_or_never() {
+            Some(Err(error)) => error,
+            other => panic!("not refused at once: {:?}", other.map(|r| r.map(|_| ()))),
+        };
+        assert!(find::<CircuitOpen>(&*error).is_some());
+    }
+    assert!(handle.poll_request().is_pending());
+
+    // The queued calls were admitted before: they go through once the service is ready.
+    handle.allow(2);
+    let respond = async {
+        for _ in 0..2 {
+            let (_, send) = handle.next_request().await.unwrap();
+            send.send_response(status(200));
+        }
+    };
+    let (a, b, ()) = tokio::join!(first, second, respond);
+    assert_eq!(a.unwrap().status(), StatusCode::OK);
+    assert_eq!(b.unwrap().status(), StatusCode::OK);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_breaker_in_the_request_extensions_overrides_the_layers() {
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc =
+        CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(config(2, 3)).unwrap()).layer(mock);
+    let chosen = CircuitBreaker::new(config(2, 3)).unwrap();
+
+    // Counted on the chosen breaker, not the layer's map.
+    for _ in 0..2 {
+        let mut request = get("http://a.example/");
+        request.extensions_mut().insert(chosen.clone());
+        let out = exchange(&mut svc, &mut handle, request, status(503)).await;
+        assert_eq!(out.unwrap().status(), StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(chosen.state(), State::Open);
+
+    // The layer's breaker for a.example is still closed: a request without the
+    // extension goes through...
+    let out = exchange(&mut svc, &mut handle, get("http://a.example/"), status(200)).await;
+    assert_eq!(out.unwrap().status(), StatusCode::OK);
+    // ...and one with it is refused at once.
+    let mut request = get("http://a.example/");
+    request.extensions_mut().insert(chosen.clone());
+    let open = refusal(svc.call(request).now_or_never());
+    assert_eq!(open.retry_in(), Duration::from_secs(5));
+}

@@ -19,14 +19,16 @@
 //!   and a half-open state whose probes never report times out, so permits never leak.
 //! - Only the callee's own faults count (see [`retrysafe_core::classify`]): a response
 //!   marked `do-not-retry` because a *dependency* failed, a 504 / `DEADLINE_EXCEEDED`
-//!   caused by the deadline the caller sent, and refusals of layers below (another
-//!   breaker, a budget) are neutral; 4xx are successes.
+//!   that comes as the deadline the caller sent runs out (an early one is the callee's
+//!   own timeout, a failure), and refusals of layers below (another breaker, a budget)
+//!   are neutral; 4xx are successes.
 //! - A gRPC status that arrives in the trailers, after the response headers, is
 //!   classified at the end of the stream. That is why the response body is always
 //!   wrapped in [`ResponseBody`], which passes every frame, `size_hint` and
 //!   `is_end_stream` through unchanged (see its docs for a body dropped early).
 //! - [`KeyedBreakers`] keeps one breaker per authority (or per route, or any key) in a
-//!   bounded map.
+//!   bounded map. A [`CircuitBreaker`](retrysafe_core::breaker::CircuitBreaker) in a
+//!   request's extensions overrides the layer's choice for that request.
 //! - State changes call [`BreakerConfig::on_state_change`](retrysafe_core::breaker::BreakerConfig::on_state_change)
 //!   (and [`KeyedBreakers::on_state_change`], with the key) and emit `tracing` events
 //!   (`warn` on opening); a refusal emits a `debug` event.

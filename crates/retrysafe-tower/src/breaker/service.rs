@@ -83,9 +83,13 @@ where
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
         let timed = |b: &CircuitBreaker| b.config().slow_call_duration.is_some();
-        let (acquired, timed, request) = match &config.breakers {
-            Breakers::One(breaker) => (breaker.try_acquire(), timed(breaker), request),
-            Breakers::Keyed(select) => {
+        // A breaker in the request's extensions overrides the layer's (per request).
+        let chosen = request.extensions().get::<CircuitBreaker>();
+        let (acquired, timed, request) = match (chosen, &config.breakers) {
+            (Some(breaker), _) | (None, Breakers::One(breaker)) => {
+                (breaker.try_acquire(), timed(breaker), request)
+            }
+            (None, Breakers::Keyed(select)) => {
                 let (parts, body) = request.into_parts();
                 let breaker = select.select(&parts);
                 let request = Request::from_parts(parts, body);
