@@ -132,23 +132,71 @@ impl<M> fmt::Debug for RetryBudgetLayer<M> {
     }
 }
 
-impl<S, M> Layer<S> for RetryBudgetLayer<M> {
-    type Service = EnforceBudget<S, M>;
+impl<S> Layer<S> for RetryBudgetLayer<AsError> {
+    type Service = EnforceBudget<S, AsError>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceBudget {
+        EnforceBudget::new(inner, &self.config)
+    }
+}
+
+impl<S> Layer<S> for RetryBudgetLayer<AsGrpcStatus> {
+    type Service = EnforceBudget<S, AsGrpcStatus>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        EnforceBudget::new(inner, &self.config)
+    }
+}
+
+impl<S> Layer<S> for RetryBudgetLayer<AsProblem> {
+    type Service = ServerBudget<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ServerBudget {
             inner,
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-/// The service of a [`RetryBudgetLayer`].
+/// Charges `config`'s budget for `request` unless a `RetryLayer` already did: `None`
+/// when admitted, `Some(grpc)` when refused.
+fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
+    if RetryCharged::covers(&config.budget, request.extensions()) {
+        return None;
+    }
+    let retry = request
+        .headers()
+        .get(config.convention.retry_attempt())
+        .and_then(|v| parse_retry_attempt(v.as_bytes()))
+        .is_some_and(|n| n >= 2);
+    if !retry {
+        config.budget.deposit();
+        None
+    } else if config.budget.withdraw(RetryCost::Failure) {
+        None
+    } else {
+        tracing::debug!("retry refused by the budget");
+        Some(is_grpc(request.headers()))
+    }
+}
+
+/// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure
+/// (the error [`BudgetExhausted`], or with `M` = [`AsGrpcStatus`] a synthesised status).
 pub struct EnforceBudget<S, M> {
     inner: S,
     config: Arc<Config>,
     _local: PhantomData<fn() -> M>,
+}
+
+impl<S, M> EnforceBudget<S, M> {
+    fn new(inner: S, config: &Arc<Config>) -> Self {
+        EnforceBudget {
+            inner,
+            config: config.clone(),
+            _local: PhantomData,
+        }
+    }
 }
 
 impl<S: Clone, M> Clone for EnforceBudget<S, M> {
@@ -185,30 +233,17 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        if !RetryCharged::covers(&self.config.budget, request.extensions()) {
-            let config = &self.config;
-            let retry = request
-                .headers()
-                .get(config.convention.retry_attempt())
-                .and_then(|v| parse_retry_attempt(v.as_bytes()))
-                .is_some_and(|n| n >= 2);
-            if !retry {
-                config.budget.deposit();
-            } else if !config.budget.withdraw(RetryCost::Failure) {
-                tracing::debug!("retry refused by the budget");
-                return ResponseFuture {
-                    kind: Kind::Refused {
-                        grpc: is_grpc(request.headers()),
-                        convention: Some(config.convention.clone()),
-                    },
-                    _local: PhantomData,
-                };
-            }
-        }
-        ResponseFuture {
-            kind: Kind::Inner {
+        let kind = match refuse(&self.config, &request) {
+            None => Kind::Inner {
                 future: self.inner.call(request),
             },
+            Some(grpc) => Kind::Refused {
+                grpc,
+                convention: Some(self.config.convention.clone()),
+            },
+        };
+        ResponseFuture {
+            kind,
             _local: PhantomData,
         }
     }
@@ -257,5 +292,102 @@ where
 impl<F, M> fmt::Debug for ResponseFuture<F, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}
+
+/// The service of a server-side [`RetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
+/// refusal is a 503 problem+json (gRPC: `UNAVAILABLE`) with `do-not-retry: 1`, and the
+/// inner service's error type is kept, so it fits axum's `Router::layer` and
+/// `route_layer` (which need `Infallible`).
+pub struct ServerBudget<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for ServerBudget<S> {
+    fn clone(&self) -> Self {
+        ServerBudget {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for ServerBudget<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerBudget")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerBudget<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    ResB: Default + From<bytes::Bytes>,
+{
+    type Response = Response<ResB>;
+    type Error = S::Error;
+    type Future = ServerResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let kind = match refuse(&self.config, &request) {
+            None => Kind::Inner {
+                future: self.inner.call(request),
+            },
+            Some(grpc) => Kind::Refused {
+                grpc,
+                convention: Some(self.config.convention.clone()),
+            },
+        };
+        ServerResponseFuture { kind }
+    }
+}
+
+pin_project! {
+    /// The response future of [`ServerBudget`].
+    pub struct ServerResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+impl<F, ResB, E> Future for ServerResponseFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    ResB: Default + From<bytes::Bytes>,
+{
+    type Output = Result<Response<ResB>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Inner { future } => future.poll(cx),
+            KindProj::Refused { grpc, convention } => {
+                let convention = convention.take().unwrap_or_default();
+                let answer = <AsProblem as LocalFailure<ResB>>::answer(
+                    *grpc,
+                    Box::new(BudgetExhausted::new()),
+                    &convention,
+                );
+                // `AsProblem` answers a `BudgetExhausted` with a response, always.
+                Poll::Ready(Ok(answer.unwrap_or_else(|_| {
+                    let mut response = Response::new(ResB::default());
+                    *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
+                    response
+                })))
+            }
+        }
+    }
+}
+
+impl<F> fmt::Debug for ServerResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerResponseFuture")
+            .finish_non_exhaustive()
     }
 }

@@ -18,7 +18,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::error_handling::HandleErrorLayer;
 use axum::extract::{Request as AxumRequest, State};
 use axum::response::{IntoResponse, Response as AxumResponse};
 use axum::routing::{get, post};
@@ -42,7 +41,7 @@ use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::IdempotencyLayer;
-use retrysafe_tower::local::{AsError, BoxError};
+use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
 use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
 use tokio::net::TcpListener;
@@ -319,10 +318,8 @@ async fn an_edge_drops_forged_convention_headers() {
     config.min_per_sec = 0;
     config.retry_ratio = 0.0;
     let budget = RetryBudget::ratio_with(config).unwrap();
+    // (The server form keeps the router's `Infallible` error: no `HandleErrorLayer`.)
     let app = tower::ServiceBuilder::new()
-        .layer(HandleErrorLayer::new(|e: BoxError| async move {
-            (StatusCode::INTERNAL_SERVER_ERROR, e.to_string())
-        }))
         .layer(EdgeLayer::new())
         .layer(RetryBudgetLayer::new(budget).server())
         .service(router);
