@@ -88,13 +88,13 @@ use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions, PgSslMode};
+use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use retrysafe_postgres::sqlx::{self, PgPool};
+use retrysafe_postgres::test_util::WireProxy;
 use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, Value};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -1206,7 +1206,7 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
     }
 
     // PostgreSQL, through a counting proxy.
-    let proxy = Proxy::start(&env.pg_options).await?;
+    let proxy = WireProxy::start(&env.pg_options).await?;
     let store = env
         .pg_store("counted", proxy.connect_options(&env.pg_options), None)
         .await?;
@@ -1297,182 +1297,6 @@ async fn pg_xid_wal(pool: &PgPool) -> Res<(i64, i64)> {
     )
     .fetch_one(pool)
     .await?)
-}
-
-/// What a [`Proxy`] saw the clients send, by PostgreSQL frontend message. In the
-/// extended protocol the client waits for the server at each `Sync` (and at a simple
-/// `Query`): each is one round trip. A batch up to a `Sync` with an `Execute` runs a
-/// statement; one with a `Parse` and no `Execute` prepares one; an empty one is a ping.
-#[derive(Debug, Default)]
-struct Counts {
-    statements: AtomicU64,
-    prepares: AtomicU64,
-    pings: AtomicU64,
-    simple_queries: AtomicU64,
-    connections: AtomicU64,
-}
-
-#[derive(Debug, Clone, Copy, Default)]
-struct Seen {
-    statements: u64,
-    prepares: u64,
-    pings: u64,
-    simple_queries: u64,
-    connections: u64,
-}
-
-impl std::ops::Sub for Seen {
-    type Output = Seen;
-    fn sub(self, o: Seen) -> Seen {
-        Seen {
-            statements: self.statements - o.statements,
-            prepares: self.prepares - o.prepares,
-            pings: self.pings - o.pings,
-            simple_queries: self.simple_queries - o.simple_queries,
-            connections: self.connections - o.connections,
-        }
-    }
-}
-
-/// A TCP proxy in front of PostgreSQL that counts the client's round trips (the
-/// approach of `crates/retrysafe-postgres/tests/support`).
-struct Proxy {
-    addr: SocketAddr,
-    counts: Arc<Counts>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
-
-impl Proxy {
-    async fn start(upstream: &PgConnectOptions) -> Res<Proxy> {
-        let target = format!("{}:{}", upstream.get_host(), upstream.get_port());
-        let listener = TcpListener::bind("127.0.0.1:0").await?;
-        let addr = listener.local_addr()?;
-        let counts = Arc::new(Counts::default());
-        let task = {
-            let counts = Arc::clone(&counts);
-            tokio::spawn(async move {
-                while let Ok((client, _)) = listener.accept().await {
-                    let Ok(server) = TcpStream::connect(&target).await else {
-                        continue;
-                    };
-                    let _ = client.set_nodelay(true);
-                    let _ = server.set_nodelay(true);
-                    counts.connections.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(pipe(client, server, Arc::clone(&counts)));
-                }
-            })
-        };
-        Ok(Proxy { addr, counts, task })
-    }
-
-    /// Options to PostgreSQL through the proxy (TLS off, so the protocol can be read).
-    fn connect_options(&self, upstream: &PgConnectOptions) -> PgConnectOptions {
-        upstream
-            .clone()
-            .host("127.0.0.1")
-            .port(self.addr.port())
-            .ssl_mode(PgSslMode::Disable)
-    }
-
-    fn seen(&self) -> Seen {
-        let c = &self.counts;
-        let get = |a: &AtomicU64| a.load(Ordering::SeqCst);
-        Seen {
-            statements: get(&c.statements),
-            prepares: get(&c.prepares),
-            pings: get(&c.pings),
-            simple_queries: get(&c.simple_queries),
-            connections: get(&c.connections),
-        }
-    }
-}
-
-async fn pipe(client: TcpStream, server: TcpStream, counts: Arc<Counts>) {
-    let (mut client_rx, mut client_tx) = client.into_split();
-    let (mut server_rx, mut server_tx) = server.into_split();
-    let back = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
-        let _ = client_tx.shutdown().await;
-    });
-    let mut parser = Parser::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match client_rx.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        parser.feed(&buf[..n], &counts);
-        if server_tx.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    let _ = server_tx.shutdown().await;
-    let _ = back.await;
-}
-
-/// Splits the client's byte stream into frontend messages.
-#[derive(Default)]
-struct Parser {
-    started: bool,
-    pending: Vec<u8>,
-    saw_execute: bool,
-    saw_parse: bool,
-}
-
-impl Parser {
-    fn feed(&mut self, bytes: &[u8], counts: &Counts) {
-        self.pending.extend_from_slice(bytes);
-        loop {
-            if !self.started {
-                // The startup packet: length, protocol version, parameters (no type).
-                if self.pending.len() < 4 {
-                    return;
-                }
-                let len = u32::from_be_bytes(self.pending[..4].try_into().unwrap()) as usize;
-                if self.pending.len() < len {
-                    return;
-                }
-                self.pending.drain(..len);
-                self.started = true;
-                continue;
-            }
-            if self.pending.len() < 5 {
-                return;
-            }
-            let kind = self.pending[0];
-            let len = u32::from_be_bytes(self.pending[1..5].try_into().unwrap()) as usize;
-            if self.pending.len() < 1 + len {
-                return;
-            }
-            self.pending.drain(..1 + len);
-            match kind {
-                b'P' => self.saw_parse = true,
-                b'E' => self.saw_execute = true,
-                b'Q' => {
-                    counts.simple_queries.fetch_add(1, Ordering::SeqCst);
-                }
-                b'S' => {
-                    let counter = if self.saw_execute {
-                        &counts.statements
-                    } else if self.saw_parse {
-                        &counts.prepares
-                    } else {
-                        &counts.pings
-                    };
-                    counter.fetch_add(1, Ordering::SeqCst);
-                    self.saw_execute = false;
-                    self.saw_parse = false;
-                }
-                _ => {}
-            }
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------

@@ -92,6 +92,8 @@
 
 mod sql;
 mod store;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 pub mod tx;
 
 pub use store::{PostgresStore, PostgresStoreBuilder, SweeperHandle, Swept};

@@ -9,21 +9,17 @@
     missing_docs
 )]
 
-use std::net::SocketAddr;
 use std::ops::Deref;
 use std::str::FromStr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use retrysafe_core::idempotency::{Completed, Record, RecordId, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgSslMode};
+use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
+use retrysafe_postgres::test_util::{Seen, WireProxy};
 use retrysafe_postgres::{PostgresStore, PostgresStoreBuilder};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -201,202 +197,31 @@ impl IdempotencyStore for TestStore {
     }
 }
 
-/// What a [`Proxy`] saw the clients send, by PostgreSQL frontend message.
-///
-/// In the extended query protocol a client waits for the server at each `Sync` (and a
-/// simple `Query`): each is one round trip. A batch up to a `Sync` that holds an
-/// `Execute` runs a statement; one that holds a `Parse` (and no `Execute`) prepares
-/// one; an empty one is a ping (sqlx pings connections as they return to the pool).
-#[derive(Debug, Default)]
-pub struct Counts {
-    pub statements: AtomicU64,
-    pub prepares: AtomicU64,
-    pub pings: AtomicU64,
-    pub simple_queries: AtomicU64,
-    pub connections: AtomicU64,
-}
-
-/// A snapshot of [`Counts`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Seen {
-    pub statements: u64,
-    pub prepares: u64,
-    pub pings: u64,
-    pub simple_queries: u64,
-    pub connections: u64,
-}
-
-impl std::ops::Sub for Seen {
-    type Output = Seen;
-    fn sub(self, o: Seen) -> Seen {
-        Seen {
-            statements: self.statements - o.statements,
-            prepares: self.prepares - o.prepares,
-            pings: self.pings - o.pings,
-            simple_queries: self.simple_queries - o.simple_queries,
-            connections: self.connections - o.connections,
-        }
-    }
-}
-
-/// A TCP proxy in front of the PostgreSQL of `DATABASE_URL` that counts the client's
-/// round trips, and can stop forwarding ("freeze") to play a server that hangs.
+/// The round-trip counting proxy of the crate's `test-util` feature, in front of the
+/// PostgreSQL of `DATABASE_URL`.
 #[derive(Debug)]
-pub struct Proxy {
-    pub addr: SocketAddr,
-    counts: Arc<Counts>,
-    frozen: watch::Sender<bool>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for Proxy {
-    fn drop(&mut self) {
-        self.task.abort();
-    }
-}
+pub struct Proxy(WireProxy);
 
 impl Proxy {
     pub async fn start() -> Proxy {
-        let upstream = connect_options();
-        let target = format!("{}:{}", upstream.get_host(), upstream.get_port());
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let counts = Arc::new(Counts::default());
-        let (frozen, frozen_rx) = watch::channel(false);
-        let task = {
-            let counts = Arc::clone(&counts);
-            tokio::spawn(async move {
-                while let Ok((client, _)) = listener.accept().await {
-                    let server = TcpStream::connect(&target)
-                        .await
-                        .unwrap_or_else(|e| unreachable(e));
-                    counts.connections.fetch_add(1, Ordering::Relaxed);
-                    tokio::spawn(pipe(client, server, Arc::clone(&counts), frozen_rx.clone()));
-                }
-            })
-        };
-        Proxy {
-            addr,
-            counts,
-            frozen,
-            task,
-        }
+        Proxy(
+            WireProxy::start(&connect_options())
+                .await
+                .unwrap_or_else(|e| unreachable(e)),
+        )
     }
 
-    /// Connection options to PostgreSQL through the proxy (TLS off, so that the
-    /// protocol can be read).
+    /// Connection options to PostgreSQL through the proxy.
     pub fn connect_options(&self) -> PgConnectOptions {
-        connect_options()
-            .host("127.0.0.1")
-            .port(self.addr.port())
-            .ssl_mode(PgSslMode::Disable)
+        self.0.connect_options(&connect_options())
     }
 
     pub fn seen(&self) -> Seen {
-        let c = &self.counts;
-        let get = |a: &AtomicU64| a.load(Ordering::SeqCst);
-        Seen {
-            statements: get(&c.statements),
-            prepares: get(&c.prepares),
-            pings: get(&c.pings),
-            simple_queries: get(&c.simple_queries),
-            connections: get(&c.connections),
-        }
+        self.0.seen()
     }
 
     /// Stops (or resumes) forwarding client bytes to the server.
     pub fn freeze(&self, frozen: bool) {
-        self.frozen.send_replace(frozen);
-    }
-}
-
-async fn pipe(
-    client: TcpStream,
-    server: TcpStream,
-    counts: Arc<Counts>,
-    mut frozen: watch::Receiver<bool>,
-) {
-    let (mut client_rx, mut client_tx) = client.into_split();
-    let (mut server_rx, mut server_tx) = server.into_split();
-    let back = tokio::spawn(async move {
-        let _ = tokio::io::copy(&mut server_rx, &mut client_tx).await;
-        let _ = client_tx.shutdown().await;
-    });
-    let mut parser = Parser::default();
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match client_rx.read(&mut buf).await {
-            Ok(0) | Err(_) => break,
-            Ok(n) => n,
-        };
-        // Frozen: hold the bytes until thawed.
-        if frozen.wait_for(|f| !*f).await.is_err() {
-            break;
-        }
-        parser.feed(&buf[..n], &counts);
-        if server_tx.write_all(&buf[..n]).await.is_err() {
-            break;
-        }
-    }
-    let _ = server_tx.shutdown().await;
-    let _ = back.await;
-}
-
-/// Splits the client's byte stream into frontend messages.
-#[derive(Default)]
-struct Parser {
-    started: bool,
-    pending: Vec<u8>,
-    saw_execute: bool,
-    saw_parse: bool,
-}
-
-impl Parser {
-    fn feed(&mut self, bytes: &[u8], counts: &Counts) {
-        self.pending.extend_from_slice(bytes);
-        loop {
-            if !self.started {
-                // The startup packet: length, protocol version, parameters (no type).
-                if self.pending.len() < 4 {
-                    return;
-                }
-                let len = u32::from_be_bytes(self.pending[..4].try_into().unwrap()) as usize;
-                if self.pending.len() < len {
-                    return;
-                }
-                self.pending.drain(..len);
-                self.started = true;
-                continue;
-            }
-            if self.pending.len() < 5 {
-                return;
-            }
-            let kind = self.pending[0];
-            let len = u32::from_be_bytes(self.pending[1..5].try_into().unwrap()) as usize;
-            if self.pending.len() < 1 + len {
-                return;
-            }
-            self.pending.drain(..1 + len);
-            match kind {
-                b'P' => self.saw_parse = true,
-                b'E' => self.saw_execute = true,
-                b'Q' => {
-                    counts.simple_queries.fetch_add(1, Ordering::SeqCst);
-                }
-                b'S' => {
-                    let counter = if self.saw_execute {
-                        &counts.statements
-                    } else if self.saw_parse {
-                        &counts.prepares
-                    } else {
-                        &counts.pings
-                    };
-                    counter.fetch_add(1, Ordering::SeqCst);
-                    self.saw_execute = false;
-                    self.saw_parse = false;
-                }
-                _ => {}
-            }
-        }
+        self.0.freeze(frozen);
     }
 }
