@@ -9,8 +9,17 @@
 //! [`RetryLayer`](crate::retry::RetryLayer)) pick it up without plumbing: their deadline
 //! shrinks, a caller that is the retry point gets one attempt per outbound call, and
 //! when they give up they record `downstream_gave_up`. Then this layer marks the
-//! server's own failure response (5xx, or a gRPC error status in the head)
-//! `do-not-retry: 1`, so a chain of services retries at one layer only.
+//! server's own failure response `do-not-retry: 1`, so a chain of services retries at
+//! one layer only:
+//!
+//! - a 5xx, or a gRPC error status in the head (a Trailers-Only response, which is how
+//!   tonic answers a unary call that failed): the marker goes into the head;
+//! - a gRPC response whose status comes in the trailers, after its headers and messages
+//!   (a streaming call): the body is watched through [`ResponseBody`], and an error
+//!   status in the trailers gets the marker in the trailers, where gRPC clients read the
+//!   status and its metadata. An outbound call that gives up while the stream is being
+//!   produced counts too: the context stays current while such a body is polled, so
+//!   the outbound client layers of a streaming handler inherit it as well.
 //!
 //! A malformed inbound timeout is ignored here (the server form of the `DeadlineLayer`
 //! answers 400 instead). Put an [`EdgeLayer`](crate::edge::EdgeLayer) before this layer at
@@ -51,12 +60,14 @@
 
 use std::fmt;
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use http::{HeaderMap, Request, Response};
+use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use retrysafe_core::classify::is_grpc;
 use retrysafe_core::wire::{
@@ -206,9 +217,9 @@ impl<S, ReqB, ResB> Service<Request<ReqB>> for Propagate<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
-    type Response = Response<ResB>;
+    type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future>;
+    type Future = ResponseFuture<S::Future, HeadAndTrailers>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -221,32 +232,59 @@ where
         });
         let ctx = self.inbound.attach(&mut request, timeout);
         let future = ctx.clone().sync_scope(|| self.inner.call(request));
-        ResponseFuture::new(future, ctx, &self.inbound.convention)
+        ResponseFuture::marking(future, ctx, &self.inbound.convention)
     }
 }
 
+/// A [`ResponseFuture`] that marks the response head only, and passes the body as it is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadOnly;
+
+/// A [`ResponseFuture`] that marks the response head and, through a [`ResponseBody`],
+/// the trailers of a gRPC response whose status comes after its headers (what
+/// [`Propagate`] uses).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct HeadAndTrailers;
+
 pin_project! {
     /// The response future of [`Propagate`]: the inner future with the context current,
-    /// marking a failure `do-not-retry: 1` when downstream gave up.
-    pub struct ResponseFuture<F> {
+    /// marking a failure `do-not-retry: 1` when downstream gave up — in the head, and
+    /// with `W` = [`HeadAndTrailers`] also in the trailers (see [`ResponseBody`]).
+    pub struct ResponseFuture<F, W = HeadOnly> {
         #[pin]
         inner: Scoped<F>,
         ctx: CallContext,
         do_not_retry: http::HeaderName,
+        _marks: PhantomData<fn() -> W>,
     }
 }
 
-impl<F: Future> ResponseFuture<F> {
+impl<F: Future> ResponseFuture<F, HeadOnly> {
+    /// Marks the head only.
     pub(crate) fn new(future: F, ctx: CallContext, convention: &Convention) -> Self {
+        ResponseFuture::with_marks(future, ctx, convention)
+    }
+}
+
+impl<F: Future> ResponseFuture<F, HeadAndTrailers> {
+    /// Marks the head, and the trailers through a [`ResponseBody`].
+    pub(crate) fn marking(future: F, ctx: CallContext, convention: &Convention) -> Self {
+        ResponseFuture::with_marks(future, ctx, convention)
+    }
+}
+
+impl<F: Future, W> ResponseFuture<F, W> {
+    fn with_marks(future: F, ctx: CallContext, convention: &Convention) -> Self {
         ResponseFuture {
             inner: ctx.clone().scope(future),
             ctx,
             do_not_retry: convention.do_not_retry().clone(),
+            _marks: PhantomData,
         }
     }
 }
 
-impl<F, ResB, E> Future for ResponseFuture<F>
+impl<F, ResB, E> Future for ResponseFuture<F, HeadOnly>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
 {
@@ -255,30 +293,171 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let mut response = ready!(this.inner.poll(cx))?;
-        if this.ctx.downstream_gave_up() && is_failure(&response) {
-            response
-                .headers_mut()
-                .insert(this.do_not_retry.clone(), DO_NOT_RETRY_VALUE);
-        }
+        mark_head(&mut response, this.ctx, this.do_not_retry);
         Poll::Ready(Ok(response))
     }
 }
+
+impl<F, ResB, E> Future for ResponseFuture<F, HeadAndTrailers>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let mut response = ready!(this.inner.poll(cx))?;
+        mark_head(&mut response, this.ctx, this.do_not_retry);
+        // A gRPC response without a status in its head: the status comes in the
+        // trailers, which the body watches.
+        let watch = is_grpc(response.headers()) && !response.headers().contains_key(GRPC_STATUS);
+        Poll::Ready(Ok(if watch {
+            let watch = Watch {
+                ctx: this.ctx.clone(),
+                do_not_retry: this.do_not_retry.clone(),
+            };
+            response.map(|body| ResponseBody {
+                inner: body,
+                watch: Some(watch),
+            })
+        } else {
+            response.map(ResponseBody::plain)
+        }))
+    }
+}
+
+/// Marks a failure `do-not-retry: 1` in the head when downstream gave up.
+fn mark_head<B>(response: &mut Response<B>, ctx: &CallContext, do_not_retry: &http::HeaderName) {
+    if ctx.downstream_gave_up() && is_failure(response) {
+        response
+            .headers_mut()
+            .insert(do_not_retry.clone(), DO_NOT_RETRY_VALUE);
+    }
+}
+
+const GRPC_STATUS: &str = "grpc-status";
 
 /// A 5xx, or a gRPC error status in the head (a Trailers-Only response).
 pub(crate) fn is_failure<B>(response: &Response<B>) -> bool {
     if response.status().is_server_error() {
         return true;
     }
-    response
-        .headers()
-        .get("grpc-status")
+    is_grpc_error(response.headers())
+}
+
+/// A `grpc-status` other than `0` (OK).
+fn is_grpc_error(headers: &HeaderMap) -> bool {
+    headers
+        .get(GRPC_STATUS)
         .is_some_and(|v| v.as_bytes() != b"0")
 }
 
-impl<F> fmt::Debug for ResponseFuture<F> {
+impl<F, W> fmt::Debug for ResponseFuture<F, W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("ctx", &self.ctx)
             .finish_non_exhaustive()
+    }
+}
+
+/// What a watched body needs: the context and the marker's name.
+struct Watch {
+    ctx: CallContext,
+    do_not_retry: http::HeaderName,
+}
+
+pin_project! {
+    /// The response body of [`Propagate`]: the inner body, with every frame, `size_hint`
+    /// and `is_end_stream` passed through.
+    ///
+    /// For a gRPC response whose head carries no status (a streaming call: headers
+    /// first, the status in the trailers), the body is *watched*: while it is polled the
+    /// request's [`CallContext`] is current (so the outbound client layers of the code
+    /// producing the stream inherit it), and when the trailers carry an error status and
+    /// an outbound call made for this request gave up, they get `do-not-retry: 1`. Every
+    /// other body is passed through as it is.
+    pub struct ResponseBody<B> {
+        #[pin]
+        inner: B,
+        watch: Option<Watch>,
+    }
+}
+
+impl<B> ResponseBody<B> {
+    /// A body passed through as it is.
+    pub(crate) fn plain(inner: B) -> Self {
+        ResponseBody { inner, watch: None }
+    }
+
+    /// The inner body.
+    pub fn get_ref(&self) -> &B {
+        &self.inner
+    }
+
+    /// Whether the trailers are still watched (a gRPC stream not yet at its end).
+    pub fn is_watched(&self) -> bool {
+        self.watch.is_some()
+    }
+}
+
+impl<B: Body> Body for ResponseBody<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = self.project();
+        let Some(watch) = this.watch.as_ref() else {
+            return this.inner.poll_frame(cx);
+        };
+        let inner = this.inner;
+        let frame = ready!(watch.ctx.clone().sync_scope(|| inner.poll_frame(cx)));
+        match frame {
+            Some(Ok(frame)) if frame.is_trailers() => {
+                let Some(watch) = this.watch.take() else {
+                    return Poll::Ready(Some(Ok(frame)));
+                };
+                Poll::Ready(Some(Ok(match frame.into_trailers() {
+                    Ok(mut trailers) => {
+                        if watch.ctx.downstream_gave_up() && is_grpc_error(&trailers) {
+                            trailers.insert(watch.do_not_retry, DO_NOT_RETRY_VALUE);
+                        }
+                        Frame::trailers(trailers)
+                    }
+                    Err(frame) => frame,
+                })))
+            }
+            Some(Ok(frame)) => Poll::Ready(Some(Ok(frame))),
+            other => {
+                // The end, or an error: no trailers to mark.
+                *this.watch = None;
+                Poll::Ready(other)
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl<B: Default> Default for ResponseBody<B> {
+    fn default() -> Self {
+        ResponseBody::plain(B::default())
+    }
+}
+
+impl<B: fmt::Debug> fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseBody")
+            .field("inner", &self.inner)
+            .field("watched", &self.is_watched())
+            .finish()
     }
 }

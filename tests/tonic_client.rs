@@ -1,0 +1,562 @@
+//! The full client stack of DESIGN §6 on a tonic `Channel`, wrapped by a generated
+//! client (`grpc.health.v1` from tonic-health), against real tonic servers on loopback —
+//! the gRPC twin of `client_stack.rs`:
+//!
+//! `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer` → the one
+//! adapter line (`ReplayBody<tonic::body::Body>` into `tonic::body::Body`) → `Channel`,
+//! every layer answering its local failures as synthesised gRPC statuses.
+//!
+//! A scripted `Health` server answers each call with the next step of its script
+//! (Trailers-Only statuses, as tonic sends a failed unary call) and records the
+//! convention headers of every attempt. Retries follow gRFC A6: `UNAVAILABLE` is retried,
+//! `RESOURCE_EXHAUSTED` only with a pushback, a negative pushback never, and a status in
+//! the trailers of a stream never. Local failures reach the generated client with the
+//! right code — `DEADLINE_EXCEEDED` or `UNAVAILABLE`, never `UNKNOWN`. No timing
+//! assertions: only counts, codes, headers and orderings.
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs,
+    unreachable_pub
+)]
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use futures_util::stream::{self, BoxStream};
+use http::{Request, Response};
+use retrysafe::breaker::ResponseBody;
+use retrysafe::core::backoff::{Backoff, Jitter};
+use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+use retrysafe::core::budget::RatioConfig;
+use retrysafe::core::strategy::Idempotent;
+use retrysafe::wire::parse_grpc_timeout;
+use retrysafe::{
+    CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
+    StandardRetryStrategy,
+};
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tonic::body::Body as GrpcBody;
+use tonic::metadata::{MetadataMap, MetadataValue};
+use tonic::transport::server::TcpIncoming;
+use tonic::transport::{Channel, Server};
+use tonic::{Code, Status};
+use tonic_health::pb::health_check_response::ServingStatus;
+use tonic_health::pb::health_client::HealthClient;
+use tonic_health::pb::health_server::{Health, HealthServer};
+use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
+use tower::util::{BoxCloneSyncService, MapRequestLayer};
+use tower::ServiceBuilder;
+
+/// The client stack as one cloneable type, for `HealthClient::new`. Its error is a
+/// `tonic::Status` (the outermost `map_err`, which is what the generated client makes of
+/// any error anyway): with `BoxError` inside a boxed service, a generated client's call
+/// cannot be awaited where `Send` is required — in a tonic handler, or a spawned task —
+/// because of rustc's "implementation of `From` is not general enough" limitation
+/// (rust-lang/rust#64552).
+type Stack = BoxCloneSyncService<Request<GrpcBody>, Response<ResponseBody<GrpcBody>>, Status>;
+type Client = HealthClient<Stack>;
+
+// ---------------------------------------------------------------------------------------
+// The scripted server
+// ---------------------------------------------------------------------------------------
+
+/// What the server does with one call.
+#[derive(Debug, Clone)]
+enum Step {
+    /// Answers with this serving status.
+    Serve(ServingStatus),
+    /// Fails with `code` (Trailers-Only), with this `grpc-retry-pushback-ms`, if any.
+    Fail(Code, Option<&'static str>),
+    /// Waits until the script is released, then answers SERVING.
+    Hang,
+}
+
+/// The convention headers one attempt carried, as the server saw them.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: &'static str,
+    previous_attempts: Option<String>,
+    retry_attempt: Option<String>,
+    grpc_timeout: Option<Duration>,
+}
+
+#[derive(Debug, Default)]
+struct Script {
+    steps: Mutex<VecDeque<Step>>,
+    seen: Mutex<Vec<Seen>>,
+    arrived: Notify,
+    release: Notify,
+}
+
+impl Script {
+    fn new(steps: impl IntoIterator<Item = Step>) -> Arc<Self> {
+        Arc::new(Script {
+            steps: Mutex::new(steps.into_iter().collect()),
+            ..Script::default()
+        })
+    }
+
+    /// Records an attempt and takes its step (SERVING once the script is spent).
+    fn next(&self, method: &'static str, metadata: &MetadataMap) -> Step {
+        let text = |name: &str| metadata.get(name).map(|v| v.to_str().unwrap().to_owned());
+        self.seen.lock().unwrap().push(Seen {
+            method,
+            previous_attempts: text("grpc-previous-rpc-attempts"),
+            retry_attempt: text("retry-attempt"),
+            grpc_timeout: text("grpc-timeout").map(|t| parse_grpc_timeout(t.as_bytes()).unwrap()),
+        });
+        self.steps
+            .lock()
+            .unwrap()
+            .pop_front()
+            .unwrap_or(Step::Serve(ServingStatus::Serving))
+    }
+
+    fn calls(&self) -> usize {
+        self.seen.lock().unwrap().len()
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+fn answer(status: ServingStatus) -> HealthCheckResponse {
+    HealthCheckResponse {
+        status: status.into(),
+    }
+}
+
+fn failure(code: Code, pushback: Option<&'static str>) -> Status {
+    let mut status = Status::new(code, format!("scripted {code:?}"));
+    if let Some(ms) = pushback {
+        status
+            .metadata_mut()
+            .insert("grpc-retry-pushback-ms", MetadataValue::from_static(ms));
+    }
+    status
+}
+
+struct Scripted(Arc<Script>);
+
+#[tonic::async_trait]
+impl Health for Scripted {
+    async fn check(
+        &self,
+        request: tonic::Request<HealthCheckRequest>,
+    ) -> Result<tonic::Response<HealthCheckResponse>, Status> {
+        match self.0.next("check", request.metadata()) {
+            Step::Serve(status) => Ok(tonic::Response::new(answer(status))),
+            Step::Fail(code, pushback) => Err(failure(code, pushback)),
+            Step::Hang => {
+                self.0.arrived.notify_one();
+                self.0.release.notified().await;
+                Ok(tonic::Response::new(answer(ServingStatus::Serving)))
+            }
+        }
+    }
+
+    type WatchStream = BoxStream<'static, Result<HealthCheckResponse, Status>>;
+
+    /// Headers and one SERVING message first, then `UNAVAILABLE` in the trailers.
+    async fn watch(
+        &self,
+        request: tonic::Request<HealthCheckRequest>,
+    ) -> Result<tonic::Response<Self::WatchStream>, Status> {
+        self.0.next("watch", request.metadata());
+        let items = vec![
+            Ok(answer(ServingStatus::Serving)),
+            Err(Status::unavailable("the stream broke")),
+        ];
+        Ok(tonic::Response::new(stream::iter(items).boxed()))
+    }
+}
+
+/// Serves `script` on 127.0.0.1:0; at most `limit` concurrent calls per connection.
+async fn serve(script: &Arc<Script>, limit: Option<usize>) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut builder = Server::builder();
+    if let Some(n) = limit {
+        builder = builder.concurrency_limit_per_connection(n);
+    }
+    let router = builder.add_service(HealthServer::new(Scripted(script.clone())));
+    tokio::spawn(router.serve_with_incoming(TcpIncoming::from(listener)));
+    addr
+}
+
+fn channel(addr: SocketAddr) -> Channel {
+    Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_lazy()
+}
+
+// ---------------------------------------------------------------------------------------
+// The client stack
+// ---------------------------------------------------------------------------------------
+
+/// How a test builds its stack.
+struct Config {
+    deadline: Duration,
+    /// Declares the read-only Health methods idempotent (`idempotent_if`).
+    idempotent_if: bool,
+    strategy_budget: RetryBudget,
+    layer_budget: RetryBudget,
+    breaker: CircuitBreaker,
+    /// Receives the delay of every retry.
+    delays: Arc<Mutex<Vec<Duration>>>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        let budget = RetryBudget::ratio();
+        Config {
+            deadline: Duration::from_secs(5),
+            idempotent_if: true,
+            strategy_budget: budget.clone(),
+            layer_budget: budget,
+            breaker: breaker(10),
+            delays: Arc::default(),
+        }
+    }
+}
+
+/// A count window of the last 10 calls, opening at 50 % failures of `minimum_calls`,
+/// open for a minute (no half-open probe during a test).
+fn breaker(minimum_calls: u32) -> CircuitBreaker {
+    let mut config = BreakerConfig::default();
+    config.window = SlidingWindow::count(10, 10);
+    config.minimum_calls = minimum_calls;
+    config.open_duration = Duration::from_secs(60);
+    config.max_open_duration = Duration::from_secs(60);
+    CircuitBreaker::new(config).unwrap()
+}
+
+/// A budget that never affords a retry.
+fn empty_budget() -> RetryBudget {
+    let mut config = RatioConfig::default();
+    config.min_per_sec = 0;
+    config.retry_ratio = 0.0;
+    RetryBudget::ratio_with(config).unwrap()
+}
+
+fn is_health_method(parts: &http::request::Parts) -> bool {
+    parts.uri.path().starts_with("/grpc.health.v1.Health/")
+}
+
+/// The §6 stack over `channel`: 3 attempts with a 1–5 ms seeded backoff.
+fn stack(channel: Channel, config: &Config) -> Stack {
+    let backoff = Backoff::new(
+        Duration::from_millis(1),
+        Duration::from_millis(5),
+        Jitter::Full,
+    )
+    .unwrap();
+    let strategy = StandardRetryStrategy::new()
+        .backoff(backoff)
+        .budget(config.strategy_budget.clone())
+        .seed(6);
+    let delays = config.delays.clone();
+    let mut retry = RetryLayer::new()
+        .strategy(strategy)
+        .on_retry(move |event| delays.lock().unwrap().push(event.delay));
+    if config.idempotent_if {
+        retry = retry.idempotent_if(is_health_method);
+    }
+    let svc = ServiceBuilder::new()
+        .map_err(Status::from_error)
+        .layer(DeadlineLayer::new(config.deadline).unwrap().grpc_statuses())
+        .layer(retry.grpc_statuses())
+        .layer(RetryBudgetLayer::new(config.layer_budget.clone()).grpc_statuses())
+        .layer(CircuitBreakerLayer::new(config.breaker.clone()).grpc_statuses())
+        // The one adapter line: `Channel` takes only `tonic::body::Body`.
+        .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
+            r.map(GrpcBody::new)
+        }))
+        .service(channel);
+    BoxCloneSyncService::new(svc)
+}
+
+fn client(addr: SocketAddr, config: &Config) -> Client {
+    HealthClient::new(stack(channel(addr), config))
+}
+
+fn check_request() -> HealthCheckRequest {
+    HealthCheckRequest {
+        service: String::new(),
+    }
+}
+
+async fn check(client: &mut Client) -> Result<ServingStatus, Status> {
+    let response = client.check(check_request()).await?;
+    Ok(response.into_inner().status())
+}
+
+fn do_not_retry(status: &Status) -> Option<&str> {
+    status
+        .metadata()
+        .get("do-not-retry")
+        .map(|v| v.to_str().unwrap())
+}
+
+// ---------------------------------------------------------------------------------------
+// Retries (gRFC A6)
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn unavailable_then_ok_is_retried_with_the_attempt_headers() {
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let mut client = client(addr, &Config::default());
+
+    assert_eq!(check(&mut client).await.unwrap(), ServingStatus::Serving);
+
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert!(seen.iter().all(|s| s.method == "check"));
+    assert_eq!(seen[0].previous_attempts, None);
+    assert_eq!(seen[0].retry_attempt, None);
+    assert_eq!(seen[1].previous_attempts.as_deref(), Some("1"));
+    assert_eq!(seen[1].retry_attempt.as_deref(), Some("2"));
+}
+
+#[tokio::test]
+async fn a_check_is_sent_once_unless_declared_idempotent() {
+    // gRPC calls are POSTs: not safe to repeat by default.
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let undeclared = Config {
+        idempotent_if: false,
+        ..Config::default()
+    };
+    let mut plain = client(addr, &undeclared);
+    let status = check(&mut plain).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(status.message(), "scripted Unavailable");
+    assert_eq!(script.calls(), 1);
+
+    // The `Idempotent` request extension declares one call safe: it travels from the
+    // tonic request into the http request the stack sees.
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let mut plain = client(addr, &undeclared);
+    let mut request = tonic::Request::new(check_request());
+    request.extensions_mut().insert(Idempotent);
+    let response = plain.check(request).await.unwrap();
+    assert_eq!(response.into_inner().status(), ServingStatus::Serving);
+    assert_eq!(script.calls(), 2);
+}
+
+#[tokio::test]
+async fn resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay() {
+    let script = Script::new([Step::Fail(Code::ResourceExhausted, None)]);
+    let addr = serve(&script, None).await;
+    let config = Config::default();
+    let mut client_a = client(addr, &config);
+    let status = check(&mut client_a).await.unwrap_err();
+    assert_eq!(status.code(), Code::ResourceExhausted);
+    assert_eq!(script.calls(), 1);
+    assert!(config.delays.lock().unwrap().is_empty());
+
+    let script = Script::new([Step::Fail(Code::ResourceExhausted, Some("7"))]);
+    let addr = serve(&script, None).await;
+    let config = Config::default();
+    let mut client_b = client(addr, &config);
+    assert_eq!(check(&mut client_b).await.unwrap(), ServingStatus::Serving);
+    assert_eq!(script.calls(), 2);
+    // gRFC A6: the pushback is the delay itself, not a minimum.
+    assert_eq!(*config.delays.lock().unwrap(), [Duration::from_millis(7)]);
+}
+
+#[tokio::test]
+async fn a_negative_pushback_is_never_retried() {
+    for code in [Code::Unavailable, Code::ResourceExhausted] {
+        let script = Script::new([Step::Fail(code, Some("-1"))]);
+        let addr = serve(&script, None).await;
+        let mut client = client(addr, &Config::default());
+        let status = check(&mut client).await.unwrap_err();
+        assert_eq!(status.code(), code);
+        assert_eq!(
+            script.calls(),
+            1,
+            "{code:?} with a negative pushback was retried"
+        );
+    }
+}
+
+#[tokio::test]
+async fn a_status_in_the_trailers_of_a_stream_is_never_retried() {
+    let script = Script::new([]);
+    let addr = serve(&script, None).await;
+    let mut client = client(addr, &Config::default());
+
+    let mut stream = client.watch(check_request()).await.unwrap().into_inner();
+    let first = stream.message().await.unwrap().unwrap();
+    assert_eq!(first.status(), ServingStatus::Serving);
+    // The status comes after the headers and a message: past the commit point.
+    let status = stream.message().await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable);
+    assert_eq!(status.message(), "the stream broke");
+    assert!(stream.message().await.unwrap().is_none());
+    let seen = script.seen();
+    assert_eq!(seen.len(), 1, "{seen:?}");
+    assert_eq!(seen[0].method, "watch");
+}
+
+// ---------------------------------------------------------------------------------------
+// Deadlines
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn grpc_timeout_is_sent_on_every_attempt_and_shrinks() {
+    let script = Script::new([
+        Step::Fail(Code::Unavailable, None),
+        Step::Fail(Code::Unavailable, None),
+    ]);
+    let addr = serve(&script, None).await;
+    let deadline = Duration::from_secs(5);
+    let mut client = client(
+        addr,
+        &Config {
+            deadline,
+            ..Config::default()
+        },
+    );
+
+    assert_eq!(check(&mut client).await.unwrap(), ServingStatus::Serving);
+
+    let timeouts: Vec<Duration> = script
+        .seen()
+        .iter()
+        .map(|s| s.grpc_timeout.expect("every attempt carries grpc-timeout"))
+        .collect();
+    assert_eq!(timeouts.len(), 3);
+    assert!(timeouts[0] <= deadline, "{timeouts:?}");
+    assert!(timeouts[0] > timeouts[1], "{timeouts:?}");
+    assert!(timeouts[1] > timeouts[2], "{timeouts:?}");
+    assert!(timeouts[2] > Duration::ZERO, "{timeouts:?}");
+}
+
+#[tokio::test]
+async fn a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client() {
+    // One call at a time per connection: a first call (without a deadline, so tonic's
+    // own timer never runs) holds the server, and the next waits for it past its
+    // deadline, however slow the machine.
+    let script = Script::new([Step::Hang]);
+    let addr = serve(&script, Some(1)).await;
+    let channel = channel(addr);
+    let mut blocker = HealthClient::new(channel.clone());
+    let held = tokio::spawn(async move { blocker.check(check_request()).await });
+    script.arrived.notified().await;
+
+    let config = Config {
+        deadline: Duration::from_millis(300),
+        ..Config::default()
+    };
+    let mut client = HealthClient::new(stack(channel, &config));
+    let status = check(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert_eq!(do_not_retry(&status), Some("1"));
+    assert_eq!(status.message(), "deadline exceeded");
+    // Only the first call reached the handler.
+    assert_eq!(script.calls(), 1);
+
+    script.release.notify_one();
+    let response = held.await.unwrap().unwrap();
+    assert_eq!(response.into_inner().status(), ServingStatus::Serving);
+}
+
+// ---------------------------------------------------------------------------------------
+// Breaker and budget: local failures as statuses, never UNKNOWN
+// ---------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn an_open_breaker_is_unavailable_without_reaching_the_server() {
+    let script = Script::new(std::iter::repeat_n(
+        Step::Fail(Code::Unavailable, None),
+        100,
+    ));
+    let addr = serve(&script, None).await;
+    let cb = breaker(4);
+    let config = Config {
+        breaker: cb.clone(),
+        ..Config::default()
+    };
+    let mut client = client(addr, &config);
+
+    for _ in 0..10 {
+        if cb.state() == State::Open {
+            break;
+        }
+        let status = check(&mut client).await.unwrap_err();
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        // Given up (or refused): no layer above retries it.
+        assert_eq!(do_not_retry(&status), Some("1"));
+    }
+    assert_eq!(cb.state(), State::Open);
+
+    let before = script.calls();
+    let status = check(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("circuit open"), "{status:?}");
+    assert_eq!(do_not_retry(&status), Some("1"));
+    assert_eq!(script.calls(), before, "an open breaker let a call through");
+}
+
+#[tokio::test]
+async fn a_budget_layer_that_refuses_a_retry_is_unavailable() {
+    // The budget layer holds a budget of its own, empty: it refuses the retry the
+    // retry layer charged to another budget.
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let config = Config {
+        layer_budget: empty_budget(),
+        ..Config::default()
+    };
+    let mut client = client(addr, &config);
+
+    let status = check(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains("budget"), "{status:?}");
+    assert_eq!(do_not_retry(&status), Some("1"));
+    assert_eq!(script.calls(), 1);
+}
+
+#[tokio::test]
+async fn an_exhausted_shared_budget_returns_the_last_answer_marked() {
+    // One budget for the retry layer and the budget layer, empty: the retry layer does
+    // not retry, and returns the server's own answer marked do-not-retry.
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let budget = empty_budget();
+    let config = Config {
+        strategy_budget: budget.clone(),
+        layer_budget: budget,
+        ..Config::default()
+    };
+    let mut client = client(addr, &config);
+
+    let status = check(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(status.message(), "scripted Unavailable");
+    assert_eq!(do_not_retry(&status), Some("1"));
+    assert_eq!(script.calls(), 1);
+}
+
+#[tokio::test]
+async fn nothing_listening_is_unavailable_not_unknown() {
+    // A port with nothing behind it: bound, then closed.
+    let addr = {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        listener.local_addr().unwrap()
+    };
+    let mut client = client(addr, &Config::default());
+    let status = check(&mut client).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
