@@ -53,7 +53,7 @@ use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::ServiceBuilder;
-use tower::util::{BoxCloneSyncService, MapRequestLayer, MapResponseLayer};
+use tower::util::{BoxCloneSyncService, MapRequestLayer};
 
 /// The client stack as one cloneable type, for `HealthClient::new`. Its error is a
 /// `tonic::Status` (the outermost `map_err`, which is what the generated client makes of
@@ -236,14 +236,11 @@ async fn serve_middle(middle: Middle, layers: Layers, timeout: Option<Duration>)
             tokio::spawn(router.serve_with_incoming(TcpIncoming::from(listener)));
         }
         Layers::ServerDeadline => {
-            // `ServerDeadline` needs a response body with `Default + From<Bytes>`, which
-            // `tonic::body::Body` lacks (it has no `From<Bytes>`): until its bound is
-            // relaxed, a body adapter inside it (axum's body has both).
+            // With a budget on the inbound path too: both server layers fit
+            // `Server::layer` as they are.
             let router = builder
                 .layer(DeadlineLayer::server())
-                .layer(MapResponseLayer::new(|r: Response<GrpcBody>| {
-                    r.map(axum::body::Body::new)
-                }))
+                .layer(RetryBudgetLayer::new(RetryBudget::default()).server())
                 .add_service(service);
             tokio::spawn(router.serve_with_incoming(TcpIncoming::from(listener)));
         }
@@ -506,7 +503,16 @@ async fn a_failure_of_the_handlers_own_is_unmarked_and_retried_by_the_caller() {
 
 #[tokio::test]
 async fn do_not_retry_travels_in_the_trailers_of_a_stream_whose_call_gave_up() {
-    let (addr, middle_log, leaf_log) = chain(true, Layers::Propagate, Mode::Forward).await;
+    trailers_of_a_stream_whose_call_gave_up(Layers::Propagate).await;
+}
+
+#[tokio::test]
+async fn server_deadline_layer_marks_the_trailers_of_a_stream_whose_call_gave_up() {
+    trailers_of_a_stream_whose_call_gave_up(Layers::ServerDeadline).await;
+}
+
+async fn trailers_of_a_stream_whose_call_gave_up(layers: Layers) {
+    let (addr, middle_log, leaf_log) = chain(true, layers, Mode::Forward).await;
     let mut client = HealthClient::new(channel(addr));
     let mut request = tonic::Request::new(HealthCheckRequest::default());
     // Shorter than the outbound stack's own 5 s: only an inherited deadline explains a

@@ -586,18 +586,25 @@ impl Classifier for DefaultClassifier {
 
     fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification {
         use RetrySafety::{Maybe, No, Yes};
-        let _ = request;
+        // A failure that comes as the deadline the request carried runs out (a
+        // transport's own timer on that deadline, such as a tonic `Channel`'s, or a
+        // connection dropped then) is that deadline at work, not the callee's fault.
+        let side = if request.deadline_spent {
+            FaultSide::CallerDeadline
+        } else {
+            FaultSide::Server
+        };
         match failure {
             Failure::ConnectFailed | Failure::RefusedStream => {
                 Classification::failure(Yes, FaultSide::Server)
             }
-            Failure::NoResponse => Classification::failure(Maybe, FaultSide::Server),
-            Failure::Timeout => Classification::failure(Maybe, FaultSide::Server).timed_out(),
+            Failure::NoResponse => Classification::failure(Maybe, side),
+            Failure::Timeout => Classification::failure(Maybe, side).timed_out(),
             Failure::Local => Classification {
                 marked: true,
                 ..Classification::failure(No, FaultSide::Dependency)
             },
-            Failure::Other => Classification::failure(No, FaultSide::Server),
+            Failure::Other => Classification::failure(No, side),
         }
     }
 }

@@ -289,6 +289,22 @@ fn a_504_caused_by_the_propagated_deadline_is_neutral() {
 }
 
 #[test]
+fn a_transport_failure_as_the_deadline_runs_out_is_the_callers_deadline() {
+    let spent = GET.with_deadline_spent();
+    for f in [Failure::Timeout, Failure::NoResponse, Failure::Other] {
+        let early = failure(f, &GET.with_deadline_sent());
+        assert_eq!(early.fault, Some(FaultSide::Server), "{f:?}");
+        assert_eq!(early.breaker_outcome(), BreakerOutcome::Failure, "{f:?}");
+        let late = failure(f, &spent);
+        assert_eq!(late.fault, Some(FaultSide::CallerDeadline), "{f:?}");
+        assert_eq!(late.breaker_outcome(), BreakerOutcome::Neutral, "{f:?}");
+    }
+    // A connection refused is the callee's, whenever it comes.
+    let refused = failure(Failure::ConnectFailed, &spent);
+    assert_eq!(refused.fault, Some(FaultSide::Server));
+}
+
+#[test]
 fn a_deadline_is_spent_within_a_tenth_of_its_end_and_at_least_50_ms() {
     let ms = Duration::from_millis;
     // 1 s given: spent from 900 ms on.

@@ -55,7 +55,7 @@ use retrysafe_core::wire::{Convention, parse_retry_attempt};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsError, AsGrpcStatus, AsProblem, BoxError, LocalFailure};
+use crate::local::{AsError, AsGrpcStatus, AsProblem, BoxError, LocalBody, LocalFailure};
 
 #[derive(Debug)]
 struct Config {
@@ -296,9 +296,10 @@ impl<F, M> fmt::Debug for ResponseFuture<F, M> {
 }
 
 /// The service of a server-side [`RetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
-/// refusal is a 503 problem+json (gRPC: `UNAVAILABLE`) with `do-not-retry: 1`, and the
-/// inner service's error type is kept, so it fits axum's `Router::layer` and
-/// `route_layer` (which need `Infallible`).
+/// refusal is a 503 problem+json (gRPC: `UNAVAILABLE`) with `do-not-retry: 1`. The inner
+/// service's error type is kept and its body wrapped in a [`LocalBody`], so it fits
+/// axum's `Router::layer` and `route_layer` (which need `Infallible`) and tonic's
+/// `Server::layer` alike.
 pub struct ServerBudget<S> {
     inner: S,
     config: Arc<Config>,
@@ -325,9 +326,8 @@ impl<S: fmt::Debug> fmt::Debug for ServerBudget<S> {
 impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerBudget<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
-    ResB: Default + From<bytes::Bytes>,
 {
-    type Response = Response<ResB>;
+    type Response = Response<LocalBody<ResB>>;
     type Error = S::Error;
     type Future = ServerResponseFuture<S::Future>;
 
@@ -360,23 +360,24 @@ pin_project! {
 impl<F, ResB, E> Future for ServerResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
-    ResB: Default + From<bytes::Bytes>,
 {
-    type Output = Result<Response<ResB>, E>;
+    type Output = Result<Response<LocalBody<ResB>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Inner { future } => future.poll(cx),
+            KindProj::Inner { future } => future
+                .poll(cx)
+                .map_ok(|response| response.map(LocalBody::inner)),
             KindProj::Refused { grpc, convention } => {
                 let convention = convention.take().unwrap_or_default();
-                let answer = <AsProblem as LocalFailure<ResB>>::answer(
+                let answer = <AsProblem as LocalFailure<LocalBody<ResB>>>::answer(
                     *grpc,
                     Box::new(BudgetExhausted::new()),
                     &convention,
                 );
                 // `AsProblem` answers a `BudgetExhausted` with a response, always.
                 Poll::Ready(Ok(answer.unwrap_or_else(|_| {
-                    let mut response = Response::new(ResB::default());
+                    let mut response = Response::new(LocalBody::default());
                     *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
                     response
                 })))

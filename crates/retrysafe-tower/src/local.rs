@@ -29,6 +29,8 @@
 //! assert_eq!(response.headers()["do-not-retry"], "1");
 //! ```
 
+use std::fmt;
+
 use http::{HeaderValue, Response, StatusCode};
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
@@ -183,4 +185,111 @@ fn serde_json_free_problem(status: StatusCode, slug: &str, title: &str, detail: 
         r#"{{"type":"urn:retrysafe:problem:{slug}","title":"{title}","status":{},"detail":"{escaped}"}}"#,
         status.as_u16()
     )
+}
+
+pin_project_lite::pin_project! {
+    /// The response body of a server layer that may answer by itself (the server
+    /// [`DeadlineLayer`](crate::deadline::DeadlineLayer::server), the server
+    /// [`RetryBudgetLayer`](crate::budget::RetryBudgetLayer::server)): the inner
+    /// service's body, passed through with every frame, `size_hint` and `is_end_stream`,
+    /// or the bytes of the layer's own answer (a problem+json document, or nothing for a
+    /// Trailers-Only gRPC status).
+    ///
+    /// With it the layers need nothing of the inner body but [`http_body::Body`], so they
+    /// fit axum routers and tonic servers alike (`tonic::body::Body` cannot be made from
+    /// bytes).
+    pub struct LocalBody<B> {
+        #[pin]
+        kind: LocalKind<B>,
+    }
+}
+
+pin_project_lite::pin_project! {
+    #[project = LocalKindProj]
+    enum LocalKind<B> {
+        Inner { #[pin] body: B },
+        Local { data: Option<bytes::Bytes> },
+    }
+}
+
+impl<B> LocalBody<B> {
+    /// The inner service's body.
+    pub fn inner(body: B) -> Self {
+        LocalBody {
+            kind: LocalKind::Inner { body },
+        }
+    }
+
+    /// The inner service's body, or `None` for a layer's own answer.
+    pub fn get_ref(&self) -> Option<&B> {
+        match &self.kind {
+            LocalKind::Inner { body } => Some(body),
+            LocalKind::Local { .. } => None,
+        }
+    }
+}
+
+impl<B> Default for LocalBody<B> {
+    /// An empty local answer.
+    fn default() -> Self {
+        LocalBody {
+            kind: LocalKind::Local { data: None },
+        }
+    }
+}
+
+impl<B> From<bytes::Bytes> for LocalBody<B> {
+    /// A local answer of these bytes.
+    fn from(data: bytes::Bytes) -> Self {
+        LocalBody {
+            kind: LocalKind::Local {
+                data: (!data.is_empty()).then_some(data),
+            },
+        }
+    }
+}
+
+impl<B> http_body::Body for LocalBody<B>
+where
+    B: http_body::Body<Data = bytes::Bytes>,
+{
+    type Data = bytes::Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        match self.project().kind.project() {
+            LocalKindProj::Inner { body } => body.poll_frame(cx),
+            LocalKindProj::Local { data } => {
+                std::task::Poll::Ready(data.take().map(|d| Ok(http_body::Frame::data(d))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.kind {
+            LocalKind::Inner { body } => body.is_end_stream(),
+            LocalKind::Local { data } => data.is_none(),
+        }
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        match &self.kind {
+            LocalKind::Inner { body } => body.size_hint(),
+            LocalKind::Local { data } => {
+                http_body::SizeHint::with_exact(data.as_ref().map_or(0, |d| d.len() as u64))
+            }
+        }
+    }
+}
+
+impl<B: fmt::Debug> fmt::Debug for LocalBody<B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.kind {
+            LocalKind::Inner { body } => f.debug_tuple("LocalBody::Inner").field(body).finish(),
+            LocalKind::Local { data } => f.debug_tuple("LocalBody::Local").field(data).finish(),
+        }
+    }
 }

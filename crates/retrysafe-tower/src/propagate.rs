@@ -60,7 +60,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -219,7 +218,7 @@ where
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = S::Error;
-    type Future = ResponseFuture<S::Future, HeadAndTrailers>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -236,69 +235,30 @@ where
     }
 }
 
-/// A [`ResponseFuture`] that marks the response head only, and passes the body as it is.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct HeadOnly;
-
-/// A [`ResponseFuture`] that marks the response head and, through a [`ResponseBody`],
-/// the trailers of a gRPC response whose status comes after its headers (what
-/// [`Propagate`] uses).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct HeadAndTrailers;
-
 pin_project! {
     /// The response future of [`Propagate`]: the inner future with the context current,
-    /// marking a failure `do-not-retry: 1` when downstream gave up — in the head, and
-    /// with `W` = [`HeadAndTrailers`] also in the trailers (see [`ResponseBody`]).
-    pub struct ResponseFuture<F, W = HeadOnly> {
+    /// marking a failure `do-not-retry: 1` when downstream gave up — in the head, and in
+    /// the trailers of a gRPC stream (see [`ResponseBody`]).
+    pub struct ResponseFuture<F> {
         #[pin]
         inner: Scoped<F>,
         ctx: CallContext,
         do_not_retry: http::HeaderName,
-        _marks: PhantomData<fn() -> W>,
     }
 }
 
-impl<F: Future> ResponseFuture<F, HeadOnly> {
-    /// Marks the head only.
-    pub(crate) fn new(future: F, ctx: CallContext, convention: &Convention) -> Self {
-        ResponseFuture::with_marks(future, ctx, convention)
-    }
-}
-
-impl<F: Future> ResponseFuture<F, HeadAndTrailers> {
+impl<F: Future> ResponseFuture<F> {
     /// Marks the head, and the trailers through a [`ResponseBody`].
     pub(crate) fn marking(future: F, ctx: CallContext, convention: &Convention) -> Self {
-        ResponseFuture::with_marks(future, ctx, convention)
-    }
-}
-
-impl<F: Future, W> ResponseFuture<F, W> {
-    fn with_marks(future: F, ctx: CallContext, convention: &Convention) -> Self {
         ResponseFuture {
             inner: ctx.clone().scope(future),
             ctx,
             do_not_retry: convention.do_not_retry().clone(),
-            _marks: PhantomData,
         }
     }
 }
 
-impl<F, ResB, E> Future for ResponseFuture<F, HeadOnly>
-where
-    F: Future<Output = Result<Response<ResB>, E>>,
-{
-    type Output = Result<Response<ResB>, E>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let mut response = ready!(this.inner.poll(cx))?;
-        mark_head(&mut response, this.ctx, this.do_not_retry);
-        Poll::Ready(Ok(response))
-    }
-}
-
-impl<F, ResB, E> Future for ResponseFuture<F, HeadAndTrailers>
+impl<F, ResB, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
 {
@@ -352,7 +312,7 @@ fn is_grpc_error(headers: &HeaderMap) -> bool {
         .is_some_and(|v| v.as_bytes() != b"0")
 }
 
-impl<F, W> fmt::Debug for ResponseFuture<F, W> {
+impl<F> fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("ctx", &self.ctx)

@@ -318,17 +318,14 @@ async fn an_edge_drops_forged_convention_headers() {
     config.min_per_sec = 0;
     config.retry_ratio = 0.0;
     let budget = RetryBudget::ratio_with(config).unwrap();
-    // (The server form keeps the router's `Infallible` error: no `HandleErrorLayer`.)
-    let app = tower::ServiceBuilder::new()
-        .layer(EdgeLayer::new())
+    // The edge outermost, then the budget (`Router::layer` wraps what is there).
+    let app = router
         .layer(RetryBudgetLayer::new(budget).server())
-        .service(router);
+        .layer(EdgeLayer::new());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        axum::serve(listener, tower::make::Shared::new(app))
-            .await
-            .unwrap();
+        axum::serve(listener, app).await.unwrap();
     });
 
     // An untrusted client, straight over hyper.

@@ -145,6 +145,41 @@ async fn an_expired_call_is_deadline_exceeded() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_error_at_the_deadline_is_deadline_exceeded() {
+    // A transport that times the call itself from the timeout header (a tonic
+    // `Channel`) fails at the same instant as the deadline: that is the deadline.
+    let svc = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(ms(50)).unwrap())
+        .service(tower::service_fn(|_req: Request<()>| async {
+            tokio::time::sleep(ms(50)).await;
+            Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
+        }));
+    let err = svc.oneshot(get_req()).await.unwrap_err();
+    assert!(is_deadline_exceeded(&err), "{err}");
+
+    // gRPC: the synthesised DEADLINE_EXCEEDED.
+    let svc = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(ms(50)).unwrap().grpc_statuses())
+        .service(tower::service_fn(|_req: Request<()>| async {
+            tokio::time::sleep(ms(50)).await;
+            Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
+        }));
+    let res = svc.oneshot(grpc_req()).await.unwrap();
+    assert_eq!(res.headers()["grpc-status"], "4");
+
+    // An error before the deadline is passed through as it is.
+    let svc = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(ms(50)).unwrap())
+        .service(tower::service_fn(|_req: Request<()>| async {
+            tokio::time::sleep(ms(49)).await;
+            Err::<Response<Full<Bytes>>, BoxError>("connection reset".into())
+        }));
+    let err = svc.oneshot(get_req()).await.unwrap_err();
+    assert!(!is_deadline_exceeded(&err));
+    assert_eq!(err.to_string(), "connection reset");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_response_ready_at_the_deadline_is_not_dropped() {
     let svc = ServiceBuilder::new()
         .layer(DeadlineLayer::new(ms(50)).unwrap())
@@ -329,7 +364,10 @@ fn reporting(
     })
 }
 
-async fn problem_type(res: Res) -> String {
+async fn problem_type<B: Body>(res: Response<B>) -> String
+where
+    B::Error: std::fmt::Debug,
+{
     assert_eq!(res.headers()["content-type"], "application/problem+json");
     let body = text(res.into_body()).await;
     let start = body.find("urn:retrysafe:problem:").unwrap();

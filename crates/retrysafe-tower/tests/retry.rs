@@ -1480,7 +1480,11 @@ async fn the_budget_layer_charges_foreign_retries() {
     assert!(marked(&res));
 }
 
-async fn problem_body(res: Response<Full<Bytes>>) -> serde_json::Value {
+async fn problem_body<B>(res: Response<B>) -> serde_json::Value
+where
+    B: http_body::Body,
+    B::Error: std::fmt::Debug,
+{
     let bytes = res.into_body().collect().await.unwrap().to_bytes();
     serde_json::from_slice(&bytes).unwrap()
 }

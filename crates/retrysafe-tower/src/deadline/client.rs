@@ -276,11 +276,18 @@ where
                     if let Poll::Ready(result) = future.poll(cx) {
                         this.state.set(State::Done);
                         let deadline = *this.deadline;
-                        return Poll::Ready(
-                            result
-                                .map(|r| r.map(|b| W::wrap(b, deadline)))
-                                .map_err(Into::into),
-                        );
+                        return Poll::Ready(match result {
+                            Ok(r) => Ok(r.map(|b| W::wrap(b, deadline))),
+                            // An error once the deadline has passed is the deadline's
+                            // (a transport timing the call from the timeout header,
+                            // such as a tonic `Channel`, may fire at the same instant).
+                            Err(_) if deadline.is_expired() => M::answer(
+                                *this.grpc,
+                                Box::new(DeadlineExceeded::new()),
+                                &this.config.convention,
+                            ),
+                            Err(e) => Err(e.into()),
+                        });
                     }
                 }
                 StateProj::Expired => {}

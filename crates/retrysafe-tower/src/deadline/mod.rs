@@ -121,7 +121,17 @@
 //! handler that blocks its thread). With a zero margin the two race and the caller may
 //! see `CANCELLED`. This layer clamps with [`max`](ServerDeadlineLayer::max) as well;
 //! `Server::timeout` bounds calls that carry no `grpc-timeout` at all, which this layer
-//! leaves unbounded.
+//! leaves unbounded. The server form wraps the response body in a
+//! [`LocalBody`](crate::local::LocalBody) (its own answers are bytes), so it fits
+//! `Server::layer` with `tonic::body::Body` as it is, and marks `do-not-retry` in the
+//! trailers of a stream whose outbound call gave up, like the `PropagateLayer`.
+//!
+//! On the client, a tonic `Channel` likewise times every request from the
+//! `grpc-timeout` it carries (and `Endpoint::timeout`): its `TimeoutExpired` error can
+//! come at the very instant of the client deadline. An error that comes once the
+//! deadline has passed is the deadline's: the client layer answers it as
+//! [`DeadlineExceeded`] (a synthesised `DEADLINE_EXCEEDED` with `grpc_statuses`), and a
+//! breaker counts it as neutral.
 //!
 //! [`CallContext`]: retrysafe_core::CallContext
 //! [`CallContext::inherited`]: retrysafe_core::CallContext::inherited

@@ -19,7 +19,7 @@ use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsProblem, LocalFailure, grpc_status_response};
+use crate::local::{AsProblem, LocalBody, LocalFailure, grpc_status_response};
 use crate::propagate::{self, Inbound};
 
 /// The server form of the [`DeadlineLayer`](super::DeadlineLayer), made by
@@ -87,9 +87,8 @@ pub struct ServerDeadline<S> {
 impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadline<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
-    ResB: Default + From<Bytes>,
 {
-    type Response = Response<ResB>;
+    type Response = Response<LocalBody<propagate::ResponseBody<ResB>>>;
     type Error = S::Error;
     type Future = ServerResponseFuture<S::Future, ResB>;
 
@@ -122,7 +121,7 @@ where
         let future = ctx.clone().sync_scope(|| self.inner.call(request));
         ServerResponseFuture {
             kind: Kind::Inner {
-                future: propagate::ResponseFuture::new(future, ctx, &self.inbound.convention),
+                future: propagate::ResponseFuture::marking(future, ctx, &self.inbound.convention),
                 sleep,
                 grpc,
                 inbound: self.inbound.clone(),
@@ -163,9 +162,8 @@ pin_project! {
 impl<F, B, E> Future for ServerResponseFuture<F, B>
 where
     F: Future<Output = Result<Response<B>, E>>,
-    B: Default + From<Bytes>,
 {
-    type Output = Result<Response<B>, E>;
+    type Output = Result<Response<LocalBody<propagate::ResponseBody<B>>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut kind = self.project().kind;
@@ -184,7 +182,7 @@ where
             } => {
                 // The handler before the timer: a response that is ready is never dropped.
                 if let Poll::Ready(result) = future.poll(cx) {
-                    result
+                    result.map(|response| response.map(LocalBody::inner))
                 } else {
                     let Some(sleep) = sleep.as_pin_mut() else {
                         return Poll::Pending;
