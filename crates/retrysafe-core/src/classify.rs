@@ -278,6 +278,78 @@ impl RequestFacts {
     }
 }
 
+/// What a breaker needs to know of a request it admitted, shared by every breaker
+/// adapter: whether it is gRPC, and the deadline it carries to the callee (its
+/// `request-timeout-ms` / `grpc-timeout`). Whether it is safe to repeat changes no
+/// breaker outcome, so it is not looked up.
+///
+/// ```
+/// use std::time::Duration;
+/// use http::HeaderMap;
+/// use retrysafe_core::classify::BreakerFacts;
+/// use retrysafe_core::wire::Convention;
+///
+/// let mut headers = HeaderMap::new();
+/// headers.insert("request-timeout-ms", "1000".parse().unwrap());
+/// let facts = BreakerFacts::of(&headers, &Convention::default());
+/// assert!(facts.carries_deadline());
+/// // An answer after 100 ms: the deadline is not spent; after 950 ms it is.
+/// assert!(!facts.after(Some(Duration::from_millis(100))).deadline_spent);
+/// assert!(facts.after(Some(Duration::from_millis(950))).deadline_spent);
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerFacts {
+    facts: RequestFacts,
+    given: Option<Duration>,
+}
+
+impl BreakerFacts {
+    /// The facts of a request with these headers.
+    pub fn of(headers: &HeaderMap, convention: &Convention) -> Self {
+        let mut facts = RequestFacts::default();
+        let given = if is_grpc(headers) {
+            facts = facts.grpc();
+            headers
+                .get(convention.grpc_timeout())
+                .and_then(|v| crate::wire::parse_grpc_timeout(v.as_bytes()).ok())
+        } else {
+            headers
+                .get(convention.request_timeout_ms())
+                .and_then(|v| crate::wire::parse_request_timeout_ms(v.as_bytes()).ok())
+        };
+        if given.is_some() {
+            facts = facts.with_deadline_sent();
+        }
+        BreakerFacts { facts, given }
+    }
+
+    /// The request carries a deadline: time the call, to tell when it is spent.
+    #[must_use]
+    pub fn carries_deadline(&self) -> bool {
+        self.given.is_some()
+    }
+
+    /// A gRPC request.
+    #[must_use]
+    pub fn is_grpc(&self) -> bool {
+        self.facts.grpc
+    }
+
+    /// The facts to classify an answer with that came `elapsed` after the request was
+    /// sent (`None`: it was never sent, or not timed): with
+    /// [`deadline_spent`](RequestFacts::deadline_spent) when the deadline it carried had
+    /// (nearly) run out by then.
+    #[must_use]
+    pub fn after(&self, elapsed: Option<Duration>) -> RequestFacts {
+        match (self.given, elapsed) {
+            (Some(given), Some(elapsed)) if deadline_spent(given, elapsed) => {
+                self.facts.with_deadline_spent()
+            }
+            _ => self.facts,
+        }
+    }
+}
+
 /// The least slack of [`deadline_spent`].
 const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 

@@ -13,7 +13,7 @@ use std::time::Duration;
 use http::{HeaderMap, Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::breaker::Permit;
-use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts, deadline_spent};
+use retrysafe_core::classify::{BreakerFacts, BreakerOutcome, Failure, RequestFacts};
 use retrysafe_core::error::CircuitOpen;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -162,20 +162,17 @@ where
 /// An admitted call: its permit and what classifying its outcome needs.
 pub(crate) struct Call {
     permit: Permit,
-    facts: RequestFacts,
+    facts: BreakerFacts,
     config: Arc<Config>,
     /// Slow calls are tracked: time the call.
     timed: bool,
-    /// The deadline the request carries to the callee (its timeout header).
-    given: Option<Duration>,
     started: Option<Instant>,
 }
 
 impl Call {
     pub(crate) fn new(
         permit: Permit,
-        facts: RequestFacts,
-        given: Option<Duration>,
+        facts: BreakerFacts,
         config: Arc<Config>,
         timed: bool,
     ) -> Self {
@@ -184,7 +181,6 @@ impl Call {
             facts,
             config,
             timed,
-            given,
             started: None,
         }
     }
@@ -192,7 +188,7 @@ impl Call {
     /// The inner service is being called now (readiness waits are not the callee's
     /// slowness, nor part of the time the callee was given).
     fn start(&mut self) {
-        if self.timed || self.given.is_some() {
+        if self.timed || self.facts.carries_deadline() {
             self.started = Some(Instant::now());
         }
     }
@@ -200,12 +196,7 @@ impl Call {
     /// The facts to classify with now: a deadline the request carried is spent when
     /// the callee's answer comes at (or near) its end — a timeout then is the caller's.
     fn facts(&self) -> RequestFacts {
-        match (self.given, self.started) {
-            (Some(given), Some(started)) if deadline_spent(given, started.elapsed()) => {
-                self.facts.with_deadline_spent()
-            }
-            _ => self.facts,
-        }
+        self.facts.after(self.started.map(|s| s.elapsed()))
     }
 
     /// Records `outcome` with the time since [`start`](Self::start).
@@ -247,7 +238,7 @@ impl Call {
     /// The response head arrived: records its outcome now, or — for a gRPC response
     /// whose status will come in the trailers — wraps the body to record it then.
     fn respond<B>(self, response: Response<B>) -> Response<ResponseBody<B>> {
-        if self.facts.grpc
+        if self.facts.is_grpc()
             && response.status().is_success()
             && !response.headers().contains_key("grpc-status")
         {

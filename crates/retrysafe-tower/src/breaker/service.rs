@@ -4,12 +4,10 @@ use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Duration;
 
 use http::{Request, Response};
 use retrysafe_core::breaker::CircuitBreaker;
-use retrysafe_core::classify::{RequestFacts, is_grpc};
-use retrysafe_core::wire::{parse_grpc_timeout, parse_request_timeout_ms};
+use retrysafe_core::classify::{BreakerFacts, is_grpc};
 use tower_service::Service;
 
 use super::body::ResponseBody;
@@ -98,11 +96,11 @@ where
         };
         match acquired {
             Ok(permit) => {
-                let (facts, given) = facts_of(request.headers(), config);
+                let facts = BreakerFacts::of(request.headers(), &config.convention);
                 ResponseFuture::ready(
                     self.inner.clone(),
                     request,
-                    Call::new(permit, facts, given, config.clone(), timed),
+                    Call::new(permit, facts, config.clone(), timed),
                 )
             }
             Err(open) => {
@@ -114,27 +112,4 @@ where
             }
         }
     }
-}
-
-/// What the classifier needs to know of a request for a breaker: whether it is gRPC, and
-/// the deadline it carries to the callee (a 504 / `DEADLINE_EXCEEDED` that comes when
-/// that deadline is spent is the caller's, not the callee's fault). Whether it is safe
-/// to repeat changes no breaker outcome, so it is not looked up.
-fn facts_of(headers: &http::HeaderMap, config: &Config) -> (RequestFacts, Option<Duration>) {
-    let mut facts = RequestFacts::default();
-    let convention = &config.convention;
-    let given = if is_grpc(headers) {
-        facts = facts.grpc();
-        headers
-            .get(convention.grpc_timeout())
-            .and_then(|v| parse_grpc_timeout(v.as_bytes()).ok())
-    } else {
-        headers
-            .get(convention.request_timeout_ms())
-            .and_then(|v| parse_request_timeout_ms(v.as_bytes()).ok())
-    };
-    if given.is_some() {
-        facts = facts.with_deadline_sent();
-    }
-    (facts, given)
 }
