@@ -15,6 +15,9 @@
 //!   fault side, requested delay), shared by retry, budget and breaker;
 //! - [`backoff`], [`budget`] and [`strategy`]: delays with jitter, retry budgets, and
 //!   the Smithy-shaped retry strategy; [`error`]: the client layers' typed errors;
+//! - [`retry`]: the retry planner — everything a retrying client decides for one
+//!   request (keys, retry point, deadline, per-attempt headers, classify, retry or give
+//!   up, hooks) — that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
@@ -30,6 +33,7 @@ mod context;
 mod deadline;
 pub mod error;
 pub mod idempotency;
+pub mod retry;
 pub mod store;
 pub mod strategy;
 mod stripe;

@@ -1,12 +1,11 @@
 use std::fmt;
 use std::marker::PhantomData;
 use std::sync::Arc;
-use std::time::Duration;
 
-use http::StatusCode;
 use retrysafe_core::ConfigError;
-use retrysafe_core::classify::{Classification, Classifier, DefaultClassifier};
-use retrysafe_core::strategy::{GiveUp, RetryStrategy, StandardRetryStrategy};
+use retrysafe_core::classify::Classifier;
+use retrysafe_core::retry::{GiveUpEvent, RetryEvent, RetryPolicy};
+use retrysafe_core::strategy::RetryStrategy;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
@@ -17,47 +16,11 @@ use crate::local::{AsError, AsGrpcStatus};
 pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
 const MAX_REPLAY_CAP: usize = 1 << 30;
 
-/// A retry about to happen, as the [`on_retry`](RetryLayer::on_retry) hook sees it.
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub struct RetryEvent {
-    /// The 1-based number of the attempt about to be made (2 for the first retry).
-    pub attempt: u32,
-    /// The delay before it.
-    pub delay: Duration,
-    /// The failed attempt's status, if it got a response.
-    pub status: Option<StatusCode>,
-    /// The classification of the failed attempt.
-    pub classification: Classification,
-}
-
-/// The layer giving up on a retryable failure, as the
-/// [`on_give_up`](RetryLayer::on_give_up) hook sees it.
-#[derive(Debug, Clone, Copy)]
-#[non_exhaustive]
-pub struct GiveUpEvent {
-    /// The attempts made.
-    pub attempts: u32,
-    /// Why it gave up.
-    pub reason: GiveUp,
-    /// The last attempt's status, if it got a response.
-    pub status: Option<StatusCode>,
-}
-
-type Hook<E> = Arc<dyn Fn(&E) + Send + Sync>;
-type Predicate = Arc<dyn Fn(&http::request::Parts) -> bool + Send + Sync>;
-
 #[derive(Clone)]
 pub(crate) struct Config {
-    pub(crate) strategy: Arc<dyn RetryStrategy>,
-    pub(crate) classifier: Arc<dyn Classifier>,
-    pub(crate) convention: Convention,
+    /// The planner's configuration (retrysafe-core), shared with every call.
+    pub(crate) policy: Arc<RetryPolicy>,
     pub(crate) replay_cap: usize,
-    pub(crate) generate_keys: bool,
-    pub(crate) retry_point: bool,
-    pub(crate) idempotent_if: Option<Predicate>,
-    pub(crate) on_retry: Option<Hook<RetryEvent>>,
-    pub(crate) on_give_up: Option<Hook<GiveUpEvent>>,
 }
 
 /// Retries failed requests that are safe to retry; see the [module docs](super).
@@ -71,21 +34,16 @@ pub struct RetryLayer<M = AsError> {
 }
 
 impl RetryLayer {
-    /// A layer with the [`StandardRetryStrategy`] (3 attempts, full jitter, a ratio
-    /// budget of its own, 10 s per attempt and 30 s overall without a deadline), the
-    /// [`DefaultClassifier`] and the default [`Convention`].
+    /// A layer with the [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy)
+    /// (3 attempts, full jitter, a ratio budget of its own, 10 s per attempt and 30 s
+    /// overall without a deadline), the
+    /// [`DefaultClassifier`](retrysafe_core::classify::DefaultClassifier) and the
+    /// default [`Convention`].
     pub fn new() -> Self {
         RetryLayer {
             config: Arc::new(Config {
-                strategy: Arc::new(StandardRetryStrategy::new()),
-                classifier: Arc::new(DefaultClassifier::default()),
-                convention: Convention::default(),
+                policy: Arc::new(RetryPolicy::new()),
                 replay_cap: DEFAULT_REPLAY_CAP,
-                generate_keys: false,
-                retry_point: false,
-                idempotent_if: None,
-                on_retry: None,
-                on_give_up: None,
             }),
             _local: PhantomData,
         }
@@ -99,27 +57,29 @@ impl Default for RetryLayer {
 }
 
 impl<M> RetryLayer<M> {
-    fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
-        f(Arc::make_mut(&mut self.config));
+    /// Changes the policy (the builder methods of `RetryPolicy` hold the semantics,
+    /// shared with the reqwest middleware).
+    fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
+        let policy = Arc::make_mut(&mut Arc::make_mut(&mut self.config).policy);
+        *policy = f(policy.clone());
         self
     }
 
     /// The retry strategy (attempts, backoff, budget, default timeouts).
     pub fn strategy(self, strategy: impl RetryStrategy) -> Self {
-        self.map(|c| c.strategy = Arc::new(strategy))
+        self.map(|p| p.with_strategy(strategy))
     }
 
-    /// The classifier (default: [`DefaultClassifier`] over this layer's convention).
+    /// The classifier (default:
+    /// [`DefaultClassifier`](retrysafe_core::classify::DefaultClassifier) over this
+    /// layer's convention).
     pub fn classifier(self, classifier: impl Classifier) -> Self {
-        self.map(|c| c.classifier = Arc::new(classifier))
+        self.map(|p| p.with_classifier(classifier))
     }
 
     /// The header names (also used by the default classifier).
     pub fn convention(self, convention: Convention) -> Self {
-        self.map(|c| {
-            c.classifier = Arc::new(DefaultClassifier::new(convention.clone()));
-            c.convention = convention;
-        })
+        self.map(|p| p.with_convention(convention))
     }
 
     /// The cap of the request-body copy kept for replay (default 64 KiB; at most
@@ -128,7 +88,9 @@ impl<M> RetryLayer<M> {
         if bytes > MAX_REPLAY_CAP {
             return Err(ConfigError::new("max replay body", "must be at most 1 GiB"));
         }
-        Ok(self.map(|c| c.replay_cap = bytes))
+        let mut layer = self;
+        Arc::make_mut(&mut layer.config).replay_cap = bytes;
+        Ok(layer)
     }
 
     /// Adds an `Idempotency-Key` to POST and PATCH requests that have none, the same
@@ -138,13 +100,13 @@ impl<M> RetryLayer<M> {
     /// deterministic child key of the inbound record, labelled by method, authority
     /// and path, so a re-run of the handler repeats the same keys.
     pub fn generate_idempotency_keys(self) -> Self {
-        self.map(|c| c.generate_keys = true)
+        self.map(RetryPolicy::with_generated_keys)
     }
 
     /// Makes this layer the one retry point of the call chain: every attempt carries
     /// `retry-point: caller`, so the callee does not retry its own outbound calls.
     pub fn retry_point(self) -> Self {
-        self.map(|c| c.retry_point = true)
+        self.map(RetryPolicy::with_retry_point)
     }
 
     /// Declares requests safe to repeat when `f` says so, whatever their method (for
@@ -153,17 +115,17 @@ impl<M> RetryLayer<M> {
         self,
         f: impl Fn(&http::request::Parts) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.map(|c| c.idempotent_if = Some(Arc::new(f)))
+        self.map(|p| p.with_idempotent_if(f))
     }
 
     /// Called before each retry.
     pub fn on_retry(self, f: impl Fn(&RetryEvent) + Send + Sync + 'static) -> Self {
-        self.map(|c| c.on_retry = Some(Arc::new(f)))
+        self.map(|p| p.with_on_retry(f))
     }
 
     /// Called when the layer gives up on a retryable failure.
     pub fn on_give_up(self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
-        self.map(|c| c.on_give_up = Some(Arc::new(f)))
+        self.map(|p| p.with_on_give_up(f))
     }
 
     /// Answers local failures of gRPC requests (the deadline running out, a budget or
@@ -206,11 +168,8 @@ impl<M> fmt::Debug for RetryLayer<M> {
 impl fmt::Debug for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Config")
-            .field("strategy", &self.strategy)
-            .field("classifier", &self.classifier)
+            .field("policy", &self.policy)
             .field("replay_cap", &self.replay_cap)
-            .field("generate_keys", &self.generate_keys)
-            .field("retry_point", &self.retry_point)
-            .finish_non_exhaustive()
+            .finish()
     }
 }

@@ -4,7 +4,10 @@
 //! [`RetryLayer`] is driven by a [`RetryStrategy`](retrysafe_core::strategy::RetryStrategy)
 //! from core (default: the [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy))
 //! and classifies each attempt with a [`Classifier`](retrysafe_core::classify::Classifier).
-//! It:
+//! Its per-call decisions are those of the sans-IO planner in
+//! [`retrysafe_core::retry`], which the reqwest `RetryMiddleware` drives too; this
+//! layer adds the tower parts: readiness, timers, [`ReplayBody`], and the answers to
+//! local failures. It:
 //!
 //! - retries **safe requests only**: RFC 9110 idempotent methods, requests with an
 //!   `Idempotency-Key`, and requests declared idempotent (the
@@ -80,6 +83,7 @@ mod transport;
 
 pub use body::ReplayBody;
 pub use future::ResponseFuture;
-pub use layer::{DEFAULT_REPLAY_CAP, GiveUpEvent, RetryEvent, RetryLayer};
+pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
+pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 pub use service::Retry;
 pub use transport::failure_of;

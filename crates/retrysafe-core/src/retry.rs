@@ -1,0 +1,736 @@
+//! The retry planner: everything a retrying client decides for one logical request,
+//! sans IO, so the tower `RetryLayer` and the reqwest `RetryMiddleware` drive the same
+//! code and differ only in how they send, wait and answer.
+//!
+//! A [`RetryPolicy`] is the configuration (strategy, classifier, header convention, key
+//! generation, retry point, what counts as idempotent, hooks), shared behind an `Arc`.
+//! [`RetryPolicy::begin`] starts a [`RetryCall`] for one request: it reads the
+//! [`RequestHead`] (method, headers, extensions), adds an `Idempotency-Key` and
+//! `retry-point: caller` where configured, settles the deadline (the soonest of the
+//! [`Deadline`] extension, the inherited [`CallContext`] and a timeout header already on
+//! the request) and acquires the first [`RetryToken`] from the strategy. Then, for each
+//! attempt, the adapter:
+//!
+//! 1. refuses to start it when [`too_late`](RetryCall::too_late) (less than
+//!    [`MIN_ATTEMPT_TIME`] left);
+//! 2. sets the per-attempt headers with [`prepare_attempt`](RetryCall::prepare_attempt)
+//!    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
+//!    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
+//! 3. bounds it by [`attempt_until`](RetryCall::attempt_until);
+//! 4. hands what came back to [`decide`](RetryCall::decide), which classifies it,
+//!    records a success, refreshes the token, calls the hooks, and answers with a
+//!    [`Decision`];
+//! 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
+//!    again at 1; when the wait leaves too little time, it calls
+//!    [`give_up`](RetryCall::give_up) with [`GiveUp::NotEnoughTime`].
+//!
+//! Giving up on a retryable failure answers with the last real response marked
+//! `do-not-retry: 1` ([`mark_given_up`](RetryCall::mark_given_up)) and records
+//! `downstream_gave_up` in the inherited context, so no layer above retries again.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use http::{HeaderMap, Request, StatusCode};
+//! use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
+//! use retrysafe_core::strategy::StandardRetryStrategy;
+//!
+//! let policy = Arc::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
+//! let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
+//! let (mut call, mut token) = policy.begin(&mut head);
+//!
+//! // An "inner service" that answers 503 twice, then 200.
+//! let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
+//! let mut sent = Vec::new();
+//! let status = loop {
+//!     assert!(!call.too_late());
+//!     let mut attempt = head.clone();
+//!     call.prepare_attempt(&mut attempt.headers, &mut attempt.extensions, &token);
+//!     sent.push(attempt.headers.get("retry-attempt").cloned());
+//!     let status = answers[sent.len() - 1];
+//!     let headers = HeaderMap::new();
+//!     match call.decide(Outcome::response(status, &headers), token, true, None) {
+//!         Decision::Retry(next) => {
+//!             tokio::time::sleep(next.delay()).await;
+//!             token = next;
+//!         }
+//!         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
+//!     }
+//! };
+//! assert_eq!(status, StatusCode::OK);
+//! assert_eq!(sent, [None, Some("2".parse().unwrap()), Some("3".parse().unwrap())]);
+//! # }
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Extensions, HeaderMap, HeaderValue, Method, StatusCode};
+use tokio::time::Instant;
+
+use crate::budget::RetryBudget;
+use crate::classify::{
+    Classification, Classifier, DefaultClassifier, Failure, RequestFacts, is_grpc,
+};
+use crate::idempotency::Token;
+use crate::strategy::{
+    GiveUp, Idempotent, MIN_ATTEMPT_TIME, NoRetry, RetryCharged, RetryStrategy, RetryToken,
+    StandardRetryStrategy,
+};
+use crate::wire::{
+    Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, RETRY_POINT_CALLER, encode_grpc_timeout,
+    encode_request_timeout_ms, encode_retry_attempt, parse_grpc_timeout, parse_request_timeout_ms,
+};
+use crate::{CallContext, Deadline};
+
+/// A retry about to happen, as the `on_retry` hook sees it.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct RetryEvent {
+    /// The 1-based number of the attempt about to be made (2 for the first retry).
+    pub attempt: u32,
+    /// The delay before it.
+    pub delay: Duration,
+    /// The failed attempt's status, if it got a response.
+    pub status: Option<StatusCode>,
+    /// The classification of the failed attempt.
+    pub classification: Classification,
+}
+
+/// Giving up on a retryable failure, as the `on_give_up` hook sees it.
+#[derive(Debug, Clone, Copy)]
+#[non_exhaustive]
+pub struct GiveUpEvent {
+    /// The attempts made.
+    pub attempts: u32,
+    /// Why it gave up.
+    pub reason: GiveUp,
+    /// The last attempt's status, if it got a response.
+    pub status: Option<StatusCode>,
+}
+
+/// A predicate declaring requests idempotent whatever their method
+/// ([`RetryPolicy::with_idempotent_if`]).
+pub type IdempotentIf = dyn Fn(&http::request::Parts) -> bool + Send + Sync;
+
+type Hook<E> = Arc<dyn Fn(&E) + Send + Sync>;
+
+/// The head of an outbound request as the planner reads and edits it: implemented for
+/// [`http::request::Parts`] here, and by each adapter for its own request type.
+pub trait RequestHead {
+    /// The method.
+    fn method(&self) -> &Method;
+
+    /// The headers.
+    fn headers(&self) -> &HeaderMap;
+
+    /// The headers, to add an `Idempotency-Key` or `retry-point`.
+    fn headers_mut(&mut self) -> &mut HeaderMap;
+
+    /// The extensions: [`Deadline`], [`NoRetry`], [`Idempotent`], [`RetryBudget`], a
+    /// hand-carried [`CallContext`].
+    fn extensions(&self) -> &Extensions;
+
+    /// The label of a deterministic child key (see [`child_key_label`]).
+    fn child_key_label(&self) -> String;
+
+    /// Whether `predicate` declares this request idempotent. Called only when the
+    /// policy has one.
+    fn satisfies(&mut self, predicate: &IdempotentIf) -> bool;
+}
+
+impl RequestHead for http::request::Parts {
+    fn method(&self) -> &Method {
+        &self.method
+    }
+
+    fn headers(&self) -> &HeaderMap {
+        &self.headers
+    }
+
+    fn headers_mut(&mut self) -> &mut HeaderMap {
+        &mut self.headers
+    }
+
+    fn extensions(&self) -> &Extensions {
+        &self.extensions
+    }
+
+    fn child_key_label(&self) -> String {
+        let authority = self.uri.authority().map_or("", |a| a.as_str());
+        child_key_label(&self.method, authority, self.uri.path())
+    }
+
+    fn satisfies(&mut self, predicate: &IdempotentIf) -> bool {
+        predicate(self)
+    }
+}
+
+/// The label of the child key of an outbound call made inside a guarded handler:
+/// method, authority and path (`POST api.local:8080/payments`).
+///
+/// ```
+/// use http::Method;
+/// use retrysafe_core::retry::child_key_label;
+/// assert_eq!(child_key_label(&Method::POST, "api:80", "/pay"), "POST api:80/pay");
+/// ```
+pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
+    format!("{method} {authority}{path}")
+}
+
+/// The configuration of retries, shared by every call (see the [module docs](self)).
+///
+/// A cheap `Clone` (reference-counted parts). Adapters keep one behind an `Arc` and
+/// start each call with [`RetryPolicy::begin`].
+///
+/// ```
+/// use retrysafe_core::retry::RetryPolicy;
+/// use retrysafe_core::wire::Convention;
+///
+/// let policy = RetryPolicy::new()
+///     .with_convention(Convention::default())
+///     .with_generated_keys()
+///     .with_retry_point();
+/// assert!(policy.generates_keys());
+/// assert!(policy.is_retry_point());
+/// assert_eq!(policy.convention().idempotency_key(), "idempotency-key");
+/// ```
+#[derive(Clone)]
+pub struct RetryPolicy {
+    strategy: Arc<dyn RetryStrategy>,
+    classifier: Arc<dyn Classifier>,
+    convention: Convention,
+    generate_keys: bool,
+    retry_point: bool,
+    idempotent_if: Option<Arc<IdempotentIf>>,
+    on_retry: Option<Hook<RetryEvent>>,
+    on_give_up: Option<Hook<GiveUpEvent>>,
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RetryPolicy {
+    /// The [`StandardRetryStrategy`] (3 attempts, full jitter, a ratio budget of its own,
+    /// 10 s per attempt and 30 s overall without a deadline), the [`DefaultClassifier`]
+    /// and the default [`Convention`]; no keys generated, not the retry point.
+    pub fn new() -> Self {
+        RetryPolicy {
+            strategy: Arc::new(StandardRetryStrategy::new()),
+            classifier: Arc::new(DefaultClassifier::default()),
+            convention: Convention::default(),
+            generate_keys: false,
+            retry_point: false,
+            idempotent_if: None,
+            on_retry: None,
+            on_give_up: None,
+        }
+    }
+
+    /// The retry strategy (attempts, backoff, budget, default timeouts).
+    #[must_use]
+    pub fn with_strategy(mut self, strategy: impl RetryStrategy) -> Self {
+        self.strategy = Arc::new(strategy);
+        self
+    }
+
+    /// The classifier (default: [`DefaultClassifier`] over this policy's convention).
+    #[must_use]
+    pub fn with_classifier(mut self, classifier: impl Classifier) -> Self {
+        self.classifier = Arc::new(classifier);
+        self
+    }
+
+    /// The header names; also resets the classifier to the [`DefaultClassifier`] over
+    /// them (set a custom classifier after this).
+    #[must_use]
+    pub fn with_convention(mut self, convention: Convention) -> Self {
+        self.classifier = Arc::new(DefaultClassifier::new(convention.clone()));
+        self.convention = convention;
+        self
+    }
+
+    /// Adds an `Idempotency-Key` to POST and PATCH requests that have none: random (128
+    /// bits), or the deterministic child key of an inherited
+    /// [`IdempotencyContext`](crate::idempotency::IdempotencyContext).
+    #[must_use]
+    pub fn with_generated_keys(mut self) -> Self {
+        self.generate_keys = true;
+        self
+    }
+
+    /// Sends `retry-point: caller` on every attempt: nothing below retries.
+    #[must_use]
+    pub fn with_retry_point(mut self) -> Self {
+        self.retry_point = true;
+        self
+    }
+
+    /// Declares requests safe to repeat when `f` says so, whatever their method.
+    #[must_use]
+    pub fn with_idempotent_if(
+        mut self,
+        f: impl Fn(&http::request::Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.idempotent_if = Some(Arc::new(f));
+        self
+    }
+
+    /// Called before each retry.
+    #[must_use]
+    pub fn with_on_retry(mut self, f: impl Fn(&RetryEvent) + Send + Sync + 'static) -> Self {
+        self.on_retry = Some(Arc::new(f));
+        self
+    }
+
+    /// Called when a call gives up on a retryable failure.
+    #[must_use]
+    pub fn with_on_give_up(mut self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
+        self.on_give_up = Some(Arc::new(f));
+        self
+    }
+
+    /// The retry strategy.
+    pub fn strategy(&self) -> &dyn RetryStrategy {
+        &*self.strategy
+    }
+
+    /// The classifier.
+    pub fn classifier(&self) -> &dyn Classifier {
+        &*self.classifier
+    }
+
+    /// The header names.
+    pub fn convention(&self) -> &Convention {
+        &self.convention
+    }
+
+    /// Whether keys are generated for POST and PATCH.
+    pub fn generates_keys(&self) -> bool {
+        self.generate_keys
+    }
+
+    /// Whether calls make themselves the retry point.
+    pub fn is_retry_point(&self) -> bool {
+        self.retry_point
+    }
+
+    /// Starts a call: reads `head`, adds the key and `retry-point` headers it needs
+    /// (these belong to every attempt), settles the deadline, and acquires the first
+    /// token (the request's one deposit into the budget: the [`RetryBudget`]
+    /// extension's, or the strategy's).
+    pub fn begin<H: RequestHead + ?Sized>(
+        self: &Arc<Self>,
+        head: &mut H,
+    ) -> (RetryCall, RetryToken) {
+        let convention = &self.convention;
+        let context = CallContext::inherited(head.extensions());
+        // (Not `RequestFacts::of`: the deadline headers are read once, below.)
+        let mut facts = RequestFacts::UNSAFE;
+        facts.has_key = head.headers().contains_key(convention.idempotency_key());
+        facts.safe = head.method().is_idempotent() || facts.has_key;
+        facts.grpc = is_grpc(head.headers());
+        if head.extensions().get::<Idempotent>().is_some()
+            || self
+                .idempotent_if
+                .as_ref()
+                .is_some_and(|f| head.satisfies(&**f))
+        {
+            facts.safe = true;
+        }
+        let no_retry = head.extensions().get::<NoRetry>().is_some();
+
+        if self.generate_keys
+            && !facts.has_key
+            && !no_retry
+            && (head.method() == Method::POST || head.method() == Method::PATCH)
+        {
+            let key = match context.as_ref().and_then(CallContext::idempotency) {
+                Some(idem) => Some(idem.next_child_key(&head.child_key_label())),
+                None => random_key(),
+            };
+            if let Some(key) = key {
+                head.headers_mut()
+                    .insert(convention.idempotency_key().clone(), key.to_header_value());
+                facts.has_key = true;
+                facts.safe = true;
+            }
+        }
+        let caller_is_retry_point = context
+            .as_ref()
+            .is_some_and(CallContext::caller_is_retry_point);
+        // This call is the retry point, or an upstream caller is: either way, nothing
+        // below may retry this request's calls.
+        if self.retry_point || caller_is_retry_point {
+            head.headers_mut()
+                .insert(convention.retry_point().clone(), RETRY_POINT_CALLER);
+        }
+
+        // The deadline: the request's, the inherited one, and a timeout header the
+        // caller already set, whichever is soonest.
+        let mut deadline = head.extensions().get::<Deadline>().copied();
+        if let Some(inherited) = context.as_ref().and_then(CallContext::deadline) {
+            deadline = Some(inherited.tighten(deadline));
+        }
+        if let Some(d) = header_deadline(head.headers(), facts.grpc, convention) {
+            deadline = Some(d.tighten(deadline));
+        }
+        // Every attempt carries the deadline header when there is a deadline.
+        facts.deadline_sent = deadline.is_some();
+
+        let budget = head.extensions().get::<RetryBudget>().cloned();
+        let mut token = self.strategy.acquire_initial_retry_token(budget);
+        let passthrough = no_retry || caller_is_retry_point;
+        if passthrough {
+            token.limit_attempts(1);
+        }
+        let call = RetryCall {
+            policy: Arc::clone(self),
+            facts,
+            context,
+            passthrough,
+            deadline,
+            started: None,
+        };
+        (call, token)
+    }
+}
+
+impl fmt::Debug for RetryPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryPolicy")
+            .field("strategy", &self.strategy)
+            .field("classifier", &self.classifier)
+            .field("generate_keys", &self.generate_keys)
+            .field("retry_point", &self.retry_point)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A random 128-bit key (32 hex digits, always valid).
+fn random_key() -> Option<IdempotencyKey> {
+    IdempotencyKey::new(&Token::random().to_hex()).ok()
+}
+
+fn header_deadline(headers: &HeaderMap, grpc: bool, convention: &Convention) -> Option<Deadline> {
+    let timeout = if grpc {
+        headers
+            .get(convention.grpc_timeout())
+            .and_then(|v| parse_grpc_timeout(v.as_bytes()).ok())
+    } else {
+        headers
+            .get(convention.request_timeout_ms())
+            .and_then(|v| parse_request_timeout_ms(v.as_bytes()).ok())
+    };
+    timeout.map(Deadline::after)
+}
+
+/// What one attempt produced, as [`RetryCall::decide`] reads it.
+#[derive(Debug, Clone, Copy)]
+pub enum Outcome<'a> {
+    /// A response head (for gRPC, with a Trailers-Only status when there is one).
+    Response {
+        /// The status.
+        status: StatusCode,
+        /// The headers.
+        headers: &'a HeaderMap,
+    },
+    /// No response: a transport failure, or a local refusal from below
+    /// ([`Failure::Local`]), as the adapter recognised it.
+    Failure(Failure),
+    /// The attempt ran past [`RetryCall::attempt_until`].
+    TimedOut,
+}
+
+impl<'a> Outcome<'a> {
+    /// A response head.
+    pub fn response(status: StatusCode, headers: &'a HeaderMap) -> Self {
+        Outcome::Response { status, headers }
+    }
+
+    fn status(&self) -> Option<StatusCode> {
+        match self {
+            Outcome::Response { status, .. } => Some(*status),
+            Outcome::Failure(_) | Outcome::TimedOut => None,
+        }
+    }
+}
+
+/// What to do after an attempt ([`RetryCall::decide`]).
+///
+/// "The outcome as it is" means: a response, unmarked; a failure, its error; a time-out,
+/// a [`DeadlineExceeded`](crate::error::DeadlineExceeded).
+#[derive(Debug)]
+#[must_use]
+pub enum Decision {
+    /// A success (recorded with the strategy): answer with the outcome as it is.
+    Success,
+    /// Retry: wait the token's [`delay`](RetryToken::delay), then make its attempt. A
+    /// response outcome becomes the last real response, kept for a later give-up.
+    Retry(RetryToken),
+    /// Not retryable (or only one attempt allowed): answer with the outcome as it is.
+    Final,
+    /// Gave up on a retryable failure (the hook was called, the inherited context
+    /// marked): answer with the last real response — this outcome's, or else the one
+    /// kept from an earlier attempt — marked with [`RetryCall::mark_given_up`]; with no
+    /// response at all, with the outcome as it is.
+    GiveUp(GiveUp),
+}
+
+/// The state of one logical request across its attempts (see the [module docs](self)).
+pub struct RetryCall {
+    policy: Arc<RetryPolicy>,
+    facts: RequestFacts,
+    context: Option<CallContext>,
+    /// Make one attempt and pass its answer through unmarked (`NoRetry`, or the caller
+    /// is the retry point).
+    passthrough: bool,
+    deadline: Option<Deadline>,
+    /// When the call started, taken lazily, for the default overall timeout.
+    started: Option<Instant>,
+}
+
+impl RetryCall {
+    /// The policy that began this call.
+    pub fn policy(&self) -> &RetryPolicy {
+        &self.policy
+    }
+
+    /// What the classifier is told about the request.
+    pub fn facts(&self) -> &RequestFacts {
+        &self.facts
+    }
+
+    /// Whether the request is a gRPC request.
+    pub fn is_grpc(&self) -> bool {
+        self.facts.grpc
+    }
+
+    /// The call's deadline, if it has one.
+    pub fn deadline(&self) -> Option<Deadline> {
+        self.deadline
+    }
+
+    /// The inherited context, if any.
+    pub fn context(&self) -> Option<&CallContext> {
+        self.context.as_ref()
+    }
+
+    /// Whether the deadline leaves too little time to start an attempt (less than
+    /// [`MIN_ATTEMPT_TIME`]). Checked before every attempt, after any wait.
+    pub fn too_late(&self) -> bool {
+        self.deadline
+            .is_some_and(|d| d.remaining() < MIN_ATTEMPT_TIME)
+    }
+
+    /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
+    /// `retry-attempt` (and `grpc-previous-rpc-attempts`) and, when the token is
+    /// budgeted, the [`RetryCharged`] extension; with a deadline, the time left as
+    /// `request-timeout-ms` (or `grpc-timeout`), rounded down.
+    pub fn prepare_attempt(
+        &self,
+        headers: &mut HeaderMap,
+        extensions: &mut Extensions,
+        token: &RetryToken,
+    ) {
+        let convention = &self.policy.convention;
+        let attempt = token.attempt();
+        if attempt >= 2 {
+            headers.insert(
+                convention.retry_attempt().clone(),
+                encode_retry_attempt(attempt),
+            );
+            if self.facts.grpc {
+                headers.insert(
+                    convention.grpc_previous_rpc_attempts().clone(),
+                    HeaderValue::from(attempt - 1),
+                );
+            }
+            if let Some(budget) = token.budget_id() {
+                extensions.insert(RetryCharged { attempt, budget });
+            }
+        }
+        if let Some(deadline) = self.deadline {
+            let left = deadline.remaining();
+            if self.facts.grpc {
+                headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
+            } else {
+                headers.insert(
+                    convention.request_timeout_ms().clone(),
+                    encode_request_timeout_ms(left),
+                );
+            }
+        }
+    }
+
+    /// When the whole call must end: the deadline, or the strategy's default overall
+    /// timeout counted from the first time this is asked.
+    pub fn overall_until(&mut self) -> Option<Instant> {
+        if let Some(d) = self.deadline {
+            return Some(d.instant());
+        }
+        let overall = self.policy.strategy.default_timeouts().1?;
+        Some(*self.started.get_or_insert_with(Instant::now) + overall)
+    }
+
+    /// When the current attempt must end: the deadline, or the strategy's default
+    /// attempt timeout from now, bounded by the overall one.
+    pub fn attempt_until(&mut self) -> Option<Instant> {
+        if let Some(d) = self.deadline {
+            return Some(d.instant());
+        }
+        let attempt = self
+            .policy
+            .strategy
+            .default_timeouts()
+            .0
+            .map(|t| Instant::now() + t);
+        match (attempt, self.overall_until()) {
+            (Some(a), Some(o)) => Some(a.min(o)),
+            (a, o) => a.or(o),
+        }
+    }
+
+    /// After the attempt of `token`: classifies `outcome`, records a success, refreshes
+    /// the token, calls the hooks, and says what to do. `replayable` is whether the
+    /// request can be sent again (its body could be kept); `last` is the status of the
+    /// last real response kept from an earlier attempt, if any.
+    pub fn decide(
+        &mut self,
+        outcome: Outcome<'_>,
+        token: RetryToken,
+        replayable: bool,
+        last: Option<StatusCode>,
+    ) -> Decision {
+        let classification = match outcome {
+            Outcome::Response { status, headers } => {
+                self.policy
+                    .classifier
+                    .classify_response(status, headers, &self.facts)
+            }
+            Outcome::Failure(failure) => self
+                .policy
+                .classifier
+                .classify_failure(failure, &self.facts),
+            Outcome::TimedOut => self
+                .policy
+                .classifier
+                .classify_failure(Failure::Timeout, &self.facts),
+        };
+        if classification.is_success() {
+            self.policy.strategy.record_success(&token);
+            return Decision::Success;
+        }
+        if classification.marked {
+            // Downstream already retried, or answered for good.
+            if let Some(context) = &self.context {
+                context.mark_downstream_gave_up();
+            }
+        }
+        let attempts = token.attempt();
+        let status = outcome.status();
+        let refreshed = if self.passthrough || !replayable {
+            // One attempt only; or a body that cannot be sent again.
+            Err(GiveUp::NotRetryable)
+        } else {
+            let time_left = self
+                .overall_until()
+                .map(|at| at.saturating_duration_since(Instant::now()));
+            self.policy
+                .strategy
+                .refresh_retry_token(token, &classification, &self.facts, time_left)
+        };
+        match refreshed {
+            Ok(next) => {
+                self.retrying(&next, status, &classification);
+                Decision::Retry(next)
+            }
+            Err(GiveUp::NotRetryable) => match outcome {
+                // A local refusal (a budget or breaker below refused a retry) after a
+                // real response: that response, marked, is the answer.
+                Outcome::Failure(_) if classification.marked && last.is_some() => {
+                    self.give_up(GiveUp::BudgetExhausted, attempts, last);
+                    Decision::GiveUp(GiveUp::BudgetExhausted)
+                }
+                _ => Decision::Final,
+            },
+            Err(reason) => {
+                self.give_up(reason, attempts, status.or(last));
+                Decision::GiveUp(reason)
+            }
+        }
+    }
+
+    /// Gives up on a retryable failure after `attempts` attempts: records
+    /// `downstream_gave_up` in the inherited context, emits a `tracing` event and calls
+    /// the `on_give_up` hook. `last` is the status of the last real response. The
+    /// adapter then answers as [`Decision::GiveUp`] says.
+    pub fn give_up(&self, reason: GiveUp, attempts: u32, last: Option<StatusCode>) {
+        if let Some(context) = &self.context {
+            context.mark_downstream_gave_up();
+        }
+        tracing::debug!(attempts, %reason, status = last.map(|s| s.as_u16()), "giving up");
+        if let Some(hook) = &self.policy.on_give_up {
+            hook(&GiveUpEvent {
+                attempts,
+                reason,
+                status: last,
+            });
+        }
+    }
+
+    /// Marks the headers of the response a give-up answers with: `do-not-retry: 1`.
+    pub fn mark_given_up(&self, headers: &mut HeaderMap) {
+        headers.insert(
+            self.policy.convention.do_not_retry().clone(),
+            DO_NOT_RETRY_VALUE,
+        );
+    }
+
+    /// The `tracing` span of the attempt of `token` (a retry):
+    /// `http.request.resend_count` is the number of attempts before it.
+    pub fn attempt_span(token: &RetryToken) -> tracing::Span {
+        tracing::debug_span!(
+            "retry",
+            http.request.resend_count = token.attempt().saturating_sub(1)
+        )
+    }
+
+    fn retrying(
+        &self,
+        next: &RetryToken,
+        status: Option<StatusCode>,
+        classification: &Classification,
+    ) {
+        tracing::debug!(
+            attempt = next.attempt(),
+            delay_ms = u64::try_from(next.delay().as_millis()).unwrap_or(u64::MAX),
+            status = status.map(|s| s.as_u16()),
+            "retrying"
+        );
+        if let Some(hook) = &self.policy.on_retry {
+            hook(&RetryEvent {
+                attempt: next.attempt(),
+                delay: next.delay(),
+                status,
+                classification: *classification,
+            });
+        }
+    }
+}
+
+impl fmt::Debug for RetryCall {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryCall")
+            .field("facts", &self.facts)
+            .field("context", &self.context)
+            .field("passthrough", &self.passthrough)
+            .field("deadline", &self.deadline.map(Deadline::remaining))
+            .finish_non_exhaustive()
+    }
+}
