@@ -13,11 +13,13 @@
     clippy::disallowed_methods
 )]
 
+mod example_bin;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Output};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock};
 
 use futures_util::stream::BoxStream;
 use serde_json::Value;
@@ -31,30 +33,9 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
-/// The example binary, built once per test run (`cargo test` does not build examples;
-/// building here also when it exists means a stale binary is never tested).
+/// The `health_probe` example's binary.
 fn binary() -> PathBuf {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| root.join("target"), PathBuf::from);
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "--example", "health_probe"])
-                .current_dir(&root)
-                .status()
-                .expect("run cargo build");
-            assert!(
-                status.success(),
-                "cargo build --example health_probe failed"
-            );
-            target
-                .join("debug")
-                .join("examples")
-                .join(format!("health_probe{}", std::env::consts::EXE_SUFFIX))
-        })
-        .clone()
+    example_bin::example_binary("health_probe")
 }
 
 /// Runs the probe with `args` (off the runtime's threads).

@@ -10,38 +10,18 @@
     clippy::disallowed_methods
 )]
 
+mod example_bin;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 
 use serde_json::Value;
 
 const STRATEGIES: [&str; 5] = ["no_backoff", "exponential", "full", "equal", "decorrelated"];
 
-/// The example binary, built once per test run (cargo does nothing when it is fresh).
+/// The `jitter` example's binary.
 fn binary() -> PathBuf {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| root.join("target"), PathBuf::from);
-            let path = target
-                .join("debug")
-                .join("examples")
-                .join(format!("jitter{}", std::env::consts::EXE_SUFFIX));
-            // `cargo test --test jitter_cli` does not build examples: build it here,
-            // also when it exists, so that a stale binary is never tested.
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "--example", "jitter"])
-                .current_dir(&root)
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "cargo build --example jitter failed");
-            assert!(path.exists(), "no example binary at {}", path.display());
-            path
-        })
-        .clone()
+    example_bin::example_binary("jitter")
 }
 
 /// What one run printed.

@@ -10,6 +10,7 @@
     missing_docs
 )]
 
+mod example_bin;
 mod support;
 
 use std::time::{Duration, Instant};

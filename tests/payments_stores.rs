@@ -17,6 +17,7 @@
     missing_docs
 )]
 
+mod example_bin;
 mod support;
 
 use std::time::Duration;

@@ -12,28 +12,16 @@
     clippy::disallowed_methods
 )]
 
+mod example_bin;
+
 use std::path::PathBuf;
 use std::process::Command;
 
 use serde_json::Value;
 
+/// The `retry_storm` example's binary.
 fn binary() -> PathBuf {
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-    let target =
-        std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
-    let path = target
-        .join("debug")
-        .join("examples")
-        .join(format!("retry_storm{}", std::env::consts::EXE_SUFFIX));
-    // `cargo test` does not build examples: build it here, so a stale binary is never
-    // tested.
-    let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", "retry_storm"])
-        .current_dir(&root)
-        .status()
-        .expect("run cargo build");
-    assert!(status.success(), "cargo build --example retry_storm failed");
-    path
+    example_bin::example_binary("retry_storm")
 }
 
 #[test]

@@ -22,7 +22,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
@@ -42,30 +42,9 @@ use tokio::sync::watch;
 /// `app::ANONYMOUS`).
 pub const ANONYMOUS: &str = "anonymous client";
 
-/// The example binary, built once per test run (cargo does nothing when it is fresh).
+/// The `payments` example's binary.
 pub fn binary() -> PathBuf {
-    static BINARY: OnceLock<PathBuf> = OnceLock::new();
-    BINARY
-        .get_or_init(|| {
-            let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-            let target = std::env::var_os("CARGO_TARGET_DIR")
-                .map_or_else(|| root.join("target"), PathBuf::from);
-            let path = target
-                .join("debug")
-                .join("examples")
-                .join(format!("payments{}", std::env::consts::EXE_SUFFIX));
-            // `cargo test --test payments_cli` does not build examples: build it here,
-            // also when it exists, so that a stale binary is never tested.
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "--example", "payments"])
-                .current_dir(&root)
-                .status()
-                .expect("run cargo build");
-            assert!(status.success(), "cargo build --example payments failed");
-            assert!(path.exists(), "no example binary at {}", path.display());
-            path
-        })
-        .clone()
+    crate::example_bin::example_binary("payments")
 }
 
 /// A running `payments` process, killed when dropped.

@@ -1,1 +1,213 @@
-//! (being written)
+//! Middleware that stops calling a downstream that keeps failing: a circuit breaker
+//! refuses calls at once while the downstream recovers, instead of sending more.
+//!
+//! [`CircuitBreakerMiddleware`] drives the same sans-IO state machine as the tower
+//! `CircuitBreakerLayer`, [`retrysafe_core::breaker::CircuitBreaker`] (closed, open,
+//! half-open; forced open and disabled), with the same classification:
+//!
+//! - Before each call it asks the breaker for a permit. A refused call fails at once,
+//!   without reaching the network, with
+//!   `reqwest_middleware::Error::Middleware(anyhow::Error::new(`[`CircuitOpen`]`))`,
+//!   which carries the time until the next probe; [`is_circuit_open`] and
+//!   [`find`] look for it. A retry middleware above treats it as a local failure and
+//!   never retries it.
+//! - An admitted call runs the rest of the chain; its response head, or its transport
+//!   error, is classified by the [`DefaultClassifier`] (or yours) and its
+//!   [breaker outcome](retrysafe_core::classify::Classification::breaker_outcome) is
+//!   recorded on the permit. Only the callee's own faults count: a response marked
+//!   `do-not-retry` because a *dependency* failed, a 504 that came when the deadline
+//!   the request carried (`request-timeout-ms`, sent by a retry middleware above) was
+//!   spent, and refusals of middleware below are neutral; 4xx are successes. With
+//!   [`slow_call_duration`](retrysafe_core::breaker::BreakerConfig::slow_call_duration)
+//!   set, the call is timed from sending to the response head.
+//! - The response head decides: the body is passed through untouched (reqwest does not
+//!   read gRPC trailers, so a gRPC status that arrives after the head is not seen).
+//! - A call whose future is dropped before its response (a retry middleware's attempt
+//!   timeout, a caller giving up) drops its permit: a half-open probe then counts as a
+//!   failure, a call of a closed breaker as nothing.
+//! - State changes call
+//!   [`BreakerConfig::on_state_change`](retrysafe_core::breaker::BreakerConfig::on_state_change)
+//!   and emit `tracing` events (`warn` on opening); a refusal emits a `debug` event.
+//!
+//! One middleware guards one downstream with one breaker (a shared handle: clone it
+//! into every client of that downstream). The bounded map of one breaker per
+//! authority, `KeyedBreakers`, lives in `retrysafe-tower`; for several downstreams,
+//! build one client per downstream here.
+//!
+//! Put it below the retry middleware, so that every attempt passes the breaker:
+//! `DeadlineMiddleware` → `RetryMiddleware` → `CircuitBreakerMiddleware` → reqwest.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
+//! use retrysafe_reqwest::CircuitBreakerMiddleware;
+//! use retrysafe_reqwest::error::is_circuit_open;
+//!
+//! // A port nothing listens on: every connection is refused.
+//! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+//! let url = format!("http://127.0.0.1:{port}/");
+//!
+//! let mut config = BreakerConfig::default();
+//! config.minimum_calls = 2; // opens at 50 % failures of at least 2 calls
+//! let breaker = CircuitBreaker::new(config).unwrap();
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(CircuitBreakerMiddleware::new(breaker.clone()))
+//!     .build();
+//!
+//! for _ in 0..2 {
+//!     let error = client.get(&url).send().await.unwrap_err();
+//!     assert!(error.is_connect()); // the callee's failure, counted
+//! }
+//! assert_eq!(breaker.state(), State::Open);
+//! // Open: refused at once, nothing sent.
+//! let error = client.get(&url).send().await.unwrap_err();
+//! assert!(is_circuit_open(&error));
+//! # }
+//! ```
+//!
+//! [`CircuitOpen`]: retrysafe_core::error::CircuitOpen
+//! [`is_circuit_open`]: crate::error::is_circuit_open
+//! [`find`]: crate::error::find
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::Extensions;
+use reqwest::{Request, Response};
+use reqwest_middleware::{Middleware, Next};
+use retrysafe_core::ConfigError;
+use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
+use retrysafe_core::classify::{BreakerFacts, Classifier, DefaultClassifier};
+use retrysafe_core::wire::Convention;
+use tokio::time::Instant;
+
+use crate::error::local;
+use crate::retry::failure_of;
+
+/// Guards calls with a circuit breaker; see the [module docs](self).
+///
+/// A cheap `Clone`: clones share the breaker and the configuration.
+#[derive(Clone)]
+#[must_use]
+pub struct CircuitBreakerMiddleware {
+    config: Arc<Config>,
+}
+
+#[derive(Clone)]
+struct Config {
+    breaker: CircuitBreaker,
+    classifier: Arc<dyn Classifier>,
+    convention: Convention,
+}
+
+impl CircuitBreakerMiddleware {
+    /// A middleware guarding every request with `breaker`, a shared handle: clone it
+    /// into every client of the same downstream so they open and close together.
+    pub fn new(breaker: CircuitBreaker) -> Self {
+        let convention = Convention::default();
+        CircuitBreakerMiddleware {
+            config: Arc::new(Config {
+                breaker,
+                classifier: Arc::new(DefaultClassifier::new(convention.clone())),
+                convention,
+            }),
+        }
+    }
+
+    /// A middleware with a breaker of its own, configured by `config` (refused, naming
+    /// the field, when a field is out of range). Clones of the middleware share it.
+    pub fn with_config(config: BreakerConfig) -> Result<Self, ConfigError> {
+        Ok(Self::new(CircuitBreaker::new(config)?))
+    }
+
+    fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.config));
+        self
+    }
+
+    /// The classifier deciding what counts as the callee's failure (default:
+    /// [`DefaultClassifier`] over this middleware's convention).
+    pub fn classifier(self, classifier: impl Classifier) -> Self {
+        self.map(|c| c.classifier = Arc::new(classifier))
+    }
+
+    /// The header names (also used by the default classifier).
+    pub fn convention(self, convention: Convention) -> Self {
+        self.map(|c| {
+            c.classifier = Arc::new(DefaultClassifier::new(convention.clone()));
+            c.convention = convention;
+        })
+    }
+
+    /// The breaker (a handle on the shared state).
+    pub fn breaker(&self) -> &CircuitBreaker {
+        &self.config.breaker
+    }
+}
+
+impl Default for CircuitBreakerMiddleware {
+    /// A middleware with a breaker of its own with the default configuration
+    /// ([`BreakerConfig::default`]).
+    fn default() -> Self {
+        Self::new(CircuitBreaker::default())
+    }
+}
+
+impl fmt::Debug for CircuitBreakerMiddleware {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CircuitBreakerMiddleware")
+            .field("breaker", &self.config.breaker)
+            .field("classifier", &self.config.classifier)
+            .field("convention", &self.config.convention)
+            .finish()
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for CircuitBreakerMiddleware {
+    async fn handle(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        let config = &self.config;
+        // Dropped with this future, the permit reports a cancelled probe as a failure.
+        let permit = match config.breaker.try_acquire() {
+            Ok(permit) => permit,
+            Err(open) => {
+                tracing::debug!(
+                    retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
+                    "request refused: circuit open"
+                );
+                return Err(local(open));
+            }
+        };
+        let facts = BreakerFacts::of(request.headers(), &config.convention);
+        let timed = config.breaker.config().slow_call_duration.is_some();
+        let started = (timed || facts.carries_deadline()).then(Instant::now);
+
+        let result = next.run(request, extensions).await;
+
+        let elapsed = started.map(|s| s.elapsed());
+        let facts = facts.after(elapsed);
+        let classification = match &result {
+            Ok(response) => {
+                config
+                    .classifier
+                    .classify_response(response.status(), response.headers(), &facts)
+            }
+            Err(error) => config
+                .classifier
+                .classify_failure(failure_of(error), &facts),
+        };
+        let slowness = if timed { elapsed } else { None };
+        permit.record(
+            classification.breaker_outcome(),
+            slowness.unwrap_or(Duration::ZERO),
+        );
+        result
+    }
+}

@@ -1,1 +1,228 @@
-//! (being written)
+//! Middleware that bounds a whole call by a deadline.
+//!
+//! [`DeadlineMiddleware`] does for a reqwest-middleware client what the tower
+//! `DeadlineLayer` does for a tower client. Put it outermost:
+//! `DeadlineMiddleware` → `RetryMiddleware` → `CircuitBreakerMiddleware` → reqwest.
+//! For each call it:
+//!
+//! - puts a [`Deadline`] into the reqwest-middleware [`Extensions`] for the middleware
+//!   below: the soonest of now plus its timeout, a `Deadline` already in the
+//!   extensions (set by a middleware above, or per request with
+//!   `RequestBuilder::with_extension`), and the deadline inherited from the inbound
+//!   request being served ([`CallContext::inherited`]). Deadlines only shrink. A retry
+//!   middleware below reads it: it never starts an attempt the deadline cannot cover,
+//!   and sends the time left as `request-timeout-ms` on every attempt;
+//! - fails at once with [`DeadlineExceeded`] when no time is left, without calling the
+//!   middleware below;
+//! - bounds everything below — retries, backoff sleeps, connecting, sending, and waiting
+//!   for the response head — with [`tokio::time::timeout_at`]: when the deadline passes
+//!   first, the call below is dropped and the call fails with [`DeadlineExceeded`]. A
+//!   response head that is ready is never dropped for the timer (the call is polled
+//!   first).
+//!
+//! The error is `reqwest_middleware::Error::Middleware(anyhow::Error::new(`[`DeadlineExceeded`]`))`;
+//! [`is_deadline_exceeded`](crate::error::is_deadline_exceeded) finds it.
+//!
+//! **What is bounded.** By default, the call up to the response head: the body is read
+//! after the middleware returned, and is the caller's to bound. With
+//! [`bound_body`](DeadlineMiddleware::bound_body) the deadline bounds the response body
+//! too: a body still streaming when it passes ends with an error whose chain holds
+//! [`DeadlineExceeded`] (find it with [`find_in`](crate::error::find_in) on the
+//! `reqwest::Error` that reading the body returns).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use retrysafe_core::Deadline;
+//! use retrysafe_reqwest::DeadlineMiddleware;
+//! use retrysafe_reqwest::error::is_deadline_exceeded;
+//!
+//! /// Stands for a slow network: sees the deadline, then waits for a second.
+//! struct Slow;
+//! #[async_trait::async_trait]
+//! impl reqwest_middleware::Middleware for Slow {
+//!     async fn handle(
+//!         &self,
+//!         request: reqwest::Request,
+//!         extensions: &mut http::Extensions,
+//!         next: reqwest_middleware::Next<'_>,
+//!     ) -> reqwest_middleware::Result<reqwest::Response> {
+//!         let deadline = extensions.get::<Deadline>().copied().unwrap();
+//!         assert_eq!(deadline.remaining(), Duration::from_millis(100));
+//!         tokio::time::sleep(Duration::from_secs(1)).await;
+//!         next.run(request, extensions).await
+//!     }
+//! }
+//!
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(DeadlineMiddleware::new(Duration::from_millis(100)).unwrap())
+//!     .with(Slow)
+//!     .build();
+//! let error = client.get("http://127.0.0.1:9/").send().await.unwrap_err();
+//! assert!(is_deadline_exceeded(&error));
+//! # }
+//! ```
+//!
+//! [`CallContext::inherited`]: retrysafe_core::CallContext::inherited
+//! [`DeadlineExceeded`]: retrysafe_core::error::DeadlineExceeded
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Extensions;
+use http_body::{Body as HttpBody, Frame, SizeHint};
+use reqwest::{Request, Response, ResponseBuilderExt};
+use reqwest_middleware::{Middleware, Next};
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::wire::MAX_TIMEOUT;
+use retrysafe_core::{CallContext, ConfigError, Deadline};
+use tokio::time::Sleep;
+
+use crate::error::local;
+
+/// Bounds a whole call by a deadline; see the [module docs](self).
+#[derive(Debug, Clone, Copy)]
+#[must_use]
+pub struct DeadlineMiddleware {
+    timeout: Duration,
+    bound_body: bool,
+}
+
+impl DeadlineMiddleware {
+    /// A middleware giving each call at most `timeout` (greater than zero, at most 30
+    /// days), or less when the extensions or the inherited context have a sooner
+    /// deadline.
+    pub fn new(timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout.is_zero() || timeout > MAX_TIMEOUT {
+            return Err(ConfigError::new(
+                "timeout",
+                "must be greater than zero and at most 30 days",
+            ));
+        }
+        Ok(DeadlineMiddleware {
+            timeout,
+            bound_body: false,
+        })
+    }
+
+    /// The deadline also bounds the response body: a body still streaming when it
+    /// passes ends with an error holding [`DeadlineExceeded`]. This rebuilds the
+    /// response around a wrapped body (one allocation per call).
+    pub fn bound_body(mut self) -> Self {
+        self.bound_body = true;
+        self
+    }
+
+    /// The timeout each call gets at most.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for DeadlineMiddleware {
+    async fn handle(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        // The soonest of: ours, the one in the extensions, the inherited one.
+        let mut deadline =
+            Deadline::after(self.timeout).tighten(extensions.get::<Deadline>().copied());
+        if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
+            deadline = deadline.tighten(Some(inherited));
+        }
+        extensions.insert(deadline);
+        if deadline.is_expired() {
+            // No call starts that cannot finish in time.
+            return Err(local(DeadlineExceeded::new()));
+        }
+        match tokio::time::timeout_at(deadline.instant(), next.run(request, extensions)).await {
+            Ok(Ok(response)) if self.bound_body => Ok(bound(response, deadline)),
+            Ok(result) => result,
+            Err(_elapsed) => {
+                tracing::debug!("deadline exceeded before the response head");
+                Err(local(DeadlineExceeded::new()))
+            }
+        }
+    }
+}
+
+/// `response` with its body bounded by `deadline`.
+fn bound(response: Response, deadline: Deadline) -> Response {
+    let url = response.url().clone();
+    let response: http::Response<reqwest::Body> = response.into();
+    let (mut parts, body) = response.into_parts();
+    // The conversion back reads the URL from an extension only reqwest can name.
+    if let Ok(marker) = http::Response::builder().url(url).body(()) {
+        parts.extensions.extend(marker.into_parts().0.extensions);
+    }
+    let body = reqwest::Body::wrap(DeadlineBody {
+        inner: body,
+        deadline,
+        sleep: None,
+        expired: false,
+    });
+    Response::from(http::Response::from_parts(parts, body))
+}
+
+/// A response body that ends with [`DeadlineExceeded`] when the deadline passes
+/// before its end.
+struct DeadlineBody {
+    inner: reqwest::Body,
+    deadline: Deadline,
+    /// Made when the body first waits.
+    sleep: Option<Pin<Box<Sleep>>>,
+    expired: bool,
+}
+
+impl HttpBody for DeadlineBody {
+    type Data = Bytes;
+    type Error = Box<dyn StdError + Send + Sync>;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        let this = self.get_mut();
+        if this.expired {
+            return Poll::Ready(None);
+        }
+        // The body before the timer: a frame that is ready is never dropped.
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
+        }
+        let deadline = this.deadline;
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.instant())));
+        ready!(sleep.as_mut().poll(cx));
+        tracing::debug!("deadline exceeded while reading the response body");
+        this.expired = true;
+        Poll::Ready(Some(Err(Box::new(DeadlineExceeded::new()))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.expired || self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+impl fmt::Debug for DeadlineBody {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeadlineBody")
+            .field("deadline", &self.deadline.remaining())
+            .field("expired", &self.expired)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,10 +1,105 @@
-//! reqwest-middleware implementations of retrysafe's client layers: retry, circuit
-//! breaker and deadline, driven by `retrysafe-core` like the tower layers.
+//! retrysafe for [reqwest](https://docs.rs/reqwest): safe retries, a circuit breaker and
+//! a deadline as [`reqwest_middleware::Middleware`], driven by `retrysafe-core` exactly
+//! like the tower layers of `retrysafe-tower` — the same retry strategy, budgets,
+//! classification, safe-request rule, idempotency-key generation, breaker state machine
+//! and deadline arithmetic, and the same header convention on the wire.
 //!
-//! (Crate docs with the recommended middleware order and a runnable example: being
-//! written.)
+//! - [`DeadlineMiddleware`] ([`deadline`]): bounds a whole call by a deadline — its own
+//!   timeout, or the one inherited from the inbound request being served — and hands
+//!   it to the middleware below.
+//! - [`RetryMiddleware`] ([`retry`]): retries what is safe to retry (idempotent
+//!   methods, requests with an `Idempotency-Key`), within a retry budget and the
+//!   deadline; sends `retry-attempt` and the time left as `request-timeout-ms` on
+//!   every attempt.
+//! - [`CircuitBreakerMiddleware`] ([`breaker`]): fails fast while the downstream keeps
+//!   failing; counts only the callee's own faults.
+//! - [`error`]: finds the typed errors ([`DeadlineExceeded`], [`CircuitOpen`],
+//!   [`BudgetExhausted`]) inside a `reqwest_middleware::Error`, whose `source()` skips
+//!   the middleware's payload.
+//!
+//! # Order
+//!
+//! Outermost first: `DeadlineMiddleware` → `RetryMiddleware` →
+//! `CircuitBreakerMiddleware` → reqwest. reqwest-middleware runs middleware in the
+//! order they are added with [`ClientBuilder::with`](reqwest_middleware::ClientBuilder::with),
+//! so add them in that order. The deadline then covers the whole call — every attempt
+//! and every backoff sleep — and every attempt passes the breaker, so an open breaker
+//! stops the retries at once (its [`CircuitOpen`] is a local failure, never retried).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::time::Duration;
+//! use axum::http::{HeaderMap, StatusCode};
+//! use retrysafe_core::breaker::CircuitBreaker;
+//! use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+//!
+//! // A server that is busy on the first request, and tells what it was sent.
+//! let hits = Arc::new(AtomicUsize::new(0));
+//! let seen = hits.clone();
+//! let app = axum::Router::new().route(
+//!     "/items",
+//!     axum::routing::get(move |headers: HeaderMap| async move {
+//!         let attempt = headers.get("retry-attempt").map(|v| v.to_str().unwrap().to_owned());
+//!         let left_ms: u64 = headers["request-timeout-ms"].to_str().unwrap().parse().unwrap();
+//!         assert!(left_ms <= 2_000);
+//!         match seen.fetch_add(1, Ordering::SeqCst) {
+//!             0 => (StatusCode::SERVICE_UNAVAILABLE, "busy".to_owned()),
+//!             _ => (StatusCode::OK, format!("items (attempt {})", attempt.unwrap())),
+//!         }
+//!     }),
+//! );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let url = format!("http://{}/items", listener.local_addr().unwrap());
+//! tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+//!
+//! // One breaker per downstream, shared by every client of it.
+//! let breaker = CircuitBreaker::default();
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(DeadlineMiddleware::new(Duration::from_secs(2)).unwrap())
+//!     .with(RetryMiddleware::new())
+//!     .with(CircuitBreakerMiddleware::new(breaker.clone()))
+//!     .build();
+//!
+//! let response = client.get(&url).send().await.unwrap();
+//! assert_eq!(response.status(), 200);
+//! assert_eq!(response.text().await.unwrap(), "items (attempt 2)");
+//! assert_eq!(hits.load(Ordering::SeqCst), 2);
+//! assert_eq!(breaker.window().calls(), 2); // both attempts passed the breaker
+//! # }
+//! ```
+//!
+//! # Below the middleware: reqwest's own retries
+//!
+//! reqwest (and the hyper-util client inside it) retries a few failures on its own,
+//! below every middleware: by default, requests refused at the protocol level before
+//! any processing (an HTTP/2 `REFUSED_STREAM` or graceful `GOAWAY`, up to two extra sends), and
+//! requests whose pooled connection turned out to be closed before they were written.
+//! Those resends are invisible to the middleware: they are not attempts of
+//! `RetryMiddleware`, they pass its breaker as one call, and no retry budget counts
+//! them. They are safe (nothing was processed) and cheap, so they are left on.
+//! `reqwest::ClientBuilder::retry(reqwest::retry::never())` turns reqwest's off; do
+//! not configure a status-based `reqwest::retry` policy together with
+//! `RetryMiddleware`, which would multiply the attempts of every retry.
+//!
+//! # Errors
+//!
+//! The middleware fail with `reqwest_middleware::Error::Middleware(anyhow::Error)`
+//! holding one of the typed errors of [`retrysafe_core::error`]; reqwest's own failures
+//! stay `reqwest_middleware::Error::Reqwest`. See [`error`] for the helpers that find
+//! them.
+//!
+//! [`DeadlineExceeded`]: retrysafe_core::error::DeadlineExceeded
+//! [`CircuitOpen`]: retrysafe_core::error::CircuitOpen
+//! [`BudgetExhausted`]: retrysafe_core::error::BudgetExhausted
 
 pub mod breaker;
 pub mod deadline;
 pub mod error;
 pub mod retry;
+
+pub use breaker::CircuitBreakerMiddleware;
+pub use deadline::DeadlineMiddleware;
+pub use retry::RetryMiddleware;

@@ -1,1 +1,379 @@
-//! (being written)
+//! Middleware that retries failed requests that are safe to retry, within a budget and
+//! a deadline: [`RetryMiddleware`], the reqwest-middleware twin of the tower
+//! `RetryLayer`.
+//!
+//! Both drive the same planner, [`retrysafe_core::retry`], so they behave alike: the
+//! same strategy (default [`StandardRetryStrategy`]: 3 attempts, full jitter, a ratio
+//! budget, 10 s per attempt and 30 s overall without a deadline), classifier, budget,
+//! safe-request rule and keys. The middleware
+//!
+//! - retries **safe requests only**: RFC 9110 idempotent methods, requests with an
+//!   `Idempotency-Key`, and requests declared idempotent (the [`Idempotent`] extension or
+//!   [`RetryMiddleware::idempotent_if`]); a POST without a key is sent once, unless
+//!   nothing was sent (a failed connect).
+//!   [`generate_idempotency_keys`](RetryMiddleware::generate_idempotency_keys) adds a key
+//!   to POST and PATCH, the same on every attempt — the child key of the inbound record
+//!   inside a handler guarded by an `IdempotencyLayer` (the inherited
+//!   [`CallContext`](retrysafe_core::CallContext));
+//! - sends a body that cannot be cloned (a stream: `Request::try_clone` gives `None`)
+//!   once, and never fails because of it;
+//! - honours `retry-after` as a minimum delay (a delay longer than the time left gives
+//!   up at once);
+//! - is **deadline-aware**: the deadline is the soonest of a [`Deadline`] in the
+//!   reqwest-middleware `Extensions` (a `DeadlineMiddleware` above puts it there), the
+//!   inherited context, and a `request-timeout-ms` header already on the request; every
+//!   attempt is bounded by the time left and carries it as `request-timeout-ms`; no
+//!   attempt starts with less than [`MIN_ATTEMPT_TIME`](retrysafe_core::strategy::MIN_ATTEMPT_TIME)
+//!   left; when it runs out, the error is [`DeadlineExceeded`];
+//! - sends `retry-attempt: N` on attempts 2 and later;
+//! - makes one attempt when the caller is the retry point (inherited `retry-point:
+//!   caller`, passed on) or for a request carrying [`NoRetry`];
+//! - when it **gives up on a retryable failure** (attempts exhausted, budget refused,
+//!   not enough time), answers with the last real response marked `do-not-retry: 1` and
+//!   records `downstream_gave_up` in the inherited context;
+//! - takes per-request overrides from the reqwest-middleware `Extensions`
+//!   (`RequestBuilder::with_extension`): [`NoRetry`], [`Idempotent`], [`Deadline`], a
+//!   [`RetryBudget`](retrysafe_core::budget::RetryBudget);
+//! - calls [`on_retry`](RetryMiddleware::on_retry) / [`on_give_up`](RetryMiddleware::on_give_up),
+//!   emits `tracing` events, and runs retried attempts in a span carrying
+//!   `http.request.resend_count`.
+//!
+//! Failures it generates itself are `reqwest_middleware::Error::Middleware` holding a
+//! [`DeadlineExceeded`]; errors from below (reqwest's, or another middleware's) are
+//! passed on as they are. reqwest's own transport retries happen below it and are not
+//! counted by budgets.
+//!
+//! [`StandardRetryStrategy`]: retrysafe_core::strategy::StandardRetryStrategy
+//! [`Idempotent`]: retrysafe_core::strategy::Idempotent
+//! [`NoRetry`]: retrysafe_core::strategy::NoRetry
+//! [`Deadline`]: retrysafe_core::Deadline
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use axum::http::StatusCode;
+//! use retrysafe_reqwest::retry::RetryMiddleware;
+//!
+//! // A server that fails once with 503, then answers 200.
+//! let hits = Arc::new(AtomicU32::new(0));
+//! let seen = hits.clone();
+//! let app = axum::Router::new().route(
+//!     "/items",
+//!     axum::routing::get(move || {
+//!         let n = seen.fetch_add(1, Ordering::SeqCst);
+//!         async move { if n == 0 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
+//!     }),
+//! );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let addr = listener.local_addr().unwrap();
+//! tokio::spawn(async move { axum::serve(listener, app).await });
+//!
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(RetryMiddleware::new())
+//!     .build();
+//! let response = client.get(format!("http://{addr}/items")).send().await.unwrap();
+//! assert_eq!(response.status(), 200);
+//! assert_eq!(hits.load(Ordering::SeqCst), 2);
+//! # }
+//! ```
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{Extensions, HeaderMap, Method};
+use reqwest::{Request, Response};
+use reqwest_middleware::{Error, Middleware, Next, Result};
+use retrysafe_core::classify::{Classifier, Failure};
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::retry::{
+    Decision, GiveUpEvent, IdempotentIf, Outcome, RequestHead, RetryCall, RetryEvent, RetryPolicy,
+    child_key_label,
+};
+use retrysafe_core::strategy::{GiveUp, RetryStrategy};
+use retrysafe_core::wire::Convention;
+use tracing::Instrument;
+
+/// Retries failed requests that are safe to retry; see the [module docs](self).
+///
+/// A cheap `Clone` (one `Arc`); the builder methods mirror the tower `RetryLayer`'s.
+#[derive(Clone)]
+#[must_use]
+pub struct RetryMiddleware {
+    policy: Arc<RetryPolicy>,
+}
+
+impl RetryMiddleware {
+    /// A middleware with the
+    /// [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy) (3 attempts, full jitter, a ratio
+    /// budget of its own, 10 s per attempt and 30 s overall without a deadline), the
+    /// default classifier and the default [`Convention`].
+    pub fn new() -> Self {
+        RetryMiddleware {
+            policy: Arc::new(RetryPolicy::new()),
+        }
+    }
+
+    fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
+        let policy = Arc::make_mut(&mut self.policy);
+        *policy = f(policy.clone());
+        self
+    }
+
+    /// The retry strategy (attempts, backoff, budget, default timeouts).
+    pub fn strategy(self, strategy: impl RetryStrategy) -> Self {
+        self.map(|p| p.with_strategy(strategy))
+    }
+
+    /// The classifier (default: the default classifier over this middleware's
+    /// convention).
+    pub fn classifier(self, classifier: impl Classifier) -> Self {
+        self.map(|p| p.with_classifier(classifier))
+    }
+
+    /// The header names (also used by the default classifier).
+    pub fn convention(self, convention: Convention) -> Self {
+        self.map(|p| p.with_convention(convention))
+    }
+
+    /// Adds an `Idempotency-Key` to POST and PATCH requests that have none, the same
+    /// on every attempt, which makes them safe to retry. Declare it only for a
+    /// downstream that honours keys (an `IdempotencyLayer`). The key is random (128
+    /// bits), or — inside a handler guarded by an `IdempotencyLayer` — the
+    /// deterministic child key of the inbound record, labelled by method, authority
+    /// and path, so a re-run of the handler repeats the same keys.
+    pub fn generate_idempotency_keys(self) -> Self {
+        self.map(RetryPolicy::with_generated_keys)
+    }
+
+    /// Makes this middleware the one retry point of the call chain: every attempt
+    /// carries `retry-point: caller`, so the callee does not retry its own outbound
+    /// calls.
+    pub fn retry_point(self) -> Self {
+        self.map(RetryPolicy::with_retry_point)
+    }
+
+    /// Declares requests safe to repeat when `f` says so, whatever their method. `f`
+    /// sees the request head as [`http::request::Parts`] (method, URI, version,
+    /// headers, and the reqwest-middleware `Extensions`).
+    pub fn idempotent_if(
+        self,
+        f: impl Fn(&http::request::Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.map(|p| p.with_idempotent_if(f))
+    }
+
+    /// Called before each retry.
+    pub fn on_retry(self, f: impl Fn(&RetryEvent) + Send + Sync + 'static) -> Self {
+        self.map(|p| p.with_on_retry(f))
+    }
+
+    /// Called when the middleware gives up on a retryable failure.
+    pub fn on_give_up(self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
+        self.map(|p| p.with_on_give_up(f))
+    }
+}
+
+impl Default for RetryMiddleware {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Debug for RetryMiddleware {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RetryMiddleware")
+            .field("policy", &self.policy)
+            .finish()
+    }
+}
+
+#[async_trait::async_trait]
+impl Middleware for RetryMiddleware {
+    async fn handle(
+        &self,
+        mut request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> Result<Response> {
+        let (mut call, mut token) = self.policy.begin(&mut Head {
+            request: &mut request,
+            extensions: &mut *extensions,
+        });
+        if call.too_late() {
+            return Err(deadline_exceeded());
+        }
+        // What every retry starts from; `None` for a body that cannot be cloned (a
+        // stream), which is then sent once.
+        let template = request.try_clone();
+        let replayable = template.is_some();
+        let mut first = Some(request);
+        // The last real response while a retry is pending.
+        let mut last: Option<Response> = None;
+        loop {
+            let Some(mut attempt) = first
+                .take()
+                .or_else(|| template.as_ref().and_then(Request::try_clone))
+            else {
+                // (Unreachable: a retry needs a template.)
+                return Err(deadline_exceeded());
+            };
+            call.prepare_attempt(attempt.headers_mut(), extensions, &token);
+            let span = if token.attempt() >= 2 {
+                RetryCall::attempt_span(&token)
+            } else {
+                tracing::Span::none()
+            };
+            let sent = next.clone().run(attempt, extensions).instrument(span);
+            let result = match call.attempt_until() {
+                Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
+                None => Some(sent.await),
+            };
+            let outcome = match &result {
+                Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
+                Some(Err(error)) => Outcome::Failure(failure_of(error)),
+                None => Outcome::TimedOut,
+            };
+            let decision = call.decide(
+                outcome,
+                token,
+                replayable,
+                last.as_ref().map(Response::status),
+            );
+            match decision {
+                Decision::Success | Decision::Final => return as_is(result),
+                Decision::GiveUp(_) => {
+                    return match result {
+                        Some(Ok(response)) => Ok(given_up(&call, response)),
+                        other => match last {
+                            Some(response) => Ok(given_up(&call, response)),
+                            None => as_is(other),
+                        },
+                    };
+                }
+                Decision::Retry(next_token) => {
+                    if let Some(Ok(response)) = result {
+                        last = Some(response);
+                    }
+                    token = next_token;
+                }
+            }
+            if !token.delay().is_zero() {
+                tokio::time::sleep(token.delay()).await;
+            }
+            if call.too_late() {
+                let attempts = token.attempt() - 1;
+                call.give_up(
+                    GiveUp::NotEnoughTime,
+                    attempts,
+                    last.as_ref().map(Response::status),
+                );
+                return match last {
+                    Some(response) => Ok(given_up(&call, response)),
+                    None => Err(deadline_exceeded()),
+                };
+            }
+        }
+    }
+}
+
+/// The outcome as it is: the response, the error, or — for a time-out —
+/// [`DeadlineExceeded`].
+fn as_is(result: Option<Result<Response>>) -> Result<Response> {
+    result.unwrap_or_else(|| Err(deadline_exceeded()))
+}
+
+fn given_up(call: &RetryCall, mut response: Response) -> Response {
+    call.mark_given_up(response.headers_mut());
+    response
+}
+
+fn deadline_exceeded() -> Error {
+    Error::Middleware(anyhow::Error::new(DeadlineExceeded::new()))
+}
+
+/// What kind of transport failure `error` is, for the classifier: a failed connect
+/// (nothing was sent: retryable for any request), a time-out, a request or body error
+/// (the connection closed before a response: retryable for safe requests), and — in a
+/// middleware's error — retrysafe's own local refusals (never retried) or the
+/// `std::io::Error` kinds of [`Failure::of`].
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_core::classify::Failure;
+/// use retrysafe_core::error::CircuitOpen;
+/// use retrysafe_reqwest::retry::failure_of;
+///
+/// let open = reqwest_middleware::Error::middleware(CircuitOpen::new(Duration::from_secs(1)));
+/// assert_eq!(failure_of(&open), Failure::Local);
+/// let refused = reqwest_middleware::Error::middleware(std::io::Error::from(
+///     std::io::ErrorKind::ConnectionRefused,
+/// ));
+/// assert_eq!(failure_of(&refused), Failure::ConnectFailed);
+/// ```
+pub fn failure_of(error: &Error) -> Failure {
+    match error {
+        Error::Reqwest(e) => reqwest_failure(e),
+        // A middleware's payload: a local refusal of ours, an I/O error, or a reqwest
+        // error it wrapped (read the same way as one passed on as it is).
+        Error::Middleware(e) => Failure::of(e.as_ref(), |inner| {
+            inner.downcast_ref::<reqwest::Error>().map(reqwest_failure)
+        }),
+    }
+}
+
+fn reqwest_failure(e: &reqwest::Error) -> Failure {
+    if e.is_connect() {
+        Failure::ConnectFailed
+    } else if e.is_timeout() {
+        Failure::Timeout
+    } else if e.is_request() || e.is_body() {
+        Failure::NoResponse
+    } else {
+        Failure::of(e, |_| None)
+    }
+}
+
+/// A reqwest request and the reqwest-middleware extensions, as the planner reads them.
+struct Head<'a> {
+    request: &'a mut Request,
+    extensions: &'a mut Extensions,
+}
+
+impl RequestHead for Head<'_> {
+    fn method(&self) -> &Method {
+        self.request.method()
+    }
+
+    fn headers(&self) -> &HeaderMap {
+        self.request.headers()
+    }
+
+    fn headers_mut(&mut self) -> &mut HeaderMap {
+        self.request.headers_mut()
+    }
+
+    fn extensions(&self) -> &Extensions {
+        self.extensions
+    }
+
+    fn child_key_label(&self) -> String {
+        let url = self.request.url();
+        child_key_label(self.request.method(), url.authority(), url.path())
+    }
+
+    fn satisfies(&mut self, predicate: &IdempotentIf) -> bool {
+        // Only when the user gave a predicate: a copy of the head as `Parts`, with the
+        // extensions lent for the call.
+        let (mut parts, ()) = http::Request::new(()).into_parts();
+        parts.method = self.request.method().clone();
+        parts.uri = self.request.url().as_str().parse().unwrap_or_default();
+        parts.version = self.request.version();
+        parts.headers = self.request.headers().clone();
+        parts.extensions = std::mem::take(self.extensions);
+        let yes = predicate(&parts);
+        *self.extensions = parts.extensions;
+        yes
+    }
+}
