@@ -50,8 +50,8 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
-use tower::util::{BoxCloneSyncService, MapRequestLayer};
 use tower::ServiceBuilder;
+use tower::util::{BoxCloneSyncService, MapRequestLayer};
 
 /// The client stack as one cloneable type, for `HealthClient::new`. Its error is a
 /// `tonic::Status` (the outermost `map_err`, which is what the generated client makes of
@@ -559,4 +559,19 @@ async fn nothing_listening_is_unavailable_not_unknown() {
     let mut client = client(addr, &Config::default());
     let status = check(&mut client).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+}
+
+#[test]
+fn tonics_transport_errors_are_recognised() {
+    use retrysafe::core::classify::Failure;
+    use retrysafe::retry::failure_of;
+    let refused = tonic::ConnectError(Box::new(std::io::Error::from(
+        std::io::ErrorKind::ConnectionRefused,
+    )));
+    assert_eq!(failure_of(&refused), Failure::ConnectFailed);
+    // Whatever the connect step's cause (here: name resolution). Through a real
+    // `Channel`, see health_probe_cli's refused-connection test.
+    let any = tonic::ConnectError(Box::new(std::io::Error::other("dns")));
+    assert_eq!(failure_of(&any), Failure::ConnectFailed);
+    assert_eq!(failure_of(&tonic::TimeoutExpired(())), Failure::Timeout);
 }

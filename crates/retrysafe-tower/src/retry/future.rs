@@ -137,6 +137,10 @@ where
                     };
                     let outcome = match polled {
                         Poll::Ready(Ok(response)) => Outcome::Response(response),
+                        // An error once the deadline is spent is the deadline's: a
+                        // transport that times the call from its timeout header (a
+                        // tonic `Channel`) may fire at the very instant of ours.
+                        Poll::Ready(Err(_)) if this.call.too_late() => Outcome::TimedOut,
                         Poll::Ready(Err(e)) => Outcome::Error(e.into()),
                         Poll::Pending => {
                             if !*this.armed {

@@ -6,7 +6,8 @@ use retrysafe_core::classify::Failure;
 
 /// What kind of transport failure `error` is: walks the `source()` chain for our own
 /// local errors, `std::io::Error` kinds, hyper-util's connect errors, hyper's "closed
-/// before a response" errors and h2's `REFUSED_STREAM`.
+/// before a response" errors, h2's `REFUSED_STREAM`, and with the `tonic` feature
+/// tonic's `ConnectError` and `TimeoutExpired`.
 ///
 /// ```
 /// use retrysafe_core::classify::Failure;
@@ -19,6 +20,16 @@ use retrysafe_core::classify::Failure;
 /// ```
 pub fn failure_of(error: &(dyn StdError + 'static)) -> Failure {
     Failure::of(error, |e| {
+        // A tonic `Channel` wraps its connect step's errors, and its own timer.
+        #[cfg(feature = "tonic")]
+        {
+            if e.is::<tonic::ConnectError>() {
+                return Some(Failure::ConnectFailed);
+            }
+            if e.is::<tonic::TimeoutExpired>() {
+                return Some(Failure::Timeout);
+            }
+        }
         if let Some(h2) = e.downcast_ref::<h2::Error>()
             && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
         {
