@@ -170,6 +170,57 @@
 //! # }
 //! ```
 //!
+//! # gRPC (tonic)
+//!
+//! The same stack wraps a tonic `Channel` and a generated client: `.grpc_statuses()`
+//! makes each layer answer its own failures as synthesised Trailers-Only statuses, and
+//! one adapter line maps the `ReplayBody` into `tonic::body::Body` (the only body a
+//! `Channel` takes). Map the error to `tonic::Status` at the top when the stack is boxed,
+//! so a generated client's call stays `Send`. Here nothing listens on the port: the
+//! refused connection is retried (nothing was sent) and the caller gets `UNAVAILABLE`.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use http::Request;
+//! use retrysafe::{
+//!     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
+//! };
+//! use tonic::body::Body;
+//! use tonic::transport::Channel;
+//! use tonic::{Code, Status};
+//! use tonic_health::pb::HealthCheckRequest;
+//! use tonic_health::pb::health_client::HealthClient;
+//! use tower::ServiceBuilder;
+//! use tower::util::{BoxCloneSyncService, MapRequestLayer};
+//!
+//! let channel = Channel::from_static("http://127.0.0.1:1").connect_lazy();
+//! let stack = ServiceBuilder::new()
+//!     .map_err(Status::from_error)
+//!     .layer(DeadlineLayer::new(Duration::from_secs(5)).unwrap().grpc_statuses())
+//!     .layer(
+//!         RetryLayer::new()
+//!             .idempotent_if(|head| head.uri.path().starts_with("/grpc.health.v1."))
+//!             .grpc_statuses(),
+//!     )
+//!     .layer(RetryBudgetLayer::new(RetryBudget::ratio()).grpc_statuses())
+//!     .layer(CircuitBreakerLayer::default().grpc_statuses())
+//!     .layer(MapRequestLayer::new(|r: Request<ReplayBody<Body>>| r.map(Body::new)))
+//!     .service(channel);
+//! let mut client = HealthClient::new(BoxCloneSyncService::new(stack));
+//!
+//! let status = client.check(HealthCheckRequest::default()).await.unwrap_err();
+//! assert_eq!(status.code(), Code::Unavailable);
+//! # }
+//! ```
+//!
+//! # reqwest
+//!
+//! With the `reqwest` feature, `retrysafe::reqwest` holds the same client logic as
+//! `reqwest_middleware::Middleware`s (`DeadlineMiddleware`, `RetryMiddleware`,
+//! `CircuitBreakerMiddleware`), driving the same core.
+//!
 //! # Features
 //!
 //! - `idempotency` (default): [`idempotency`] and [`server`].
