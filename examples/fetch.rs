@@ -317,8 +317,15 @@ fn describe(error: &(dyn StdError + 'static)) -> String {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    let options = match parse(&args) {
+    let options = match std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
+        })
+        .collect::<Result<Vec<String>, String>>()
+        .and_then(|args| parse(&args))
+    {
         Ok(Command::Fetch(options)) => *options,
         Ok(Command::Help) => {
             let _ = writeln!(std::io::stdout(), "{USAGE}");

@@ -216,7 +216,15 @@ fn status_name(status: ServingStatus) -> &'static str {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let args = match parse_args(std::env::args().skip(1)) {
+    let args = match std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
+        })
+        .collect::<Result<Vec<String>, String>>()
+        .and_then(|args| parse_args(args.into_iter()))
+    {
         Ok(args) => args,
         Err(message) => {
             eprintln!("health_probe: {message}\n{USAGE}");

@@ -257,7 +257,14 @@ fn parse_args() -> Result<Options, String> {
         runs: DEFAULT_RUNS,
         out: default_out(),
     };
-    let mut args = std::env::args().skip(1);
+    let mut args = std::env::args_os()
+        .skip(1)
+        .map(|a| {
+            a.into_string()
+                .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
+        })
+        .collect::<Result<Vec<String>, String>>()?
+        .into_iter();
     while let Some(flag) = args.next() {
         if flag == "-h" || flag == "--help" {
             return Err(USAGE.to_owned());

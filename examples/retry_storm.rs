@@ -72,7 +72,14 @@ impl Options {
             requests: 1000,
             seed: 42,
         };
-        let mut args = std::env::args().skip(1);
+        let mut args = std::env::args_os()
+            .skip(1)
+            .map(|a| {
+                a.into_string()
+                    .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
+            })
+            .collect::<Result<Vec<String>, String>>()?
+            .into_iter();
         while let Some(flag) = args.next() {
             let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
             let n = |v: &str| {

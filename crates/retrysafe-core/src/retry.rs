@@ -72,7 +72,7 @@ use tokio::time::Instant;
 
 use crate::budget::RetryBudget;
 use crate::classify::{
-    Classification, Classifier, DefaultClassifier, Failure, RequestFacts, is_grpc,
+    Classification, Classifier, DefaultClassifier, Failure, FaultSide, RequestFacts, is_grpc,
 };
 use crate::idempotency::Token;
 use crate::strategy::{
@@ -653,11 +653,26 @@ impl RetryCall {
             Err(GiveUp::NotRetryable) => match outcome {
                 // A local refusal (a budget or breaker below refused a retry) after a
                 // real response: that response, marked, is the answer.
-                Outcome::Failure(_) if classification.marked && last.is_some() => {
-                    self.give_up(GiveUp::BudgetExhausted, attempts, last);
-                    Decision::GiveUp(GiveUp::BudgetExhausted)
+                Outcome::Failure(Failure::Local) if last.is_some() => {
+                    self.give_up(GiveUp::RefusedBelow, attempts, last);
+                    Decision::GiveUp(GiveUp::RefusedBelow)
                 }
-                _ => Decision::Final,
+                _ => {
+                    // Retried, then a failure that is not retryable: this layer gave up
+                    // after retrying all the same, so the server above marks its own
+                    // failure and its caller does not retry again. (A client error is
+                    // an answer, not a give-up.)
+                    if attempts >= 2
+                        && matches!(
+                            classification.fault,
+                            Some(FaultSide::Server | FaultSide::CallerDeadline)
+                        )
+                        && let Some(context) = &self.context
+                    {
+                        context.mark_downstream_gave_up();
+                    }
+                    Decision::Final
+                }
             },
             Err(reason) => {
                 self.give_up(reason, attempts, status.or(last));

@@ -59,6 +59,8 @@ pub enum GiveUp {
     BudgetExhausted,
     /// The delay needed, or the next attempt, does not fit in the time left.
     NotEnoughTime,
+    /// A layer below (a budget, a breaker, a deadline) refused the retry locally.
+    RefusedBelow,
 }
 
 impl GiveUp {
@@ -76,6 +78,7 @@ impl fmt::Display for GiveUp {
             GiveUp::AttemptsExhausted => "attempts exhausted",
             GiveUp::BudgetExhausted => "retry budget exhausted",
             GiveUp::NotEnoughTime => "not enough time left",
+            GiveUp::RefusedBelow => "refused by a layer below",
         })
     }
 }

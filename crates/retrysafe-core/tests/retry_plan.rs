@@ -523,7 +523,7 @@ async fn a_local_refusal_after_a_real_response_gives_that_response_up() {
         true,
         Some(StatusCode::SERVICE_UNAVAILABLE),
     );
-    assert!(matches!(d, Decision::GiveUp(GiveUp::BudgetExhausted)));
+    assert!(matches!(d, Decision::GiveUp(GiveUp::RefusedBelow)));
     let give_ups = give_ups.lock().unwrap();
     assert_eq!(give_ups[0].status, Some(StatusCode::SERVICE_UNAVAILABLE));
     assert_eq!(give_ups[0].attempts, 2);

@@ -174,8 +174,13 @@ impl Middleware for CircuitBreakerMiddleware {
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
         let config = &self.config;
+        // A breaker in the request's extensions overrides the middleware's (per request).
+        let breaker = extensions
+            .get::<CircuitBreaker>()
+            .cloned()
+            .unwrap_or_else(|| config.breaker.clone());
         // Dropped with this future, the permit reports a cancelled probe as a failure.
-        let permit = match config.breaker.try_acquire() {
+        let permit = match breaker.try_acquire() {
             Ok(permit) => permit,
             Err(open) => {
                 tracing::debug!(
@@ -186,7 +191,7 @@ impl Middleware for CircuitBreakerMiddleware {
             }
         };
         let facts = BreakerFacts::of(request.headers(), &config.convention);
-        let timed = config.breaker.config().slow_call_duration.is_some();
+        let timed = breaker.config().slow_call_duration.is_some();
         let started = (timed || facts.carries_deadline()).then(Instant::now);
 
         let result = next.run(request, extensions).await;

@@ -139,12 +139,20 @@ impl Middleware for DeadlineMiddleware {
         if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
             deadline = deadline.tighten(Some(inherited));
         }
-        extensions.insert(deadline);
         if deadline.is_expired() {
             // No call starts that cannot finish in time.
             return Err(local(DeadlineExceeded::new()));
         }
-        match tokio::time::timeout_at(deadline.instant(), next.run(request, extensions)).await {
+        // The middleware below see this call's deadline; the caller's extensions get
+        // back what they held (they may be reused for another call).
+        let before = extensions.insert(deadline);
+        let result =
+            tokio::time::timeout_at(deadline.instant(), next.run(request, extensions)).await;
+        match before {
+            Some(before) => extensions.insert(before),
+            None => extensions.remove::<Deadline>(),
+        };
+        match result {
             Ok(Ok(response)) if self.bound_body => Ok(bound(response, deadline)),
             Ok(result) => result,
             Err(_elapsed) => {

@@ -91,7 +91,7 @@ use retrysafe_core::retry::{
     Decision, GiveUpEvent, IdempotentIf, Outcome, RequestHead, RetryCall, RetryEvent, RetryPolicy,
     child_key_label,
 };
-use retrysafe_core::strategy::{GiveUp, RetryStrategy};
+use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryStrategy};
 use retrysafe_core::wire::Convention;
 use tracing::Instrument;
 
@@ -211,6 +211,10 @@ impl Middleware for RetryMiddleware {
         let mut first = Some(request);
         // The last real response while a retry is pending.
         let mut last: Option<Response> = None;
+        // Every attempt starts from the caller's extensions as they were: what one
+        // attempt's middleware add (and the retry mark) must not leak into the next, nor
+        // into the caller's (they may be reused for another call).
+        let base = extensions.clone();
         loop {
             let Some(mut attempt) = first
                 .take()
@@ -219,6 +223,9 @@ impl Middleware for RetryMiddleware {
                 // (Unreachable: a retry needs a template.)
                 return Err(deadline_exceeded());
             };
+            if token.attempt() >= 2 {
+                extensions.clone_from(&base);
+            }
             call.prepare_attempt(attempt.headers_mut(), extensions, &token);
             let span = if token.attempt() >= 2 {
                 RetryCall::attempt_span(&token)
@@ -230,6 +237,7 @@ impl Middleware for RetryMiddleware {
                 Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
                 None => Some(sent.await),
             };
+            extensions.remove::<RetryCharged>();
             let outcome = match &result {
                 Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
                 Some(Err(error)) => Outcome::Failure(failure_of(error)),

@@ -382,3 +382,35 @@ async fn below_the_retry_middleware_every_attempt_passes_the_breaker_and_open_st
     assert!(is_circuit_open(&error), "{error:?}");
     assert_eq!(server.hits(), 4);
 }
+
+#[tokio::test]
+async fn a_breaker_in_the_request_extensions_overrides_the_middlewares() {
+    let (server, url) = serve().await;
+    server.answer(503);
+    let own = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let chosen = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let client = client(&own);
+    for _ in 0..4 {
+        let response = client
+            .get(&url)
+            .with_extension(chosen.clone())
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(response.status(), 503);
+    }
+    // Counted on the chosen breaker only.
+    assert_eq!(chosen.state(), State::Open);
+    assert_eq!(own.state(), State::Closed);
+    assert_eq!(own.window().calls(), 0);
+    let error = client
+        .get(&url)
+        .with_extension(chosen.clone())
+        .send()
+        .await
+        .unwrap_err();
+    assert!(is_circuit_open(&error));
+    // Without the extension: the middleware's own breaker, still closed.
+    assert_eq!(client.get(&url).send().await.unwrap().status(), 503);
+    assert_eq!(server.hits(), 5);
+}

@@ -848,3 +848,63 @@ async fn the_middleware_fits_the_client_builder_and_its_future_is_send() {
     );
     assert!(format!("{other:?}").contains("ClientWithMiddleware"));
 }
+
+/// A middleware below the retry middleware that leaves a note in the extensions, and
+/// records what each attempt saw there.
+#[derive(Clone, Default)]
+struct Scribble(Arc<Mutex<Vec<(bool, bool)>>>);
+
+#[derive(Clone)]
+struct Note;
+
+#[async_trait::async_trait]
+impl Middleware for Scribble {
+    async fn handle(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        use retrysafe_core::strategy::RetryCharged;
+        self.0.lock().unwrap().push((
+            extensions.get::<Note>().is_some(),
+            extensions.get::<RetryCharged>().is_some(),
+        ));
+        extensions.insert(Note);
+        next.run(request, extensions).await
+    }
+}
+
+#[tokio::test]
+async fn each_attempt_starts_from_the_callers_extensions_and_nothing_leaks_back() {
+    use retrysafe_core::strategy::RetryCharged;
+    use retrysafe_reqwest::DeadlineMiddleware;
+    let (url, script) = serve(vec![s(503), s(200), s(503), s(200)]).await;
+    let scribble = Scribble::default();
+    let client = ClientBuilder::new(reqwest::Client::new())
+        .with(DeadlineMiddleware::new(Duration::from_millis(500)).unwrap())
+        .with(middleware())
+        .with(scribble.clone())
+        .build();
+    let mut extensions = Extensions::new();
+    let request = client.get(format!("{url}/a")).build().unwrap();
+    let response = client
+        .execute_with_extensions(request, &mut extensions)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    // The retry did not see the first attempt's note; it carried its retry mark.
+    assert_eq!(*scribble.0.lock().unwrap(), [(false, false), (false, true)]);
+    // The caller's extensions hold no deadline and no retry mark afterwards...
+    assert!(extensions.get::<Deadline>().is_none());
+    assert!(extensions.get::<RetryCharged>().is_none());
+    // ...so reusing them after the first call's deadline has passed works.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let request = client.get(format!("{url}/b")).build().unwrap();
+    let response = client
+        .execute_with_extensions(request, &mut extensions)
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(script.seen().len(), 4);
+}

@@ -43,7 +43,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
@@ -263,6 +263,8 @@ pin_project! {
     enum Kind<F> {
         Inner { #[pin] future: F },
         Refused { grpc: bool, convention: Option<Convention> },
+        // Answered: a poll after completion is `Pending` (the inner future is gone).
+        Done,
     }
 }
 
@@ -275,17 +277,17 @@ where
     type Output = Result<Response<ResB>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Inner { future } => future.poll(cx).map_err(Into::into),
+        let mut kind = self.project().kind;
+        let output = match kind.as_mut().project() {
+            KindProj::Inner { future } => ready!(future.poll(cx)).map_err(Into::into),
             KindProj::Refused { grpc, convention } => {
                 let convention = convention.take().unwrap_or_default();
-                Poll::Ready(M::answer(
-                    *grpc,
-                    Box::new(BudgetExhausted::new()),
-                    &convention,
-                ))
+                M::answer(*grpc, Box::new(BudgetExhausted::new()), &convention)
             }
-        }
+            KindProj::Done => return Poll::Pending,
+        };
+        kind.set(Kind::Done);
+        Poll::Ready(output)
     }
 }
 
@@ -364,10 +366,11 @@ where
     type Output = Result<Response<LocalBody<ResB>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Inner { future } => future
-                .poll(cx)
-                .map_ok(|response| response.map(LocalBody::inner)),
+        let mut kind = self.project().kind;
+        let output = match kind.as_mut().project() {
+            KindProj::Inner { future } => {
+                ready!(future.poll(cx)).map(|response| response.map(LocalBody::inner))
+            }
             KindProj::Refused { grpc, convention } => {
                 let convention = convention.take().unwrap_or_default();
                 let answer = <AsProblem as LocalFailure<LocalBody<ResB>>>::answer(
@@ -376,13 +379,16 @@ where
                     &convention,
                 );
                 // `AsProblem` answers a `BudgetExhausted` with a response, always.
-                Poll::Ready(Ok(answer.unwrap_or_else(|_| {
+                Ok(answer.unwrap_or_else(|_| {
                     let mut response = Response::new(LocalBody::default());
                     *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
                     response
-                })))
+                }))
             }
-        }
+            KindProj::Done => return Poll::Pending,
+        };
+        kind.set(Kind::Done);
+        Poll::Ready(output)
     }
 }
 

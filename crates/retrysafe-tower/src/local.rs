@@ -81,9 +81,18 @@ impl<B: Default> LocalFailure<B> for AsGrpcStatus {
         } else {
             return Err(error);
         };
-        Ok(grpc_status_response(code, &error.to_string(), convention))
+        let mut response = grpc_status_response(code, &error.to_string(), convention);
+        response.extensions_mut().insert(LocalAnswer);
+        Ok(response)
     }
 }
+
+/// Marks a response a client layer synthesised for its own failure
+/// ([`AsGrpcStatus`]), so that a `RetryLayer` above tells it from a real response: a
+/// refusal by a budget or breaker below after a real response gives up with that real
+/// response, as the error form does.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct LocalAnswer;
 
 /// A Trailers-Only gRPC response with `code`, `message` (percent-encoded as gRPC
 /// requires) and `do-not-retry: 1`.

@@ -244,6 +244,9 @@ pin_project! {
         inner: Scoped<F>,
         ctx: CallContext,
         do_not_retry: http::HeaderName,
+        // Ready once: a poll after completion is `Pending`, not a re-poll of the
+        // task-local scope (which panics).
+        done: bool,
     }
 }
 
@@ -254,6 +257,7 @@ impl<F: Future> ResponseFuture<F> {
             inner: ctx.clone().scope(future),
             ctx,
             do_not_retry: convention.do_not_retry().clone(),
+            done: false,
         }
     }
 }
@@ -266,7 +270,12 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
-        let mut response = ready!(this.inner.poll(cx))?;
+        if *this.done {
+            return Poll::Pending;
+        }
+        let result = ready!(this.inner.poll(cx));
+        *this.done = true;
+        let mut response = result?;
         mark_head(&mut response, this.ctx, this.do_not_retry);
         // A gRPC response without a status in its head: the status comes in the
         // trailers, which the body watches.

@@ -671,3 +671,28 @@ async fn a_server_future_polled_after_completion_stays_pending() {
     );
     assert!(matches!(futures_util::poll!(&mut future), Poll::Pending));
 }
+
+#[tokio::test(start_paused = true)]
+async fn propagate_and_budget_futures_polled_after_completion_stay_pending() {
+    use retrysafe_core::budget::RetryBudget;
+    use retrysafe_tower::budget::RetryBudgetLayer;
+    use retrysafe_tower::propagate::PropagateLayer;
+    use std::task::Poll;
+
+    let mut svc = PropagateLayer::new().layer(reporting(Duration::ZERO));
+    let mut future = std::pin::pin!(svc.ready().await.unwrap().call(get_req()));
+    assert_eq!((&mut future).await.unwrap().status(), StatusCode::OK);
+    assert!(matches!(futures_util::poll!(&mut future), Poll::Pending));
+
+    let mut svc = RetryBudgetLayer::new(RetryBudget::default())
+        .server()
+        .layer(reporting(Duration::ZERO));
+    let mut future = std::pin::pin!(svc.ready().await.unwrap().call(get_req()));
+    assert_eq!((&mut future).await.unwrap().status(), StatusCode::OK);
+    assert!(matches!(futures_util::poll!(&mut future), Poll::Pending));
+
+    let mut svc = RetryBudgetLayer::new(RetryBudget::default()).layer(reporting(Duration::ZERO));
+    let mut future = std::pin::pin!(svc.ready().await.unwrap().call(get_req()));
+    assert_eq!((&mut future).await.unwrap().status(), StatusCode::OK);
+    assert!(matches!(futures_util::poll!(&mut future), Poll::Pending));
+}

@@ -1621,3 +1621,98 @@ async fn a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts() {
     assert!(ctx.downstream_gave_up());
     no_more_attempts(&mut handle).await;
 }
+
+/// A layer below that refuses as a synthesised gRPC status (`grpc_statuses`), after a
+/// real response: the retry layer gives up with that real response, marked, exactly as
+/// when the refusal is an error.
+#[tokio::test(start_paused = true)]
+async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one() {
+    use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
+    use retrysafe_tower::breaker::CircuitBreakerLayer;
+
+    fn unavailable() -> Response<String> {
+        Response::builder()
+            .header("content-type", "application/grpc")
+            .header("grpc-status", "14")
+            .header("grpc-message", "real")
+            .body(String::new())
+            .unwrap()
+    }
+    for synthesised in [false, true] {
+        let mut config = BreakerConfig::default();
+        config.minimum_calls = 1; // the first failure opens it
+        let breaker = CircuitBreaker::new(config).unwrap();
+        let calls = Arc::new(Mutex::new(0u32));
+        let count = Arc::clone(&calls);
+        let inner = tower::service_fn(move |_r: Request<ReplayBody<String>>| {
+            *count.lock().unwrap() += 1;
+            async move { Ok::<_, Infallible>(unavailable()) }
+        });
+        let gave_up = Arc::new(Mutex::new(Vec::new()));
+        let seen = Arc::clone(&gave_up);
+        let retry = RetryLayer::new()
+            .strategy(StandardRetryStrategy::new().seed(1).no_budget())
+            .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason))
+            .grpc_statuses();
+        let mut req = Request::post("http://svc/pkg.Svc/Get")
+            .header("content-type", "application/grpc")
+            .body(String::new())
+            .unwrap();
+        req.extensions_mut().insert(Idempotent);
+        let res = if synthesised {
+            let breaker = CircuitBreakerLayer::new(breaker).grpc_statuses();
+            retry
+                .layer(breaker.layer(inner))
+                .oneshot(req)
+                .await
+                .unwrap()
+        } else {
+            let breaker = CircuitBreakerLayer::new(breaker);
+            retry
+                .layer(breaker.layer(inner))
+                .oneshot(req)
+                .await
+                .unwrap()
+        };
+        assert_eq!(*calls.lock().unwrap(), 1, "synthesised: {synthesised}");
+        assert_eq!(
+            res.headers()["grpc-message"],
+            "real",
+            "synthesised: {synthesised}"
+        );
+        assert_eq!(res.headers()["do-not-retry"], "1");
+        assert_eq!(*gave_up.lock().unwrap(), vec![GiveUp::RefusedBelow]);
+    }
+}
+
+/// Retried, then a failure that is not retryable: the layer gave up all the same, so
+/// the inherited context records it (the server above marks its own failure).
+#[tokio::test(start_paused = true)]
+async fn a_final_failure_after_retries_marks_the_context() {
+    for (second, marked) in [(500, true), (404, false)] {
+        let answers = Arc::new(Mutex::new(vec![503u16, second]));
+        let inner = tower::service_fn(move |_r: Request<ReplayBody<String>>| {
+            let code = answers.lock().unwrap().remove(0);
+            async move {
+                Ok::<_, Infallible>(
+                    Response::builder()
+                        .status(code)
+                        .body(String::new())
+                        .unwrap(),
+                )
+            }
+        });
+        let svc = RetryLayer::new()
+            .strategy(StandardRetryStrategy::new().seed(1).no_budget())
+            .layer(inner);
+        let ctx = CallContext::new();
+        let res = ctx
+            .clone()
+            .scope(svc.oneshot(Request::get("http://api/x").body(String::new()).unwrap()))
+            .await
+            .unwrap();
+        assert_eq!(res.status().as_u16(), second);
+        assert!(res.headers().get("do-not-retry").is_none());
+        assert_eq!(ctx.downstream_gave_up(), marked, "{second}");
+    }
+}

@@ -7,6 +7,7 @@ use std::task::{Context, Poll, ready};
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
+use retrysafe_core::classify::Failure;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{Decision, Outcome as Seen, RetryCall};
 use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryToken};
@@ -15,7 +16,7 @@ use tower_service::Service;
 
 use super::body::ReplayBody;
 use super::transport::failure_of;
-use crate::local::{BoxError, LocalFailure};
+use crate::local::{BoxError, LocalAnswer, LocalFailure};
 
 pin_project! {
     /// The response future of [`Retry`](super::Retry).
@@ -64,6 +65,8 @@ struct Retrying<Res> {
 
 enum Outcome<R> {
     Response(Response<R>),
+    /// A response a layer below synthesised for its own failure ([`LocalAnswer`]).
+    Local(Response<R>),
     Error(BoxError),
     TimedOut,
 }
@@ -136,6 +139,11 @@ where
                         future.poll(cx)
                     };
                     let outcome = match polled {
+                        Poll::Ready(Ok(response))
+                            if response.extensions().get::<LocalAnswer>().is_some() =>
+                        {
+                            Outcome::Local(response)
+                        }
                         Poll::Ready(Ok(response)) => Outcome::Response(response),
                         // An error once the deadline is spent is the deadline's: a
                         // transport that times the call from its timeout header (a
@@ -165,6 +173,7 @@ where
                     let decision = this.call.decide(
                         match &outcome {
                             Outcome::Response(r) => Seen::response(r.status(), r.headers()),
+                            Outcome::Local(_) => Seen::Failure(Failure::Local),
                             Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
                             Outcome::TimedOut => Seen::TimedOut,
                         },
@@ -177,7 +186,7 @@ where
                         Decision::Success => {
                             this.state.set(State::Failed { error: None });
                             return Poll::Ready(match outcome {
-                                Outcome::Response(r) => Ok(r),
+                                Outcome::Response(r) | Outcome::Local(r) => Ok(r),
                                 Outcome::Error(e) => Err(e),
                                 Outcome::TimedOut => Err(Box::new(DeadlineExceeded::new())),
                             });
@@ -185,7 +194,7 @@ where
                         Decision::Final => {
                             this.state.set(State::Failed { error: None });
                             return Poll::Ready(match outcome {
-                                Outcome::Response(r) => Ok(r),
+                                Outcome::Response(r) | Outcome::Local(r) => Ok(r),
                                 Outcome::Error(e) => answer::<R, M>(this.call, e),
                                 Outcome::TimedOut => {
                                     answer::<R, M>(this.call, Box::new(DeadlineExceeded::new()))
@@ -199,6 +208,12 @@ where
                                 Outcome::Response(r) => {
                                     (Some(r), Box::new(DeadlineExceeded::new()))
                                 }
+                                // The real response before the refusal; or, with none,
+                                // the refusal's own answer.
+                                Outcome::Local(r) => match last {
+                                    Some(last) => (Some(last), Box::new(DeadlineExceeded::new())),
+                                    None => return Poll::Ready(Ok(r)),
+                                },
                                 Outcome::Error(e) => (last, e),
                                 Outcome::TimedOut => (last, Box::new(DeadlineExceeded::new())),
                             };
@@ -209,7 +224,7 @@ where
                     let span = RetryCall::attempt_span(&next);
                     let last = match outcome {
                         Outcome::Response(r) => Some(r),
-                        Outcome::Error(_) | Outcome::TimedOut => {
+                        Outcome::Local(_) | Outcome::Error(_) | Outcome::TimedOut => {
                             this.retry.as_mut().and_then(|r| r.last.take())
                         }
                     };
