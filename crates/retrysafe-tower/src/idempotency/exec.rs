@@ -1,5 +1,6 @@
-//! The store backend: inside the layer's spawned task, claim the key, run the handler
-//! with its lease renewed, capture the response and complete the record.
+//! The store backend: inside the layer's detachable task (see `service::spawned`),
+//! claim the key, run the handler with its lease renewed, capture the response and
+//! complete the record.
 
 use std::fmt;
 use std::future::Future;
@@ -94,7 +95,7 @@ impl StoreBackend {
     }
 }
 
-/// Inside the spawned task: claim (and wait, in wait mode), then replay or run.
+/// Inside the layer's detachable task: claim (and wait, in wait mode), then replay or run.
 async fn execute<H: Handler>(
     guard: &Guard,
     backend: &StoreBackend,
@@ -125,7 +126,7 @@ async fn execute<H: Handler>(
                     EventKind::Claimed
                 };
                 guard.emit(kind, &id);
-                return run_guarded(guard, backend, handler, request, claim.token).await;
+                return run_guarded(guard, backend, handler, request, id, claim.token).await;
             }
             Ok(ClaimOutcome::Existing {
                 record,
@@ -205,11 +206,11 @@ async fn run_guarded<H: Handler>(
     backend: &StoreBackend,
     handler: H,
     request: GuardedRequest,
+    id: RecordId,
     token: Token,
 ) -> Answer<H> {
-    let id = request.record_id();
     let fingerprint = request.fingerprint;
-    // The handler runs in this spawned task: re-scope the inherited call context (as a
+    // The handler runs in this (detachable) task: re-scope the inherited call context (as a
     // task-local and an extension), now carrying the record, so outbound client layers
     // derive child keys and report back when they give up.
     let (req, call_context) = request.into_request(|scope, key| {

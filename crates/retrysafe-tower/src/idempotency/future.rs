@@ -14,8 +14,9 @@ pub(crate) type GuardedFuture<B, E> =
 pin_project! {
     /// Response future of [`Idempotency`](super::Idempotency).
     ///
-    /// Requests the layer does not guard are polled in place; guarded ones await the
-    /// spawned task that runs them, so dropping this future cancels nothing (with the
+    /// Requests the layer does not guard are polled in place; guarded ones poll the task
+    /// that runs them, which is spawned to finish on its own if this future is dropped
+    /// first, so dropping this future cancels nothing (with the
     /// transactional layer of `retrysafe-postgres`, the transaction still commits or
     /// rolls back as the handler's answer says).
     pub struct ResponseFuture<F, B, E> {

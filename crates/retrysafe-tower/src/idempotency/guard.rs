@@ -480,9 +480,9 @@ where
 /// What runs the guarded part of a request for an
 /// [`IdempotencyLayer`](super::IdempotencyLayer): the layer's service
 /// ([`Idempotency`](super::Idempotency)) does the rest — the methods, the key, the scope,
-/// the body limit and the fingerprint, the bound of requests in flight and the spawned,
-/// tracked task that calls the backend, so that dropping the response future cancels
-/// nothing.
+/// the body limit and the fingerprint, the bound of requests in flight and the tracked
+/// task that calls the backend (polled in place, spawned if the response future is
+/// dropped first), so that dropping the response future cancels nothing.
 ///
 /// [`StoreBackend`](super::StoreBackend) runs the claim, handler and completion over an
 /// [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore); the transactional
@@ -490,7 +490,7 @@ where
 /// also writes its key.
 pub trait Backend: fmt::Debug + Send + Sync + 'static {
     /// Whether a request on a guarded method without a key runs through
-    /// [`run_unkeyed`](Self::run_unkeyed) (in a spawned task, bounded like the others)
+    /// [`run_unkeyed`](Self::run_unkeyed) (in the same detachable task, bounded like the others)
     /// instead of passing to the service untouched.
     const GUARDS_UNKEYED: bool = false;
 

@@ -67,11 +67,14 @@
 //!
 //! # Execution model
 //!
-//! After the body is buffered and fingerprinted, one spawned task claims, runs the
-//! handler, collects the response body (up to the storable limit) and completes the
-//! record; the response future only awaits it. Dropping it (the client went away, an
-//! outer timeout fired) cancels nothing. Spawned work is bounded (`max_in_flight`) and
-//! tracked: [`IdempotencyLayer::shutdown_handle`] drains it on graceful shutdown.
+//! After the body is buffered and fingerprinted, one task claims, runs the handler,
+//! collects the response body (up to the storable limit) and completes the record. The
+//! response future polls it in place (no spawn and no hand-off between worker threads
+//! per request); if the response future is dropped before the task finished (the
+//! client went away, an outer timeout fired), the task is spawned as it stands and runs
+//! to completion, so dropping it cancels nothing. This work is bounded
+//! (`max_in_flight`) and tracked: [`IdempotencyLayer::shutdown_handle`] drains it on
+//! graceful shutdown.
 //!
 //! Nothing that cancels the handler or answers 408/5xx on its behalf (a timeout layer)
 //! may sit *inside* this layer.

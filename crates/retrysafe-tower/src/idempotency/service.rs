@@ -1,4 +1,8 @@
+use std::any::Any;
 use std::fmt;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
@@ -198,11 +202,11 @@ where
         scope,
         fingerprint,
     };
-    let task = {
-        let layer = layer.clone();
-        async move { layer.backend.run(&layer.guard, handler, request).await }
-    };
-    spawned(&layer.guard, permit, task).await
+    let guard = layer.guard.clone();
+    spawned(&guard, permit, move || async move {
+        layer.backend.run(&layer.guard, handler, request).await
+    })
+    .await
 }
 
 /// A request on a guarded method without a key, for a backend that
@@ -216,45 +220,220 @@ async fn unkeyed<H: Handler, X: Backend>(
         Ok(p) => p,
         Err(answer) => return Ok(*answer),
     };
-    let task = {
-        let layer = layer.clone();
-        async move { layer.backend.run_unkeyed(&layer.guard, handler, req).await }
-    };
-    spawned(&layer.guard, permit, task).await
+    let guard = layer.guard.clone();
+    spawned(&guard, permit, move || async move {
+        layer.backend.run_unkeyed(&layer.guard, handler, req).await
+    })
+    .await
 }
 
-/// Runs `task` in the layer's tracked tasks, holding `permit` until it is done, and
-/// awaits it: dropping the caller's future (the client went away, an outer timeout
-/// fired) cancels nothing.
-async fn spawned<B, E>(
+/// Runs `task` (the claim, the handler and the completion) and awaits it, holding
+/// `permit` and a token of the layer's [`TaskTracker`](tokio_util::task::TaskTracker)
+/// until it is done.
+///
+/// The task is polled in place, on the caller's task: no spawn and no hand-off between
+/// worker threads per request (moving the large task into a spawned one was the
+/// largest single cost of the layer over loopback; see `BENCHMARKS.md`). It still outlives the caller: if the caller's future is dropped
+/// before the task finished (the client went away, an outer timeout fired), the task is
+/// spawned, as it stands, onto the runtime and runs to completion there, so dropping
+/// the caller cancels nothing. A panic of the task (the backends catch handler panics;
+/// this is one of our own) answers 500 `handler-panicked`.
+///
+/// The task is made by `task` inside its box, so the (large) future is never moved.
+async fn spawned<B, E, F, Fut>(
     guard: &Guard,
     permit: OwnedSemaphorePermit,
-    task: impl Future<Output = Result<Res<B>, E>> + Send + 'static,
+    task: F,
 ) -> Result<Res<B>, E>
 where
     B: Send + 'static,
     E: Send + 'static,
+    F: FnOnce() -> Fut + Send + 'static,
+    Fut: Future<Output = Result<Res<B>, E>> + Send,
 {
-    let task = async move {
-        let res = task.await;
-        drop(permit);
-        res
-    };
-    match guard
-        .shared
-        .tracker
-        .spawn(task.instrument(tracing::Span::current()))
-        .await
-    {
+    let token = guard.shared.tracker.token();
+    let task = Box::pin(
+        async move {
+            let res = task().await;
+            drop(permit);
+            drop(token);
+            res
+        }
+        .instrument(tracing::Span::current()),
+    );
+    match Detached::new(task).await {
         Ok(res) => res,
-        Err(e) => {
-            // The backends catch handler panics; this is a panic of our own or a
-            // runtime shutting down.
-            tracing::error!(target: "retrysafe::idempotency", error = %e, "guarded task failed");
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .copied()
+                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+                .unwrap_or("a panic");
+            tracing::error!(target: "retrysafe::idempotency", error = what, "guarded task panicked");
             Ok(guard.problem(Problem::new(
                 ProblemKind::HandlerPanicked,
                 "the request could not be completed",
             )))
+        }
+    }
+}
+
+/// A future polled in place that is spawned, unfinished, when it is dropped: see
+/// [`spawned`].
+struct Detached<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    /// `None` once it has finished (or panicked).
+    task: Option<Pin<Box<F>>>,
+}
+
+impl<F> Detached<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn new(task: Pin<Box<F>>) -> Self {
+        Detached { task: Some(task) }
+    }
+}
+
+impl<F> Future for Detached<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    type Output = Result<F::Output, Box<dyn Any + Send>>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let Some(task) = self.task.as_mut() else {
+            return Poll::Pending; // polled after it finished
+        };
+        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| task.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(out)) => {
+                self.task = None;
+                Poll::Ready(Ok(out))
+            }
+            Err(panic) => {
+                self.task = None;
+                Poll::Ready(Err(panic))
+            }
+        }
+    }
+}
+
+impl<F> Drop for Detached<F>
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn drop(&mut self) {
+        let Some(task) = self.task.take() else {
+            return;
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn(task)),
+            // Only while a runtime is torn down, which would cancel a spawned task too.
+            Err(_) => tracing::error!(
+                target: "retrysafe::idempotency",
+                "a guarded request was dropped outside a tokio runtime; it cannot finish"
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic)]
+mod tests {
+    use std::convert::Infallible;
+    use std::sync::Mutex;
+
+    use http::StatusCode;
+    use http_body_util::{BodyExt, Full};
+    use retrysafe_core::idempotency::Principal;
+    use tokio::task::Id;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn post(key: &str) -> Request<Full<Bytes>> {
+        let mut req = Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(Full::new(Bytes::from_static(b"a")))
+            .unwrap();
+        req.extensions_mut().insert(Principal::new("tenant"));
+        req
+    }
+
+    /// The task the handler ran on, with the layer over a [`MemoryStore`](super::super::MemoryStore).
+    async fn handler_task(key: &str) -> (StatusCode, Option<Id>) {
+        let seen = Arc::new(Mutex::new(None));
+        let svc = {
+            let seen = Arc::clone(&seen);
+            tower::service_fn(move |_req: Request<RequestBody<Full<Bytes>>>| {
+                let seen = Arc::clone(&seen);
+                async move {
+                    *seen.lock().unwrap() = tokio::task::try_id();
+                    Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
+                }
+            })
+        };
+        let svc = tower_layer::Layer::layer(&IdempotencyLayer::in_memory(), svc);
+        let res = svc.oneshot(post(key)).await.unwrap();
+        let status = res.status();
+        assert_eq!(res.into_body().collect().await.unwrap().to_bytes(), "done");
+        let id = *seen.lock().unwrap();
+        (status, id)
+    }
+
+    // The guarded handler runs on the caller's task: no spawn per request while the
+    // response future is polled to the end.
+    #[tokio::test]
+    async fn a_guarded_request_runs_on_the_callers_task() {
+        let caller = tokio::spawn(async { (tokio::task::id(), handler_task("k").await) });
+        let (caller, (status, handler)) = caller.await.unwrap();
+        assert_eq!(status, StatusCode::OK);
+        assert_eq!(handler, Some(caller));
+    }
+
+    /// A backend that panics in its own code (not in the handler).
+    #[derive(Debug)]
+    struct Panicking;
+
+    impl Backend for Panicking {
+        async fn run<H: Handler>(
+            &self,
+            _guard: &Guard,
+            _handler: H,
+            _request: GuardedRequest,
+        ) -> Answer<H> {
+            panic!("backend bug")
+        }
+    }
+
+    // A panic of the task itself (a bug of the layer or a backend) answers 500
+    // `handler-panicked` and frees its permit and tracker slot; the service keeps working.
+    #[tokio::test]
+    async fn a_panic_of_the_task_answers_500_and_frees_its_slot() {
+        let layer = IdempotencyLayer::with_backend(Panicking)
+            .max_in_flight(1)
+            .unwrap();
+        let shutdown = layer.shutdown_handle();
+        let svc = tower::service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
+            Ok::<_, Infallible>(Response::new(Full::new(Bytes::new())))
+        });
+        let svc = tower_layer::Layer::layer(&layer, svc);
+        for key in ["a", "b"] {
+            let res = svc.clone().oneshot(post(key)).await.unwrap();
+            assert_eq!(res.status(), StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(
+                res.extensions().get::<Problem>().map(Problem::kind),
+                Some(ProblemKind::HandlerPanicked)
+            );
+            assert_eq!(shutdown.in_flight(), 0);
         }
     }
 }
