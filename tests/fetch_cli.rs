@@ -427,15 +427,5 @@ async fn fetches_a_file_from_python_http_server() {
 
 #[test]
 fn a_non_utf8_argument_is_a_usage_error() {
-    use std::os::unix::ffi::OsStrExt;
-    let bad = std::ffi::OsStr::from_bytes(b"http://127.0.0.1:1/\xff");
-    let output = std::process::Command::new(example_bin::example_binary("fetch"))
-        .arg(bad)
-        .output()
-        .unwrap();
-    assert_eq!(output.status.code(), Some(2));
-    assert!(output.stdout.is_empty());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("not valid UTF-8"), "{stderr}");
-    assert!(stderr.contains("usage:"), "{stderr}");
+    example_bin::assert_non_utf8_argument_is_a_usage_error("fetch");
 }

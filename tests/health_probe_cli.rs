@@ -240,15 +240,5 @@ async fn bad_arguments_are_a_usage_error() {
 
 #[test]
 fn a_non_utf8_argument_is_a_usage_error() {
-    use std::os::unix::ffi::OsStrExt;
-    let bad = std::ffi::OsStr::from_bytes(b"http://127.0.0.1:1/\xff");
-    let output = std::process::Command::new(example_bin::example_binary("health_probe"))
-        .arg(bad)
-        .output()
-        .unwrap();
-    assert_eq!(output.status.code(), Some(2));
-    assert!(output.stdout.is_empty());
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(stderr.contains("not valid UTF-8"), "{stderr}");
-    assert!(stderr.contains("usage:"), "{stderr}");
+    example_bin::assert_non_utf8_argument_is_a_usage_error("health_probe");
 }

@@ -34,3 +34,20 @@ pub(crate) fn example_binary(name: &str) -> PathBuf {
     built.insert(name.to_owned(), path.clone());
     path
 }
+
+/// Example `name` run with an argument that is not UTF-8 answers with its usage and
+/// exit code 2, writing nothing on stdout.
+#[allow(dead_code, reason = "not every CLI test checks this")]
+pub(crate) fn assert_non_utf8_argument_is_a_usage_error(name: &str) {
+    use std::os::unix::ffi::OsStrExt;
+    let bad = std::ffi::OsStr::from_bytes(b"http://127.0.0.1:1/\xff");
+    let output = Command::new(example_binary(name))
+        .arg(bad)
+        .output()
+        .expect("run the example");
+    assert_eq!(output.status.code(), Some(2));
+    assert!(output.stdout.is_empty());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(stderr.contains("not valid UTF-8"), "{stderr}");
+    assert!(stderr.contains("usage:"), "{stderr}");
+}
