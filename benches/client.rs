@@ -1,34 +1,48 @@
-//! What the client retry stack costs per call on the success path, in process, next to
-//! tower's own `Retry` with a `TpsBudget`, around the same inner service.
+//! What the client stack costs per call, in process, next to tower's own `Retry` with a
+//! `TpsBudget` and tower-resilience's retry, around the same inner service.
 //!
-//! The inner service is a `service_fn` that answers 200 at once. Each iteration builds a
-//! `GET` request (empty body), waits for readiness and calls the service; the futures are
-//! polled once with `now_or_never` (every case completes on its first poll), so no
-//! runtime or timer is involved and only the layers differ:
+//! The inner service is a `service_fn` that answers at once: always 200, or, in the
+//! `*_fail10` cases, a 503 on every 10th call it receives on its thread (a thread-local
+//! counter: deterministic, and no shared state between the threads of the two-thread
+//! group). Each iteration builds a `GET` request (empty body), waits for readiness and
+//! calls the service. Success cases poll once with `now_or_never` (every one completes on
+//! its first poll), so no runtime or timer is involved; the `*_fail10` cases run the whole
+//! loop in one `block_on` of a current-thread tokio runtime with a paused clock, because
+//! tower-resilience's retry sleeps (`tokio::time::sleep(ZERO)`) before every retry, which
+//! needs a timer. Every case is boxed the same way (`BoxCloneSyncService`).
+//!
+//! Cases (retry layers: zero backoff, at most 3 attempts counting the first):
 //!
 //! - `bare`: the inner service alone;
-//! - `retrysafe`: `RetryLayer::new()` — the standard strategy with its ratio budget (one
-//!   deposit per call), the default classifier, a `ReplayBody` around the body and a
-//!   copy of the request head;
-//! - `retrysafe_with_budget_layer`: the same plus a `RetryBudgetLayer` sharing the
-//!   budget (it skips the attempts the `RetryLayer` charged);
-//! - `full_stack` (one thread): the recommended stack of DESIGN §6 — `DeadlineLayer`
-//!   (10 s) → `RetryLayer` → `RetryBudgetLayer` (one shared budget) →
-//!   `CircuitBreakerLayer` (defaults);
+//! - `deadline`: `DeadlineLayer` (10 s) alone;
+//! - `retrysafe`: `RetryLayer` alone — standard strategy with backoff base 0, cap 1 ms,
+//!   no jitter (so every retry is immediate), its own ratio budget, the default
+//!   classifier, a `ReplayBody` around the body and a copy of the request head;
+//! - `budget_layer`: `RetryBudgetLayer` (ratio budget) alone;
+//! - `breaker`: `CircuitBreakerLayer::default()` alone;
+//! - `retrysafe_with_budget_layer`: `RetryLayer` + `RetryBudgetLayer` on one budget;
+//! - `full_stack`: the recommended stack of DESIGN §6 — `DeadlineLayer` (10 s) →
+//!   `RetryLayer` → `RetryBudgetLayer` (one shared budget) → `CircuitBreakerLayer`;
 //! - `tower_retry_tps`: tower's `Retry` with a policy that deposits into a `TpsBudget`
-//!   on success and withdraws on a retry (tower's documented pattern), cloning the
-//!   request for a possible retry.
+//!   on success and withdraws on a retry of a 5xx (tower's documented pattern), cloning
+//!   the request for a possible retry, 2 retries, no delay (`Ready<()>`);
+//! - `tower_resilience_retry`: tower-resilience 0.13's `RetryLayer`, `max_attempts(3)`,
+//!   `fixed_backoff(ZERO)`, `retry_on_response(status == 503)`, no budget (it clones the
+//!   request for every attempt and boxes its future).
 //!
 //! Group `client_1_thread`: one thread. Group `client_2_threads`: two threads share one
-//! service (so one budget) and each makes the same number of calls; the time reported is
-//! per call of one thread, so `scaling = t(1 thread) / t(2 threads)` is 1.0 for perfect
-//! scaling and 0.5 when the two threads serialize.
+//! service (so one budget and one breaker) and each makes the same number of calls; the
+//! time reported is per call of one thread, so `scaling = t(1 thread) / t(2 threads)` is
+//! 1.0 for perfect scaling and 0.5 when the two threads serialize.
 //!
 //! `cargo bench --bench client -- --warm-up-time 1 --measurement-time 3`
 //!
-//! Instructions per call (exact, unlike time on a shared machine): `scripts/bench-callgrind`.
+//! Instructions per call (exact, unlike time on a shared machine): `scripts/bench-callgrind`
+//! (`CLIENT_BENCH_CASE=name CLIENT_BENCH_CALLS=n`; a case name ending in `_2t` runs the
+//! `n` calls split over two threads sharing the service).
 #![allow(clippy::unwrap_used, clippy::panic, missing_docs)]
 
+use std::cell::Cell;
 use std::convert::Infallible;
 use std::hint::black_box;
 use std::sync::Arc;
@@ -39,7 +53,7 @@ use criterion::{Criterion, criterion_group};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
-use retrysafe::breaker::ResponseBody;
+use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
@@ -47,15 +61,33 @@ use retrysafe::{
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::BoxCloneSyncService;
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tower::{Layer, Service, ServiceExt};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
-type Svc = BoxCloneSyncService<Req, Res, BoxError>;
+type Answer = std::future::Ready<Result<Res, Infallible>>;
+
+thread_local! {
+    static CALLS: Cell<u64> = const { Cell::new(0) };
+}
 
 fn ok<B>(_: Request<B>) -> std::future::Ready<Result<Res, Infallible>> {
     std::future::ready(Ok(Response::new(())))
+}
+
+/// 503 on every 10th call of this thread, else 200.
+fn flaky<B>(_: Request<B>) -> std::future::Ready<Result<Res, Infallible>> {
+    let n = CALLS.with(|c| {
+        let n = c.get() + 1;
+        c.set(n);
+        n
+    });
+    let mut response = Response::new(());
+    if n.is_multiple_of(10) {
+        *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+    }
+    std::future::ready(Ok(response))
 }
 
 fn request() -> Req {
@@ -96,41 +128,57 @@ impl tower::retry::Policy<Req, Res, BoxError> for TowerPolicy {
     }
 }
 
-fn cases() -> Vec<(&'static str, Svc)> {
-    let bare =
-        BoxCloneSyncService::new(tower::service_fn(ok::<Empty<Bytes>>).map_err(BoxError::from));
-    let retrysafe = BoxCloneSyncService::new(
-        ServiceBuilder::new()
-            .layer(RetryLayer::new())
-            .service(tower::service_fn(ok)),
-    );
-    let budget = RetryBudget::ratio();
-    let with_budget_layer = BoxCloneSyncService::new(
-        ServiceBuilder::new()
-            .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
-            .layer(RetryBudgetLayer::new(budget))
-            .service(tower::service_fn(ok)),
-    );
-    let tower_retry = BoxCloneSyncService::new(
-        ServiceBuilder::new()
-            .layer(tower::retry::RetryLayer::new(TowerPolicy {
-                budget: Arc::new(TpsBudget::default()),
-                attempts_left: 2,
-            }))
-            .service(tower::service_fn(ok::<Empty<Bytes>>).map_err(BoxError::from)),
-    );
-    let cases = vec![
-        ("bare", bare),
-        ("retrysafe", retrysafe),
-        ("retrysafe_with_budget_layer", with_budget_layer),
-        ("tower_retry_tps", tower_retry),
-    ];
-    // Every case answers 200 on the first poll.
-    for (name, svc) in &cases {
-        let response = call(&mut svc.clone()).unwrap_or_else(|| panic!("{name} did not complete"));
-        assert_eq!(response.status(), StatusCode::OK, "{name}");
+/// A case: runs `iters` calls on a clone of its (shared) service, on this thread.
+type Runner = Arc<dyn Fn(u64) + Send + Sync>;
+
+/// Boxes `svc` (every case pays the same box) and makes its runner: `now_or_never`
+/// per call on the success path, one paused-clock runtime for the `_fail10` cases.
+fn runner<S, R>(svc: S, fail: bool) -> Runner
+where
+    S: Service<Req, Response = Response<R>> + Clone + Send + Sync + 'static,
+    S::Error: Into<BoxError>,
+    S::Future: Send + 'static,
+    R: 'static,
+{
+    let svc: BoxCloneSyncService<Req, Response<R>, BoxError> =
+        BoxCloneSyncService::new(svc.map_err(Into::into));
+    // The case must answer on the first poll (success path) or at all (with failures).
+    if fail {
+        let mut first = svc.clone();
+        runtime().block_on(async move {
+            let r = first.ready().await.unwrap().call(request()).await.unwrap();
+            assert!(r.status() == StatusCode::OK || r.status() == StatusCode::SERVICE_UNAVAILABLE);
+        });
+        Arc::new(move |iters| {
+            let mut svc = svc.clone();
+            runtime().block_on(async move {
+                for _ in 0..iters {
+                    let ready = svc.ready().await.map(|s| s.call(request()));
+                    black_box(match ready {
+                        Ok(f) => f.await.ok(),
+                        Err(_) => None,
+                    });
+                }
+            });
+        })
+    } else {
+        let response = call(&mut svc.clone()).expect("the case completes on its first poll");
+        assert_eq!(response.status(), StatusCode::OK);
+        Arc::new(move |iters| {
+            let mut svc = svc.clone();
+            for _ in 0..iters {
+                black_box(call(&mut svc));
+            }
+        })
     }
-    cases
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .unwrap()
 }
 
 fn call<S: Service<Req>>(svc: &mut S) -> Option<S::Response> {
@@ -138,75 +186,144 @@ fn call<S: Service<Req>>(svc: &mut S) -> Option<S::Response> {
     svc.call(request()).now_or_never()?.ok()
 }
 
-fn run<S: Service<Req>>(svc: &mut S, iters: u64) {
-    for _ in 0..iters {
-        black_box(call(svc));
+/// Zero backoff: base 0, cap 1 ms, no jitter.
+fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
+    let backoff = Backoff::new(Duration::ZERO, Duration::from_millis(1), Jitter::None).unwrap();
+    let strategy = StandardRetryStrategy::new().backoff(backoff);
+    match budget {
+        Some(budget) => strategy.budget(budget),
+        None => strategy,
     }
 }
 
-/// The recommended client stack of DESIGN §6: deadline → retry → budget → breaker
-/// (one shared budget; the breaker wraps the response body, hence its own type).
-fn full_stack() -> BoxCloneSyncService<Req, Response<ResponseBody<()>>, BoxError> {
-    let budget = RetryBudget::ratio();
-    let svc = BoxCloneSyncService::new(
-        ServiceBuilder::new()
-            .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
-            .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
-            .layer(RetryBudgetLayer::new(budget))
-            .layer(CircuitBreakerLayer::default())
-            .service(tower::service_fn(ok)),
-    );
-    let response = call(&mut svc.clone()).expect("full_stack completes");
-    assert_eq!(response.status(), StatusCode::OK);
-    svc
+const NAMES: [&str; 9] = [
+    "bare",
+    "deadline",
+    "retrysafe",
+    "budget_layer",
+    "breaker",
+    "retrysafe_with_budget_layer",
+    "full_stack",
+    "tower_retry_tps",
+    "tower_resilience_retry",
+];
+
+/// The case `name` (a base name, `_fail10` for the flaky inner service).
+fn case(name: &str) -> Option<Runner> {
+    let (base, fail) = match name.strip_suffix("_fail10") {
+        Some(base) => (base, true),
+        None => (name, false),
+    };
+    // A fn pointer keeps one inner type for both variants.
+    fn inner<B>(fail: bool) -> tower::util::ServiceFn<fn(Request<B>) -> Answer> {
+        tower::service_fn(if fail { flaky::<B> } else { ok::<B> })
+    }
+    Some(match base {
+        "bare" => runner(inner::<Empty<Bytes>>(fail), fail),
+        "deadline" => runner(
+            DeadlineLayer::new(Duration::from_secs(10))
+                .unwrap()
+                .layer(inner(fail)),
+            fail,
+        ),
+        "retrysafe" => runner(
+            RetryLayer::new()
+                .strategy(strategy(None))
+                .layer(inner(fail)),
+            fail,
+        ),
+        "budget_layer" => runner(
+            RetryBudgetLayer::new(RetryBudget::ratio()).layer(inner(fail)),
+            fail,
+        ),
+        "breaker" => runner(CircuitBreakerLayer::default().layer(inner(fail)), fail),
+        "retrysafe_with_budget_layer" => {
+            let budget = RetryBudget::ratio();
+            runner(
+                RetryLayer::new()
+                    .strategy(strategy(Some(budget.clone())))
+                    .layer(RetryBudgetLayer::new(budget).layer(inner(fail))),
+                fail,
+            )
+        }
+        "full_stack" => {
+            let budget = RetryBudget::ratio();
+            runner(
+                tower::ServiceBuilder::new()
+                    .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+                    .layer(RetryLayer::new().strategy(strategy(Some(budget.clone()))))
+                    .layer(RetryBudgetLayer::new(budget))
+                    .layer(CircuitBreakerLayer::default())
+                    .service(inner(fail)),
+                fail,
+            )
+        }
+        "tower_retry_tps" => runner(
+            tower::retry::RetryLayer::new(TowerPolicy {
+                budget: Arc::new(TpsBudget::default()),
+                attempts_left: 2,
+            })
+            .layer(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),
+            fail,
+        ),
+        "tower_resilience_retry" => runner(
+            tower_resilience::retry::RetryLayer::<Req, Res, Infallible>::builder()
+                .max_attempts(3)
+                .fixed_backoff(Duration::ZERO)
+                .retry_on_response(|r: &Res| r.status() == StatusCode::SERVICE_UNAVAILABLE)
+                .build()
+                .layer(inner(fail)),
+            fail,
+        ),
+        _ => return None,
+    })
+}
+
+fn all_cases() -> impl Iterator<Item = String> {
+    NAMES
+        .iter()
+        .map(|n| (*n).to_owned())
+        .chain(NAMES.iter().map(|n| format!("{n}_fail10")))
+}
+
+/// `threads` threads each run `iters` calls of `run`; the slowest thread's time.
+fn timed(run: &Runner, threads: usize, iters: u64) -> Duration {
+    if threads == 1 {
+        let start = Instant::now();
+        run(iters);
+        return start.elapsed();
+    }
+    let barrier = Arc::new(std::sync::Barrier::new(threads));
+    let handles: Vec<_> = (0..threads)
+        .map(|_| {
+            let run = run.clone();
+            let barrier = barrier.clone();
+            std::thread::spawn(move || {
+                barrier.wait();
+                let start = Instant::now();
+                run(iters);
+                start.elapsed()
+            })
+        })
+        .collect();
+    let times: Vec<Duration> = handles.into_iter().map(|t| t.join().unwrap()).collect();
+    times.into_iter().max().unwrap_or_default()
 }
 
 fn one_thread(c: &mut Criterion) {
     let mut group = c.benchmark_group("client_1_thread");
-    let stack = full_stack();
-    group.bench_function("full_stack", |b| {
-        b.iter_custom(|iters| {
-            let mut svc = stack.clone();
-            let start = Instant::now();
-            run(&mut svc, iters);
-            start.elapsed()
-        });
-    });
-    for (name, svc) in cases() {
-        group.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let mut svc = svc.clone();
-                let start = Instant::now();
-                run(&mut svc, iters);
-                start.elapsed()
-            });
-        });
+    for name in all_cases() {
+        let run = case(&name).unwrap();
+        group.bench_function(&name, |b| b.iter_custom(|iters| timed(&run, 1, iters)));
     }
     group.finish();
 }
 
 fn two_threads(c: &mut Criterion) {
     let mut group = c.benchmark_group("client_2_threads");
-    for (name, svc) in cases() {
-        group.bench_function(name, |b| {
-            b.iter_custom(|iters| {
-                let barrier = Arc::new(std::sync::Barrier::new(2));
-                let threads: Vec<_> = (0..2)
-                    .map(|_| {
-                        let mut svc = svc.clone();
-                        let barrier = barrier.clone();
-                        std::thread::spawn(move || {
-                            barrier.wait();
-                            let start = Instant::now();
-                            run(&mut svc, iters);
-                            start.elapsed()
-                        })
-                    })
-                    .collect();
-                let times: Vec<Duration> = threads.into_iter().map(|t| t.join().unwrap()).collect();
-                times.into_iter().max().unwrap_or_default()
-            });
-        });
+    for name in all_cases() {
+        let run = case(&name).unwrap();
+        group.bench_function(&name, |b| b.iter_custom(|iters| timed(&run, 2, iters)));
     }
     group.finish();
 }
@@ -214,20 +331,21 @@ fn two_threads(c: &mut Criterion) {
 criterion_group!(benches, one_thread, two_threads);
 
 /// `CLIENT_BENCH_CASE=name CLIENT_BENCH_CALLS=n` runs `n` calls of one case and exits
-/// (for `valgrind --tool=callgrind`, which counts instructions, not time); otherwise the
+/// (for `valgrind --tool=callgrind`, which counts instructions, not time); a name ending
+/// in `_2t` splits the `n` calls over two threads sharing the service. Otherwise the
 /// criterion benches.
 fn main() {
-    if let (Ok(case), Ok(calls)) = (
+    if let (Ok(name), Ok(calls)) = (
         std::env::var("CLIENT_BENCH_CASE"),
         std::env::var("CLIENT_BENCH_CALLS"),
     ) {
         let calls: u64 = calls.parse().unwrap();
-        if case == "full_stack" {
-            run(&mut full_stack(), calls);
-            return;
-        }
-        let (_, svc) = cases().into_iter().find(|(n, _)| *n == case).unwrap();
-        run(&mut svc.clone(), calls);
+        let (name, threads) = match name.strip_suffix("_2t") {
+            Some(base) => (base, 2),
+            None => (name.as_str(), 1),
+        };
+        let run = case(name).unwrap_or_else(|| panic!("unknown case {name}"));
+        timed(&run, threads, calls / threads as u64);
         return;
     }
     benches();

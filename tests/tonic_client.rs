@@ -512,20 +512,36 @@ async fn an_open_breaker_is_unavailable_without_reaching_the_server() {
 #[tokio::test]
 async fn a_budget_layer_that_refuses_a_retry_is_unavailable() {
     // The budget layer holds a budget of its own, empty: it refuses the retry the
-    // retry layer charged to another budget.
+    // retry layer charged to another budget (a synthesised UNAVAILABLE). The retry
+    // layer then gives up with the server's real answer before it, marked, as it does
+    // when the refusal is an error.
     let script = Script::new([Step::Fail(Code::Unavailable, None)]);
     let addr = serve(&script, None).await;
     let config = Config {
         layer_budget: empty_budget(),
         ..Config::default()
     };
-    let mut client = client(addr, &config);
+    let mut first = client(addr, &config);
 
-    let status = check(&mut client).await.unwrap_err();
+    let status = check(&mut first).await.unwrap_err();
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert_eq!(status.message(), "scripted Unavailable");
+    assert_eq!(do_not_retry(&status), Some("1"));
+    assert_eq!(script.calls(), 1);
+
+    // On a first attempt (nothing real before it) the refusal itself is the answer.
+    let script = Script::new([]);
+    let addr = serve(&script, None).await;
+    let mut second = client(addr, &config);
+    let mut request = tonic::Request::new(check_request());
+    request
+        .metadata_mut()
+        .insert("retry-attempt", "2".parse().unwrap());
+    let status = second.check(request).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
     assert!(status.message().contains("budget"), "{status:?}");
     assert_eq!(do_not_retry(&status), Some("1"));
-    assert_eq!(script.calls(), 1);
+    assert_eq!(script.calls(), 0);
 }
 
 #[tokio::test]

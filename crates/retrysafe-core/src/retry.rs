@@ -524,8 +524,20 @@ impl RetryCall {
     /// Whether the deadline leaves too little time to start an attempt (less than
     /// [`MIN_ATTEMPT_TIME`]). Checked before every attempt, after any wait.
     pub fn too_late(&self) -> bool {
-        self.deadline
-            .is_some_and(|d| d.remaining() < MIN_ATTEMPT_TIME)
+        Self::too_late_with(self.time_left())
+    }
+
+    /// The time left before the deadline (`None` without one): one clock read, to pass
+    /// to [`too_late_with`](Self::too_late_with) and
+    /// [`prepare_attempt_with`](Self::prepare_attempt_with) when an adapter does both.
+    pub fn time_left(&self) -> Option<Duration> {
+        self.deadline.map(Deadline::remaining)
+    }
+
+    /// [`too_late`](Self::too_late) with the time left read once by
+    /// [`time_left`](Self::time_left).
+    pub fn too_late_with(left: Option<Duration>) -> bool {
+        left.is_some_and(|left| left < MIN_ATTEMPT_TIME)
     }
 
     /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
@@ -537,6 +549,18 @@ impl RetryCall {
         headers: &mut HeaderMap,
         extensions: &mut Extensions,
         token: &RetryToken,
+    ) {
+        self.prepare_attempt_with(headers, extensions, token, self.time_left());
+    }
+
+    /// [`prepare_attempt`](Self::prepare_attempt) with the time left read by
+    /// [`time_left`](Self::time_left) (so a check and the headers share one clock read).
+    pub fn prepare_attempt_with(
+        &self,
+        headers: &mut HeaderMap,
+        extensions: &mut Extensions,
+        token: &RetryToken,
+        left: Option<Duration>,
     ) {
         let convention = &self.policy.convention;
         let attempt = token.attempt();
@@ -555,8 +579,7 @@ impl RetryCall {
                 extensions.insert(RetryCharged { attempt, budget });
             }
         }
-        if let Some(deadline) = self.deadline {
-            let left = deadline.remaining();
+        if let Some(left) = left {
             if self.facts.grpc {
                 headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
             } else {

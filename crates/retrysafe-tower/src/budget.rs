@@ -239,7 +239,7 @@ where
             },
             Some(grpc) => Kind::Refused {
                 grpc,
-                convention: Some(self.config.convention.clone()),
+                config: self.config.clone(),
             },
         };
         ResponseFuture {
@@ -262,7 +262,8 @@ pin_project! {
     #[project = KindProj]
     enum Kind<F> {
         Inner { #[pin] future: F },
-        Refused { grpc: bool, convention: Option<Convention> },
+        // The layer's config (an `Arc`: the future stays small), for its convention.
+        Refused { grpc: bool, config: Arc<Config> },
         // Answered: a poll after completion is `Pending` (the inner future is gone).
         Done,
     }
@@ -280,9 +281,8 @@ where
         let mut kind = self.project().kind;
         let output = match kind.as_mut().project() {
             KindProj::Inner { future } => ready!(future.poll(cx)).map_err(Into::into),
-            KindProj::Refused { grpc, convention } => {
-                let convention = convention.take().unwrap_or_default();
-                M::answer(*grpc, Box::new(BudgetExhausted::new()), &convention)
+            KindProj::Refused { grpc, config } => {
+                M::answer(*grpc, Box::new(BudgetExhausted::new()), &config.convention)
             }
             KindProj::Done => return Poll::Pending,
         };
@@ -344,7 +344,7 @@ where
             },
             Some(grpc) => Kind::Refused {
                 grpc,
-                convention: Some(self.config.convention.clone()),
+                config: self.config.clone(),
             },
         };
         ServerResponseFuture { kind }
@@ -371,12 +371,11 @@ where
             KindProj::Inner { future } => {
                 ready!(future.poll(cx)).map(|response| response.map(LocalBody::inner))
             }
-            KindProj::Refused { grpc, convention } => {
-                let convention = convention.take().unwrap_or_default();
+            KindProj::Refused { grpc, config } => {
                 let answer = <AsProblem as LocalFailure<LocalBody<ResB>>>::answer(
                     *grpc,
                     Box::new(BudgetExhausted::new()),
-                    &convention,
+                    &config.convention,
                 );
                 // `AsProblem` answers a `BudgetExhausted` with a response, always.
                 Ok(answer.unwrap_or_else(|_| {

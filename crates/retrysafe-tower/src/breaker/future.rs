@@ -7,7 +7,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{HeaderMap, Request, Response};
@@ -40,10 +40,13 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<S, R, F> {
-        // Admitted: awaiting the readiness of a clone of the inner service.
-        Readying { service: S, request: Option<R>, call: Option<Call> },
+        // Admitted: awaiting the readiness of a clone of the inner service (boxed: this
+        // slow path is rare, and the future stays small for the common one).
+        Readying { waiting: Option<Box<(S, R)>>, call: Option<Call> },
         Calling { #[pin] future: F, call: Option<Call> },
         Refused { grpc: bool, open: Option<CircuitOpen>, config: Arc<Config> },
+        // The inner service failed to become ready (recorded already).
+        Failed { error: Option<BoxError> },
         Done,
     }
 }
@@ -52,14 +55,33 @@ impl<S, ReqB, M> ResponseFuture<S, ReqB, M>
 where
     S: Service<Request<ReqB>>,
 {
-    /// An admitted call of `request` on `service` (not yet ready).
-    pub(crate) fn ready(service: S, request: Request<ReqB>, call: Call) -> Self {
-        ResponseFuture {
-            state: State::Readying {
-                service,
-                request: Some(request),
+    /// An admitted call of `request` on `service`: called at once when `service` is
+    /// ready already (polled with a no-op waker: the future polls it again with the
+    /// caller's waker when it is not), else awaiting its readiness in the future.
+    pub(crate) fn admitted(mut service: S, request: Request<ReqB>, mut call: Call) -> Self
+    where
+        S::Error: Into<BoxError>,
+    {
+        let state = match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(Ok(())) => {
+                call.start();
+                State::Calling {
+                    future: service.call(request),
+                    call: Some(call),
+                }
+            }
+            Poll::Ready(Err(error)) => {
+                let error = error.into();
+                call.failed(&*error);
+                State::Failed { error: Some(error) }
+            }
+            Poll::Pending => State::Readying {
+                waiting: Some(Box::new((service, request))),
                 call: Some(call),
             },
+        };
+        ResponseFuture {
+            state,
             _local: PhantomData,
         }
     }
@@ -89,32 +111,43 @@ where
         loop {
             let mut state = self.as_mut().project().state;
             match state.as_mut().project() {
-                StateProj::Readying {
-                    service,
-                    request,
-                    call,
-                } => match ready!(service.poll_ready(cx)) {
-                    Ok(()) => {
-                        let (Some(request), Some(mut call)) = (request.take(), call.take()) else {
-                            state.set(State::Done);
-                            continue;
-                        };
-                        call.start();
-                        let future = service.call(request);
-                        state.set(State::Calling {
-                            future,
-                            call: Some(call),
-                        });
-                    }
-                    Err(error) => {
-                        let error = error.into();
-                        if let Some(call) = call.take() {
-                            call.failed(&*error);
-                        }
+                StateProj::Readying { waiting, call } => {
+                    let Some((service, _)) = waiting.as_deref_mut() else {
                         state.set(State::Done);
-                        return Poll::Ready(Err(error));
+                        continue;
+                    };
+                    match ready!(service.poll_ready(cx)) {
+                        Ok(()) => {
+                            let (Some(boxed), Some(mut call)) = (waiting.take(), call.take())
+                            else {
+                                state.set(State::Done);
+                                continue;
+                            };
+                            let (mut service, request) = *boxed;
+                            call.start();
+                            let future = service.call(request);
+                            state.set(State::Calling {
+                                future,
+                                call: Some(call),
+                            });
+                        }
+                        Err(error) => {
+                            let error = error.into();
+                            if let Some(call) = call.take() {
+                                call.failed(&*error);
+                            }
+                            state.set(State::Done);
+                            return Poll::Ready(Err(error));
+                        }
                     }
-                },
+                }
+                StateProj::Failed { error } => {
+                    let error = error.take().unwrap_or_else(|| {
+                        "breaker response future polled after completion".into()
+                    });
+                    state.set(State::Done);
+                    return Poll::Ready(Err(error));
+                }
                 StateProj::Calling { future, call } => {
                     let result = ready!(future.poll(cx));
                     let call = call.take();

@@ -97,7 +97,7 @@ where
         match acquired {
             Ok(permit) => {
                 let facts = BreakerFacts::of(request.headers(), &config.convention);
-                ResponseFuture::ready(
+                ResponseFuture::admitted(
                     self.inner.clone(),
                     request,
                     Call::new(permit, facts, config.clone(), timed),

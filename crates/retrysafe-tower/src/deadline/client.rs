@@ -5,7 +5,7 @@ use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -14,7 +14,7 @@ use retrysafe_core::classify::is_grpc;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::wire::{Convention, MAX_TIMEOUT};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use tokio::time::Sleep;
+use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -181,8 +181,11 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
 
         // The soonest of: ours, the request's own, the inherited one.
-        let mut deadline = Deadline::after(self.config.timeout)
-            .tighten(request.extensions().get::<Deadline>().copied());
+        // One clock read for ours and the expiry check (the timeout is at most 30 days,
+        // checked by `new`, so the sum cannot overflow in practice; saturate anyway).
+        let now = Instant::now();
+        let ours = Deadline(now.checked_add(self.config.timeout).unwrap_or(now));
+        let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
         if let Some(inherited) =
             CallContext::inherited(request.extensions()).and_then(|c| c.deadline())
         {
@@ -191,13 +194,24 @@ where
         request.extensions_mut().insert(deadline);
 
         let grpc = is_grpc(request.headers());
-        let state = if deadline.is_expired() {
+        let state = if deadline.instant() <= now {
             // No attempt starts that cannot finish in time.
             State::Expired
         } else {
-            State::Readying {
-                service,
-                request: Some(request),
+            // Called at once when the inner service is ready already (polled with a
+            // no-op waker: the future polls it again with the caller's waker when not).
+            let mut service = service;
+            match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
+                Poll::Ready(Ok(())) => State::Calling {
+                    future: service.call(request),
+                },
+                Poll::Ready(Err(e)) => State::Failed {
+                    error: Some(e.into()),
+                },
+                Poll::Pending => State::Readying {
+                    service,
+                    request: Some(request),
+                },
             }
         };
         ResponseFuture {
@@ -236,6 +250,8 @@ pin_project! {
     enum State<S, R, F> {
         Readying { service: S, request: Option<R> },
         Calling { #[pin] future: F },
+        // The inner service failed to become ready.
+        Failed { error: Option<BoxError> },
         Expired,
         Done,
     }
@@ -289,6 +305,11 @@ where
                             Err(e) => Err(e.into()),
                         });
                     }
+                }
+                StateProj::Failed { error } => {
+                    let error = error.take().unwrap_or_else(polled_after_completion);
+                    this.state.set(State::Done);
+                    return Poll::Ready(Err(error));
                 }
                 StateProj::Expired => {}
                 StateProj::Done => return Poll::Ready(Err(polled_after_completion())),

@@ -83,13 +83,15 @@ where
         call: RetryCall,
     ) -> Self {
         let backup = body.clone();
-        let state = if call.too_late() {
+        // One clock read for the check and the timeout header.
+        let left = call.time_left();
+        let state = if RetryCall::too_late_with(left) {
             State::Failed {
                 error: Some(Box::new(DeadlineExceeded::new())),
             }
         } else {
             let mut parts = template.clone();
-            call.prepare_attempt(&mut parts.headers, &mut parts.extensions, &token);
+            call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
             let request = Request::from_parts(parts, body);
             let _mark = token.budget_id().map(RetryCharged::mark);
             State::Calling {
@@ -254,8 +256,13 @@ where
                 StateProj::Readying => {
                     let ready = this.service.poll_ready(cx);
                     // The deadline may have passed during the backoff or the wait.
+                    // One clock read for the check and the timeout header.
+                    let mut left = None;
                     let expired = match ready {
-                        Poll::Ready(Ok(())) => this.call.too_late(),
+                        Poll::Ready(Ok(())) => {
+                            left = this.call.time_left();
+                            RetryCall::too_late_with(left)
+                        }
                         Poll::Ready(Err(_)) => false,
                         Poll::Pending => {
                             // Waiting for readiness counts against the deadline.
@@ -297,10 +304,11 @@ where
                                 ));
                             };
                             let mut parts = this.template.clone();
-                            this.call.prepare_attempt(
+                            this.call.prepare_attempt_with(
                                 &mut parts.headers,
                                 &mut parts.extensions,
                                 token,
+                                left,
                             );
                             let request = Request::from_parts(parts, this.body.clone());
                             let future = {

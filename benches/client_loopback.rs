@@ -1,0 +1,394 @@
+//! Client stacks over loopback HTTP/1.1 with keep-alive: throughput of the bare
+//! hyper-util client against the full retrysafe stack over it and tower's `Retry` with a
+//! `TpsBudget` over it; plain reqwest against reqwest-middleware with no middleware,
+//! with reqwest-retry, and with retrysafe's deadline + retry + breaker middleware.
+//!
+//! The server is an axum app answering `GET /` with 200 and a 2-byte body, run by this
+//! same binary in a **child process** (`CLIENT_LOOPBACK_SERVER=1`, a current-thread tokio
+//! runtime) so that client and server do not share one runtime's scheduling; the client
+//! side is a current-thread runtime too (the machine has 2 cores: one each).
+//!
+//! For each connection count (`CONNS`, default "1 16"), each round runs every case once
+//! in a rotated order (A/B alternation: shared load hits every case), each case making
+//! `REQUESTS` requests (default 4000) from `CONNS` concurrent tasks on one client (so
+//! `CONNS` keep-alive connections), reading every body to its end. A round's figure is
+//! requests per second; the report gives the median over `ROUNDS` rounds (default 11),
+//! the min and max, and the median of the per-round ratio to the group's baseline.
+//!
+//! Configurations: retry layers at most 3 attempts; retrysafe with its defaults (ratio
+//! budget, full-jitter backoff) and a 10 s `DeadlineLayer` / `DeadlineMiddleware`;
+//! tower's `Retry` deposits into a `TpsBudget` per success, 2 retries; reqwest-retry's
+//! `ExponentialBackoff` with 2 retries. No request fails, so only overhead is measured.
+//!
+//! `cargo bench --bench client_loopback` (env: `ROUNDS`, `REQUESTS`, `CONNS`).
+//!
+//! Instructions per request of the client process (callgrind does not follow the server
+//! child): `CLIENT_LOOPBACK_BENCH_CASE=name CLIENT_LOOPBACK_BENCH_CALLS=n` runs a fixed
+//! warm-up of 200 requests and then `n` requests of one case on `CONNS` (first value)
+//! connections; `BENCH=client_loopback scripts/bench-callgrind` reports
+//! (instructions(n) - instructions(0)) / n.
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use retrysafe::{
+    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
+    StandardRetryStrategy,
+};
+use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+use tokio::time::Instant;
+use tower::retry::budget::{Budget, TpsBudget};
+use tower::util::BoxCloneService;
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type Req = Request<Empty<Bytes>>;
+type HyperSvc = BoxCloneService<Req, Response<Bytes>, BoxError>;
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_owned())
+}
+
+fn serve() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let app = axum::Router::new().route("/", axum::routing::get(|| async { "ok" }));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        println!("{}", listener.local_addr().unwrap().port());
+        std::io::stdout().flush().unwrap();
+        // Serve until the parent closes our stdin.
+        tokio::select! {
+            r = axum::serve(listener, app) => r.unwrap(),
+            _ = tokio::task::spawn_blocking(|| {
+                let mut line = String::new();
+                let _ = std::io::stdin().read_line(&mut line);
+            }) => {}
+        }
+    });
+}
+
+/// Reads a hyper response's body to the end (so the connection is reused).
+async fn collect<B>(response: Response<B>) -> Result<Response<Bytes>, BoxError>
+where
+    B: http_body::Body,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = response.into_parts();
+    let bytes = body.collect().await.map_err(Into::into)?.to_bytes();
+    Ok(Response::from_parts(parts, bytes))
+}
+
+#[derive(Clone)]
+struct TowerPolicy {
+    budget: Arc<TpsBudget>,
+    attempts_left: u32,
+}
+
+impl<R> tower::retry::Policy<Req, Response<R>, BoxError> for TowerPolicy {
+    type Future = std::future::Ready<()>;
+
+    fn retry(
+        &mut self,
+        _: &mut Req,
+        result: &mut Result<Response<R>, BoxError>,
+    ) -> Option<Self::Future> {
+        match result {
+            Ok(r) if !r.status().is_server_error() => {
+                self.budget.deposit();
+                None
+            }
+            _ if self.attempts_left > 0 && self.budget.withdraw() => {
+                self.attempts_left -= 1;
+                Some(std::future::ready(()))
+            }
+            _ => None,
+        }
+    }
+
+    fn clone_request(&mut self, req: &Req) -> Option<Req> {
+        let mut clone = Request::new(Empty::new());
+        *clone.method_mut() = req.method().clone();
+        *clone.uri_mut() = req.uri().clone();
+        *clone.headers_mut() = req.headers().clone();
+        Some(clone)
+    }
+}
+
+fn hyper_client<B>(conns: usize) -> Client<HttpConnector, B>
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(conns)
+        .build_http()
+}
+
+fn hyper_case(name: &str, conns: usize) -> HyperSvc {
+    match name {
+        "hyper_bare" => BoxCloneService::new(
+            hyper_client::<Empty<Bytes>>(conns)
+                .map_err(BoxError::from)
+                .and_then(collect),
+        ),
+        "hyper_retrysafe_full" => {
+            let budget = RetryBudget::ratio();
+            BoxCloneService::new(
+                ServiceBuilder::new()
+                    .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+                    .layer(
+                        RetryLayer::new()
+                            .strategy(StandardRetryStrategy::new().budget(budget.clone())),
+                    )
+                    .layer(RetryBudgetLayer::new(budget))
+                    .layer(CircuitBreakerLayer::default())
+                    .service(hyper_client(conns))
+                    .and_then(collect),
+            )
+        }
+        "hyper_tower_retry_tps" => BoxCloneService::new(
+            ServiceBuilder::new()
+                .layer(tower::retry::RetryLayer::new(TowerPolicy {
+                    budget: Arc::new(TpsBudget::default()),
+                    attempts_left: 2,
+                }))
+                .service(hyper_client::<Empty<Bytes>>(conns).map_err(BoxError::from))
+                .and_then(collect),
+        ),
+        _ => panic!("unknown case {name}"),
+    }
+}
+
+fn reqwest_case(name: &str, conns: usize) -> ClientWithMiddleware {
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(conns)
+        .build()
+        .unwrap();
+    match name {
+        "reqwest_bare" | "reqwest_mw_none" => ClientBuilder::new(client).build(),
+        "reqwest_retry" => {
+            let policy =
+                reqwest_retry::policies::ExponentialBackoff::builder().build_with_max_retries(2);
+            ClientBuilder::new(client)
+                .with(reqwest_retry::RetryTransientMiddleware::new_with_policy(
+                    policy,
+                ))
+                .build()
+        }
+        "reqwest_retrysafe" => ClientBuilder::new(client)
+            .with(DeadlineMiddleware::new(Duration::from_secs(10)).unwrap())
+            .with(RetryMiddleware::new())
+            .with(CircuitBreakerMiddleware::default())
+            .build(),
+        _ => panic!("unknown case {name}"),
+    }
+}
+
+enum Case {
+    Hyper(HyperSvc),
+    /// Plain reqwest (the client inside is used directly).
+    Reqwest(reqwest::Client),
+    Middleware(ClientWithMiddleware),
+}
+
+fn make_case(name: &str, conns: usize) -> Case {
+    match name {
+        "reqwest_bare" => Case::Reqwest(
+            reqwest::Client::builder()
+                .pool_max_idle_per_host(conns)
+                .build()
+                .unwrap(),
+        ),
+        n if n.starts_with("hyper") => Case::Hyper(hyper_case(n, conns)),
+        n => Case::Middleware(reqwest_case(n, conns)),
+    }
+}
+
+/// Runs `requests` requests from `conns` tasks; returns requests per second.
+async fn run(case: &Case, url: &str, requests: usize, conns: usize) -> f64 {
+    let per_task = requests / conns;
+    let start = Instant::now();
+    let mut tasks = tokio::task::JoinSet::new();
+    for _ in 0..conns {
+        let url = url.to_owned();
+        match case {
+            Case::Hyper(svc) => {
+                let mut svc = svc.clone();
+                tasks.spawn_local(async move {
+                    for _ in 0..per_task {
+                        let req = Request::get(url.as_str()).body(Empty::new()).unwrap();
+                        let r = svc.ready().await.unwrap().call(req).await.unwrap();
+                        assert_eq!(r.status(), StatusCode::OK);
+                    }
+                });
+            }
+            Case::Reqwest(client) => {
+                let client = client.clone();
+                tasks.spawn_local(async move {
+                    for _ in 0..per_task {
+                        let r = client.get(url.as_str()).send().await.unwrap();
+                        assert_eq!(r.status(), StatusCode::OK);
+                        r.bytes().await.unwrap();
+                    }
+                });
+            }
+            Case::Middleware(client) => {
+                let client = client.clone();
+                tasks.spawn_local(async move {
+                    for _ in 0..per_task {
+                        let r = client.get(url.as_str()).send().await.unwrap();
+                        assert_eq!(r.status(), StatusCode::OK);
+                        r.bytes().await.unwrap();
+                    }
+                });
+            }
+        }
+    }
+    while let Some(r) = tasks.join_next().await {
+        r.unwrap();
+    }
+    (per_task * conns) as f64 / start.elapsed().as_secs_f64()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+const GROUPS: [(&str, &[&str]); 2] = [
+    (
+        "hyper_bare",
+        &[
+            "hyper_bare",
+            "hyper_retrysafe_full",
+            "hyper_tower_retry_tps",
+        ],
+    ),
+    (
+        "reqwest_mw_none",
+        &[
+            "reqwest_bare",
+            "reqwest_mw_none",
+            "reqwest_retry",
+            "reqwest_retrysafe",
+        ],
+    ),
+];
+
+fn main() {
+    if std::env::var("CLIENT_LOOPBACK_SERVER").is_ok() {
+        serve();
+        return;
+    }
+    // `cargo bench` passes `--bench`; nothing to parse.
+    let one_case = std::env::var("CLIENT_LOOPBACK_BENCH_CASE").ok();
+    let rounds: usize = env_or("ROUNDS", "11").parse().unwrap();
+    let requests: usize = env_or("REQUESTS", "4000").parse().unwrap();
+    let conns: Vec<usize> = env_or("CONNS", "1 16")
+        .split_whitespace()
+        .map(|c| c.parse().unwrap())
+        .collect();
+
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env("CLIENT_LOOPBACK_SERVER", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = format!("http://127.0.0.1:{}/", line.trim());
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let local = tokio::task::LocalSet::new();
+    local.block_on(&rt, async {
+        if let Some(name) = one_case {
+            // For callgrind: a fixed warm-up (200 requests), then `CALLS` requests.
+            let calls: usize = env_or("CLIENT_LOOPBACK_BENCH_CALLS", "0").parse().unwrap();
+            let c = conns.first().copied().unwrap_or(1);
+            let case = make_case(&name, c);
+            run(&case, &url, 200, c).await;
+            if calls > 0 {
+                run(&case, &url, calls, c).await;
+            }
+            return;
+        }
+        for &c in &conns {
+            for (baseline, names) in GROUPS {
+                let cases: Vec<(&str, Case)> = names
+                    .iter()
+                    .map(|&n| (n, make_case(n, c)))
+                    .collect();
+                // Warm-up: open the connections.
+                for (_, case) in &cases {
+                    run(case, &url, requests / 4, c).await;
+                }
+                let mut rps: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+                for round in 0..rounds {
+                    for k in 0..cases.len() {
+                        let i = (k + round) % cases.len();
+                        rps[i].push(run(&cases[i].1, &url, requests, c).await);
+                    }
+                }
+                let base = names.iter().position(|n| *n == baseline).unwrap();
+                println!(
+                    "\nconns={c} requests/case/round={requests} rounds={rounds} (baseline {baseline})"
+                );
+                println!(
+                    "{:<24} {:>10} {:>10} {:>10} {:>8} {:>15}",
+                    "case", "median/s", "min/s", "max/s", "ratio", "ratio min..max"
+                );
+                for (i, (name, _)) in cases.iter().enumerate() {
+                    let mut ratios: Vec<f64> = rps[i]
+                        .iter()
+                        .zip(&rps[base])
+                        .map(|(a, b)| a / b)
+                        .collect();
+                    let (lo, hi) = ratios
+                        .iter()
+                        .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
+                    let ratio = median(&mut ratios);
+                    let mut v = rps[i].clone();
+                    let (min, max) = v
+                        .iter()
+                        .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
+                    println!(
+                        "{name:<24} {:>10.0} {min:>10.0} {max:>10.0} {ratio:>8.3} {lo:>7.3}..{hi:.3}",
+                        median(&mut v)
+                    );
+                }
+            }
+        }
+    });
+    drop(child.stdin.take());
+    let _ = child.wait();
+}
