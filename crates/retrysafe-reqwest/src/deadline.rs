@@ -67,22 +67,16 @@
 //! [`CallContext::inherited`]: retrysafe_core::CallContext::inherited
 //! [`DeadlineExceeded`]: retrysafe_core::error::DeadlineExceeded
 
-use std::error::Error as StdError;
-use std::fmt;
-use std::future::Future;
-use std::pin::Pin;
-use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
-use bytes::Bytes;
 use http::Extensions;
-use http_body::{Body as HttpBody, Frame, SizeHint};
 use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use tokio::time::Sleep;
+
+use retrysafe_tower::deadline::DeadlineBody;
 
 use crate::error::local;
 
@@ -172,65 +166,6 @@ fn bound(response: Response, deadline: Deadline) -> Response {
     if let Ok(marker) = http::Response::builder().url(url).body(()) {
         parts.extensions.extend(marker.into_parts().0.extensions);
     }
-    let body = reqwest::Body::wrap(DeadlineBody {
-        inner: body,
-        deadline,
-        sleep: None,
-        expired: false,
-    });
+    let body = reqwest::Body::wrap(DeadlineBody::new(body, deadline));
     Response::from(http::Response::from_parts(parts, body))
-}
-
-/// A response body that ends with [`DeadlineExceeded`] when the deadline passes
-/// before its end.
-struct DeadlineBody {
-    inner: reqwest::Body,
-    deadline: Deadline,
-    /// Made when the body first waits.
-    sleep: Option<Pin<Box<Sleep>>>,
-    expired: bool,
-}
-
-impl HttpBody for DeadlineBody {
-    type Data = Bytes;
-    type Error = Box<dyn StdError + Send + Sync>;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        let this = self.get_mut();
-        if this.expired {
-            return Poll::Ready(None);
-        }
-        // The body before the timer: a frame that is ready is never dropped.
-        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
-            return Poll::Ready(frame.map(|f| f.map_err(Into::into)));
-        }
-        let deadline = this.deadline;
-        let sleep = this
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline.instant())));
-        ready!(sleep.as_mut().poll(cx));
-        tracing::debug!("deadline exceeded while reading the response body");
-        this.expired = true;
-        Poll::Ready(Some(Err(Box::new(DeadlineExceeded::new()))))
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.expired || self.inner.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
-    }
-}
-
-impl fmt::Debug for DeadlineBody {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeadlineBody")
-            .field("deadline", &self.deadline.remaining())
-            .field("expired", &self.expired)
-            .finish_non_exhaustive()
-    }
 }

@@ -63,7 +63,9 @@ pin_project! {
 }
 
 impl<B: Body> DeadlineBody<B> {
-    fn new(inner: B, deadline: Deadline) -> Self {
+    /// `inner`, bounded by `deadline` (for adapters that wrap bodies themselves, such
+    /// as the reqwest middleware of `retrysafe-reqwest`).
+    pub fn new(inner: B, deadline: Deadline) -> Self {
         let sleep = if inner.is_end_stream() {
             None
         } else {
