@@ -93,8 +93,9 @@ use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_postgres::test_util::WireProxy;
 use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
-use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, Value};
+use retrysafe_redis::redis;
+use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use retrysafe_redis::test_util::CountingConnection;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -1080,40 +1081,6 @@ async fn record_sizes(env: &Env, servers: &Servers) -> Res<()> {
 // Phase 2: round trips per guarded request
 // ---------------------------------------------------------------------------------------
 
-/// A Redis connection that counts the requests it sends (a pipeline counts once).
-#[derive(Clone)]
-struct Counting {
-    inner: ConnectionManager,
-    sent: Arc<AtomicU64>,
-}
-
-impl Counting {
-    fn take(&self) -> u64 {
-        self.sent.swap(0, Ordering::SeqCst)
-    }
-}
-
-impl ConnectionLike for Counting {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        self.inner.req_packed_command(cmd)
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        self.inner.req_packed_commands(pipeline, offset, count)
-    }
-
-    fn get_db(&self) -> i64 {
-        self.inner.get_db()
-    }
-}
-
 /// `INFO commandstats` as command → (calls, µs spent by the server).
 async fn command_calls(conn: &mut ConnectionManager) -> Res<HashMap<String, (u64, u64)>> {
     let info: String = redis::cmd("INFO")
@@ -1169,10 +1136,7 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
     );
 
     // Redis.
-    let counting = Counting {
-        inner: redis_manager(&env.redis_url).await?,
-        sent: Arc::new(AtomicU64::new(0)),
-    };
+    let counting = CountingConnection::new(redis_manager(&env.redis_url).await?);
     let store = RedisStore::builder(counting.clone())
         .key_prefix(env.prefix.clone())
         .build()?;

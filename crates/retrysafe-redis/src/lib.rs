@@ -67,6 +67,8 @@
 mod check;
 mod scripts;
 mod store;
+#[cfg(feature = "test-util")]
+pub mod test_util;
 
 pub use check::{CheckError, ConfigReport, EvictionPolicy};
 pub use store::{RedisStore, RedisStoreBuilder};

@@ -11,18 +11,18 @@
 mod common;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::{ServerLock, fresh_prefix, host_port, manager, manager_to, redis_url, store};
-use redis::aio::{ConnectionLike, ConnectionManager};
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use redis::aio::ConnectionManager;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, OutcomeUnknown, Record, RecordId, Token,
 };
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_redis::test_util::CountingConnection;
 use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -62,47 +62,9 @@ async fn redis_now_ms(conn: &mut ConnectionManager) -> u64 {
     secs * 1000 + micros / 1000
 }
 
-/// A connection that counts the requests it sends (a pipeline counts once): the round
-/// trips of each store call.
-#[derive(Clone)]
-struct Counting {
-    inner: ConnectionManager,
-    sent: Arc<AtomicUsize>,
-}
-
-impl Counting {
-    fn take(&self) -> usize {
-        self.sent.swap(0, Ordering::SeqCst)
-    }
-}
-
-impl ConnectionLike for Counting {
-    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        self.inner.req_packed_command(cmd)
-    }
-
-    fn req_packed_commands<'a>(
-        &'a mut self,
-        pipeline: &'a Pipeline,
-        offset: usize,
-        count: usize,
-    ) -> RedisFuture<'a, Vec<Value>> {
-        self.sent.fetch_add(1, Ordering::SeqCst);
-        self.inner.req_packed_commands(pipeline, offset, count)
-    }
-
-    fn get_db(&self) -> i64 {
-        self.inner.get_db()
-    }
-}
-
 #[tokio::test]
 async fn every_store_call_is_one_round_trip() {
-    let conn = Counting {
-        inner: manager().await,
-        sent: Arc::new(AtomicUsize::new(0)),
-    };
+    let conn = CountingConnection::new(manager().await);
     let store = RedisStore::builder(conn.clone())
         .key_prefix(fresh_prefix())
         .build()
@@ -426,10 +388,7 @@ fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
 #[tokio::test]
 async fn builder_validates() {
     let manager = manager().await;
-    let conn = || Counting {
-        inner: manager.clone(),
-        sent: Arc::default(),
-    };
+    let conn = || CountingConnection::new(manager.clone());
     for prefix in ["a{b", "a}b", "{x}"] {
         let e = RedisStore::builder(conn())
             .key_prefix(prefix)
