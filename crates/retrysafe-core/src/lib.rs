@@ -19,6 +19,8 @@
 //!   request (keys, retry point, deadline, per-attempt headers, classify, retry or give
 //!   up, hooks) — that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
+//! - [`stripe`]: [`Striped`](stripe::Striped), shared state whose per-call references
+//!   do not contend between threads;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
 //!   suite every backend passes.
@@ -36,7 +38,7 @@ pub mod idempotency;
 pub mod retry;
 pub mod store;
 pub mod strategy;
-mod stripe;
+pub mod stripe;
 pub mod wire;
 
 pub use config::ConfigError;

@@ -31,14 +31,14 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
-//! use std::sync::Arc;
 //! use http::{HeaderMap, Request, StatusCode};
 //! use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
 //! use retrysafe_core::strategy::StandardRetryStrategy;
+//! use retrysafe_core::stripe::Striped;
 //!
-//! let policy = Arc::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
+//! let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
 //! let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
-//! let (mut call, mut token) = policy.begin(&mut head);
+//! let (mut call, mut token) = RetryPolicy::begin(&policy, &mut head);
 //!
 //! // An "inner service" that answers 503 twice, then 200.
 //! let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
@@ -83,6 +83,7 @@ use crate::wire::{
     Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, RETRY_POINT_CALLER, encode_grpc_timeout,
     encode_request_timeout_ms, encode_retry_attempt, parse_grpc_timeout, parse_request_timeout_ms,
 };
+use crate::stripe::{Local, Striped};
 use crate::{CallContext, Deadline};
 
 /// A retry about to happen, as the `on_retry` hook sees it.
@@ -324,11 +325,16 @@ impl RetryPolicy {
     /// (these belong to every attempt), settles the deadline, and acquires the first
     /// token (the request's one deposit into the budget: the [`RetryBudget`]
     /// extension's, or the strategy's).
+    ///
+    /// The policy is shared as a [`Striped`]: every call keeps a reference to it, counted
+    /// on the calling thread's stripe, so threads starting calls at the same time do not
+    /// contend on one reference count.
     pub fn begin<H: RequestHead + ?Sized>(
-        self: &Arc<Self>,
+        policy: &Striped<Self>,
         head: &mut H,
     ) -> (RetryCall, RetryToken) {
-        let convention = &self.convention;
+        let this: &Self = policy;
+        let convention = &this.convention;
         let context = CallContext::inherited(head.extensions());
         // (Not `RequestFacts::of`: the deadline headers are read once, below.)
         let mut facts = RequestFacts::UNSAFE;
@@ -336,7 +342,7 @@ impl RetryPolicy {
         facts.safe = head.method().is_idempotent() || facts.has_key;
         facts.grpc = is_grpc(head.headers());
         if head.extensions().get::<Idempotent>().is_some()
-            || self
+            || this
                 .idempotent_if
                 .as_ref()
                 .is_some_and(|f| head.satisfies(&**f))
@@ -345,7 +351,7 @@ impl RetryPolicy {
         }
         let no_retry = head.extensions().get::<NoRetry>().is_some();
 
-        if self.generate_keys
+        if this.generate_keys
             && !facts.has_key
             && !no_retry
             && (head.method() == Method::POST || head.method() == Method::PATCH)
@@ -366,7 +372,7 @@ impl RetryPolicy {
             .is_some_and(CallContext::caller_is_retry_point);
         // This call is the retry point, or an upstream caller is: either way, nothing
         // below may retry this request's calls.
-        if self.retry_point || caller_is_retry_point {
+        if this.retry_point || caller_is_retry_point {
             head.headers_mut()
                 .insert(convention.retry_point().clone(), RETRY_POINT_CALLER);
         }
@@ -384,13 +390,13 @@ impl RetryPolicy {
         facts.deadline_sent = deadline.is_some();
 
         let budget = head.extensions().get::<RetryBudget>().cloned();
-        let mut token = self.strategy.acquire_initial_retry_token(budget);
+        let mut token = this.strategy.acquire_initial_retry_token(budget);
         let passthrough = no_retry || caller_is_retry_point;
         if passthrough {
             token.limit_attempts(1);
         }
         let call = RetryCall {
-            policy: Arc::clone(self),
+            policy: policy.local(),
             facts,
             context,
             passthrough,
@@ -484,7 +490,7 @@ pub enum Decision {
 
 /// The state of one logical request across its attempts (see the [module docs](self)).
 pub struct RetryCall {
-    policy: Arc<RetryPolicy>,
+    policy: Local<RetryPolicy>,
     facts: RequestFacts,
     context: Option<CallContext>,
     /// Make one attempt and pass its answer through unmarked (`NoRetry`, or the caller

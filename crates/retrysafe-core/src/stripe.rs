@@ -1,11 +1,16 @@
-//! Cache padding, the per-thread stripe index and the bucket clock shared by the
-//! striped counters of the ratio budget and of the breaker's time window.
+//! Shared state that scales across threads: [`Striped`], a shared value whose
+//! per-call references are counted per thread stripe.
+//!
+//! (Crate-private here: cache padding, the per-thread stripe index and the bucket clock
+//! shared by the striped counters of the ratio budget and of the breaker's time window.)
 
 use std::cell::Cell;
+use std::fmt;
 use std::num::NonZeroU64;
-use std::sync::OnceLock;
+use std::ops::Deref;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -58,6 +63,133 @@ pub(crate) fn stripe_count() -> usize {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         cores.saturating_mul(4).next_power_of_two().clamp(8, 64)
     })
+}
+
+/// A shared, immutable value whose per-call references do not contend.
+///
+/// An `Arc<T>` clone taken for every call (a breaker permit, a layer's configuration
+/// held by a response future) increments and decrements one reference count that every
+/// thread writes: two threads making calls at the same time bounce its cache line
+/// between their cores, and the shared state stops scaling. A `Striped<T>` holds the
+/// value behind one anchor per stripe (per thread, modulo the stripe count), each
+/// anchor on cache lines of its own with its own reference count; [`local`](Self::local)
+/// hands out a reference counted on the calling thread's anchor. The value lives until
+/// every `Striped` handle and every [`Local`] reference is gone.
+///
+/// Cloning a `Striped` itself is one shared count (as an `Arc`): clone handles when
+/// building services, take [`Local`]s per call.
+///
+/// ```
+/// use retrysafe_core::stripe::Striped;
+///
+/// let shared = Striped::new(String::from("config"));
+/// let handle = shared.clone();
+/// let per_call = handle.local();
+/// drop((shared, handle));
+/// assert_eq!(&*per_call, "config", "a local reference keeps the value alive");
+/// ```
+pub struct Striped<T> {
+    anchors: Arc<Anchors<T>>,
+}
+
+/// The anchors of a [`Striped`], and the value for reads through the handle.
+struct Anchors<T> {
+    value: Arc<T>,
+    /// One per stripe; the length is a power of two.
+    slots: Box<[Arc<Anchor<T>>]>,
+}
+
+/// One stripe's reference to the value: its `Arc`'s counts are the stripe's count, and
+/// the alignment keeps them off every other stripe's cache lines.
+#[repr(align(128))]
+struct Anchor<T>(Arc<T>);
+
+/// A reference to the value of a [`Striped`], counted on one stripe; see there.
+pub struct Local<T> {
+    anchor: Arc<Anchor<T>>,
+}
+
+impl<T> Striped<T> {
+    /// `value`, shared.
+    pub fn new(value: T) -> Self {
+        Self::from_arc(&Arc::new(value))
+    }
+
+    /// The value of `value`, shared (its other clones keep sharing it).
+    pub fn from_arc(value: &Arc<T>) -> Self {
+        let slots = (0..stripe_count())
+            .map(|_| Arc::new(Anchor(Arc::clone(value))))
+            .collect();
+        Striped {
+            anchors: Arc::new(Anchors {
+                value: Arc::clone(value),
+                slots,
+            }),
+        }
+    }
+
+    /// A reference to the value counted on the calling thread's stripe.
+    pub fn local(&self) -> Local<T> {
+        let slots = &self.anchors.slots;
+        #[allow(
+            clippy::indexing_slicing,
+            reason = "masked to below the length, a power of two (`stripe_count`)"
+        )]
+        // A mask, not a division (the stripe index is any `usize`).
+        let anchor = &slots[thread_stripe() & (slots.len() - 1)];
+        Local {
+            anchor: Arc::clone(anchor),
+        }
+    }
+
+    /// Whether `self` and `other` share one value (one is a clone of the other).
+    pub fn ptr_eq(&self, other: &Striped<T>) -> bool {
+        Arc::ptr_eq(&self.anchors, &other.anchors)
+    }
+}
+
+impl<T> Deref for Striped<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.anchors.value
+    }
+}
+
+impl<T> Clone for Striped<T> {
+    fn clone(&self) -> Self {
+        Striped {
+            anchors: Arc::clone(&self.anchors),
+        }
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Striped<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
+    }
+}
+
+impl<T> Deref for Local<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.anchor.0
+    }
+}
+
+impl<T> Clone for Local<T> {
+    fn clone(&self) -> Self {
+        Local {
+            anchor: Arc::clone(&self.anchor),
+        }
+    }
+}
+
+impl<T: fmt::Debug> fmt::Debug for Local<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&**self, f)
+    }
 }
 
 /// A duration in nanoseconds, saturating (at about 584 years).
@@ -126,6 +258,33 @@ mod tests {
         assert!(count.is_power_of_two());
         assert!((8..=64).contains(&count));
         assert_eq!(thread_stripe(), thread_stripe(), "a thread keeps its index");
+    }
+
+    #[test]
+    fn striped_references_keep_the_value_alive_and_count_per_stripe() {
+        let value = Arc::new(7_u32);
+        let striped = Striped::from_arc(&value);
+        // The caller's, the handle's and one per anchor.
+        assert_eq!(Arc::strong_count(&value), 2 + stripe_count());
+        let local = striped.local();
+        assert_eq!(
+            Arc::strong_count(&value),
+            2 + stripe_count(),
+            "not the value's count"
+        );
+        let other = std::thread::spawn({
+            let striped = striped.clone();
+            move || striped.local()
+        })
+        .join()
+        .unwrap_or_else(|_| unreachable!("the thread does not panic"));
+        assert!(striped.ptr_eq(&striped.clone()));
+        assert!(!striped.ptr_eq(&Striped::new(7)));
+        drop(striped);
+        assert_eq!((*local, *other), (7, 7));
+        drop(local);
+        drop(other);
+        assert_eq!(Arc::strong_count(&value), 1, "every anchor is gone");
     }
 
     #[test]

@@ -26,6 +26,7 @@ use retrysafe_core::retry::{
 use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryCharged, RetryToken, StandardRetryStrategy,
 };
+use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::{Convention, IdempotencyKey};
 use retrysafe_core::{CallContext, Deadline};
 use tokio::time::Instant;
@@ -65,7 +66,7 @@ fn with<T: Clone + Send + Sync + 'static>(
 }
 
 fn begin(policy: RetryPolicy, parts: &mut http::request::Parts) -> (RetryCall, RetryToken) {
-    Arc::new(policy).begin(parts)
+    RetryPolicy::begin(&Striped::new(policy), parts)
 }
 
 fn headers(pairs: &[(&'static str, &str)]) -> HeaderMap {

@@ -80,7 +80,6 @@
 //! ```
 
 use std::fmt;
-use std::sync::Arc;
 
 use http::{Extensions, HeaderMap, Method};
 use reqwest::{Request, Response};
@@ -92,6 +91,7 @@ use retrysafe_core::retry::{
     child_key_label,
 };
 use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryStrategy};
+use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tracing::Instrument;
 
@@ -101,7 +101,8 @@ use tracing::Instrument;
 #[derive(Clone)]
 #[must_use]
 pub struct RetryMiddleware {
-    policy: Arc<RetryPolicy>,
+    // Striped: every call keeps a reference to the policy (see `Striped`).
+    policy: Striped<RetryPolicy>,
 }
 
 impl RetryMiddleware {
@@ -111,13 +112,12 @@ impl RetryMiddleware {
     /// default classifier and the default [`Convention`].
     pub fn new() -> Self {
         RetryMiddleware {
-            policy: Arc::new(RetryPolicy::new()),
+            policy: Striped::new(RetryPolicy::new()),
         }
     }
 
     fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
-        let policy = Arc::make_mut(&mut self.policy);
-        *policy = f(policy.clone());
+        self.policy = Striped::new(f(RetryPolicy::clone(&self.policy)));
         self
     }
 
@@ -197,7 +197,7 @@ impl Middleware for RetryMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (mut call, mut token) = self.policy.begin(&mut Head {
+        let (mut call, mut token) = RetryPolicy::begin(&self.policy, &mut Head {
             request: &mut request,
             extensions: &mut *extensions,
         });

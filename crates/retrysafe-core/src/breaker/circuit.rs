@@ -3,7 +3,7 @@
 use std::fmt;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -15,13 +15,14 @@ use crate::error::CircuitOpen;
 use super::config::BreakerConfig;
 use super::state::{State, StateChange, Word};
 use super::window::{Call, Window, WindowCounts};
-use crate::stripe::{CachePadded, nanos};
+use crate::stripe::{CachePadded, Local, Striped, nanos};
 
 /// Fixed-point scale of the rate thresholds: percent × 10 000, so 100 % is one million.
 const RATE_SCALE: u128 = 1_000_000;
 
 /// A circuit breaker: a cheap `Clone` handle (one `Arc`) on state shared by every
-/// clone.
+/// clone. Its permits count their references to that state per thread
+/// ([`Striped`]), so threads sharing one breaker do not contend on a reference count.
 ///
 /// Ask for a [`Permit`] before every call with [`try_acquire`](Self::try_acquire) and
 /// [`record`](Permit::record) the call's outcome on it; see the
@@ -44,12 +45,11 @@ const RATE_SCALE: u128 = 1_000_000;
 /// ```
 #[derive(Clone)]
 pub struct CircuitBreaker {
-    shared: Arc<Shared>,
+    shared: Striped<Shared>,
 }
 
 /// What the hot paths read: the state word and the "suspect" flag, kept on cache lines
-/// of their own by [`CachePadded`] (also apart from the `Arc`'s reference counts, which
-/// every permit writes).
+/// of their own by [`CachePadded`].
 #[derive(Debug)]
 struct Hot {
     /// The current [`Word`].
@@ -96,7 +96,7 @@ struct Shared {
 /// opened) are ignored.
 #[must_use = "record the call's outcome on the permit"]
 pub struct Permit {
-    shared: Arc<Shared>,
+    shared: Local<Shared>,
     /// The phase (state and generation) the permit was handed out in.
     phase: Word,
     /// Recorded: the drop guard has nothing left to do.
@@ -109,7 +109,7 @@ impl CircuitBreaker {
     pub fn new(config: BreakerConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         Ok(CircuitBreaker {
-            shared: Arc::new(Shared::new(config)),
+            shared: Striped::new(Shared::new(config)),
         })
     }
 
@@ -178,7 +178,7 @@ impl CircuitBreaker {
     /// A permit for the phase of `word`.
     fn permit(&self, word: Word) -> Permit {
         Permit {
-            shared: Arc::clone(&self.shared),
+            shared: self.shared.local(),
             phase: word,
             done: false,
         }
@@ -224,7 +224,7 @@ impl CircuitBreaker {
     /// Whether `self` and `other` are handles on the same breaker (one is a clone of
     /// the other).
     pub fn same_breaker(&self, other: &CircuitBreaker) -> bool {
-        Arc::ptr_eq(&self.shared, &other.shared)
+        self.shared.ptr_eq(&other.shared)
     }
 }
 
@@ -232,7 +232,7 @@ impl Default for CircuitBreaker {
     /// A breaker with the default configuration ([`BreakerConfig::default`]).
     fn default() -> Self {
         CircuitBreaker {
-            shared: Arc::new(Shared::new(BreakerConfig::default())),
+            shared: Striped::new(Shared::new(BreakerConfig::default())),
         }
     }
 }

@@ -6,7 +6,6 @@ use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
@@ -15,6 +14,7 @@ use pin_project_lite::pin_project;
 use retrysafe_core::breaker::Permit;
 use retrysafe_core::classify::{BreakerFacts, BreakerOutcome, Failure, RequestFacts};
 use retrysafe_core::error::CircuitOpen;
+use retrysafe_core::stripe::Local;
 use tokio::time::Instant;
 use tower_service::Service;
 
@@ -44,7 +44,7 @@ pin_project! {
         // slow path is rare, and the future stays small for the common one).
         Readying { waiting: Option<Box<(S, R)>>, call: Option<Call> },
         Calling { #[pin] future: F, call: Option<Call> },
-        Refused { grpc: bool, open: Option<CircuitOpen>, config: Arc<Config> },
+        Refused { grpc: bool, open: Option<CircuitOpen>, config: Local<Config> },
         // The inner service failed to become ready (recorded already).
         Failed { error: Option<BoxError> },
         Done,
@@ -87,7 +87,7 @@ where
     }
 
     /// A refused call.
-    pub(crate) fn refused(grpc: bool, open: CircuitOpen, config: Arc<Config>) -> Self {
+    pub(crate) fn refused(grpc: bool, open: CircuitOpen, config: Local<Config>) -> Self {
         ResponseFuture {
             state: State::Refused {
                 grpc,
@@ -196,7 +196,7 @@ where
 pub(crate) struct Call {
     permit: Permit,
     facts: BreakerFacts,
-    config: Arc<Config>,
+    config: Local<Config>,
     /// Slow calls are tracked: time the call.
     timed: bool,
     started: Option<Instant>,
@@ -206,7 +206,7 @@ impl Call {
     pub(crate) fn new(
         permit: Permit,
         facts: BreakerFacts,
-        config: Arc<Config>,
+        config: Local<Config>,
         timed: bool,
     ) -> Self {
         Call {

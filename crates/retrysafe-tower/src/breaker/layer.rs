@@ -7,6 +7,7 @@ use std::sync::Arc;
 use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
+use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
@@ -37,7 +38,8 @@ pub(crate) struct Config {
 /// ([`grpc_statuses`](CircuitBreakerLayer::grpc_statuses)).
 #[must_use]
 pub struct CircuitBreakerLayer<M = AsError> {
-    config: Arc<Config>,
+    // Striped: every call's future holds a reference to it (see `Striped`).
+    config: Striped<Config>,
     _local: PhantomData<fn() -> M>,
 }
 
@@ -66,7 +68,7 @@ impl CircuitBreakerLayer {
     fn from_breakers(breakers: Breakers) -> Self {
         let convention = Convention::default();
         CircuitBreakerLayer {
-            config: Arc::new(Config {
+            config: Striped::new(Config {
                 breakers,
                 classifier: Arc::new(DefaultClassifier::new(convention.clone())),
                 convention,
@@ -86,7 +88,9 @@ impl Default for CircuitBreakerLayer {
 
 impl<M> CircuitBreakerLayer<M> {
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
-        f(Arc::make_mut(&mut self.config));
+        let mut config = Config::clone(&self.config);
+        f(&mut config);
+        self.config = Striped::new(config);
         self
     }
 

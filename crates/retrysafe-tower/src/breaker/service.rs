@@ -2,12 +2,12 @@
 
 use std::fmt;
 use std::marker::PhantomData;
-use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use retrysafe_core::breaker::CircuitBreaker;
 use retrysafe_core::classify::{BreakerFacts, is_grpc};
+use retrysafe_core::stripe::Striped;
 use tower_service::Service;
 
 use super::body::ResponseBody;
@@ -24,12 +24,12 @@ use crate::local::{BoxError, LocalFailure};
 /// `tower::buffer::Buffer`).
 pub struct Breaker<S, M> {
     inner: S,
-    config: Arc<Config>,
+    config: Striped<Config>,
     _local: PhantomData<fn() -> M>,
 }
 
 impl<S, M> Breaker<S, M> {
-    pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
+    pub(crate) fn from_config(inner: S, config: Striped<Config>) -> Self {
         Breaker {
             inner,
             config,
@@ -100,7 +100,7 @@ where
                 ResponseFuture::admitted(
                     self.inner.clone(),
                     request,
-                    Call::new(permit, facts, config.clone(), timed),
+                    Call::new(permit, facts, config.local(), timed),
                 )
             }
             Err(open) => {
@@ -108,7 +108,7 @@ where
                     retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
                     "request refused: circuit open"
                 );
-                ResponseFuture::refused(is_grpc(request.headers()), open, config.clone())
+                ResponseFuture::refused(is_grpc(request.headers()), open, config.local())
             }
         }
     }

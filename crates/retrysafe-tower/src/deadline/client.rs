@@ -4,7 +4,6 @@ use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -12,6 +11,7 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::classify::is_grpc;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::stripe::{Local, Striped};
 use retrysafe_core::wire::{Convention, MAX_TIMEOUT};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
@@ -36,7 +36,7 @@ struct Config {
 /// [`BoundBody`]).
 #[must_use]
 pub struct DeadlineLayer<M = AsError, W = Unbounded> {
-    config: Arc<Config>,
+    config: Striped<Config>,
     _marker: PhantomData<fn() -> (M, W)>,
 }
 
@@ -51,7 +51,7 @@ impl DeadlineLayer {
             ));
         }
         Ok(DeadlineLayer {
-            config: Arc::new(Config {
+            config: Striped::new(Config {
                 timeout,
                 convention: Convention::default(),
             }),
@@ -70,7 +70,7 @@ impl<M, W> DeadlineLayer<M, W> {
     /// The header names (`do-not-retry` on synthesised statuses).
     pub fn convention(self, convention: Convention) -> Self {
         DeadlineLayer {
-            config: Arc::new(Config {
+            config: Striped::new(Config {
                 timeout: self.config.timeout,
                 convention,
             }),
@@ -136,7 +136,8 @@ impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
 /// response future, so that time waiting for it counts against the deadline.
 pub struct EnforceDeadline<S, M = AsError, W = Unbounded> {
     inner: S,
-    config: Arc<Config>,
+    // Striped: every call's future holds a reference to it (see `Striped`).
+    config: Striped<Config>,
     _marker: PhantomData<fn() -> (M, W)>,
 }
 
@@ -219,7 +220,7 @@ where
             sleep: None,
             deadline,
             grpc,
-            config: self.config.clone(),
+            config: self.config.local(),
             _marker: PhantomData,
         }
     }
@@ -240,7 +241,7 @@ pin_project! {
         sleep: Option<Sleep>,
         deadline: Deadline,
         grpc: bool,
-        config: Arc<Config>,
+        config: Local<Config>,
         _marker: PhantomData<fn() -> (M, W)>,
     }
 }

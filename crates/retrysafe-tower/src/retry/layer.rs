@@ -6,6 +6,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::classify::Classifier;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent, RetryPolicy};
 use retrysafe_core::strategy::RetryStrategy;
+use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
@@ -19,7 +20,7 @@ const MAX_REPLAY_CAP: usize = 1 << 30;
 #[derive(Clone)]
 pub(crate) struct Config {
     /// The planner's configuration (retrysafe-core), shared with every call.
-    pub(crate) policy: Arc<RetryPolicy>,
+    pub(crate) policy: Striped<RetryPolicy>,
     pub(crate) replay_cap: usize,
 }
 
@@ -42,7 +43,7 @@ impl RetryLayer {
     pub fn new() -> Self {
         RetryLayer {
             config: Arc::new(Config {
-                policy: Arc::new(RetryPolicy::new()),
+                policy: Striped::new(RetryPolicy::new()),
                 replay_cap: DEFAULT_REPLAY_CAP,
             }),
             _local: PhantomData,
@@ -60,8 +61,8 @@ impl<M> RetryLayer<M> {
     /// Changes the policy (the builder methods of `RetryPolicy` hold the semantics,
     /// shared with the reqwest middleware).
     fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
-        let policy = Arc::make_mut(&mut Arc::make_mut(&mut self.config).policy);
-        *policy = f(policy.clone());
+        let config = Arc::make_mut(&mut self.config);
+        config.policy = Striped::new(f(RetryPolicy::clone(&config.policy)));
         self
     }
 

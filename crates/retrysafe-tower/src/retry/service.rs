@@ -5,6 +5,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
+use retrysafe_core::retry::RetryPolicy;
 use tower_service::Service;
 
 use super::body::ReplayBody;
@@ -72,7 +73,7 @@ where
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
         let (mut parts, body) = request.into_parts();
-        let (call, token) = self.config.policy.begin(&mut parts);
+        let (call, token) = RetryPolicy::begin(&self.config.policy, &mut parts);
         let body = ReplayBody::new(body, self.config.replay_cap);
         ResponseFuture::start(service, parts, body, token, call)
     }
