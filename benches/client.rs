@@ -28,7 +28,16 @@
 //!   the request for a possible retry, 2 retries, no delay (`Ready<()>`);
 //! - `tower_resilience_retry`: tower-resilience 0.13's `RetryLayer`, `max_attempts(3)`,
 //!   `fixed_backoff(ZERO)`, `retry_on_response(status == 503)`, no budget (it clones the
-//!   request for every attempt and boxes its future).
+//!   request for every attempt and boxes its future);
+//! - `floor`: not a product, a yardstick — the least per-call work DESIGN §6 asks of
+//!   the four layers on the success path, written as one hand-made service with no
+//!   layering: one clock read for the deadline, a copy of the request head kept for a
+//!   retry (as tower's policy keeps), the `request-timeout-ms` header written, one
+//!   deposit into a retrysafe ratio budget, a breaker permit taken and its success
+//!   recorded (`retrysafe_core::breaker::CircuitBreaker`), the status classified;
+//! - `floor_header`: `bare` plus only the `request-timeout-ms` header write of `floor`
+//!   (the one piece of it that tower's `Retry` has no counterpart for and that the
+//!   wire convention makes mandatory on every attempt).
 //!
 //! Group `client_1_thread`: one thread. Group `client_2_threads`: two threads share one
 //! service (so one budget and one breaker) and each makes the same number of calls; the
@@ -62,6 +71,8 @@ use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
+
+use floor::Floor;
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -196,7 +207,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 9] = [
+const NAMES: [&str; 11] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -206,6 +217,8 @@ const NAMES: [&str; 9] = [
     "full_stack",
     "tower_retry_tps",
     "tower_resilience_retry",
+    "floor",
+    "floor_header",
 ];
 
 /// The case `name` (a base name, `_fail10` for the flaky inner service).
@@ -275,8 +288,123 @@ fn case(name: &str) -> Option<Runner> {
                 .layer(inner(fail)),
             fail,
         ),
+        "floor" => runner(Floor::new(inner(fail), true), fail),
+        "floor_header" => runner(Floor::new(inner(fail), false), fail),
         _ => return None,
     })
+}
+
+/// The `floor` and `floor_header` yardsticks (see the module docs).
+mod floor {
+    use std::future::Future;
+    use std::pin::Pin;
+    use std::task::{Context, Poll};
+    use std::time::Duration;
+
+    use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+    use retrysafe::RetryBudget;
+    use retrysafe::core::breaker::{CircuitBreaker, Permit};
+    use retrysafe::core::classify::BreakerOutcome;
+    use tokio::time::Instant;
+    use tower::Service;
+
+    use super::BoxError;
+
+    const REQUEST_TIMEOUT_MS: HeaderName = HeaderName::from_static("request-timeout-ms");
+
+    #[derive(Clone)]
+    pub(crate) struct Floor<S> {
+        inner: S,
+        /// `false`: only the header (`floor_header`).
+        all: bool,
+        budget: RetryBudget,
+        breaker: CircuitBreaker,
+    }
+
+    impl<S> Floor<S> {
+        pub(crate) fn new(inner: S, all: bool) -> Self {
+            Floor {
+                inner,
+                all,
+                budget: RetryBudget::ratio(),
+                breaker: CircuitBreaker::default(),
+            }
+        }
+    }
+
+    impl<S, B, R> Service<Request<B>> for Floor<S>
+    where
+        S: Service<Request<B>, Response = Response<R>>,
+        S::Future: Unpin,
+        S::Error: Into<BoxError>,
+    {
+        type Response = Response<R>;
+        type Error = BoxError;
+        type Future = FloorFuture<S::Future>;
+
+        fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+            self.inner.poll_ready(cx).map_err(Into::into)
+        }
+
+        fn call(&mut self, mut request: Request<B>) -> Self::Future {
+            let deadline = Duration::from_secs(10);
+            let mut kept = None;
+            let mut permit = None;
+            if self.all {
+                let now = Instant::now();
+                let left = (now + deadline).saturating_duration_since(now);
+                let left = u64::try_from(left.as_millis()).unwrap_or(u64::MAX);
+                kept = Some((
+                    request.method().clone(),
+                    request.uri().clone(),
+                    request.headers().clone(),
+                ));
+                request
+                    .headers_mut()
+                    .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(left));
+                self.budget.deposit();
+                permit = self.breaker.try_acquire().ok();
+            } else {
+                request.headers_mut().insert(
+                    REQUEST_TIMEOUT_MS,
+                    HeaderValue::from(u64::try_from(deadline.as_millis()).unwrap_or(0)),
+                );
+            }
+            FloorFuture {
+                future: self.inner.call(request),
+                kept,
+                permit,
+            }
+        }
+    }
+
+    pub(crate) struct FloorFuture<F> {
+        future: F,
+        /// The head a retry would resend.
+        kept: Option<(Method, Uri, HeaderMap)>,
+        permit: Option<Permit>,
+    }
+
+    impl<F, R, E> Future for FloorFuture<F>
+    where
+        F: Future<Output = Result<Response<R>, E>> + Unpin,
+        E: Into<BoxError>,
+    {
+        type Output = Result<Response<R>, BoxError>;
+
+        fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+            let result = std::task::ready!(Pin::new(&mut self.future).poll(cx));
+            let outcome = match &result {
+                Ok(r) if !r.status().is_server_error() => BreakerOutcome::Success,
+                _ => BreakerOutcome::Failure,
+            };
+            if let Some(permit) = self.permit.take() {
+                permit.record(outcome, Duration::ZERO);
+            }
+            self.kept = None;
+            Poll::Ready(result.map_err(Into::into))
+        }
+    }
 }
 
 fn all_cases() -> impl Iterator<Item = String> {
