@@ -20,6 +20,12 @@
 //! tower's `Retry` deposits into a `TpsBudget` per success, 2 retries; reqwest-retry's
 //! `ExponentialBackoff` with 2 retries. No request fails, so only overhead is measured.
 //!
+//! Yardsticks (not products): `hyper_floor` is the hyper client under the `floor` of
+//! `benches/support/floor.rs` with its deadline timer — the least per-request work
+//! DESIGN §6 asks of the whole stack, hand-written in one service; `reqwest_noop3` is
+//! reqwest-middleware with three middlewares that only pass the request on (the hops of
+//! `reqwest_retrysafe`); `reqwest_floor` is the same floor as one middleware.
+//!
 //! `cargo bench --bench client_loopback` (env: `ROUNDS`, `REQUESTS`, `CONNS`).
 //!
 //! Instructions per request of the client process (callgrind does not follow the server
@@ -133,6 +139,83 @@ impl<R> tower::retry::Policy<Req, Response<R>, BoxError> for TowerPolicy {
     }
 }
 
+#[path = "support/floor.rs"]
+mod floor;
+use floor::Floor;
+
+/// A middleware that only passes the request on: what one reqwest-middleware hop costs
+/// (its boxed `async_trait` future), three of them being as many hops as
+/// `reqwest_retrysafe` has.
+struct Noop;
+
+#[async_trait::async_trait]
+impl reqwest_middleware::Middleware for Noop {
+    async fn handle(
+        &self,
+        req: reqwest::Request,
+        extensions: &mut http::Extensions,
+        next: reqwest_middleware::Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        next.run(req, extensions).await
+    }
+}
+
+/// The `floor` of `benches/support/floor.rs` as ONE reqwest middleware: the least
+/// per-request work of DESIGN §6 (clock read, a copy of the request kept for a retry,
+/// `request-timeout-ms`, budget deposit, breaker permit and record, the deadline
+/// enforced by a timer) in one hop.
+struct ReqwestFloor {
+    budget: RetryBudget,
+    breaker: retrysafe::core::breaker::CircuitBreaker,
+}
+
+impl ReqwestFloor {
+    fn new() -> Self {
+        ReqwestFloor {
+            budget: RetryBudget::ratio(),
+            breaker: retrysafe::core::breaker::CircuitBreaker::default(),
+        }
+    }
+}
+
+#[async_trait::async_trait]
+impl reqwest_middleware::Middleware for ReqwestFloor {
+    async fn handle(
+        &self,
+        mut req: reqwest::Request,
+        extensions: &mut http::Extensions,
+        next: reqwest_middleware::Next<'_>,
+    ) -> reqwest_middleware::Result<reqwest::Response> {
+        use retrysafe::core::classify::BreakerOutcome;
+        let timeout = Duration::from_secs(10);
+        let now = Instant::now();
+        let at = now + timeout;
+        let left = u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(0);
+        let kept = req.try_clone();
+        req.headers_mut().insert(
+            http::HeaderName::from_static("request-timeout-ms"),
+            http::HeaderValue::from(left),
+        );
+        self.budget.deposit();
+        let permit = self.breaker.try_acquire().ok();
+        let result = tokio::time::timeout_at(at, next.run(req, extensions)).await;
+        let outcome = match &result {
+            Ok(Ok(r)) if !r.status().is_server_error() => BreakerOutcome::Success,
+            _ => BreakerOutcome::Failure,
+        };
+        if let Some(permit) = permit {
+            permit.record(outcome, Duration::ZERO);
+        }
+        drop(kept);
+        match result {
+            Ok(r) => r,
+            Err(_) => Err(reqwest_middleware::Error::middleware(
+                retrysafe::core::error::DeadlineExceeded::new(),
+            )),
+        }
+    }
+}
+
 fn hyper_client<B>(conns: usize) -> Client<HttpConnector, B>
 where
     B: http_body::Body + Send + 'static,
@@ -165,6 +248,11 @@ fn hyper_case(name: &str, conns: usize) -> HyperSvc {
                     .and_then(collect),
             )
         }
+        "hyper_floor" => BoxCloneService::new(
+            ServiceBuilder::new()
+                .service(Floor::new(hyper_client(conns), true).with_timer())
+                .and_then(collect),
+        ),
         "hyper_tower_retry_tps" => BoxCloneService::new(
             ServiceBuilder::new()
                 .layer(tower::retry::RetryLayer::new(TowerPolicy {
@@ -194,6 +282,12 @@ fn reqwest_case(name: &str, conns: usize) -> ClientWithMiddleware {
                 ))
                 .build()
         }
+        "reqwest_noop3" => ClientBuilder::new(client)
+            .with(Noop)
+            .with(Noop)
+            .with(Noop)
+            .build(),
+        "reqwest_floor" => ClientBuilder::new(client).with(ReqwestFloor::new()).build(),
         "reqwest_retrysafe" => ClientBuilder::new(client)
             .with(DeadlineMiddleware::new(Duration::from_secs(10)).unwrap())
             .with(RetryMiddleware::new())
@@ -286,6 +380,7 @@ const GROUPS: [(&str, &[&str]); 2] = [
             "hyper_bare",
             "hyper_retrysafe_full",
             "hyper_tower_retry_tps",
+            "hyper_floor",
         ],
     ),
     (
@@ -295,6 +390,8 @@ const GROUPS: [(&str, &[&str]); 2] = [
             "reqwest_mw_none",
             "reqwest_retry",
             "reqwest_retrysafe",
+            "reqwest_noop3",
+            "reqwest_floor",
         ],
     ),
 ];

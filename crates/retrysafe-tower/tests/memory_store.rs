@@ -534,36 +534,43 @@ async fn cached_bytes_stay_within_max_bytes() {
 }
 
 /// Memory per stored record is at most 2 × its payload + 256 bytes (DESIGN §10), where
-/// payload is body + stored header bytes + key. The measure is the weigher's accounting
-/// (encoded length + key + the documented per-entry overhead estimate), the same weight
-/// `max_bytes` bounds, not an allocator count.
+/// payload is body + stored header bytes + key, from a body of 172 bytes on (with a
+/// 36-character key and the one 28-byte header). The measure is the weigher's
+/// accounting (encoded length + key + [`MemoryStore::ENTRY_OVERHEAD`], the per-entry
+/// cost measured with a counting allocator in `benches/memory.rs`), the same weight
+/// `max_bytes` bounds. Smaller records miss the bound: moka's own structures take about
+/// 390 bytes per entry (BENCHMARKS.md, "Memory per stored record").
 #[tokio::test(start_paused = true)]
 async fn memory_per_record_is_within_twice_the_payload() {
-    let store = MemoryStore::new();
     let scope = Scope::new("tenant");
-    let record = completed(1024);
-    let mut key_len = 0;
-    for i in 0..10_000u32 {
-        let key = IdempotencyKey::new(&format!("order-{i:06}")).expect("key");
-        key_len = key.as_str().len();
-        let id = RecordId::new(&scope, &key);
-        let c = claim(CommitPoint::Undeclared);
-        must_claim(&store, &id, &c).await;
-        store
-            .complete(&id, c.token, &record, RETENTION)
-            .await
-            .expect("complete");
+    for body in [172, 1024, 16 * 1024] {
+        let store = MemoryStore::new();
+        let record = completed(body);
+        let mut key_len = 0;
+        for i in 0..1_000u32 {
+            // As long as a UUID.
+            let key =
+                IdempotencyKey::new(&format!("{i:08x}-0000-4000-8000-000000000000")).expect("key");
+            key_len = key.as_str().len();
+            let id = RecordId::new(&scope, &key);
+            let c = claim(CommitPoint::Undeclared);
+            must_claim(&store, &id, &c).await;
+            store
+                .complete(&id, c.token, &record, RETENTION)
+                .await
+                .expect("complete");
+        }
+        assert_eq!(
+            store.cached_len(),
+            1_000,
+            "all kept: far below the default byte bound"
+        );
+        let response = record.response.as_ref().expect("response");
+        let payload = u64::try_from(response.payload_len() + key_len).expect("small");
+        let per_record = store.cached_bytes() / 1_000;
+        assert!(
+            per_record <= 2 * payload + 256,
+            "{body}-byte body: {per_record} bytes per record for a payload of {payload}"
+        );
     }
-    assert_eq!(
-        store.cached_len(),
-        10_000,
-        "all kept: far below the default byte bound"
-    );
-    let response = record.response.as_ref().expect("response");
-    let payload = u64::try_from(response.payload_len() + key_len).expect("small");
-    let per_record = store.cached_bytes() / 10_000;
-    assert!(
-        per_record <= 2 * payload + 256,
-        "{per_record} bytes per record for a payload of {payload}"
-    );
 }

@@ -1,0 +1,159 @@
+//! A yardstick, not a product: the least per-call work DESIGN §6 asks of the client
+//! stack (deadline → retry → budget → breaker) on the success path, written as one
+//! hand-made service with no layering, so that benches can show what any
+//! implementation of the convention must add to a bare call.
+//!
+//! Per call ([`Floor::new`] with `all = true`): one clock read for the deadline, a copy
+//! of the request head kept for a retry (method, URI and headers, as tower's retry
+//! policy keeps), the `request-timeout-ms` header written, one deposit into a retrysafe
+//! ratio budget, a breaker permit taken and its outcome recorded (from the status), and,
+//! with [`Floor::with_timer`], the deadline enforced by a `tokio::time::Sleep` made when
+//! the call first waits (as `DeadlineLayer` does). With `all = false` only the header is
+//! written.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+use pin_project_lite::pin_project;
+use retrysafe::RetryBudget;
+use retrysafe::core::breaker::{CircuitBreaker, Permit};
+use retrysafe::core::classify::BreakerOutcome;
+use retrysafe::core::error::DeadlineExceeded;
+use tokio::time::{Instant, Sleep};
+use tower::Service;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+const REQUEST_TIMEOUT_MS: HeaderName = HeaderName::from_static("request-timeout-ms");
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Clone)]
+pub(crate) struct Floor<S> {
+    inner: S,
+    /// `false`: only the header (`floor_header`).
+    all: bool,
+    timer: bool,
+    budget: RetryBudget,
+    breaker: CircuitBreaker,
+}
+
+impl<S> Floor<S> {
+    pub(crate) fn new(inner: S, all: bool) -> Self {
+        Floor {
+            inner,
+            all,
+            timer: false,
+            budget: RetryBudget::ratio(),
+            breaker: CircuitBreaker::default(),
+        }
+    }
+
+    /// Also enforce the deadline with a timer (needed once calls really wait).
+    #[allow(dead_code, reason = "used by the loopback bench only")]
+    pub(crate) fn with_timer(mut self) -> Self {
+        self.timer = true;
+        self
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for Floor<S>
+where
+    S: Service<Request<B>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = FloorFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let mut kept = None;
+        let mut permit = None;
+        let mut deadline = None;
+        if self.all {
+            let now = Instant::now();
+            let at = now + TIMEOUT;
+            let left =
+                u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
+            kept = Some((
+                request.method().clone(),
+                request.uri().clone(),
+                request.headers().clone(),
+            ));
+            request
+                .headers_mut()
+                .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(left));
+            self.budget.deposit();
+            permit = self.breaker.try_acquire().ok();
+            deadline = self.timer.then_some(at);
+        } else {
+            let ms = u64::try_from(TIMEOUT.as_millis()).unwrap_or(u64::MAX);
+            request
+                .headers_mut()
+                .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(ms));
+        }
+        FloorFuture {
+            future: self.inner.call(request),
+            sleep: None,
+            deadline,
+            kept,
+            permit,
+        }
+    }
+}
+
+pin_project! {
+    pub(crate) struct FloorFuture<F> {
+        #[pin]
+        future: F,
+        // Made when the call first waits.
+        #[pin]
+        sleep: Option<Sleep>,
+        deadline: Option<Instant>,
+        // The head a retry would resend.
+        kept: Option<(Method, Uri, HeaderMap)>,
+        permit: Option<Permit>,
+    }
+}
+
+impl<F, R, E> Future for FloorFuture<F>
+where
+    F: Future<Output = Result<Response<R>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let result = match this.future.poll(cx) {
+            Poll::Ready(result) => result.map_err(Into::into),
+            Poll::Pending => {
+                let Some(deadline) = *this.deadline else {
+                    return Poll::Pending;
+                };
+                if this.sleep.is_none() {
+                    this.sleep.set(Some(tokio::time::sleep_until(deadline)));
+                }
+                if let Some(sleep) = this.sleep.as_pin_mut() {
+                    std::task::ready!(sleep.poll(cx));
+                }
+                Err(DeadlineExceeded::new().into())
+            }
+        };
+        let outcome = match &result {
+            Ok(r) if !r.status().is_server_error() => BreakerOutcome::Success,
+            _ => BreakerOutcome::Failure,
+        };
+        if let Some(permit) = this.permit.take() {
+            permit.record(outcome, Duration::ZERO);
+        }
+        *this.kept = None;
+        Poll::Ready(result)
+    }
+}
