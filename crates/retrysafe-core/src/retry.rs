@@ -79,11 +79,11 @@ use crate::strategy::{
     GiveUp, Idempotent, MIN_ATTEMPT_TIME, NoRetry, RetryCharged, RetryStrategy, RetryToken,
     StandardRetryStrategy,
 };
+use crate::stripe::{Local, Striped};
 use crate::wire::{
     Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, RETRY_POINT_CALLER, encode_grpc_timeout,
     encode_request_timeout_ms, encode_retry_attempt, parse_grpc_timeout, parse_request_timeout_ms,
 };
-use crate::stripe::{Local, Striped};
 use crate::{CallContext, Deadline};
 
 /// A retry about to happen, as the `on_retry` hook sees it.

@@ -197,10 +197,13 @@ impl Middleware for RetryMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (mut call, mut token) = RetryPolicy::begin(&self.policy, &mut Head {
-            request: &mut request,
-            extensions: &mut *extensions,
-        });
+        let (mut call, mut token) = RetryPolicy::begin(
+            &self.policy,
+            &mut Head {
+                request: &mut request,
+                extensions: &mut *extensions,
+            },
+        );
         if call.too_late() {
             return Err(deadline_exceeded());
         }
