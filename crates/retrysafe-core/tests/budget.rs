@@ -362,6 +362,39 @@ async fn concurrent_withdrawals_never_overdraw() {
     assert_eq!(ratio_counts(&budget), (1000, 1000, 1000));
 }
 
+/// Eight threads on (here) two cores, each withdrawing once per ten deposits against an
+/// allowance of 20 % of them: the window always has room, so no withdrawal may be
+/// refused. A thread descheduled between reading the deposits and its compare-and-swap
+/// once held the other threads' later withdrawals against its own stale allowance and
+/// refused (found by `benches/growth.rs`, `ratio_retry10`).
+#[tokio::test(start_paused = true)]
+async fn concurrent_withdrawals_within_the_ratio_are_never_refused() {
+    let budget = ratio(10, 0, 0.2);
+    let handle = tokio::runtime::Handle::current();
+    let refused: u64 = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..8)
+            .map(|_| {
+                let budget = budget.clone();
+                let handle = handle.clone();
+                s.spawn(move || {
+                    let _runtime = handle.enter();
+                    let mut refused = 0;
+                    for call in 1..=50_000_u32 {
+                        budget.deposit();
+                        if call % 10 == 0 && !budget.withdraw(RetryCost::Failure) {
+                            refused += 1;
+                        }
+                    }
+                    refused
+                })
+            })
+            .collect();
+        threads.into_iter().map(|t| t.join().unwrap()).sum()
+    });
+    assert_eq!(refused, 0);
+    assert_eq!(ratio_counts(&budget), (400_000, 40_000, 80_000));
+}
+
 #[tokio::test(start_paused = true)]
 async fn concurrent_token_bucket_conserves_tokens() {
     let mut config = TokenBucketConfig::default();

@@ -147,12 +147,18 @@ impl Ratio {
         let mut epoch = self.clock.0.epoch();
         'rotate: loop {
             let laps = window_laps(epoch);
-            let allowed = self.allowed(self.deposits_in(&laps));
+            let mut allowed = self.allowed(self.deposits_in(&laps));
             let (slot, lap) = position(epoch);
             let Some(cell) = self.withdrawals.0.get(slot) else {
                 return false;
             };
             let mut word = cell.load(Relaxed);
+            // Whether `allowed` was read after `word`: a refusal must compare withdrawals
+            // with deposits at least as recent. A thread descheduled (or losing CAS races)
+            // between reading the deposits and its CAS would otherwise hold the other
+            // threads' later withdrawals against its earlier, smaller allowance, and
+            // refuse a retry the window has room for.
+            let mut rechecked = false;
             loop {
                 let current = if lap_of(word) == lap {
                     count_of(word)
@@ -165,12 +171,23 @@ impl Ratio {
                     0
                 };
                 let earlier = ring_sum(&self.withdrawals.0, &laps, Some(slot));
-                if current == COUNT_MAX || earlier.saturating_add(current) >= allowed {
+                if current == COUNT_MAX {
                     return false;
+                }
+                if earlier.saturating_add(current) >= allowed {
+                    if rechecked {
+                        return false;
+                    }
+                    allowed = self.allowed(self.deposits_in(&laps));
+                    rechecked = true;
+                    continue;
                 }
                 match cell.compare_exchange_weak(word, pack(lap, current + 1), Relaxed, Relaxed) {
                     Ok(_) => return true,
-                    Err(actual) => word = actual,
+                    Err(actual) => {
+                        word = actual;
+                        rechecked = false;
+                    }
                 }
             }
         }
