@@ -124,37 +124,6 @@ fn request_with_timeout() -> Req {
         .unwrap()
 }
 
-/// failsafe's futures-aware breaker as a tower `Service`: readiness is the inner
-/// service's, and `call` wraps the inner future in `CircuitBreaker::call`.
-#[derive(Clone)]
-struct Failsafe<S, B> {
-    inner: S,
-    breaker: B,
-}
-
-impl<S, B, R> Service<R> for Failsafe<S, B>
-where
-    S: Service<R>,
-    B: failsafe::futures::CircuitBreaker,
-{
-    type Response = S::Response;
-    type Error = failsafe::Error<S::Error>;
-    type Future = failsafe::futures::ResponseFuture<
-        S::Future,
-        B::FailurePolicy,
-        B::Instrument,
-        failsafe::Any,
-    >;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(failsafe::Error::Inner)
-    }
-
-    fn call(&mut self, request: R) -> Self::Future {
-        self.breaker.call(self.inner.call(request))
-    }
-}
-
 /// Wakes the thread that parked waiting for a pending future.
 struct Unpark(std::thread::Thread);
 
@@ -707,3 +676,7 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
 }
+
+#[path = "support/failsafe.rs"]
+mod failsafe_service;
+use failsafe_service::Failsafe;

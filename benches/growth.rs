@@ -280,37 +280,6 @@ fn inner() -> Inner {
     tower::service_fn(ok as fn(Req) -> Answer)
 }
 
-/// failsafe's futures-aware breaker as a tower `Service` (failsafe ships none): readiness
-/// is the inner service's, and `call` wraps the inner future in `CircuitBreaker::call`.
-#[derive(Clone)]
-struct Failsafe<S, B> {
-    inner: S,
-    breaker: B,
-}
-
-impl<S, B, R> Service<R> for Failsafe<S, B>
-where
-    S: Service<R>,
-    B: failsafe::futures::CircuitBreaker,
-{
-    type Response = S::Response;
-    type Error = failsafe::Error<S::Error>;
-    type Future = failsafe::futures::ResponseFuture<
-        S::Future,
-        B::FailurePolicy,
-        B::Instrument,
-        failsafe::Any,
-    >;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        self.inner.poll_ready(cx).map_err(failsafe::Error::Inner)
-    }
-
-    fn call(&mut self, request: R) -> Self::Future {
-        self.breaker.call(self.inner.call(request))
-    }
-}
-
 /// One call of a service that is ready at once and answers on the first poll (every
 /// service here; anything else is a bug of the bench, so it panics): build the request,
 /// `poll_ready`, `call`, poll once.
@@ -1080,6 +1049,7 @@ mod replay {
 // ---------------------------------------------------------------------------------------
 
 mod ceiling {
+    use super::http1::{Sender, open_http};
     use super::*;
 
     use axum::Router;
@@ -1089,9 +1059,8 @@ mod ceiling {
     use axum::routing::post;
     use axum::serve::ListenerExt;
     use http_body_util::BodyExt;
-    use hyper_util::rt::TokioIo;
     use retrysafe::idempotency::Principal;
-    use tokio::net::{TcpListener, TcpStream};
+    use tokio::net::TcpListener;
     use tokio::task::JoinSet;
     use tower::util::MapRequestLayer;
 
@@ -1301,18 +1270,6 @@ mod ceiling {
 
     // ---- our driver: the bare case of benches/idempotency_loopback.rs ----
 
-    type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-    async fn open_http(addr: SocketAddr) -> Res<Sender> {
-        let tcp = TcpStream::connect(addr).await?;
-        tcp.set_nodelay(true)?;
-        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        Ok(sender)
-    }
-
     static KEYS: AtomicU64 = AtomicU64::new(0);
 
     fn fresh_key() -> String {
@@ -1510,3 +1467,10 @@ mod ceiling {
         Ok(())
     }
 }
+
+#[path = "support/failsafe.rs"]
+mod failsafe_service;
+use failsafe_service::Failsafe;
+
+#[path = "support/http1.rs"]
+mod http1;

@@ -62,9 +62,8 @@ use axum::routing::post;
 use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use retrysafe::idempotency::{IdempotencyLayer, MemoryStore, Principal};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::util::MapRequestLayer;
@@ -181,18 +180,6 @@ fn serve_child(workers: usize) -> Res<()> {
 // ---------------------------------------------------------------------------------------
 // The client
 // ---------------------------------------------------------------------------------------
-
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-async fn open_http(addr: SocketAddr) -> Res<Sender> {
-    let tcp = TcpStream::connect(addr).await?;
-    tcp.set_nodelay(true)?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(sender)
-}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Case {
@@ -518,3 +505,7 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
     server.shutdown_timeout(Duration::from_secs(1));
     Ok(())
 }
+
+#[path = "support/http1.rs"]
+mod http1;
+use http1::{Sender, open_http};

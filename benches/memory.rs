@@ -57,7 +57,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, RecordId, Scope, StoredResponse, Token,
@@ -249,22 +248,6 @@ fn unix_secs() -> u64 {
 // ---------------------------------------------------------------------------------------
 // Records
 // ---------------------------------------------------------------------------------------
-
-/// A JSON body of exactly `n` bytes of incompressible text (as `benches/stores.rs`).
-fn blob_body(n: usize) -> Bytes {
-    const ALNUM: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut out = Vec::with_capacity(n.max(8));
-    out.extend_from_slice(br#"{"d":""#);
-    let mut x: u32 = 0x9e37_79b9 ^ u32::try_from(n).unwrap_or(u32::MAX);
-    while out.len() + 2 < n {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        out.push(ALNUM[(x % 62) as usize]);
-    }
-    out.extend_from_slice(br#""}"#);
-    Bytes::from(out)
-}
 
 /// The completed record the layer stores for a 201 with a JSON body of `body` bytes.
 fn completed(body: usize) -> Completed {
@@ -808,3 +791,7 @@ impl PgEnv {
         Ok(())
     }
 }
+
+#[path = "support/body.rs"]
+mod body;
+use body::blob_body;

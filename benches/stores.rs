@@ -82,7 +82,6 @@ use axum::routing::post;
 use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
-use hyper_util::rt::TokioIo;
 use retrysafe::idempotency::{IdempotencyLayer, MemoryStore, Principal, RecordId, Scope};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
@@ -96,7 +95,7 @@ use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use retrysafe_redis::test_util::CountingConnection;
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::util::MapRequestLayer;
@@ -568,22 +567,6 @@ async fn blob(Path(n): Path<usize>) -> (StatusCode, [(HeaderName, &'static str);
     )
 }
 
-fn blob_body(n: usize) -> Bytes {
-    const ALNUM: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let mut out = Vec::with_capacity(n.max(8));
-    out.extend_from_slice(br#"{"d":""#);
-    // xorshift32, seeded by the size: the same body for the same size.
-    let mut x: u32 = 0x9e37_79b9 ^ u32::try_from(n).unwrap_or(u32::MAX);
-    while out.len() + 2 < n {
-        x ^= x << 13;
-        x ^= x >> 17;
-        x ^= x << 5;
-        out.push(ALNUM[(x % 62) as usize]);
-    }
-    out.extend_from_slice(br#""}"#);
-    Bytes::from(out)
-}
-
 enum Guard {
     None,
     Layer(IdempotencyLayer),
@@ -689,18 +672,6 @@ impl Servers {
 // ---------------------------------------------------------------------------------------
 // The HTTP client
 // ---------------------------------------------------------------------------------------
-
-type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
-
-async fn open_http(addr: SocketAddr) -> Res<Sender> {
-    let tcp = TcpStream::connect(addr).await?;
-    tcp.set_nodelay(true)?;
-    let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp)).await?;
-    tokio::spawn(async move {
-        let _ = conn.await;
-    });
-    Ok(sender)
-}
 
 struct Answer {
     status: StatusCode,
@@ -1715,3 +1686,11 @@ fn print_phase(phase: &PhaseResults, cases: &[Case]) {
         }
     }
 }
+
+#[path = "support/http1.rs"]
+mod http1;
+use http1::{Sender, open_http};
+
+#[path = "support/body.rs"]
+mod body;
+use body::blob_body;
