@@ -433,80 +433,6 @@ fn calibrate(target: Duration, mut measure: impl FnMut(u64) -> Run) -> u64 {
     }
 }
 
-fn load_average() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".to_owned())
-}
-
-/// Clock ticks so far: all CPUs' busy time, all CPUs' total time (`/proc/stat`), and
-/// this process's user + system time (`/proc/self/stat`).
-#[derive(Clone, Copy)]
-struct Ticks {
-    busy: u64,
-    total: u64,
-    own: u64,
-}
-
-fn ticks() -> Option<Ticks> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    // cpu  user nice system idle iowait irq softirq steal ...
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .map(|v| v.parse().unwrap_or(0))
-        .collect();
-    let [user, nice, system, idle, iowait, irq, softirq, steal] = cpu[..] else {
-        return None;
-    };
-    let own = std::fs::read_to_string("/proc/self/stat").ok()?;
-    // After the command's closing parenthesis: state (field 3), …, utime (14), stime (15).
-    let fields: Vec<&str> = own[own.rfind(')')? + 1..].split_whitespace().collect();
-    let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
-    let busy = user + nice + system + irq + softirq + steal;
-    Some(Ticks {
-        busy,
-        total: busy + idle + iowait,
-        own: field(11)? + field(12)?,
-    })
-}
-
-/// Waits (up to an hour) until other processes use at most `max_other` % of the CPUs
-/// over one second.
-fn wait_for_quiet(max_other: f64) {
-    for waited in 0..3600 {
-        let before = ticks();
-        // `park_timeout` may return early (a scope's leftover unpark): wait out the second.
-        let start = Instant::now();
-        while let Some(left) = Duration::from_secs(1).checked_sub(start.elapsed())
-            && !left.is_zero()
-        {
-            std::thread::park_timeout(left);
-        }
-        let other = others(before, ticks());
-        if other <= max_other {
-            return;
-        }
-        if waited % 60 == 0 {
-            eprintln!("waiting: other processes use {other:.0} % of the CPUs");
-        }
-    }
-}
-
-/// The share of all CPUs that other processes used between two readings, in percent.
-fn others(before: Option<Ticks>, after: Option<Ticks>) -> f64 {
-    match (before, after) {
-        (Some(a), Some(b)) if b.total > a.total => {
-            let foreign = (b.busy - a.busy).saturating_sub(b.own - a.own);
-            foreign as f64 * 100.0 / (b.total - a.total) as f64
-        }
-        _ => f64::NAN,
-    }
-}
-
 fn median(values: &mut [f64]) -> f64 {
     values.sort_by(f64::total_cmp);
     let n = values.len();
@@ -552,8 +478,8 @@ fn rounds(rounds: usize, target: Duration, max_other: f64) {
         if max_other < 100.0 {
             wait_for_quiet(max_other);
         }
-        let before = ticks();
-        let load = load_average();
+        let before = ticks(&[std::process::id()]);
+        let load = loadavg();
         let mut r1s = Vec::with_capacity(n);
         for k in 0..n {
             let i = (k + round) % n;
@@ -574,7 +500,7 @@ fn rounds(rounds: usize, target: Duration, max_other: f64) {
                 r2.pendings as f64 / (2 * two) as f64,
             ));
         }
-        let other = others(before, ticks());
+        let other = others(before, ticks(&[std::process::id()]), 0);
         let kept = other.is_nan() || other <= max_other;
         eprintln!(
             "round {}: load average at its start {load}, other processes {other:.1} % of the CPUs{}",
@@ -602,7 +528,7 @@ fn rounds(rounds: usize, target: Duration, max_other: f64) {
     }
     eprintln!(
         "done, load average {}, {discarded} rounds discarded",
-        load_average()
+        loadavg()
     );
     println!(
         "{rounds} rounds of {} ms per measurement; other processes used {} % of the CPUs \
@@ -680,3 +606,8 @@ fn main() {
 #[path = "support/failsafe.rs"]
 mod failsafe_service;
 use failsafe_service::Failsafe;
+
+#[path = "support/load.rs"]
+#[allow(dead_code, reason = "each bench uses part of it")]
+mod load;
+use load::*;

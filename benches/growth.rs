@@ -141,92 +141,6 @@ where
     }
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".to_owned())
-}
-
-/// Clock ticks so far: all CPUs' busy time, all CPUs' total time (`/proc/stat`), and
-/// the user + system time of the given processes (`/proc/<pid>/stat`; a process that is
-/// gone counts 0).
-#[derive(Clone, Copy)]
-struct Ticks {
-    busy: u64,
-    total: u64,
-    ours: u64,
-}
-
-fn process_ticks(pid: u32) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    // After the command's closing parenthesis: state (field 3), …, utime (14), stime (15).
-    let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
-    let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
-    Some(field(11)? + field(12)?)
-}
-
-fn ticks(pids: &[u32]) -> Option<Ticks> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    // cpu  user nice system idle iowait irq softirq steal ...
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .map(|v| v.parse().unwrap_or(0))
-        .collect();
-    let [user, nice, system, idle, iowait, irq, softirq, steal] = cpu[..] else {
-        return None;
-    };
-    let busy = user + nice + system + irq + softirq + steal;
-    Some(Ticks {
-        busy,
-        total: busy + idle + iowait,
-        ours: pids.iter().filter_map(|&p| process_ticks(p)).sum(),
-    })
-}
-
-/// The share of all CPUs that processes other than ours used between two readings, in
-/// percent; `extra` is CPU time of ours not in the readings (a child that exited).
-fn others(before: Option<Ticks>, after: Option<Ticks>, extra: u64) -> f64 {
-    match (before, after) {
-        (Some(a), Some(b)) if b.total > a.total => {
-            let ours = (b.ours + extra).saturating_sub(a.ours);
-            let foreign = (b.busy - a.busy).saturating_sub(ours);
-            foreign as f64 * 100.0 / (b.total - a.total) as f64
-        }
-        _ => f64::NAN,
-    }
-}
-
-/// Sleeps for `d` without `std::thread::sleep` (disallowed in this workspace).
-fn pause(d: Duration) {
-    let start = Instant::now();
-    while let Some(left) = d.checked_sub(start.elapsed())
-        && !left.is_zero()
-    {
-        std::thread::park_timeout(left);
-    }
-}
-
-/// Waits (up to an hour) until other processes use at most `max_other` % of the CPUs
-/// over one second.
-fn wait_for_quiet(max_other: f64) {
-    let me = [std::process::id()];
-    for waited in 0..3600 {
-        let before = ticks(&me);
-        pause(Duration::from_secs(1));
-        let other = others(before, ticks(&me), 0);
-        if other <= max_other {
-            return;
-        }
-        if waited % 60 == 0 {
-            eprintln!("waiting: other processes use {other:.0} % of the CPUs");
-        }
-    }
-}
-
 fn median(v: &[f64]) -> f64 {
     let mut s = v.to_vec();
     s.sort_by(f64::total_cmp);
@@ -1474,3 +1388,8 @@ use failsafe_service::Failsafe;
 
 #[path = "support/http1.rs"]
 mod http1;
+
+#[path = "support/load.rs"]
+#[allow(dead_code, reason = "each bench uses part of it")]
+mod load;
+use load::*;

@@ -308,46 +308,6 @@ async fn run_case(addr: SocketAddr, case: Case, conns: usize, per_conn: usize) -
 // Machine load
 // ---------------------------------------------------------------------------------------
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".to_owned())
-}
-
-/// Busy ticks of the machine, and of the given processes.
-fn ticks(pids: &[u32]) -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    let busy = cpu.first()? + cpu.get(1)? + cpu.get(2)? + cpu.get(5)? + cpu.get(6)?;
-    let mut ours = 0;
-    for pid in pids {
-        let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let close = text.rfind(')')?;
-        let fields: Vec<&str> = text[close + 1..].split_whitespace().collect();
-        let field = |i: usize| fields.get(i).and_then(|v| v.parse::<u64>().ok());
-        ours += field(11)? + field(12)?;
-    }
-    Some((busy, ours))
-}
-
-/// Percent of the machine's CPU time that other processes used between two samples.
-fn foreign(a: Option<(u64, u64)>, b: Option<(u64, u64)>, secs: f64) -> f64 {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
-    match (a, b) {
-        (Some((b0, o0)), Some((b1, o1))) => {
-            let other = (b1 - b0).saturating_sub(o1.saturating_sub(o0)) as f64;
-            other / (secs * 100.0 * cores) * 100.0
-        }
-        _ => f64::NAN,
-    }
-}
-
 // ---------------------------------------------------------------------------------------
 // The driver
 // ---------------------------------------------------------------------------------------
@@ -427,7 +387,6 @@ fn drive(workers: usize) -> Res<()> {
     let mut foreign_pct = Vec::new();
     for round in 0..rounds {
         let load = loadavg();
-        let t0 = Instant::now();
         let c0 = ticks(&pids);
         for (s, &(c, n)) in shapes.iter().enumerate() {
             let mut line = format!("round {:2} conns {c:2}:", round + 1);
@@ -444,7 +403,7 @@ fn drive(workers: usize) -> Res<()> {
             }
             eprintln!("{line}");
         }
-        let other = foreign(c0, ticks(&pids), t0.elapsed().as_secs_f64());
+        let other = others(c0, ticks(&pids), 0);
         foreign_pct.push(other);
         eprintln!(
             "round {:2}: load average {load}, other processes {other:.0} %",
@@ -509,3 +468,8 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
 #[path = "support/http1.rs"]
 mod http1;
 use http1::{Sender, open_http};
+
+#[path = "support/load.rs"]
+#[allow(dead_code, reason = "each bench uses part of it")]
+mod load;
+use load::*;

@@ -218,12 +218,6 @@ fn env_or<T: FromStr>(name: &str, default: T) -> T {
         .unwrap_or(default)
 }
 
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".to_owned())
-}
-
 fn git_rev() -> String {
     std::process::Command::new("git")
         .args([
@@ -795,3 +789,8 @@ impl PgEnv {
 #[path = "support/body.rs"]
 mod body;
 use body::blob_body;
+
+#[path = "support/load.rs"]
+#[allow(dead_code, reason = "each bench uses part of it")]
+mod load;
+use load::*;

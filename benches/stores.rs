@@ -473,63 +473,19 @@ fn info_field(info: &str, name: &str) -> Option<String> {
         .map(|v| v.trim().to_owned())
 }
 
-/// CPU time so far, in clock ticks: the whole machine's busy time (`/proc/stat`: user,
-/// nice, system, irq, softirq) and that of this process, `redis-server` and `postgres`
-/// processes. Their difference over an interval is what other processes used.
-fn cpu_ticks() -> Option<(u64, u64)> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu: Vec<u64> = stat
-        .lines()
-        .next()?
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|v| v.parse().ok())
-        .collect();
-    let busy = cpu.first()? + cpu.get(1)? + cpu.get(2)? + cpu.get(5)? + cpu.get(6)?;
-    let me = std::process::id().to_string();
-    let mut ours = 0;
-    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
-        let name = entry.file_name();
-        let Some(pid) = name
-            .to_str()
-            .filter(|n| n.bytes().all(|b| b.is_ascii_digit()))
-        else {
-            continue;
-        };
-        let Ok(text) = std::fs::read_to_string(entry.path().join("stat")) else {
-            continue;
-        };
-        let (Some(open), Some(close)) = (text.find('('), text.rfind(')')) else {
-            continue;
-        };
-        let comm = &text[open + 1..close];
-        if pid != me && comm != "redis-server" && comm != "postgres" {
-            continue;
-        }
-        // After the command: state (field 3), …, utime (field 14), stime (field 15).
-        let fields: Vec<&str> = text[close + 1..].split_whitespace().collect();
-        let time = |i: usize| {
-            fields
-                .get(i)
-                .and_then(|v| v.parse::<u64>().ok())
-                .unwrap_or(0)
-        };
-        ours += time(11) + time(12);
-    }
-    Some((busy, ours))
+/// The CPU readings that count this process, `redis-server` and `postgres` as ours.
+fn cpu_ticks() -> Option<Ticks> {
+    ticks_named(&["redis-server", "postgres"])
 }
 
 /// The share of the machine's CPUs that other processes used since `since` (from
-/// [`cpu_ticks`], at `at`), in percent; clock ticks are taken as 100 per second.
-fn foreign_cpu(since: Option<(u64, u64)>, at: Instant) -> String {
-    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-    match (since, cpu_ticks()) {
-        (Some((busy0, ours0)), Some((busy1, ours1))) => {
-            let foreign = (busy1 - busy0).saturating_sub(ours1.saturating_sub(ours0));
-            let available = at.elapsed().as_secs_f64() * 100.0 * cores as f64;
-            format!("{:.0} %", foreign as f64 / available * 100.0)
-        }
-        _ => "?".to_owned(),
+/// [`cpu_ticks`]), in percent.
+fn foreign_cpu(since: Option<Ticks>) -> String {
+    let share = others(since, cpu_ticks(), 0);
+    if share.is_nan() {
+        "?".to_owned()
+    } else {
+        format!("{share:.0} %")
     }
 }
 
@@ -537,13 +493,6 @@ fn foreign_cpu(since: Option<(u64, u64)>, at: Instant) -> String {
 fn utc_time() -> String {
     let secs = unix_secs() % 86_400;
     format!("{:02}:{:02}:{:02}", secs / 3600, secs / 60 % 60, secs % 60)
-}
-
-/// `/proc/loadavg`: the 1, 5 and 15 minute load averages.
-fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
-        .unwrap_or_else(|_| "?".to_owned())
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1537,7 +1486,6 @@ async fn load_rounds(settings: &Settings, servers: &Servers) -> Res<()> {
                 phase.title
             );
             let ticks = cpu_ticks();
-            let started = Instant::now();
             let measure = if phase.clients == 1 {
                 settings.latency_secs
             } else {
@@ -1553,7 +1501,7 @@ async fn load_rounds(settings: &Settings, servers: &Servers) -> Res<()> {
                 );
                 phase.by_case.entry(case.name).or_default().push(summary);
             }
-            let foreign = foreign_cpu(ticks, started);
+            let foreign = foreign_cpu(ticks);
             eprintln!("  other processes used {foreign} of the CPUs");
             phase.loads.push(format!(
                 "{time} UTC, load {load}, other processes {foreign}"
@@ -1694,3 +1642,8 @@ use http1::{Sender, open_http};
 #[path = "support/body.rs"]
 mod body;
 use body::blob_body;
+
+#[path = "support/load.rs"]
+#[allow(dead_code, reason = "each bench uses part of it")]
+mod load;
+use load::*;
