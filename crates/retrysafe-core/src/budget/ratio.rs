@@ -28,7 +28,7 @@
 use std::fmt;
 use std::num::NonZeroU64;
 use std::sync::atomic::AtomicU64;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 
 use super::{BudgetSnapshot, RatioConfig};
 use crate::stripe::{CachePadded, EpochClock, nanos, stripe_count, thread_stripe};
@@ -147,18 +147,20 @@ impl Ratio {
         let mut epoch = self.clock.0.epoch();
         'rotate: loop {
             let laps = window_laps(epoch);
-            let mut allowed = self.allowed(self.deposits_in(&laps));
             let (slot, lap) = position(epoch);
             let Some(cell) = self.withdrawals.0.get(slot) else {
                 return false;
             };
-            let mut word = cell.load(Relaxed);
-            // Whether `allowed` was read after `word`: a refusal must compare withdrawals
+            // The withdrawal count before the deposits: a refusal must compare withdrawals
             // with deposits at least as recent. A thread descheduled (or losing CAS races)
             // between reading the deposits and its CAS would otherwise hold the other
             // threads' later withdrawals against its earlier, smaller allowance, and
-            // refuse a retry the window has room for.
-            let mut rechecked = false;
+            // refuse a retry the window has room for. Acquire: the deposits a withdrawing
+            // thread made before its withdrawal (its CAS releases them) are then seen too.
+            let mut word = cell.load(Acquire);
+            let mut allowed = self.allowed(self.deposits_in(&laps));
+            // Whether `allowed` was read after `word`.
+            let mut rechecked = true;
             loop {
                 let current = if lap_of(word) == lap {
                     count_of(word)
@@ -182,7 +184,7 @@ impl Ratio {
                     rechecked = true;
                     continue;
                 }
-                match cell.compare_exchange_weak(word, pack(lap, current + 1), Relaxed, Relaxed) {
+                match cell.compare_exchange_weak(word, pack(lap, current + 1), AcqRel, Acquire) {
                     Ok(_) => return true,
                     Err(actual) => {
                         word = actual;
@@ -280,7 +282,9 @@ fn ring_sum(ring: &Ring, laps: &WindowLaps, skip: Option<usize>) -> u64 {
         .enumerate()
         .filter(|&(slot, _)| Some(slot) != skip)
         .filter_map(|(_, (cell, lap))| {
-            let word = cell.load(Relaxed);
+            // Acquire: for the withdrawal ring, see the deposits made before (see
+            // `withdraw`); free on x86.
+            let word = cell.load(Acquire);
             (Some(lap_of(word)) == *lap).then_some(count_of(word))
         })
         .fold(0, u64::saturating_add)
