@@ -68,7 +68,6 @@ use retrysafe::{
     StandardRetryStrategy,
 };
 use tokio::time::Instant;
-use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
@@ -105,38 +104,6 @@ fn request() -> Req {
     Request::get("http://inner/items")
         .body(Empty::new())
         .unwrap()
-}
-
-#[derive(Clone)]
-struct TowerPolicy {
-    budget: Arc<TpsBudget>,
-    attempts_left: u32,
-}
-
-impl tower::retry::Policy<Req, Res, BoxError> for TowerPolicy {
-    type Future = std::future::Ready<()>;
-
-    fn retry(&mut self, _: &mut Req, result: &mut Result<Res, BoxError>) -> Option<Self::Future> {
-        match result {
-            Ok(r) if !r.status().is_server_error() => {
-                self.budget.deposit();
-                None
-            }
-            _ if self.attempts_left > 0 && self.budget.withdraw() => {
-                self.attempts_left -= 1;
-                Some(std::future::ready(()))
-            }
-            _ => None,
-        }
-    }
-
-    fn clone_request(&mut self, req: &Req) -> Option<Req> {
-        let mut clone = Request::new(Empty::new());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.headers_mut() = req.headers().clone();
-        Some(clone)
-    }
 }
 
 /// A case: runs `iters` calls on a clone of its (shared) service, on this thread.
@@ -272,11 +239,8 @@ fn case(name: &str) -> Option<Runner> {
             )
         }
         "tower_retry_tps" => runner(
-            tower::retry::RetryLayer::new(TowerPolicy {
-                budget: Arc::new(TpsBudget::default()),
-                attempts_left: 2,
-            })
-            .layer(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),
+            tower::retry::RetryLayer::new(TowerPolicy::new(2))
+                .layer(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),
             fail,
         ),
         "tower_resilience_retry" => runner(
@@ -370,3 +334,7 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
 }
+
+#[path = "support/tower_policy.rs"]
+mod tower_policy;
+use tower_policy::TowerPolicy;

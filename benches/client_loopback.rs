@@ -43,7 +43,6 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Command, Stdio};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -59,7 +58,6 @@ use retrysafe::{
 };
 use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 use tokio::time::Instant;
-use tower::retry::budget::{Budget, TpsBudget};
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder, ServiceExt};
 
@@ -101,42 +99,6 @@ where
     let (parts, body) = response.into_parts();
     let bytes = body.collect().await.map_err(Into::into)?.to_bytes();
     Ok(Response::from_parts(parts, bytes))
-}
-
-#[derive(Clone)]
-struct TowerPolicy {
-    budget: Arc<TpsBudget>,
-    attempts_left: u32,
-}
-
-impl<R> tower::retry::Policy<Req, Response<R>, BoxError> for TowerPolicy {
-    type Future = std::future::Ready<()>;
-
-    fn retry(
-        &mut self,
-        _: &mut Req,
-        result: &mut Result<Response<R>, BoxError>,
-    ) -> Option<Self::Future> {
-        match result {
-            Ok(r) if !r.status().is_server_error() => {
-                self.budget.deposit();
-                None
-            }
-            _ if self.attempts_left > 0 && self.budget.withdraw() => {
-                self.attempts_left -= 1;
-                Some(std::future::ready(()))
-            }
-            _ => None,
-        }
-    }
-
-    fn clone_request(&mut self, req: &Req) -> Option<Req> {
-        let mut clone = Request::new(Empty::new());
-        *clone.method_mut() = req.method().clone();
-        *clone.uri_mut() = req.uri().clone();
-        *clone.headers_mut() = req.headers().clone();
-        Some(clone)
-    }
 }
 
 #[path = "support/floor.rs"]
@@ -255,10 +217,7 @@ fn hyper_case(name: &str, conns: usize) -> HyperSvc {
         ),
         "hyper_tower_retry_tps" => BoxCloneService::new(
             ServiceBuilder::new()
-                .layer(tower::retry::RetryLayer::new(TowerPolicy {
-                    budget: Arc::new(TpsBudget::default()),
-                    attempts_left: 2,
-                }))
+                .layer(tower::retry::RetryLayer::new(TowerPolicy::new(2)))
                 .service(hyper_client::<Empty<Bytes>>(conns).map_err(BoxError::from))
                 .and_then(collect),
         ),
@@ -489,3 +448,7 @@ fn main() {
     drop(child.stdin.take());
     let _ = child.wait();
 }
+
+#[path = "support/tower_policy.rs"]
+mod tower_policy;
+use tower_policy::TowerPolicy;
