@@ -1,0 +1,3 @@
+//! Soak run (issue 8): placeholder until the driver lands.
+
+fn main() {}
