@@ -199,6 +199,9 @@ fn scopes_and_record_ids_separate_callers() {
     assert_ne!(alice, Scope::new("alice"));
     assert_ne!(Scope::from_authorization(b"alice"), Scope::new("alice"));
     assert_ne!(Scope::global(), Scope::new(""));
+    // No bytes a `scope_by` rule hashes can name the global scope.
+    assert_ne!(Scope::global(), Scope::new(b"\0global"));
+    assert_ne!(Scope::global(), Scope::new("global"));
     let id = RecordId::new(&alice, &key);
     assert_eq!(RecordId::from_bytes(*id.as_bytes()), id);
     assert!(id.to_hex().chars().all(|c| c.is_ascii_hexdigit()));

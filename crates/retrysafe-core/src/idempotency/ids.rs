@@ -85,9 +85,10 @@ impl Scope {
     }
 
     /// One scope shared by every request (an explicit opt-in: keys of all callers
-    /// collide in it).
+    /// collide in it). It has a hash domain of its own, so no bytes given to
+    /// [`Scope::new`] (by a `scope_by` rule fed from request data, say) can name it.
     pub fn global() -> Self {
-        Scope::new(b"\0global")
+        Scope(Hasher::new("retrysafe/v1/scope/global").finish())
     }
 
     /// The scope of an `Authorization` header value (hashed). Unsafe with rotating or

@@ -196,6 +196,18 @@ async fn store_failed<H: Handler>(
         let res = handler.call(req).await?;
         return Ok(res.map(ResponseBody::stream));
     }
+    if matches!(error, StoreError::Full) {
+        // A bound of the store, reached under load (or a key flood): the same answer as
+        // the layer's own bound, and no warning per refused request.
+        tracing::debug!(target: "retrysafe::idempotency", "idempotency store full");
+        return Ok(guard.problem(
+            Problem::new(
+                ProblemKind::Overloaded,
+                "the idempotency store cannot take more requests in progress; retry later",
+            )
+            .retry_after(guard.config.unavailable_retry_after),
+        ));
+    }
     tracing::warn!(target: "retrysafe::idempotency", error = %error, "idempotency store failed");
     Ok(guard.store_unavailable("the idempotency store is unavailable; retry later"))
 }

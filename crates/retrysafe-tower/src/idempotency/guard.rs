@@ -66,6 +66,8 @@ pub(crate) struct GuardConfig {
     pub(crate) fingerprinter: Fingerprinter,
     pub(crate) header_filter: HeaderFilter,
     pub(crate) max_request_body: usize,
+    /// How long a guarded request's body may take to arrive once its slot is taken.
+    pub(crate) request_body_timeout: Duration,
     pub(crate) max_stored_response: usize,
     pub(crate) retention: Duration,
     pub(crate) in_flight_retry_after: Duration,
@@ -78,6 +80,8 @@ pub(crate) struct GuardConfig {
 }
 
 pub(crate) const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
+/// The default [`GuardConfig::request_body_timeout`]: 30 s (1 MiB at 35 kB/s).
+pub(crate) const DEFAULT_REQUEST_BODY_TIMEOUT: Duration = Duration::from_secs(30);
 const MIB: usize = 1024 * 1024;
 
 impl GuardConfig {
@@ -91,6 +95,7 @@ impl GuardConfig {
             fingerprinter: Fingerprinter::default(),
             header_filter: HeaderFilter::default(),
             max_request_body: MIB,
+            request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
             max_stored_response: MIB,
             retention: Duration::from_secs(24 * 60 * 60),
             in_flight_retry_after: Duration::from_secs(1),
@@ -144,6 +149,7 @@ impl fmt::Debug for Guard {
             .field("require_key", &c.require_key)
             .field("scope", &c.scope)
             .field("max_request_body", &c.max_request_body)
+            .field("request_body_timeout", &c.request_body_timeout)
             .field("max_stored_response", &c.max_stored_response)
             .field("retention", &c.retention)
             .field("in_flight_retry_after", &c.in_flight_retry_after)

@@ -284,6 +284,18 @@ impl<X> IdempotencyLayer<X> {
         Ok(self.config(|c| c.max_request_body = bytes))
     }
 
+    /// How long the body of a guarded request with a key may take to arrive (default
+    /// 30 s; with a [`Deadline`](retrysafe_core::Deadline) extension, the sooner of the
+    /// two). The request holds one of the [`max_in_flight`](Self::max_in_flight) slots
+    /// while its body is read (so that the bound also caps the memory of buffered
+    /// bodies); past this time it gets a 408 `body-timeout` problem, before any claim,
+    /// and its slot is freed, so clients that trickle their bodies cannot hold every
+    /// slot.
+    pub fn request_body_timeout(self, timeout: Duration) -> Result<Self, ConfigError> {
+        let t = positive(timeout, "request_body_timeout")?;
+        Ok(self.config(|c| c.request_body_timeout = t))
+    }
+
     /// The largest response body stored (default 1 MiB). A larger response is recorded
     /// as not replayable before the rest streams to the client; later copies get 409
     /// `response-not-stored`.

@@ -46,6 +46,7 @@
 //! | no key with `require_key` | 400 `key-missing` | none |
 //! | key empty, over 255 characters, not printable ASCII, or sent twice | 400 `key-invalid` | none |
 //! | body over the limit (1 MiB) | 413 `body-too-large`, before any claim | none |
+//! | body not arrived within [`request_body_timeout`](IdempotencyLayer::request_body_timeout) (30 s) | 408 `body-timeout`, before any claim | none |
 //! | first request | claimed, handler runs, response stored | in progress → completed |
 //! | same key and request, completed | the stored response, `idempotent-replayed: true` | — |
 //! | same key and request, in flight | 409 `request-in-flight` with `retry-after`, or (with [`wait_for_in_flight`](IdempotencyLayer::wait_for_in_flight)) the replay | — |
@@ -58,7 +59,7 @@
 //! | holder died or stalled (lease expired) | before its commit point: the next copy takes over; otherwise `outcome-unknown` | — |
 //! | response body over 1 MiB | recorded as not stored before the rest streams; later copies get 409 `response-not-stored`, `do-not-retry: 1` | completed (marker) |
 //! | store unavailable or slow | 503 `store-unavailable` with `retry-after` (or unguarded with [`fail_open`](IdempotencyLayer::fail_open)) | none |
-//! | more than 1024 guarded requests in flight | 503 `overloaded` with `retry-after` | none |
+//! | more than 1024 guarded requests in flight, or the store's own bound of claims reached ([`MemoryStore`]'s `max_in_flight`) | 503 `overloaded` with `retry-after`, never unguarded | none |
 //!
 //! Problem answers are RFC 9457 `application/problem+json` with a stable `type`
 //! (`urn:retrysafe:problem:<slug>`, see [`ProblemKind`]) and carry the [`Problem`] as a

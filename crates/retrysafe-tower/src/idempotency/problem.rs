@@ -22,6 +22,9 @@ pub enum ProblemKind {
     KeyInvalid,
     /// 413: the request body is over the limit (before any claim).
     BodyTooLarge,
+    /// 408: the request body did not arrive within the layer's
+    /// `request_body_timeout` (before any claim): nothing happened, a retry is safe.
+    BodyTimeout,
     /// 400: the request body could not be read.
     BodyUnreadable,
     /// 409 with `retry-after`: a copy with this key is still being processed.
@@ -58,6 +61,7 @@ impl ProblemKind {
                 StatusCode::BAD_REQUEST
             }
             ProblemKind::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ProblemKind::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             ProblemKind::InFlight | ProblemKind::ResponseNotStored => StatusCode::CONFLICT,
             ProblemKind::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             ProblemKind::OutcomeUnknown
@@ -77,6 +81,7 @@ impl ProblemKind {
             ProblemKind::KeyMissing => "key-missing",
             ProblemKind::KeyInvalid => "key-invalid",
             ProblemKind::BodyTooLarge => "body-too-large",
+            ProblemKind::BodyTimeout => "body-timeout",
             ProblemKind::BodyUnreadable => "body-unreadable",
             ProblemKind::InFlight => "request-in-flight",
             ProblemKind::KeyMismatch => "key-mismatch",
@@ -102,6 +107,7 @@ impl ProblemKind {
             ProblemKind::KeyMissing => "Idempotency-Key header is required",
             ProblemKind::KeyInvalid => "Idempotency-Key header is invalid",
             ProblemKind::BodyTooLarge => "Request body is too large",
+            ProblemKind::BodyTimeout => "Request body did not arrive in time",
             ProblemKind::BodyUnreadable => "Request body could not be read",
             ProblemKind::InFlight => "A request with this Idempotency-Key is in progress",
             ProblemKind::KeyMismatch => "Idempotency-Key was used with a different request",

@@ -11,6 +11,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
+use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::Scope;
 use retrysafe_core::wire::IdempotencyKey;
 use tokio::sync::OwnedSemaphorePermit;
@@ -187,9 +188,21 @@ where
         Ok(p) => p,
         Err(answer) => return Ok(*answer),
     };
-    let body = match blocks::buffer_request_body(body.as_mut(), limit).await {
-        Ok(b) => b,
-        Err(problem) => return Ok(guard.problem(problem)),
+    // The body must arrive in time: the permit is held while it is read, so a client
+    // that trickles its body must not hold it for as long as it likes.
+    let deadline = parts.extensions.get::<Deadline>().copied();
+    let patience = Deadline::bound(deadline, config.request_body_timeout);
+    let buffered =
+        tokio::time::timeout(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
+    let body = match buffered {
+        Ok(Ok(b)) => b,
+        Ok(Err(problem)) => return Ok(guard.problem(problem)),
+        Err(_) => {
+            return Ok(guard.problem(Problem::new(
+                ProblemKind::BodyTimeout,
+                "the request body did not arrive in time",
+            )));
+        }
     };
     let fingerprint =
         config
