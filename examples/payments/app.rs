@@ -19,7 +19,10 @@
 //! - PostgreSQL: the `TxIdempotencyLayer`; the payment is inserted through the
 //!   `IdempotentTx` guard, in the transaction that also writes the key: both commit or
 //!   neither does. The handler code is the same: `commit_point()` on the transactional
-//!   layer's (detached) context returns at once, the transaction being the commit point.
+//!   layer's (detached) context returns at once, the transaction being the commit point;
+//! - PostgreSQL, plain mode (`PAYMENTS_PG_MODE=plain`, a test hook for the crash and
+//!   outage tests): the `IdempotencyLayer` over a `PostgresStore`, the payment inserted
+//!   on its own just after `commit_point()`, with the same outcomes as Redis.
 //!
 //! Layers, outermost first: `TraceLayer` → authentication (`Authorization: Bearer T` is
 //! principal `T`, no header an anonymous principal) → `IdempotencyLayer` (or
@@ -93,6 +96,14 @@ pub(crate) enum Backend {
         /// The ledger (`Ledger::Postgres`, on the store's pool).
         ledger: Ledger,
     },
+    /// Records in a `PostgresStore` under the `IdempotencyLayer`, payments written on
+    /// their own (the plain mode, `PAYMENTS_PG_MODE=plain`).
+    PostgresPlain {
+        /// The idempotency store.
+        store: PostgresStore,
+        /// The ledger (`Ledger::Postgres`, not transactional, on the store's pool).
+        ledger: Ledger,
+    },
 }
 
 /// The payments app over an in-memory idempotency store, and the handle that drains
@@ -111,16 +122,21 @@ pub(crate) fn router_on(
     backend: Backend,
     options: &Options,
 ) -> Result<(Router, Shutdown), ConfigError> {
+    let report = |unknown: &retrysafe::idempotency::UnknownOutcome| {
+        tracing::error!(
+            record = %unknown.record.to_hex(),
+            reason = ?unknown.reason,
+            "a payment's outcome is unknown: reconcile it with the ledger"
+        );
+    };
     let (layer, ledger) = match backend {
         Backend::Memory => (IdempotencyLayer::in_memory(), Ledger::memory()),
         Backend::Redis { store, ledger } => (
-            IdempotencyLayer::new(store).on_outcome_unknown(|unknown| {
-                tracing::error!(
-                    record = %unknown.record.to_hex(),
-                    reason = ?unknown.reason,
-                    "a payment's outcome is unknown: reconcile it with the ledger"
-                );
-            }),
+            IdempotencyLayer::new(store).on_outcome_unknown(report),
+            ledger,
+        ),
+        Backend::PostgresPlain { store, ledger } => (
+            IdempotencyLayer::new(store).on_outcome_unknown(report),
             ledger,
         ),
         Backend::Postgres { store, ledger } => return transactional(&store, ledger, options),

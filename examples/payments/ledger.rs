@@ -8,7 +8,9 @@
 //!   ledger key is in one slot.)
 //! - **PostgreSQL**: a `payments` table (in the store's schema when it has one), written
 //!   inside the request's transaction through the [`IdempotentTx`] guard, so the payment
-//!   and the idempotency key commit together.
+//!   and the idempotency key commit together; or, in the plain mode
+//!   (`PAYMENTS_PG_MODE=plain`, a test hook), on its own in autocommit, after the
+//!   handler's commit point, as with Redis.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -78,8 +80,13 @@ pub(crate) enum Ledger {
         conn: ConnectionManager,
         prefix: Arc<str>,
     },
-    /// In a PostgreSQL table (qualified by its schema when there is one).
-    Postgres { pool: sqlx::PgPool, table: Arc<str> },
+    /// In a PostgreSQL table (qualified by its schema when there is one): inside the
+    /// request's transaction when `transactional`, else on its own (autocommit).
+    Postgres {
+        pool: sqlx::PgPool,
+        table: Arc<str>,
+        transactional: bool,
+    },
 }
 
 impl Ledger {
@@ -97,8 +104,12 @@ impl Ledger {
     }
 
     /// A ledger in the `payments` table beside `store`'s key table (in the same
-    /// schema), created if it does not exist, on the store's pool.
-    pub(crate) async fn postgres(store: &PostgresStore) -> Result<Ledger, sqlx::Error> {
+    /// schema), created if it does not exist, on the store's pool. With `transactional`
+    /// every payment is written in the request's transaction; without, on its own.
+    pub(crate) async fn postgres(
+        store: &PostgresStore,
+        transactional: bool,
+    ) -> Result<Ledger, sqlx::Error> {
         // The store's table name is validated and qualified as `schema.table`.
         let table = match store.table().split_once('.') {
             Some((schema, _)) => format!("{schema}.payments"),
@@ -122,13 +133,20 @@ impl Ledger {
         Ok(Ledger::Postgres {
             pool: store.pool().clone(),
             table: table.into(),
+            transactional,
         })
     }
 
     /// Whether a failed call leaves nothing behind: with PostgreSQL the request's
     /// transaction rolls back on a failure.
     pub(crate) fn is_transactional(&self) -> bool {
-        matches!(self, Ledger::Postgres { .. })
+        matches!(
+            self,
+            Ledger::Postgres {
+                transactional: true,
+                ..
+            }
+        )
     }
 
     /// Records one payment. With PostgreSQL, `tx` is the request's transaction: the
@@ -172,18 +190,23 @@ impl Ledger {
                     amount_cents,
                 })
             }
-            Ledger::Postgres { table, .. } => {
-                let mut tx = tx.ok_or(LedgerError::NoTransaction)?;
+            Ledger::Postgres {
+                pool,
+                table,
+                transactional,
+            } => {
                 let insert = format!(
                     "INSERT INTO {table} (account, amount_cents) VALUES ($1, $2) RETURNING id"
                 );
-                let id: i64 = bounded(
-                    sqlx::query_scalar(&insert)
-                        .bind(&account)
-                        .bind(amount_cents)
-                        .fetch_one(&mut *tx),
-                )
-                .await?;
+                let query = sqlx::query_scalar(&insert)
+                    .bind(&account)
+                    .bind(amount_cents);
+                let id: i64 = if *transactional {
+                    let mut tx = tx.ok_or(LedgerError::NoTransaction)?;
+                    bounded(query.fetch_one(&mut *tx)).await?
+                } else {
+                    bounded(query.fetch_one(pool)).await?
+                };
                 Ok(Payment {
                     id: format!("pay_{id}"),
                     account,
@@ -230,7 +253,7 @@ impl Ledger {
                     .flatten()
                     .fold(Totals::default(), Totals::add))
             }
-            Ledger::Postgres { pool, table } => {
+            Ledger::Postgres { pool, table, .. } => {
                 let select = format!(
                     "SELECT count(*)::bigint AS count,
                             coalesce(sum(amount_cents), 0)::bigint AS total_cents

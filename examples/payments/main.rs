@@ -26,7 +26,10 @@
 //! every Redis key, default `payments:`) and `PAYMENTS_PG_SCHEMA` (the schema of the
 //! tables, default none: the connection's `search_path`). See `app.rs` for the routes and
 //! the test hooks `x-simulate-delay-ms`, `x-simulate-delay-after-ms` and
-//! `x-simulate-fail`.
+//! `x-simulate-fail`. One more test hook, `PAYMENTS_PG_MODE=plain`, runs PostgreSQL
+//! without the transaction: the `IdempotencyLayer` over a `PostgresStore`, each payment
+//! written on its own after the handler's commit point (as with Redis), so that tests can
+//! compare the two modes; the default, `transactional`, is the mode described above.
 #![allow(clippy::print_stdout)]
 
 mod app;
@@ -59,6 +62,8 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
 environment:
   PAYMENTS_REDIS_PREFIX   prefix of every Redis key (default `payments:`)
   PAYMENTS_PG_SCHEMA      PostgreSQL schema of the tables (default: the search_path)
+  PAYMENTS_PG_MODE        `transactional` (default: key and payment in one transaction)
+                          or `plain` (a test hook: a PostgresStore, payment on its own)
 
 exit codes: 0 after ctrl-c, 1 on a runtime error or an unavailable store, 2 on bad arguments";
 
@@ -210,10 +215,19 @@ async fn main() -> ExitCode {
             let schema = std::env::var("PAYMENTS_PG_SCHEMA")
                 .ok()
                 .filter(|s| !s.is_empty());
-            connect_postgres(url, schema).await.map(|(backend, s)| {
-                sweeper = Some(s);
-                backend
-            })
+            match env_or("PAYMENTS_PG_MODE", "transactional").as_str() {
+                mode @ ("transactional" | "plain") => {
+                    connect_postgres(url, schema, mode == "transactional")
+                        .await
+                        .map(|(backend, s)| {
+                            sweeper = Some(s);
+                            backend
+                        })
+                }
+                other => Err(format!(
+                    "PAYMENTS_PG_MODE must be `transactional` or `plain`, not {other:?}"
+                )),
+            }
         }
     };
     let backend = match backend {
@@ -320,10 +334,11 @@ async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> 
 }
 
 /// Connects to PostgreSQL, creates the tables if needed and starts the sweeper of
-/// expired keys. The error is the message.
+/// expired keys; `transactional` chooses the mode. The error is the message.
 async fn connect_postgres(
     url: &str,
     schema: Option<String>,
+    transactional: bool,
 ) -> Result<(app::Backend, SweeperHandle), String> {
     let shown = redact(url);
     let mut builder = PostgresStore::builder();
@@ -341,13 +356,18 @@ async fn connect_postgres(
         .migrate()
         .await
         .map_err(|e| format!("cannot create the idempotency table at {shown}: {e}"))?;
-    let ledger = app::Ledger::postgres(&store)
+    let ledger = app::Ledger::postgres(&store, transactional)
         .await
         .map_err(|e| format!("cannot create the payments table at {shown}: {e}"))?;
     let sweeper = store
         .spawn_sweeper(SWEEP_EVERY, SWEEP_BATCH)
         .map_err(|e| format!("cannot start the sweeper: {e}"))?;
-    Ok((app::Backend::Postgres { store, ledger }, sweeper))
+    let backend = if transactional {
+        app::Backend::Postgres { store, ledger }
+    } else {
+        app::Backend::PostgresPlain { store, ledger }
+    };
+    Ok((backend, sweeper))
 }
 
 /// How often expired key rows are deleted, and how many per statement.

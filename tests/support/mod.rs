@@ -27,7 +27,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use retrysafe_core::idempotency::{Principal, Record, RecordId, Scope, Token};
+use retrysafe_core::idempotency::{CommitPoint, Principal, Record, RecordId, Scope, Token};
 use retrysafe_core::store::IdempotencyStore;
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
@@ -119,6 +119,16 @@ impl Server {
         self.child.kill().unwrap();
         let status = self.child.wait().unwrap();
         assert!(!status.success(), "killed, yet {status:?}");
+    }
+
+    /// Whether the process is still running (it has not exited or been killed).
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// What the process wrote to stderr so far.
@@ -451,6 +461,8 @@ pub fn redis_url() -> String {
 pub struct RedisSpace {
     /// `PAYMENTS_REDIS_PREFIX` for the example.
     pub prefix: String,
+    /// The Redis server's URL (`REDIS_URL`, or the one given to [`at`](Self::at)).
+    pub url: String,
     pub conn: ConnectionManager,
     /// The idempotency store the example uses, seen directly.
     pub store: RedisStore,
@@ -458,7 +470,12 @@ pub struct RedisSpace {
 
 impl RedisSpace {
     pub async fn new() -> RedisSpace {
-        let url = redis_url();
+        RedisSpace::at(&redis_url()).await
+    }
+
+    /// A key prefix of one test on the Redis server at `url` (a private server).
+    pub async fn at(url: &str) -> RedisSpace {
+        let url = url.to_owned();
         let client = redis::Client::open(url.as_str())
             .unwrap_or_else(|e| panic!("REDIS_URL={url} is not a valid Redis URL: {e}"));
         let conn =
@@ -480,6 +497,7 @@ impl RedisSpace {
             .unwrap();
         RedisSpace {
             prefix,
+            url,
             conn,
             store,
         }
@@ -513,7 +531,7 @@ impl RedisSpace {
 impl Drop for RedisSpace {
     fn drop(&mut self) {
         let pattern = format!("{}*", self.prefix);
-        let url = redis_url();
+        let url = self.url.clone();
         let _ = std::thread::spawn(move || {
             let Ok(client) = redis::Client::open(url.as_str()) else {
                 return;
@@ -564,11 +582,22 @@ pub async fn pg_admin() -> PgConnection {
         .unwrap_or_else(|e| pg_unreachable(e))
 }
 
+/// One plain connection to the PostgreSQL server at `url`.
+pub async fn pg_connect(url: &str) -> PgConnection {
+    let options = PgConnectOptions::from_str(url)
+        .unwrap_or_else(|e| panic!("{url} is not a PostgreSQL URL: {e}"));
+    PgConnection::connect_with(&options)
+        .await
+        .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {url}: {e}"))
+}
+
 /// A schema of one test in the database at `DATABASE_URL`, with direct access to what
 /// the example writes in it. Dropped (best effort) when dropped.
 pub struct PgSpace {
     /// `PAYMENTS_PG_SCHEMA` for the example.
     pub schema: String,
+    /// The database's URL (`DATABASE_URL`, or the one given to [`at`](Self::at)).
+    pub url: String,
     admin: tokio::sync::Mutex<PgConnection>,
 }
 
@@ -577,7 +606,19 @@ impl PgSpace {
         drop_stale_schemas().await;
         PgSpace {
             schema: format!("{SCHEMA_PREFIX}{}", unique()),
+            url: database_url(),
             admin: tokio::sync::Mutex::new(pg_admin().await),
+        }
+    }
+
+    /// A schema of one test in the database at `url` (a private cluster). The audits
+    /// ([`audit`](Self::audit), [`table_counts`](Self::table_counts)) open a connection
+    /// of their own, so they work across a restart of that server.
+    pub async fn at(url: &str) -> PgSpace {
+        PgSpace {
+            schema: format!("{SCHEMA_PREFIX}{}", unique()),
+            url: url.to_owned(),
+            admin: tokio::sync::Mutex::new(pg_connect(url).await),
         }
     }
 
@@ -665,6 +706,7 @@ impl PgSpace {
 impl Drop for PgSpace {
     fn drop(&mut self) {
         let schema = self.schema.clone();
+        let url = self.url.clone();
         let _ = std::thread::spawn(move || {
             let Ok(rt) = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -673,7 +715,7 @@ impl Drop for PgSpace {
                 return;
             };
             rt.block_on(async move {
-                let Ok(options) = PgConnectOptions::from_str(&database_url()) else {
+                let Ok(options) = PgConnectOptions::from_str(&url) else {
                     return;
                 };
                 if let Ok(mut conn) = PgConnection::connect_with(&options).await {
@@ -770,5 +812,466 @@ impl Proxy {
     /// Lets connections through again.
     pub fn restore(&self) {
         self.up.send_replace(true);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Crash and outage audits: resend every key to a definitive answer, then read what the
+// backend holds for it (its record and its account's payments) and tally the result.
+
+/// A small seeded PRNG (SplitMix64): the crash and outage tests print their seed and
+/// take it from the environment, so a failing run can be repeated.
+#[derive(Debug, Clone)]
+pub struct Rng(u64);
+
+impl Rng {
+    pub fn new(seed: u64) -> Rng {
+        Rng(seed)
+    }
+
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+
+    /// Uniform in `lo..hi` (`lo` when the range is empty).
+    pub fn range(&mut self, lo: u64, hi: u64) -> u64 {
+        if hi <= lo {
+            lo
+        } else {
+            lo + self.next_u64() % (hi - lo)
+        }
+    }
+
+    /// True with probability `1 / n`.
+    pub fn one_in(&mut self, n: u64) -> bool {
+        self.range(0, n.max(1)) == 0
+    }
+}
+
+/// The seed in environment variable `var`, or a fresh one from the clock; printed
+/// either way with the line that repeats the run.
+#[allow(clippy::print_stdout, reason = "the seed must be seen to repeat a run")]
+pub fn seed_from_env(var: &str, test: &str) -> u64 {
+    let seed = std::env::var(var)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or_else(|| {
+            SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(1, |d| u64::try_from(d.as_nanos()).unwrap_or(1))
+        });
+    println!("{test}: seed {seed} (repeat with {var}={seed})");
+    seed
+}
+
+/// A whole number from environment variable `var`, or `default`.
+pub fn env_number(var: &str, default: u64) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(default)
+}
+
+/// Where a key's idempotency record stands, read directly from the backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RecordState {
+    /// No record (none was ever written, or it was released or rolled back).
+    Absent,
+    /// Claimed; `passed` once its holder passed its commit point, `expired` when its
+    /// lease has ended by the store's clock.
+    InProgress {
+        passed: bool,
+        expired: bool,
+    },
+    Completed,
+    OutcomeUnknown,
+}
+
+/// What the backend holds for one key: its record and the ids of its account's
+/// payments (every key of these tests has an account of its own), as the API shows
+/// them (`pay_…`).
+#[derive(Debug, Clone)]
+pub struct KeyAudit {
+    pub record: RecordState,
+    pub payments: Vec<String>,
+}
+
+/// One logical payment of a run: its own key and account.
+#[derive(Debug, Clone)]
+pub struct Payment {
+    pub key: String,
+    pub account: String,
+    pub amount: i64,
+}
+
+impl Payment {
+    /// A payment whose key is `key` and whose account is `acct-KEY`.
+    pub fn new(key: String, amount: i64) -> Payment {
+        Payment {
+            account: format!("acct-{key}"),
+            key,
+            amount,
+        }
+    }
+}
+
+impl RedisSpace {
+    /// The record and payments of each of `payments`, read in two pipelines, with the
+    /// lease of an `in_progress` record compared with Redis's own clock (`TIME`).
+    pub async fn audit(&self, payments: &[Payment]) -> Vec<KeyAudit> {
+        let mut conn = self.conn.clone();
+        let mut out = Vec::with_capacity(payments.len());
+        for chunk in payments.chunks(500) {
+            let mut pipe = redis::pipe();
+            for p in chunk {
+                pipe.cmd("GET").arg(self.store.key(&record_id(&p.key)));
+            }
+            for p in chunk {
+                pipe.cmd("HKEYS")
+                    .arg(format!("{}{{ledger}}:account:{}", self.prefix, p.account));
+            }
+            pipe.cmd("TIME");
+            // The connection may have been broken by a restart of the server: the
+            // manager reconnects after the first failed call.
+            let mut tries = 0;
+            let mut replies: Vec<redis::Value> = loop {
+                match pipe.query_async(&mut conn).await {
+                    Ok(replies) => break replies,
+                    Err(e) if tries < 50 => {
+                        tries += 1;
+                        let _ = e;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                    Err(e) => panic!("cannot read Redis: {e}"),
+                }
+            };
+            let time: (u64, u64) = redis::from_redis_value(replies.pop().unwrap()).unwrap();
+            let now_ms = time.0 * 1000 + time.1 / 1000;
+            let ledgers = replies.split_off(chunk.len());
+            for (record, ledger) in replies.into_iter().zip(ledgers) {
+                let record: Option<Vec<u8>> = redis::from_redis_value(record).unwrap();
+                let record = match record.map(|b| Record::decode(Bytes::from(b)).unwrap()) {
+                    None => RecordState::Absent,
+                    Some(Record::InProgress(p)) => RecordState::InProgress {
+                        passed: p.commit_point == CommitPoint::Passed,
+                        expired: p.lease_until_ms <= now_ms,
+                    },
+                    Some(Record::Completed(_)) => RecordState::Completed,
+                    Some(Record::OutcomeUnknown(_)) => RecordState::OutcomeUnknown,
+                };
+                let payments: Vec<String> = redis::from_redis_value(ledger).unwrap();
+                out.push(KeyAudit { record, payments });
+            }
+        }
+        out
+    }
+}
+
+impl PgSpace {
+    /// The record and committed payments of each of `payments`, on a connection of its
+    /// own, with the lease of an `in_progress` row compared with `clock_timestamp()`.
+    pub async fn audit(&self, payments: &[Payment]) -> Vec<KeyAudit> {
+        let mut conn = pg_connect(&self.url).await;
+        let ks: Vec<Vec<u8>> = payments
+            .iter()
+            .map(|p| record_id(&p.key).as_bytes().to_vec())
+            .collect();
+        let accounts: Vec<String> = payments.iter().map(|p| p.account.clone()).collect();
+        let rows: Vec<(Vec<u8>, i16, bool, bool)> = sqlx::query_as(&format!(
+            "SELECT k, state, coalesce(commit_point = 2, false),
+                    coalesce(lease_until <= clock_timestamp(), false)
+             FROM {}.retrysafe_idempotency WHERE k = ANY($1)",
+            self.schema
+        ))
+        .bind(&ks)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let records: BTreeMap<Vec<u8>, RecordState> = rows
+            .into_iter()
+            .map(|(k, state, passed, expired)| {
+                let state = match state {
+                    1 => RecordState::InProgress { passed, expired },
+                    2 => RecordState::Completed,
+                    3 => RecordState::OutcomeUnknown,
+                    other => panic!("unknown state {other}"),
+                };
+                (k, state)
+            })
+            .collect();
+        let paid: Vec<(String, i64)> = sqlx::query_as(&format!(
+            "SELECT account, id FROM {}.payments WHERE account = ANY($1) ORDER BY id",
+            self.schema
+        ))
+        .bind(&accounts)
+        .fetch_all(&mut conn)
+        .await
+        .unwrap();
+        let mut by_account: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for (account, id) in paid {
+            by_account
+                .entry(account)
+                .or_default()
+                .push(format!("pay_{id}"));
+        }
+        let _ = conn.close().await;
+        payments
+            .iter()
+            .zip(&ks)
+            .map(|(p, k)| KeyAudit {
+                record: records.get(k).copied().unwrap_or(RecordState::Absent),
+                payments: by_account.remove(&p.account).unwrap_or_default(),
+            })
+            .collect()
+    }
+
+    /// Every row of the key table and of the payments table in this schema:
+    /// `(key rows, in_progress key rows, payments)`.
+    pub async fn table_counts(&self) -> (i64, i64, i64) {
+        let mut conn = pg_connect(&self.url).await;
+        let counts = sqlx::query_as(&format!(
+            "SELECT (SELECT count(*) FROM {s}.retrysafe_idempotency),
+                    (SELECT count(*) FROM {s}.retrysafe_idempotency WHERE state = 1),
+                    (SELECT count(*) FROM {s}.payments)",
+            s = self.schema
+        ))
+        .fetch_one(&mut conn)
+        .await
+        .unwrap();
+        let _ = conn.close().await;
+        counts
+    }
+}
+
+/// The definitive answer to a key: its 201 (the first answer replayed, or a run), or the
+/// 500 `outcome-unknown` problem.
+#[derive(Debug)]
+pub enum Final {
+    Created(Answer),
+    OutcomeUnknown(Answer),
+}
+
+/// Whether `answer` is the idempotency layer's 500 `outcome-unknown` problem.
+pub fn is_outcome_unknown(answer: &Answer) -> bool {
+    answer.status == StatusCode::INTERNAL_SERVER_ERROR
+        && answer
+            .headers
+            .get("content-type")
+            .is_some_and(|v| v.as_bytes().starts_with(b"application/problem+json"))
+        && answer.json()["type"]
+            .as_str()
+            .is_some_and(|t| t.ends_with(":outcome-unknown"))
+}
+
+/// Sends `payment` to the servers in turn until it has a definitive answer (a 201, or
+/// the 500 `outcome-unknown` problem), pausing `pause` between tries. A 409 (in flight:
+/// a dead holder's lease has not expired yet), a 503 with `retry-after`, the app's own
+/// 500 `payment-outcome-unknown` (the next copy gets the stable problem) and a failed
+/// connection are retried; anything else fails the test. Returns the answer and how
+/// many sends it took.
+pub async fn resolve_payment(
+    apis: &[Api],
+    payment: &Payment,
+    pause: Duration,
+    patience: Duration,
+) -> (Final, u32) {
+    let started = Instant::now();
+    let mut sends = 0u32;
+    loop {
+        let api = &apis[sends as usize % apis.len()];
+        sends += 1;
+        match api
+            .try_pay(&payment.key, &payment.account, payment.amount, &[])
+            .await
+        {
+            Ok(a) if a.status == StatusCode::CREATED => {
+                a.assert_created(&payment.account, payment.amount);
+                return (Final::Created(a), sends);
+            }
+            Ok(a) if is_outcome_unknown(&a) => {
+                assert_eq!(a.headers["do-not-retry"], "1", "{a:?}");
+                return (Final::OutcomeUnknown(a), sends);
+            }
+            Ok(a) if a.status == StatusCode::CONFLICT => {
+                a.assert_problem_type(409, "request-in-flight");
+                assert!(a.headers.contains_key("retry-after"), "{a:?}");
+            }
+            Ok(a) if a.status == StatusCode::SERVICE_UNAVAILABLE => a.assert_unavailable(),
+            Ok(a) if a.status == StatusCode::INTERNAL_SERVER_ERROR => {
+                a.assert_problem_type(500, "payment-outcome-unknown");
+            }
+            Ok(a) => panic!("unexpected answer to {}: {a:?}", payment.key),
+            Err(_) => {}
+        }
+        assert!(
+            started.elapsed() < patience,
+            "{}: no definitive answer within {patience:?} ({sends} sends)",
+            payment.key
+        );
+        tokio::time::sleep(pause).await;
+    }
+}
+
+/// Resolves every payment (at most `parallel` at once): the definitive answers, in
+/// order, and the number of sends in all.
+pub async fn resolve_all(
+    apis: &[Api],
+    payments: &[Payment],
+    parallel: usize,
+    patience: Duration,
+) -> (Vec<Final>, u64) {
+    use futures_util::StreamExt;
+    let results: Vec<(Final, u32)> = futures_util::stream::iter(
+        payments
+            .iter()
+            .map(|p| resolve_payment(apis, p, Duration::from_millis(50), patience)),
+    )
+    .buffered(parallel.max(1))
+    .collect()
+    .await;
+    let sends = results.iter().map(|(_, n)| u64::from(*n)).sum();
+    (results.into_iter().map(|(f, _)| f).collect(), sends)
+}
+
+/// What a run left in the backend, key by key, against what its clients were told.
+#[derive(Debug, Default, Clone)]
+pub struct Tally {
+    /// Logical payments (distinct keys).
+    pub keys: u64,
+    /// Payments in the ledger for those keys.
+    pub effects: u64,
+    /// Keys with more than one payment (must be 0).
+    pub duplicates: u64,
+    /// Keys whose definitive answer is a 201.
+    pub created: u64,
+    /// Keys whose definitive answer is `outcome-unknown`, with and without a payment.
+    pub unknown_with_effect: u64,
+    pub unknown_without_effect: u64,
+    /// A 201 (now or earlier) whose payment is not in the ledger, or is another payment
+    /// than the one answered (must be 0).
+    pub lost: u64,
+    /// Two different 201 answers for one key (must be 0).
+    pub answers_differ: u64,
+    /// Keys answered 201 whose record is `outcome_unknown` (the answer was returned but
+    /// could not be stored; the payment is in the ledger).
+    pub completion_lost: u64,
+    /// A completed record without exactly one payment, an `outcome_unknown` answer
+    /// without its record, or a record missing after a definitive answer (must be 0).
+    pub record_mismatch: u64,
+    /// `in_progress` records left after every key was answered, and those of them whose
+    /// lease had expired: orphans (both must be 0).
+    pub in_progress_left: u64,
+    pub orphaned: u64,
+}
+
+impl Tally {
+    /// Adds one key: `earlier` are the 201 answers its clients got before the definitive
+    /// answer `last`; `audit` is what the backend holds.
+    pub fn add(&mut self, earlier: &[&Answer], last: &Final, audit: &KeyAudit) {
+        self.keys += 1;
+        self.effects += audit.payments.len() as u64;
+        if audit.payments.len() > 1 {
+            self.duplicates += 1;
+        }
+        if let RecordState::InProgress { expired, .. } = audit.record {
+            self.in_progress_left += 1;
+            if expired {
+                self.orphaned += 1;
+            }
+        }
+        match last {
+            Final::Created(answer) => {
+                self.created += 1;
+                let id = answer.json()["id"].as_str().unwrap_or_default().to_owned();
+                let answered_elsewhere = earlier.iter().any(|e| {
+                    let id = e.json()["id"].as_str().unwrap_or_default().to_owned();
+                    !audit.payments.contains(&id)
+                });
+                if audit.payments != [id] || answered_elsewhere {
+                    self.lost += 1;
+                }
+                if earlier.iter().any(|e| e.body != answer.body) {
+                    self.answers_differ += 1;
+                }
+                if audit.record != RecordState::Completed {
+                    self.record_mismatch += 1;
+                }
+            }
+            Final::OutcomeUnknown(_) => {
+                if audit.payments.is_empty() {
+                    self.unknown_without_effect += 1;
+                } else {
+                    self.unknown_with_effect += 1;
+                }
+                if let Some(first) = earlier.first() {
+                    // A client was told 201, and later copies say unknown: its answer
+                    // could not be stored (the store failed after the handler ran, a
+                    // `completion_lost`), which is allowed when its payment is there.
+                    let id = first.json()["id"].as_str().unwrap_or_default().to_owned();
+                    if audit.payments == [id] {
+                        self.completion_lost += 1;
+                    } else {
+                        self.lost += 1;
+                    }
+                }
+                if audit.record != RecordState::OutcomeUnknown {
+                    self.record_mismatch += 1;
+                }
+            }
+        }
+    }
+
+    pub fn merge(&mut self, other: &Tally) {
+        self.keys += other.keys;
+        self.effects += other.effects;
+        self.duplicates += other.duplicates;
+        self.created += other.created;
+        self.unknown_with_effect += other.unknown_with_effect;
+        self.unknown_without_effect += other.unknown_without_effect;
+        self.lost += other.lost;
+        self.answers_differ += other.answers_differ;
+        self.completion_lost += other.completion_lost;
+        self.record_mismatch += other.record_mismatch;
+        self.in_progress_left += other.in_progress_left;
+        self.orphaned += other.orphaned;
+    }
+
+    pub fn outcome_unknown(&self) -> u64 {
+        self.unknown_with_effect + self.unknown_without_effect
+    }
+
+    /// The invariants of every store: never two effects, nothing answered lost, one
+    /// answer per key, records that match the ledger, no `in_progress` left. With
+    /// `transactional` (PostgreSQL's transactional layer) also: exactly one effect per
+    /// key and no `outcome_unknown` at all.
+    pub fn assert_sound(&self, transactional: bool) {
+        assert_eq!(self.duplicates, 0, "a key with two payments: {self:?}");
+        assert_eq!(self.lost, 0, "an answered payment is missing: {self:?}");
+        assert_eq!(self.answers_differ, 0, "two answers for one key: {self:?}");
+        assert_eq!(
+            self.record_mismatch, 0,
+            "record and ledger disagree: {self:?}"
+        );
+        assert_eq!(
+            self.orphaned, 0,
+            "an expired in_progress record remains: {self:?}"
+        );
+        assert_eq!(
+            self.in_progress_left, 0,
+            "an in_progress record remains: {self:?}"
+        );
+        assert!(self.effects <= self.keys, "{self:?}");
+        if transactional {
+            assert_eq!(self.outcome_unknown(), 0, "exactly once: {self:?}");
+            assert_eq!(self.created, self.keys, "{self:?}");
+            assert_eq!(
+                self.effects, self.keys,
+                "exactly one effect per key: {self:?}"
+            );
+        }
     }
 }

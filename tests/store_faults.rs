@@ -1,0 +1,740 @@
+//! The store taken away under load, with the app never restarted: a `payments` instance
+//! serves a continuous load of fresh keys (some held before their commit point or after
+//! their effect by the delay hooks, so that the fault finds requests at every stage)
+//! while its store
+//!
+//! - becomes unreachable: a TCP proxy in front of the shared Redis or PostgreSQL is cut
+//!   (every connection closed, new ones closed at once) and later restored;
+//! - is restarted: a private `redis-server` (AOF with `appendfsync always`, which DESIGN
+//!   §5 requires for durability) is killed with SIGKILL and started again on the same
+//!   port and directory; a private PostgreSQL cluster (initdb into a temporary
+//!   directory, as user `postgres`) is stopped with `pg_ctl -m immediate` and started
+//!   again (crash recovery).
+//!
+//! Checked: every request started after the store went away and answered before it came
+//! back is a 503 problem with `retry-after` (fail closed), and no request ever fails at
+//! the transport level (the app stays up); once the store is back the same process
+//! serves again (the time until the first 201 is printed, not asserted); then every key
+//! is resent until it has a definitive answer, and the backend, read directly, holds one
+//! payment per key and never two, every 201 its payment, and no `in_progress` record. With
+//! PostgreSQL in the example's default, transactional mode every key ends with exactly
+//! one payment; with Redis and with PostgreSQL in the plain mode (`PAYMENTS_PG_MODE=plain`:
+//! a `PostgresStore` under the `IdempotencyLayer`) a request caught past its commit point
+//! may end `outcome_unknown` (counted), and so may one whose answer was returned but
+//! could not be stored before its lease ended (`completion_lost`, counted; its payment
+//! must be there). A fresh key sent after the store is back never ends unknown.
+//!
+//! `FAULTS_SEED` repeats a run (its seed is printed); each test prints one summary line.
+//! `STORE_FAULTS_LEASE_MS` changes the app's lease (default 500 ms, so that claims
+//! stranded by the outage expire quickly); `STORE_FAULTS_REDIS_AOF=no` runs the private
+//! Redis without persistence, which fails the restart test (see `PrivateRedis::spawn`).
+// This test drives real child processes (the app, redis-server, pg_ctl) on the wall
+// clock, so it uses std's clock on purpose.
+#![allow(
+    clippy::disallowed_methods,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    missing_docs
+)]
+
+mod example_bin;
+mod support;
+
+use std::os::unix::process::CommandExt as _;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use http::StatusCode;
+use retrysafe_core::idempotency::Token;
+use support::{
+    Answer, Api, Final, KeyAudit, Payment, PgSpace, Proxy, RedisSpace, Rng, Server, Tally,
+    database_url, host_port, is_outcome_unknown, redis_url, resolve_all, seed_from_env, with_addr,
+};
+
+/// How long one key may take to get a definitive answer once the store is back.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+/// Load before the fault, and how long the store stays away.
+const BEFORE: Duration = Duration::from_millis(600);
+const OUTAGE: Duration = Duration::from_millis(2500);
+
+/// Concurrent load streams.
+const STREAMS: u64 = 6;
+
+/// The app's lease with Redis and plain PostgreSQL: a claim stranded by the outage is
+/// answered 409 this long.
+const LEASE_MS: &str = "500";
+
+// ---------------------------------------------------------------------------------
+// Load
+
+/// One request of the load: when it was sent and answered, and the answer.
+struct Sent {
+    payment: Payment,
+    started: Instant,
+    finished: Instant,
+    answer: Result<Answer, String>,
+}
+
+/// Streams of fresh keys against one app until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<Vec<Sent>>>,
+}
+
+impl Load {
+    fn start(api: &Api, prefix: &str, seed: u64) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let tasks = (0..STREAMS)
+            .map(|t| {
+                let (api, stop) = (api.clone(), Arc::clone(&stop));
+                let prefix = format!("{prefix}-{t}");
+                let mut rng = Rng::new(seed.wrapping_add(t));
+                tokio::spawn(async move {
+                    let mut out = Vec::new();
+                    let mut n: i64 = 0;
+                    while !stop.load(Ordering::Acquire) {
+                        n += 1;
+                        let payment = Payment::new(format!("{prefix}-{n}"), n);
+                        // One request in four waits before its commit point or after its
+                        // effect, so the fault finds some there.
+                        let delay = rng.range(0, 200).to_string();
+                        let hook = match rng.range(0, 8) {
+                            0 => Some(("x-simulate-delay-ms", delay.as_str())),
+                            1 => Some(("x-simulate-delay-after-ms", delay.as_str())),
+                            _ => None,
+                        };
+                        let started = Instant::now();
+                        let answer = api
+                            .try_pay(
+                                &payment.key,
+                                &payment.account,
+                                payment.amount,
+                                hook.as_slice(),
+                            )
+                            .await
+                            .map_err(|e| e.to_string());
+                        let refused = answer
+                            .as_ref()
+                            .is_ok_and(|a| a.status != StatusCode::CREATED);
+                        out.push(Sent {
+                            payment,
+                            started,
+                            finished: Instant::now(),
+                            answer,
+                        });
+                        if refused {
+                            // A client told to retry later would wait; this one sends its
+                            // next key a little later, so an outage does not spin.
+                            tokio::time::sleep(Duration::from_millis(20)).await;
+                        }
+                    }
+                    out
+                })
+            })
+            .collect();
+        Load { stop, tasks }
+    }
+
+    async fn stop(self) -> Vec<Sent> {
+        self.stop.store(true, Ordering::Release);
+        let mut all = Vec::new();
+        for task in self.tasks {
+            all.extend(task.await.unwrap());
+        }
+        all
+    }
+}
+
+/// Fresh keys (`outage-N`) sent one after another to `api`, 20 ms apart, until `until`
+/// (less the time one refusal may take).
+async fn send_during(api: Api, until: Instant) -> Vec<Sent> {
+    let mut out = Vec::new();
+    while Instant::now() + Duration::from_millis(1100) < until {
+        let payment = Payment::new(format!("outage-{}", out.len()), 7);
+        let started = Instant::now();
+        let answer = api
+            .try_pay(&payment.key, &payment.account, payment.amount, &[])
+            .await
+            .map_err(|e| e.to_string());
+        out.push(Sent {
+            payment,
+            started,
+            finished: Instant::now(),
+            answer,
+        });
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    out
+}
+
+/// Fresh keys sent one after another to `api` until one is answered 201: how long the
+/// app took to serve again after `back` (the store ready again), and the keys sent.
+async fn first_success(api: &Api, back: Instant) -> (Duration, Vec<Payment>) {
+    let mut probes = Vec::new();
+    loop {
+        let payment = Payment::new(format!("probe-{}", probes.len()), 1);
+        let answer = api
+            .try_pay(&payment.key, &payment.account, payment.amount, &[])
+            .await;
+        probes.push(payment);
+        match answer {
+            Ok(a) if a.status == StatusCode::CREATED => return (back.elapsed(), probes),
+            Ok(a) => a.assert_unavailable(),
+            Err(e) => panic!("the app must stay up: {e}"),
+        }
+        assert!(
+            back.elapsed() < PATIENCE,
+            "the app did not serve again within {PATIENCE:?} of the store's return"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Where the store lives for one test, and how to read it.
+enum Space {
+    Redis(RedisSpace),
+    /// With `true` in the example's plain mode (`PAYMENTS_PG_MODE=plain`).
+    Postgres(PgSpace, bool),
+}
+
+impl Space {
+    async fn audit(&self, payments: &[Payment]) -> Vec<KeyAudit> {
+        match self {
+            Space::Redis(r) => r.audit(payments).await,
+            Space::Postgres(p, _) => p.audit(payments).await,
+        }
+    }
+
+    fn env(&self) -> Vec<(&str, &str)> {
+        match self {
+            Space::Redis(r) => r.env().to_vec(),
+            Space::Postgres(p, false) => p.env().to_vec(),
+            Space::Postgres(p, true) => vec![p.env()[0], ("PAYMENTS_PG_MODE", "plain")],
+        }
+    }
+
+    fn transactional(&self) -> bool {
+        matches!(self, Space::Postgres(_, false))
+    }
+}
+
+/// The store goes away and comes back under load; `fault` takes it away, `repair`
+/// brings it back. Checks everything and prints the summary line of `test`.
+async fn outage_under_load<F, R>(test: &str, space: &Space, store_url: &str, fault: F, repair: R)
+where
+    F: AsyncFnOnce(),
+    R: AsyncFnOnce(),
+{
+    let seed = seed_from_env("FAULTS_SEED", test);
+    // `STORE_FAULTS_LEASE_MS` sets another lease (the completion of a request caught by
+    // the outage is retried while its lease lasts).
+    let lease = std::env::var("STORE_FAULTS_LEASE_MS").unwrap_or_else(|_| LEASE_MS.to_owned());
+    let mut args = vec!["--store", store_url];
+    if !space.transactional() {
+        args.extend(["--lease-ms", lease.as_str()]);
+    }
+    let mut server = Server::start_with(&args, &space.env());
+    let api = Api::new(&server);
+
+    let load = Load::start(&api, "load", seed);
+    tokio::time::sleep(BEFORE).await;
+    fault().await;
+    let down = Instant::now();
+    // Fresh keys sent while the store is away, one after another, apart from the load
+    // (whose streams may all be waiting on requests the outage caught mid-flight).
+    let outage = tokio::spawn(send_during(api.clone(), down + OUTAGE));
+    tokio::time::sleep(OUTAGE).await;
+    let back = Instant::now();
+    repair().await;
+    let ready = Instant::now();
+    let (recovery, probes) = first_success(&api, ready).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut sent = load.stop().await;
+    sent.extend(outage.await.unwrap());
+    assert!(server.is_running(), "the app was never restarted");
+
+    // Fail closed while the store is away; the app itself always answers.
+    let mut refused = 0u64;
+    let mut refused_during = 0u64;
+    let mut created_before_resend = 0u64;
+    let mut app_unknown = 0u64;
+    let mut slowest_refusal = Duration::ZERO;
+    for s in &sent {
+        let a = match &s.answer {
+            Ok(a) => a,
+            Err(e) => panic!("{}: no answer from the app: {e}", s.payment.key),
+        };
+        let during = s.started >= down && s.finished <= back;
+        match a.status {
+            StatusCode::CREATED => {
+                assert!(!during, "a 201 while the store was away: {a:?}");
+                a.assert_created(&s.payment.account, s.payment.amount);
+                created_before_resend += 1;
+            }
+            StatusCode::SERVICE_UNAVAILABLE => {
+                a.assert_unavailable();
+                refused += 1;
+                refused_during += u64::from(during);
+                if during {
+                    slowest_refusal = slowest_refusal.max(s.finished - s.started);
+                }
+            }
+            StatusCode::INTERNAL_SERVER_ERROR if !space.transactional() => {
+                // The ledger write failed after the commit point (the store went away
+                // under it): the handler's own 500, marked do-not-retry; the record
+                // becomes outcome_unknown. Only a request already running can see it.
+                a.assert_problem_type(500, "payment-outcome-unknown");
+                assert_eq!(a.headers["do-not-retry"], "1", "{a:?}");
+                assert!(s.started < back, "{a:?}");
+                app_unknown += 1;
+            }
+            _ => panic!("{}: unexpected answer {a:?}", s.payment.key),
+        }
+        assert!(
+            !is_outcome_unknown(a),
+            "a fresh key is never unknown: {a:?}"
+        );
+    }
+    assert!(
+        refused_during > 0,
+        "no request was refused during the outage"
+    );
+
+    // Resend every key until it has its definitive answer; read the backend.
+    let mut payments: Vec<Payment> = sent.iter().map(|s| s.payment.clone()).collect();
+    payments.extend(probes);
+    let (finals, resends) = resolve_all(std::slice::from_ref(&api), &payments, 8, PATIENCE).await;
+    let audits = space.audit(&payments).await;
+    let mut tally = Tally::default();
+    let mut unknown_started_late = 0u64;
+    for (i, (last, audit)) in finals.iter().zip(&audits).enumerate() {
+        let earlier: Vec<&Answer> = sent
+            .get(i)
+            .and_then(|s| s.answer.as_ref().ok())
+            .filter(|a| a.status == StatusCode::CREATED)
+            .into_iter()
+            .collect();
+        tally.add(&earlier, last, audit);
+        if matches!(last, Final::OutcomeUnknown(_)) && sent.get(i).is_none_or(|s| s.started >= back)
+        {
+            unknown_started_late += 1;
+        }
+    }
+    assert!(server.is_running(), "the app was never restarted");
+    println!(
+        "{test}: requests {requests} during {secs:.1} s of load, 503 {refused} ({refused_during} \
+         sent and answered while the store was away, the slowest in {slowest_ms} ms), 201 \
+         {created_before_resend}, app 500 (payment outcome unknown) {app_unknown}; store back \
+         in {repair_ms} ms, first 201 {recovery_ms} ms after it was back; resent to a \
+         definitive answer ({resends} sends): keys {keys}, effects {effects}, duplicates \
+         {dup}, created {created}, outcome_unknown {unknown} ({with} with its payment, \
+         {without} without), completion_lost {lost}, answered payments missing {missing}, \
+         keys answered two ways {differ}, in_progress left {left}",
+        requests = sent.len(),
+        secs = (ready - down + BEFORE + recovery).as_secs_f64() + 0.3,
+        slowest_ms = slowest_refusal.as_millis(),
+        repair_ms = (ready - back).as_millis(),
+        recovery_ms = recovery.as_millis(),
+        keys = tally.keys,
+        effects = tally.effects,
+        dup = tally.duplicates,
+        created = tally.created,
+        unknown = tally.outcome_unknown(),
+        with = tally.unknown_with_effect,
+        without = tally.unknown_without_effect,
+        lost = tally.completion_lost,
+        missing = tally.lost,
+        differ = tally.answers_differ,
+        left = tally.in_progress_left,
+    );
+    tally.assert_sound(space.transactional());
+    assert_eq!(
+        unknown_started_late, 0,
+        "only a request running when the store went away may end unknown"
+    );
+    if let Space::Postgres(p, false) = space {
+        let (rows, in_progress, paid) = p.table_counts().await;
+        assert_eq!(in_progress, 0);
+        assert_eq!(u64::try_from(rows).unwrap(), tally.keys, "{tally:?}");
+        assert_eq!(u64::try_from(paid).unwrap(), tally.keys, "{tally:?}");
+    }
+    drop(server);
+}
+
+// ---------------------------------------------------------------------------------
+// The store unreachable (a proxy cut and restored)
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_unreachable_under_load_fails_closed_and_recovers() {
+    let space = Space::Redis(RedisSpace::new().await);
+    let proxy = Proxy::start(&host_port(&redis_url(), 6379)).await;
+    let url = with_addr(&redis_url(), proxy.addr);
+    outage_under_load(
+        "redis unreachable",
+        &space,
+        &url,
+        async || proxy.cut(),
+        async || proxy.restore(),
+    )
+    .await;
+}
+
+async fn postgres_unreachable(plain: bool) {
+    let space = Space::Postgres(PgSpace::new().await, plain);
+    let proxy = Proxy::start(&host_port(&database_url(), 5432)).await;
+    let url = with_addr(&database_url(), proxy.addr);
+    let test = if plain {
+        "postgres plain unreachable"
+    } else {
+        "postgres tx unreachable"
+    };
+    outage_under_load(
+        test,
+        &space,
+        &url,
+        async || proxy.cut(),
+        async || proxy.restore(),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_tx_unreachable_under_load_fails_closed_and_recovers() {
+    postgres_unreachable(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_plain_unreachable_under_load_fails_closed_and_recovers() {
+    postgres_unreachable(true).await;
+}
+
+// ---------------------------------------------------------------------------------
+// The store restarted: private servers
+
+/// A free TCP port on 127.0.0.1 (bound, read, released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A fresh directory under the temporary directory, removed by [`Scratch`]'s drop.
+struct Scratch(PathBuf);
+
+impl Scratch {
+    fn new(what: &str) -> Scratch {
+        let dir = std::env::temp_dir().join(format!(
+            "retrysafe-store-faults-{what}-{}",
+            &Token::random().to_hex()[..12]
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        Scratch(dir)
+    }
+
+    fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Waits until `port` accepts a connection.
+async fn wait_for_port(port: u16, what: &str) {
+    let started = Instant::now();
+    while tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .is_err()
+    {
+        assert!(
+            started.elapsed() < Duration::from_secs(30),
+            "{what} did not listen on port {port}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A private `redis-server` with an append-only file fsynced on every write, on a port
+/// of its own; killed (SIGKILL) when dropped.
+struct PrivateRedis {
+    port: u16,
+    dir: Scratch,
+    child: Option<Child>,
+}
+
+impl PrivateRedis {
+    async fn start() -> PrivateRedis {
+        let mut redis = PrivateRedis {
+            port: free_port(),
+            dir: Scratch::new("redis"),
+            child: None,
+        };
+        redis.spawn().await;
+        redis
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server on its port and directory (replaying its AOF) and waits until
+    /// it answers PING.
+    async fn spawn(&mut self) {
+        let port = self.port.to_string();
+        // `STORE_FAULTS_REDIS_AOF=no` runs without persistence, to see what a restart
+        // then loses (the test fails: DESIGN §5 requires persistence for durability).
+        let aof = match std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() {
+            Ok("no") => "no",
+            _ => "yes",
+        };
+        let child = Command::new("redis-server")
+            .args(["--port", port.as_str(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(self.dir.path())
+            .args(["--appendonly", aof, "--appendfsync", "always", "--save", ""])
+            .args(["--maxmemory-policy", "noeviction", "--protected-mode", "no"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed?)");
+        self.child = Some(child);
+        wait_for_port(self.port, "redis-server").await;
+        let client = retrysafe_redis::redis::Client::open(self.url()).unwrap();
+        let started = Instant::now();
+        loop {
+            // PING fails with LOADING while the AOF is replayed.
+            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                let pong: Result<String, _> = retrysafe_redis::redis::cmd("PING")
+                    .query_async(&mut conn)
+                    .await;
+                if pong.is_ok() {
+                    return;
+                }
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "redis-server not ready"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// SIGKILL: no shutdown save; what the AOF has is what survives.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_under_load_fails_closed_and_recovers() {
+    let redis = tokio::sync::Mutex::new(PrivateRedis::start().await);
+    let url = redis.lock().await.url();
+    let space = Space::Redis(RedisSpace::at(&url).await);
+    let test = if std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() == Ok("no") {
+        "redis restarted (SIGKILL, NO persistence)"
+    } else {
+        "redis restarted (SIGKILL, AOF fsync always)"
+    };
+    outage_under_load(
+        test,
+        &space,
+        &url,
+        async || redis.lock().await.kill(),
+        async || redis.lock().await.spawn().await,
+    )
+    .await;
+}
+
+/// The uid and gid of user `postgres`, from /etc/passwd.
+fn postgres_ids() -> (u32, u32) {
+    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
+    let line = passwd
+        .lines()
+        .find(|l| l.starts_with("postgres:"))
+        .expect("a postgres user (initdb and pg_ctl run as it)");
+    let fields: Vec<&str> = line.split(':').collect();
+    (fields[2].parse().unwrap(), fields[3].parse().unwrap())
+}
+
+/// The directory of `initdb` and `pg_ctl`: `PG_BIN`, or the first of /usr/local/bin and
+/// /usr/lib/postgresql/*/bin that has them.
+fn pg_bin() -> PathBuf {
+    if let Some(dir) = std::env::var_os("PG_BIN") {
+        return PathBuf::from(dir);
+    }
+    let mut candidates = vec![PathBuf::from("/usr/local/bin")];
+    if let Ok(versions) = std::fs::read_dir("/usr/lib/postgresql") {
+        candidates.extend(versions.flatten().map(|v| v.path().join("bin")));
+    }
+    candidates
+        .into_iter()
+        .find(|d| d.join("pg_ctl").exists() && d.join("initdb").exists())
+        .expect("initdb and pg_ctl (set PG_BIN to their directory)")
+}
+
+/// A private PostgreSQL cluster (initdb into a temporary directory, as user
+/// `postgres`) on a port of its own; stopped and removed when dropped.
+struct PrivatePg {
+    port: u16,
+    dir: Scratch,
+    ids: (u32, u32),
+    bin: PathBuf,
+}
+
+impl PrivatePg {
+    async fn start() -> PrivatePg {
+        let dir = Scratch::new("pg");
+        let ids = postgres_ids();
+        std::os::unix::fs::chown(dir.path(), Some(ids.0), Some(ids.1)).unwrap();
+        let pg = PrivatePg {
+            port: free_port(),
+            dir,
+            ids,
+            bin: pg_bin(),
+        };
+        pg.run(
+            "initdb",
+            &[
+                "-D",
+                &pg.data(),
+                "-A",
+                "trust",
+                "-U",
+                "postgres",
+                "--no-sync",
+                "-E",
+                "UTF8",
+                "--locale=C",
+            ],
+        )
+        .await;
+        pg.start_server().await;
+        pg
+    }
+
+    fn data(&self) -> String {
+        self.dir.path().join("data").display().to_string()
+    }
+
+    fn url(&self) -> String {
+        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    /// Runs `program args` as user `postgres` in the cluster's directory, to success.
+    async fn run(&self, program: &str, args: &[&str]) {
+        let output = tokio::process::Command::new(self.bin.join(program))
+            .args(args)
+            .current_dir(self.dir.path())
+            .uid(self.ids.0)
+            .gid(self.ids.1)
+            .stdin(Stdio::null())
+            .output()
+            .await
+            .unwrap();
+        assert!(
+            output.status.success(),
+            "{program} {args:?}: {}\n{}",
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+
+    async fn start_server(&self) {
+        let options = format!(
+            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} \
+             -c max_connections=60 -c shared_buffers=16MB -c fsync=on",
+            self.port,
+            self.dir.path().display()
+        );
+        let log = self.dir.path().join("log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D",
+                &self.data(),
+                "-l",
+                &log,
+                "-w",
+                "-t",
+                "60",
+                "-o",
+                &options,
+                "start",
+            ],
+        )
+        .await;
+    }
+
+    /// `pg_ctl -m immediate stop`: every server process quits at once, without a
+    /// checkpoint; the next start runs crash recovery.
+    async fn stop_immediate(&self) {
+        self.run(
+            "pg_ctl",
+            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
+        )
+        .await;
+    }
+}
+
+impl Drop for PrivatePg {
+    fn drop(&mut self) {
+        let _ = Command::new(self.bin.join("pg_ctl"))
+            .args(["-D", &self.data(), "-m", "immediate", "-w", "stop"])
+            .current_dir(self.dir.path())
+            .uid(self.ids.0)
+            .gid(self.ids.1)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+    }
+}
+
+async fn postgres_restarted(plain: bool) {
+    let pg = PrivatePg::start().await;
+    let space = Space::Postgres(PgSpace::at(&pg.url()).await, plain);
+    let test = if plain {
+        "postgres plain restarted (pg_ctl -m immediate)"
+    } else {
+        "postgres tx restarted (pg_ctl -m immediate)"
+    };
+    outage_under_load(
+        test,
+        &space,
+        &pg.url(),
+        async || pg.stop_immediate().await,
+        async || pg.start_server().await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_tx_restarted_under_load_fails_closed_and_recovers() {
+    postgres_restarted(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_plain_restarted_under_load_fails_closed_and_recovers() {
+    postgres_restarted(true).await;
+}
