@@ -1,0 +1,948 @@
+//! Logical POSTs with generated keys through the client stack, a fault-injecting proxy
+//! and an axum server with an `IdempotencyLayer`, once per store: memory, Redis,
+//! PostgreSQL (`PostgresStore`) and PostgreSQL's transactional layer.
+//!
+//! Client stack, outermost first: `DeadlineLayer` (10 s per logical request) →
+//! `RetryLayer` (generated keys, 4 attempts, full-jitter backoff 5–200 ms, a ratio
+//! budget) → `RetryBudgetLayer` (the same budget) → `CircuitBreakerLayer` (defaults —
+//! time window 30 s, 50 % failures — but at least 100 calls, not 20) → a 1 s
+//! per-attempt timeout (answered as an `io::ErrorKind::TimedOut` error, which the
+//! classifier treats as an attempt timeout; under a `DeadlineLayer` the retry layer's
+//! own attempt timeout is the whole deadline, so this is what cuts a black-holed attempt
+//! short) → hyper-util's pooled client (keep-alive). Between client and server,
+//! [`fault_proxy`] picks a fault per request (`FaultMix::standard()`: 17.5 % of requests
+//! reset, cut, half-closed or black-holed, 10 % delayed). The handler also fails 1 % of
+//! calls with a transient 503 marked `NoEffect` (no effect; a retry runs again) and
+//! 0.3 % with a 500 after its effect (an `outcome_unknown` record with the plain stores;
+//! a rollback with the transactional layer).
+//!
+//! The handler counts effects per idempotency key (with the transactional layer: rows
+//! inserted in the request's transaction) and notes which keys each logical request
+//! (an id in the body) arrived with. Invariants: every logical request arrives with one
+//! key on all its attempts; no key has two effects; every logical request the client
+//! saw succeed has exactly one effect; succeeded ≤ effects ≤ logical requests; with the
+//! transactional layer, the keys with a committed record are exactly the keys with an
+//! effect. One JSON summary line per store is printed (`--nocapture` to see it).
+//!
+//! `FAULT_POSTS` (default 2000 per store in the normal suite; 10000 for the figures of
+//! RELIABILITY.md), `FAULT_SEED` (printed), `FAULT_CONCURRENCY` (default 64).
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::print_stdout,
+    clippy::cast_possible_truncation,
+    missing_docs,
+    unreachable_pub
+)]
+
+#[path = "fault_proxy/mod.rs"]
+mod fault_proxy;
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::SocketAddr;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response as AxumResponse};
+use axum::routing::post;
+use axum::{Extension, Json, Router};
+use bytes::Bytes;
+use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, ProxyStats, SplitMix64};
+use futures_util::StreamExt;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use retrysafe::breaker::ResponseBody;
+use retrysafe::core::backoff::{Backoff, Jitter};
+use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
+use retrysafe::core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe::core::idempotency::IdempotencyContext;
+use retrysafe::idempotency::{
+    EventKind, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, RecordId, Scope, Shutdown,
+};
+use retrysafe::wire::IdempotencyKey;
+use retrysafe::{
+    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
+    StandardRetryStrategy,
+};
+use retrysafe_postgres::PostgresStore;
+use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
+use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
+use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+use retrysafe_redis::RedisStore;
+use retrysafe_redis::redis::{self, aio::ConnectionManager};
+use serde::Deserialize;
+use serde_json::json;
+use tokio::net::TcpListener;
+use tokio::time::Instant;
+use tower::util::BoxCloneSyncService;
+use tower::{BoxError, ServiceBuilder, ServiceExt};
+
+type ResponseFuture = hyper_util::client::legacy::ResponseFuture;
+type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Incoming>>, BoxError>;
+
+/// Transient 503s marked `NoEffect`, per mille of handler calls.
+const TRANSIENT_PER_MILLE: u64 = 10;
+/// 500s after the effect (outcome unknown), per mille of handler calls.
+const FAIL_AFTER_EFFECT_PER_MILLE: u64 = 3;
+/// The per-attempt timeout below the breaker.
+const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The deadline of one logical request.
+const DEADLINE: Duration = Duration::from_secs(10);
+/// Padding in each request and response body, so a cut can land mid-body.
+const PAD: usize = 300;
+
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(default)
+}
+
+fn posts() -> u64 {
+    env_u64("FAULT_POSTS", 2000)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Memory,
+    Redis,
+    Postgres,
+    PostgresTx,
+}
+
+impl Mode {
+    fn name(self) -> &'static str {
+        match self {
+            Mode::Memory => "memory",
+            Mode::Redis => "redis",
+            Mode::Postgres => "postgres",
+            Mode::PostgresTx => "postgres_tx",
+        }
+    }
+
+    fn index(self) -> u64 {
+        match self {
+            Mode::Memory => 1,
+            Mode::Redis => 2,
+            Mode::Postgres => 3,
+            Mode::PostgresTx => 4,
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The server
+
+#[derive(Debug, Default)]
+struct Events {
+    claimed: AtomicU64,
+    replayed: AtomicU64,
+    conflict: AtomicU64,
+    mismatch: AtomicU64,
+    takeover: AtomicU64,
+    outcome_unknown: AtomicU64,
+    completion_lost: AtomicU64,
+    evicted: AtomicU64,
+    other: AtomicU64,
+    /// Calls of the reconcile hook (`on_outcome_unknown`).
+    reconcile: AtomicU64,
+}
+
+impl Events {
+    fn count(&self, event: &IdempotencyEvent) {
+        let c = match event.kind {
+            EventKind::Claimed => &self.claimed,
+            EventKind::Replayed => &self.replayed,
+            EventKind::Conflict => &self.conflict,
+            EventKind::Mismatch => &self.mismatch,
+            EventKind::Takeover => &self.takeover,
+            EventKind::OutcomeUnknown => &self.outcome_unknown,
+            EventKind::CompletionLost => &self.completion_lost,
+            EventKind::Evicted => &self.evicted,
+            _ => &self.other,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn json(&self) -> String {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        format!(
+            "{{\"claimed\":{},\"replayed\":{},\"conflict\":{},\"mismatch\":{},\"takeover\":{},\
+             \"outcome_unknown\":{},\"completion_lost\":{},\"evicted\":{},\"reconcile_hook\":{}}}",
+            g(&self.claimed),
+            g(&self.replayed),
+            g(&self.conflict),
+            g(&self.mismatch),
+            g(&self.takeover),
+            g(&self.outcome_unknown),
+            g(&self.completion_lost),
+            g(&self.evicted),
+            g(&self.reconcile),
+        )
+    }
+}
+
+#[derive(Debug)]
+struct AppState {
+    /// Key → effects (not used with the transactional layer: rows count there).
+    effects: Mutex<HashMap<String, u32>>,
+    /// Logical request id → the keys it arrived with.
+    seen: Mutex<HashMap<u64, HashSet<String>>>,
+    rng: Mutex<SplitMix64>,
+    /// `schema.effects` with the transactional layer.
+    effects_table: Option<String>,
+    transient: AtomicU64,
+    fail_after_effect: AtomicU64,
+    handler_calls: AtomicU64,
+}
+
+#[derive(Debug, Deserialize)]
+struct Pay {
+    id: u64,
+    #[allow(dead_code, reason = "padding: only its size matters")]
+    pad: String,
+}
+
+fn problem(status: StatusCode, slug: &str) -> AxumResponse {
+    let body = json!({
+        "type": format!("urn:retrysafe-test:faults:{slug}"),
+        "title": slug,
+        "status": status.as_u16(),
+    });
+    (
+        status,
+        [("content-type", "application/problem+json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
+async fn pay(
+    State(st): State<Arc<AppState>>,
+    ctx: Option<Extension<IdempotencyContext>>,
+    tx: Option<IdempotentTx>,
+    Json(p): Json<Pay>,
+) -> AxumResponse {
+    st.handler_calls.fetch_add(1, Ordering::Relaxed);
+    let Some(Extension(ctx)) = ctx else {
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "not-guarded");
+    };
+    let key = ctx.key().as_str().to_owned();
+    st.seen
+        .lock()
+        .unwrap()
+        .entry(p.id)
+        .or_default()
+        .insert(key.clone());
+    let roll = st.rng.lock().unwrap().below(1000);
+    if roll < TRANSIENT_PER_MILLE {
+        st.transient.fetch_add(1, Ordering::Relaxed);
+        let mut res = problem(StatusCode::SERVICE_UNAVAILABLE, "transient");
+        res.extensions_mut().insert(NoEffect);
+        return res;
+    }
+    if ctx.commit_point().await.is_err() {
+        let mut res = problem(StatusCode::SERVICE_UNAVAILABLE, "commit-point-failed");
+        res.extensions_mut().insert(NoEffect);
+        return res;
+    }
+    match (tx, &st.effects_table) {
+        (Some(mut tx), Some(table)) => {
+            let insert = format!("INSERT INTO {table} (key, logical) VALUES ($1, $2)");
+            let done = sqlx::query(&insert)
+                .bind(&key)
+                .bind(p.id as i64)
+                .execute(&mut *tx)
+                .await;
+            if done.is_err() {
+                // Rolled back with the key: nothing happened.
+                return problem(StatusCode::SERVICE_UNAVAILABLE, "effect-failed");
+            }
+        }
+        _ => *st.effects.lock().unwrap().entry(key.clone()).or_default() += 1,
+    }
+    if roll < TRANSIENT_PER_MILLE + FAIL_AFTER_EFFECT_PER_MILLE {
+        st.fail_after_effect.fetch_add(1, Ordering::Relaxed);
+        return problem(StatusCode::INTERNAL_SERVER_ERROR, "failed-after-effect");
+    }
+    let body = json!({ "id": p.id, "key": key, "pad": "r".repeat(PAD) });
+    (StatusCode::CREATED, Json(body)).into_response()
+}
+
+/// What a store's server needs cleaning up and reading back.
+enum Backing {
+    Memory,
+    Redis {
+        conn: ConnectionManager,
+        prefix: String,
+    },
+    Postgres {
+        store: PostgresStore,
+        schema: String,
+    },
+}
+
+struct ServerSide {
+    addr: SocketAddr,
+    state: Arc<AppState>,
+    events: Arc<Events>,
+    shutdown: Shutdown,
+    backing: Backing,
+}
+
+fn unique() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let rand = retrysafe::core::idempotency::Token::random().to_hex();
+    format!("{secs}_{}", &rand[..12])
+}
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
+fn redis_url() -> String {
+    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
+}
+
+async fn start_server(mode: Mode, seed: u64) -> ServerSide {
+    let events = Arc::new(Events::default());
+    let ev = Arc::clone(&events);
+    let on_event = move |e: &IdempotencyEvent| ev.count(e);
+    let ev = Arc::clone(&events);
+    let on_unknown = move |_: &retrysafe::idempotency::UnknownOutcome| {
+        ev.reconcile.fetch_add(1, Ordering::Relaxed);
+    };
+    let mut effects_table = None;
+
+    let (backing, layer) = match mode {
+        Mode::Memory => (
+            Backing::Memory,
+            Some(IdempotencyLayer::new(MemoryStore::new())),
+        ),
+        Mode::Redis => {
+            let url = redis_url();
+            let client = redis::Client::open(url.as_str()).unwrap();
+            let conn =
+                tokio::time::timeout(Duration::from_secs(10), ConnectionManager::new(client))
+                    .await
+                    .unwrap_or_else(|_| panic!("timed out connecting to Redis at {url}"))
+                    .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={url}: {e}"));
+            let prefix = format!("faults-test:{}:", unique());
+            let store = RedisStore::builder(conn.clone())
+                .key_prefix(prefix.clone())
+                .call_timeout(Duration::from_secs(2))
+                .build()
+                .unwrap();
+            (
+                Backing::Redis { conn, prefix },
+                Some(IdempotencyLayer::new(store)),
+            )
+        }
+        Mode::Postgres | Mode::PostgresTx => {
+            let schema = format!("faults_test_{}", unique());
+            let store = PostgresStore::builder()
+                .schema(schema.clone())
+                .max_connections(16)
+                .call_timeout(Duration::from_secs(2))
+                .connect(&database_url())
+                .await
+                .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}", database_url()));
+            store.migrate().await.unwrap();
+            // Open the pool's connections before the load starts.
+            let pings = (0..16).map(|_| sqlx::query("SELECT 1").execute(store.pool()));
+            for ping in futures_util::future::join_all(pings).await {
+                ping.unwrap();
+            }
+            let layer = if mode == Mode::Postgres {
+                Some(IdempotencyLayer::new(store.clone()))
+            } else {
+                let table = format!("{schema}.effects");
+                sqlx::raw_sql(&format!(
+                    "CREATE TABLE {table} (id bigserial PRIMARY KEY, key text NOT NULL, \
+                     logical bigint NOT NULL)"
+                ))
+                .execute(store.pool())
+                .await
+                .unwrap();
+                effects_table = Some(table);
+                None
+            };
+            (Backing::Postgres { store, schema }, layer)
+        }
+    };
+
+    let state = Arc::new(AppState {
+        effects: Mutex::new(HashMap::new()),
+        seen: Mutex::new(HashMap::new()),
+        rng: Mutex::new(SplitMix64::new(seed ^ 0x5E4E)),
+        effects_table,
+        transient: AtomicU64::new(0),
+        fail_after_effect: AtomicU64::new(0),
+        handler_calls: AtomicU64::new(0),
+    });
+    let routes = Router::new()
+        .route("/pay", post(pay))
+        .with_state(Arc::clone(&state));
+    let in_flight_hint = Duration::from_millis(200);
+    let (router, shutdown) = match layer {
+        Some(layer) => {
+            let layer = layer
+                .global_scope()
+                .require_key()
+                .handlers_declare_commit_point()
+                .in_flight_retry_after(in_flight_hint)
+                .retention(Duration::from_secs(600))
+                .unwrap()
+                .on_event(on_event)
+                .on_outcome_unknown(on_unknown);
+            let shutdown = layer.shutdown_handle();
+            (routes.layer(layer), shutdown)
+        }
+        None => {
+            let Backing::Postgres { store, .. } = &backing else {
+                unreachable!()
+            };
+            let layer = TxIdempotencyLayer::with_backend(TxBackend::from_store(store))
+                .global_scope()
+                .require_key()
+                .in_flight_retry_after(in_flight_hint)
+                .retention(Duration::from_secs(600))
+                .unwrap()
+                .on_event(on_event);
+            let shutdown = layer.shutdown_handle();
+            (routes.layer(layer), shutdown)
+        }
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    ServerSide {
+        addr,
+        state,
+        events,
+        shutdown,
+        backing,
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// The client
+
+#[derive(Debug, Default)]
+struct ClientCounts {
+    attempts: AtomicU64,
+    retries: AtomicU64,
+    breaker_opened: AtomicU64,
+    give_ups: Mutex<BTreeMap<String, u64>>,
+}
+
+fn client_stack(target: SocketAddr, seed: u64, counts: &Arc<ClientCounts>) -> Stack {
+    let _ = target;
+    let backoff = Backoff::new(
+        Duration::from_millis(5),
+        Duration::from_millis(200),
+        Jitter::Full,
+    )
+    .unwrap();
+    let budget = RetryBudget::ratio();
+    let strategy = StandardRetryStrategy::new()
+        .max_attempts(4)
+        .unwrap()
+        .backoff(backoff)
+        .budget(budget.clone())
+        .seed(seed);
+    // The defaults (time window 30 s, 50 % failures), but at least 100 calls before
+    // the rate counts: with 20 (the default), a cold start on a loaded machine (a burst
+    // of attempt timeouts while pools connect) opened it once, and a driver that does
+    // not pace then had every remaining request refused at once.
+    let mut config = BreakerConfig::default();
+    config.minimum_calls = 100;
+    let c = Arc::clone(counts);
+    config.on_state_change = Some(Arc::new(move |change| {
+        if change.to == BreakerState::Open {
+            c.breaker_opened.fetch_add(1, Ordering::Relaxed);
+        }
+    }));
+    let breaker = CircuitBreaker::new(config).unwrap();
+    let (on_retry, on_give_up, counted) =
+        (Arc::clone(counts), Arc::clone(counts), Arc::clone(counts));
+    let http = Client::builder(TokioExecutor::new()).build_http();
+    let svc = ServiceBuilder::new()
+        .layer(DeadlineLayer::new(DEADLINE).unwrap())
+        .layer(
+            RetryLayer::new()
+                .generate_idempotency_keys()
+                .strategy(strategy)
+                .on_retry(move |_| {
+                    on_retry.retries.fetch_add(1, Ordering::Relaxed);
+                })
+                .on_give_up(move |e| {
+                    *on_give_up
+                        .give_ups
+                        .lock()
+                        .unwrap()
+                        .entry(format!("{:?}", e.reason))
+                        .or_default() += 1;
+                }),
+        )
+        .layer(RetryBudgetLayer::new(budget))
+        .layer(CircuitBreakerLayer::new(breaker))
+        .map_future(|fut: ResponseFuture| async move {
+            match tokio::time::timeout(ATTEMPT_TIMEOUT, fut).await {
+                Ok(r) => r.map_err(BoxError::from),
+                Err(_) => Err(BoxError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    "attempt timed out",
+                ))),
+            }
+        })
+        .map_request(move |r| {
+            counted.attempts.fetch_add(1, Ordering::Relaxed);
+            r
+        })
+        .service(http);
+    BoxCloneSyncService::new(svc)
+}
+
+/// How one logical request ended, as the client saw it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+enum Outcome {
+    Succeeded { key: String },
+    Status(u16),
+    BodyError,
+    Error(&'static str),
+    Stuck,
+}
+
+impl Outcome {
+    fn label(&self) -> String {
+        match self {
+            Outcome::Succeeded { .. } => "succeeded".to_owned(),
+            Outcome::Status(s) => format!("status_{s}"),
+            Outcome::BodyError => "body_error".to_owned(),
+            Outcome::Error(e) => format!("error_{e}"),
+            Outcome::Stuck => "stuck".to_owned(),
+        }
+    }
+}
+
+fn error_kind(e: &BoxError) -> &'static str {
+    if find::<CircuitOpen>(&**e).is_some() {
+        return "circuit_open";
+    }
+    if find::<BudgetExhausted>(&**e).is_some() {
+        return "budget_exhausted";
+    }
+    if find::<DeadlineExceeded>(&**e).is_some() {
+        return "deadline_exceeded";
+    }
+    match retrysafe::retry::failure_of(&**e) {
+        retrysafe::core::classify::Failure::ConnectFailed => "connect_failed",
+        retrysafe::core::classify::Failure::NoResponse => "no_response",
+        retrysafe::core::classify::Failure::Timeout => "timeout",
+        _ => "other",
+    }
+}
+
+async fn logical(stack: Stack, base: String, id: u64) -> Outcome {
+    let body = json!({ "id": id, "pad": "q".repeat(PAD) }).to_string();
+    let request = Request::post(format!("{base}/pay"))
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .unwrap();
+    let call = async {
+        let response = match stack.oneshot(request).await {
+            Ok(r) => r,
+            Err(e) => return Outcome::Error(error_kind(&e)),
+        };
+        let status = response.status();
+        let Ok(body) = response.into_body().collect().await.map(|b| b.to_bytes()) else {
+            return Outcome::BodyError;
+        };
+        if status != StatusCode::CREATED {
+            return Outcome::Status(status.as_u16());
+        }
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["id"], id, "a 201 for another logical request: {v}");
+        Outcome::Succeeded {
+            key: v["key"].as_str().unwrap().to_owned(),
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), call)
+        .await
+        .unwrap_or(Outcome::Stuck)
+}
+
+// ---------------------------------------------------------------------------------
+// The run
+
+/// Effects per key as the backend holds them.
+async fn effects_of(server: &ServerSide) -> HashMap<String, u32> {
+    match (&server.backing, &server.state.effects_table) {
+        (Backing::Postgres { store, .. }, Some(table)) => {
+            let rows: Vec<(String, i64)> =
+                sqlx::query_as(&format!("SELECT key, count(*) FROM {table} GROUP BY key"))
+                    .fetch_all(store.pool())
+                    .await
+                    .unwrap();
+            rows.into_iter().map(|(k, n)| (k, n as u32)).collect()
+        }
+        _ => server.state.effects.lock().unwrap().clone(),
+    }
+}
+
+/// Record ids of the committed key rows (PostgreSQL).
+async fn committed_records(store: &PostgresStore) -> HashSet<Vec<u8>> {
+    let rows: Vec<Vec<u8>> = sqlx::query_scalar(&format!("SELECT k FROM {}", store.table()))
+        .fetch_all(store.pool())
+        .await
+        .unwrap();
+    rows.into_iter().collect()
+}
+
+async fn cleanup(backing: &Backing) {
+    match backing {
+        Backing::Memory => {}
+        Backing::Redis { conn, prefix } => {
+            let mut conn = conn.clone();
+            let keys: Vec<String> = redis::cmd("KEYS")
+                .arg(format!("{prefix}*"))
+                .query_async(&mut conn)
+                .await
+                .unwrap_or_default();
+            for batch in keys.chunks(1000) {
+                let _: redis::RedisResult<i64> =
+                    redis::cmd("DEL").arg(batch).query_async(&mut conn).await;
+            }
+        }
+        Backing::Postgres { store, schema } => {
+            store.pool().close().await;
+            let options = PgConnectOptions::from_str(&database_url()).unwrap();
+            if let Ok(mut conn) = PgConnection::connect_with(&options).await {
+                let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
+                    .execute(&mut conn)
+                    .await;
+                let _ = conn.close().await;
+            }
+        }
+    }
+}
+
+async fn run(mode: Mode) {
+    let started = Instant::now();
+    let n = posts();
+    let concurrency = env_u64("FAULT_CONCURRENCY", 64) as usize;
+    let run_seed = fault_proxy::seed_from_env("FAULT_SEED");
+    let seed = run_seed ^ mode.index();
+    let server = start_server(mode, seed).await;
+    let mut config = ProxyConfig::new(FaultMix::standard(), seed);
+    config.black_hole_hold = Duration::from_secs(20);
+    let proxy = FaultProxy::start(server.addr, config).await.unwrap();
+    let counts = Arc::new(ClientCounts::default());
+    let stack = client_stack(proxy.addr, seed, &counts);
+    let base = format!("http://{}", proxy.addr);
+
+    let outcomes: Vec<(u64, Outcome)> = futures_util::stream::iter(0..n)
+        .map(|id| {
+            let (stack, base) = (stack.clone(), base.clone());
+            async move { (id, logical(stack, base, id).await) }
+        })
+        .buffer_unordered(concurrency)
+        .collect()
+        .await;
+
+    // Requests already forwarded by the proxy may still be on their way to a handler;
+    // then wait for every guarded call the server spawned.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    tokio::time::timeout(Duration::from_secs(60), server.shutdown.clone().drain())
+        .await
+        .expect("the server's guarded calls did not finish");
+    let stats: ProxyStats = proxy.stats();
+    let effects = effects_of(&server).await;
+    let committed = match (&server.backing, mode) {
+        (Backing::Postgres { store, .. }, Mode::PostgresTx) => Some(committed_records(store).await),
+        _ => None,
+    };
+    cleanup(&server.backing).await;
+
+    // ----- invariants (checked after the summary is printed)
+    let mut violations: Vec<String> = Vec::new();
+    let seen = server.state.seen.lock().unwrap().clone();
+    for (id, keys) in &seen {
+        if keys.len() != 1 {
+            violations.push(format!("logical request {id} arrived with keys {keys:?}"));
+        }
+    }
+    let key_of = |id: u64| seen.get(&id).and_then(|k| k.iter().next().cloned());
+    let duplicates: Vec<(&String, &u32)> = effects.iter().filter(|(_, n)| **n > 1).collect();
+    if !duplicates.is_empty() {
+        violations.push(format!("keys with two effects or more: {duplicates:?}"));
+    }
+    let effects_total: u64 = effects.values().map(|n| u64::from(*n)).sum();
+    let mut by_outcome: BTreeMap<String, u64> = BTreeMap::new();
+    let mut succeeded = 0u64;
+    for (id, outcome) in &outcomes {
+        *by_outcome.entry(outcome.label()).or_default() += 1;
+        if let Outcome::Succeeded { key } = outcome {
+            succeeded += 1;
+            if key_of(*id).as_deref() != Some(key.as_str()) {
+                violations.push(format!(
+                    "logical request {id} succeeded with key {key}, which the server did not \
+                     see for it"
+                ));
+            }
+            if effects.get(key).copied() != Some(1) {
+                violations.push(format!(
+                    "logical request {id} succeeded but its key {key} has {:?} effects",
+                    effects.get(key)
+                ));
+            }
+        }
+    }
+    if !(succeeded <= effects_total && effects_total <= n) {
+        violations.push(format!(
+            "succeeded {succeeded} <= effects {effects_total} <= logical {n} does not hold"
+        ));
+    }
+    if let Some(committed) = &committed {
+        let with_effect: HashSet<Vec<u8>> = effects
+            .keys()
+            .map(|k| {
+                RecordId::new(&Scope::global(), &IdempotencyKey::new(k).unwrap())
+                    .as_bytes()
+                    .to_vec()
+            })
+            .collect();
+        if committed != &with_effect {
+            violations.push(format!(
+                "transactional mode: {} committed key rows, {} keys with an effect, {} in both",
+                committed.len(),
+                with_effect.len(),
+                committed.intersection(&with_effect).count()
+            ));
+        }
+    }
+    if by_outcome.contains_key("stuck") {
+        violations.push("logical requests stuck past 60 s".to_owned());
+    }
+    if stats.unframed != 0 {
+        violations.push(format!(
+            "the proxy could not frame {} connections",
+            stats.unframed
+        ));
+    }
+
+    // ----- the summary
+    let attempts = counts.attempts.load(Ordering::Relaxed);
+    let retries = counts.retries.load(Ordering::Relaxed);
+    let st = &server.state;
+    let outcomes_json: Vec<String> = by_outcome
+        .iter()
+        .map(|(k, v)| format!("\"{k}\":{v}"))
+        .collect();
+    let give_ups: Vec<String> = counts
+        .give_ups
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(k, v)| format!("\"{k}\":{v}"))
+        .collect();
+    println!(
+        "{{\"store\":\"{}\",\"seed\":{run_seed},\"logical\":{n},\"succeeded\":{succeeded},\
+         \"success_rate\":{:.4},\"effects\":{effects_total},\"duplicates\":0,\
+         \"attempts\":{attempts},\"retries\":{retries},\"outcomes\":{{{}}},\
+         \"give_ups\":{{{}}},\"breaker_opened\":{},\"server\":{{\"handler_calls\":{},\
+         \"transient_503\":{},\"fail_after_effect_500\":{},\"events\":{}}},\
+         \"proxy\":{{\"connections\":{},\"requests\":{},\"faults\":{}}},\"secs\":{:.1}}}",
+        mode.name(),
+        succeeded as f64 / n as f64,
+        outcomes_json.join(","),
+        give_ups.join(","),
+        counts.breaker_opened.load(Ordering::Relaxed),
+        st.handler_calls.load(Ordering::Relaxed),
+        st.transient.load(Ordering::Relaxed),
+        st.fail_after_effect.load(Ordering::Relaxed),
+        server.events.json(),
+        stats.connections,
+        stats.requests,
+        stats.faults_json(),
+        started.elapsed().as_secs_f64(),
+    );
+    violations.truncate(20);
+    assert!(
+        violations.is_empty(),
+        "{} ({}): {violations:#?}",
+        mode.name(),
+        run_seed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_memory_store() {
+    run(Mode::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_redis_store() {
+    run(Mode::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_postgres_store() {
+    run(Mode::Postgres).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_postgres_transactional() {
+    run(Mode::PostgresTx).await;
+}
+
+/// What one request through a proxy with a single fault looks like from both ends.
+#[derive(Debug, PartialEq, Eq)]
+enum Seen {
+    /// A full 200 with the body.
+    Answered,
+    /// An error before the response head.
+    NoResponse,
+    /// The head arrived, the body failed.
+    BodyCut,
+    /// Nothing within the client's patience.
+    TimedOut,
+}
+
+async fn one_request(proxy: SocketAddr, patience: Duration) -> Seen {
+    let http = Client::builder(TokioExecutor::new())
+        .pool_max_idle_per_host(0)
+        .build_http::<Full<Bytes>>();
+    let request = Request::post(format!("http://{proxy}/hit"))
+        .body(Full::new(Bytes::from_static(b"ping")))
+        .unwrap();
+    let call = async {
+        let Ok(response) = http.request(request).await else {
+            return Seen::NoResponse;
+        };
+        match response.into_body().collect().await.map(|b| b.to_bytes()) {
+            Ok(body) if body.len() == 2000 => Seen::Answered,
+            _ => Seen::BodyCut,
+        }
+    };
+    tokio::time::timeout(patience, call)
+        .await
+        .unwrap_or(Seen::TimedOut)
+}
+
+/// Each fault of the proxy alone, against a server that counts the requests it
+/// finished: what the client sees, and whether the server answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_fault_behaves_as_documented() {
+    use fault_proxy::Fault;
+
+    let hits = Arc::new(AtomicU64::new(0));
+    let h = Arc::clone(&hits);
+    let app = Router::new().route(
+        "/hit",
+        post(move || {
+            let h = Arc::clone(&h);
+            async move {
+                h.fetch_add(1, Ordering::SeqCst);
+                "x".repeat(2000)
+            }
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let server = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+
+    for fault in Fault::ALL {
+        let mut config = ProxyConfig::new(FaultMix::none_but(fault, 1), 7);
+        config.black_hole_hold = Duration::from_secs(2);
+        let proxy = FaultProxy::start(server, config).await.unwrap();
+        let before = hits.load(Ordering::SeqCst);
+        let mut seen = Vec::new();
+        // A black hole never answers: wait a little. Anything else answers or fails
+        // long before 10 s.
+        let patience = if fault == Fault::BlackHole {
+            Duration::from_millis(300)
+        } else {
+            Duration::from_secs(10)
+        };
+        for _ in 0..5 {
+            seen.push(one_request(proxy.addr, patience).await);
+        }
+        // Let a server that got the requests finish them (the client may have seen its
+        // connection fail before the handler ran).
+        let expect_all = !matches!(
+            fault,
+            Fault::ResetBeforeRequest
+                | Fault::BlackHole
+                | Fault::ResetAfterRequest
+                | Fault::HalfCloseServer
+        );
+        for _ in 0..200 {
+            if !expect_all || hits.load(Ordering::SeqCst) - before >= 5 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let answered = hits.load(Ordering::SeqCst) - before;
+        let stats = proxy.stats();
+        assert_eq!(stats.count(fault), 5, "{fault:?}: {stats:?}");
+        assert_eq!(stats.unframed, 0, "{fault:?}");
+        let all = |s: Seen| seen.iter().all(|x| *x == s);
+        match fault {
+            Fault::Pass | Fault::Delay => {
+                assert!(all(Seen::Answered), "{fault:?}: {seen:?}");
+                assert_eq!(answered, 5, "{fault:?}");
+            }
+            Fault::ResetBeforeRequest => {
+                assert!(all(Seen::NoResponse), "{fault:?}: {seen:?}");
+                assert_eq!(answered, 0, "{fault:?}");
+            }
+            Fault::BlackHole => {
+                assert!(all(Seen::TimedOut), "{fault:?}: {seen:?}");
+                assert_eq!(answered, 0, "{fault:?}");
+            }
+            Fault::LoseResponse | Fault::HalfCloseClient => {
+                assert!(all(Seen::NoResponse), "{fault:?}: {seen:?}");
+                assert_eq!(answered, 5, "{fault:?}: the server answered every request");
+            }
+            Fault::CutMidBody => {
+                assert!(
+                    seen.iter()
+                        .all(|s| matches!(s, Seen::NoResponse | Seen::BodyCut)),
+                    "{fault:?}: {seen:?}"
+                );
+                assert_eq!(answered, 5, "{fault:?}");
+            }
+            Fault::ResetAfterRequest => {
+                // The server got the whole request; whether it ran depends on how fast
+                // it noticed the closed connection.
+                assert!(all(Seen::NoResponse), "{fault:?}: {seen:?}");
+            }
+            Fault::HalfCloseServer => {
+                // hyper's server answers a request whose connection was half-closed
+                // after it, or drops it: either is what a real peer may see.
+                assert!(
+                    seen.iter()
+                        .all(|s| matches!(s, Seen::Answered | Seen::NoResponse)),
+                    "{fault:?}: {seen:?}"
+                );
+            }
+        }
+        println!(
+            "{}: client {seen:?}, server answered {answered}",
+            fault.name()
+        );
+    }
+}
