@@ -39,8 +39,13 @@ pub mod retry;
 pub mod store;
 pub mod strategy;
 pub mod stripe;
+mod sync;
 pub mod wire;
 
 pub use config::ConfigError;
 pub use context::{CallContext, Scoped};
 pub use deadline::Deadline;
+/// The clock of the loom models (`tests/loom_*.rs`); only under `--cfg loom`.
+#[cfg(loom)]
+#[doc(hidden)]
+pub use sync::loom_clock;

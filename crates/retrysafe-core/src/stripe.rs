@@ -10,11 +10,11 @@ use std::fmt;
 use std::num::NonZeroU64;
 use std::ops::Deref;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::atomic::{AtomicU64, AtomicUsize};
-use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use tokio::time::Instant;
+
+use crate::sync::{Arc, AtomicU64, AtomicUsize, now};
 
 /// Aligns (and so pads) its content to 128 bytes: two 64-byte cache lines, because
 /// adjacent-line prefetchers on x86 pull lines in pairs. Two values in different
@@ -25,15 +25,32 @@ pub(crate) struct CachePadded<T>(pub(crate) T);
 
 /// The next stripe index to hand out to a thread that touches a striped counter for
 /// the first time.
+#[cfg(not(loom))]
 static NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+
+#[cfg(loom)]
+loom::lazy_static! {
+    /// The next stripe index to hand out (a loom object: each execution starts from 0,
+    /// and the order in which threads take their indices is part of the model).
+    static ref NEXT_STRIPE: AtomicUsize = AtomicUsize::new(0);
+}
 
 /// Marks a thread that has no stripe index yet.
 const UNASSIGNED: usize = usize::MAX;
 
-thread_local! {
+#[cfg(not(loom))]
+std::thread_local! {
     /// This thread's stripe index, assigned round-robin on first use. Const-initialised
     /// and without a destructor, so reading it is one thread-local load.
     static STRIPE: Cell<usize> = const { Cell::new(UNASSIGNED) };
+}
+
+// Loom's `thread_local!` (one per model thread, fresh in every execution) takes no
+// `const` initialiser.
+#[cfg(loom)]
+loom::thread_local! {
+    /// This thread's stripe index, assigned round-robin on first use.
+    static STRIPE: Cell<usize> = Cell::new(UNASSIGNED);
 }
 
 /// This thread's stripe index (any `usize`; callers reduce it modulo their stripe
@@ -58,12 +75,20 @@ pub(crate) fn thread_stripe() -> usize {
 /// unlikely to share one even though indices are handed out to every thread (runtime
 /// workers, blocking threads) that touches a counter; the cap bounds what a read of
 /// every stripe costs and the memory of a counter (64 × 128 bytes for a budget).
+#[cfg(not(loom))]
 pub(crate) fn stripe_count() -> usize {
+    use std::sync::OnceLock;
     static COUNT: OnceLock<usize> = OnceLock::new();
     *COUNT.get_or_init(|| {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         cores.saturating_mul(4).next_power_of_two().clamp(8, 64)
     })
+}
+
+/// Under loom: [`LOOM_STRIPES`](crate::sync::LOOM_STRIPES).
+#[cfg(loom)]
+pub(crate) fn stripe_count() -> usize {
+    crate::sync::LOOM_STRIPES
 }
 
 /// A shared, immutable value whose per-call references do not contend.
@@ -228,7 +253,7 @@ impl EpochClock {
     /// to the nanosecond, and at least 1 ns wide).
     pub(crate) fn new(span: Duration, buckets: NonZeroU64) -> Self {
         EpochClock {
-            start: Instant::now(),
+            start: now(),
             width_nanos: NonZeroU64::new(nanos(span) / buckets).unwrap_or(NonZeroU64::MIN),
             hint: AtomicU64::new(0),
         }
@@ -241,7 +266,7 @@ impl EpochClock {
 
     /// The current epoch: bucket widths elapsed since the clock was created.
     pub(crate) fn epoch(&self) -> u64 {
-        let elapsed = nanos(Instant::now().saturating_duration_since(self.start));
+        let elapsed = nanos(now().saturating_duration_since(self.start));
         // Usually the clock is still in the bucket of the last epoch computed: checking
         // that takes a multiplication, where computing the epoch takes a division.
         let hint = self.hint.load(Relaxed);
@@ -259,7 +284,8 @@ impl EpochClock {
     }
 }
 
-#[cfg(test)]
+// The unit tests use std threads and a tokio runtime, which loom atomics refuse.
+#[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
 

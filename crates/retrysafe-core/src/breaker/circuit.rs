@@ -1,9 +1,8 @@
 //! The breaker handle, its permits and its state machine.
 
 use std::fmt;
-use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
-use std::sync::atomic::{AtomicBool, AtomicU64};
-use std::sync::{Mutex, PoisonError};
+use std::sync::PoisonError;
+use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, SeqCst};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -16,6 +15,7 @@ use super::config::BreakerConfig;
 use super::state::{State, StateChange, Word};
 use super::window::{Call, Window, WindowCounts};
 use crate::stripe::{CachePadded, Local, Striped, nanos};
+use crate::sync::{AtomicBool, AtomicU64, Mutex, fence, now};
 
 /// Fixed-point scale of the rate thresholds: percent × 10 000, so 100 % is one million.
 const RATE_SCALE: u128 = 1_000_000;
@@ -311,7 +311,7 @@ impl Shared {
                 state: AtomicU64::new(Word::INITIAL.0),
                 suspect: AtomicBool::new(false),
             }),
-            start: Instant::now(),
+            start: now(),
             open_until: AtomicU64::new(0),
             last_probe_at: AtomicU64::new(0),
             transitions: Mutex::new(0),
@@ -329,7 +329,7 @@ impl Shared {
 
     /// Nanoseconds since `start`.
     fn now(&self) -> u64 {
-        nanos(Instant::now().saturating_duration_since(self.start))
+        nanos(now().saturating_duration_since(self.start))
     }
 
     /// Whether a call that took `elapsed` is slow.
@@ -355,6 +355,11 @@ impl Shared {
             slow: self.is_slow(elapsed),
         };
         self.window.record(call);
+        // Orders the record before the reads that follow (the window's other stripes,
+        // the suspect flag) against the other recording threads': of two calls recorded
+        // at once, the second to read sees the first (otherwise, on weakly ordered CPUs,
+        // each may read the window without the other's call).
+        fence(SeqCst);
         if call.failure || call.slow || self.hot.0.suspect.load(Relaxed) {
             self.evaluate(word);
         }
@@ -378,6 +383,12 @@ impl Shared {
         let suspect = failing;
         if self.hot.0.suspect.load(Relaxed) != suspect {
             self.hot.0.suspect.store(suspect, Relaxed);
+            if suspect {
+                // A success recorded since the window was read may have checked the flag
+                // before this store: read the window once more, after the store.
+                fence(SeqCst);
+                self.evaluate(word);
+            }
         }
     }
 
@@ -448,7 +459,7 @@ impl Shared {
             if from.is_some_and(|from| from.phase() != current.phase()) {
                 return; // another caller made this change (or another) first
             }
-            let at = Instant::now();
+            let at = now();
             let now = nanos(at.saturating_duration_since(self.start));
             match to {
                 State::Open => {

@@ -6,11 +6,11 @@
 //! line read-only and do not contend.
 
 use std::fmt;
-use std::sync::atomic::AtomicU32;
 use std::sync::atomic::Ordering::Relaxed;
 
 use super::{BudgetSnapshot, RetryCost, TokenBucketConfig};
 use crate::stripe::CachePadded;
+use crate::sync::AtomicU32;
 
 /// A token bucket's state.
 pub(super) struct TokenBucket {

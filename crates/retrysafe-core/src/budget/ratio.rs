@@ -27,11 +27,11 @@
 
 use std::fmt;
 use std::num::NonZeroU64;
-use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 
 use super::{BudgetSnapshot, RatioConfig};
 use crate::stripe::{CachePadded, EpochClock, nanos, stripe_count, thread_stripe};
+use crate::sync::AtomicU64;
 
 /// Buckets per window.
 const BUCKETS: usize = 10;
