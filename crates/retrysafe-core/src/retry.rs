@@ -548,8 +548,9 @@ impl RetryCall {
 
     /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
     /// `retry-attempt` (and `grpc-previous-rpc-attempts`) and, when the token is
-    /// budgeted, the [`RetryCharged`] extension; with a deadline, the time left as
-    /// `request-timeout-ms` (or `grpc-timeout`), rounded down.
+    /// budgeted, the [`RetryCharged`] extension; with a deadline, the time left (or the
+    /// strategy's attempt bound under a deadline, if shorter) as `request-timeout-ms`
+    /// (or `grpc-timeout`), rounded down.
     pub fn prepare_attempt(
         &self,
         headers: &mut HeaderMap,
@@ -585,7 +586,9 @@ impl RetryCall {
                 extensions.insert(RetryCharged { attempt, budget });
             }
         }
-        if let Some(left) = left {
+        // An attempt bounded more tightly than the deadline says so downstream.
+        let cap = self.policy.strategy.attempt_timeout_under_deadline();
+        if let Some(left) = left.map(|l| cap.map_or(l, |c| l.min(c))) {
             if self.facts.grpc {
                 headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
             } else {
@@ -607,11 +610,13 @@ impl RetryCall {
         Some(*self.started.get_or_insert_with(Instant::now) + overall)
     }
 
-    /// When the current attempt must end: the deadline, or the strategy's default
-    /// attempt timeout from now, bounded by the overall one.
+    /// When the current attempt must end: the deadline (or sooner, by the strategy's
+    /// [attempt bound under a deadline](crate::strategy::RetryStrategy::attempt_timeout_under_deadline)),
+    /// or the strategy's default attempt timeout from now, bounded by the overall one.
     pub fn attempt_until(&mut self) -> Option<Instant> {
         if let Some(d) = self.deadline {
-            return Some(d.instant());
+            let cap = self.policy.strategy.attempt_timeout_under_deadline();
+            return Some(cap.map_or(d.instant(), |c| d.instant().min(Instant::now() + c)));
         }
         let attempt = self
             .policy

@@ -153,6 +153,14 @@ pub trait RetryStrategy: fmt::Debug + Send + Sync + 'static {
 
     /// The timeouts used when a request carries no deadline: `(per attempt, overall)`.
     fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>);
+
+    /// A bound on each attempt that also holds when the request carries a deadline
+    /// (each attempt then ends at the sooner of the two, and the time-left header it
+    /// carries says so). `None` (the default): under a deadline an attempt may use all
+    /// the time left.
+    fn attempt_timeout_under_deadline(&self) -> Option<Duration> {
+        None
+    }
 }
 
 /// The standard strategy (see the [module docs](self)).
@@ -162,6 +170,9 @@ pub struct StandardRetryStrategy {
     backoff: Backoff,
     budget: Option<RetryBudget>,
     attempt_timeout: Option<Duration>,
+    /// Whether `attempt_timeout` was set by the user (then it also bounds attempts
+    /// of requests with a deadline).
+    attempt_timeout_set: bool,
     overall_timeout: Option<Duration>,
     rng: RngSource,
 }
@@ -173,6 +184,7 @@ impl Default for StandardRetryStrategy {
             backoff: Backoff::default(),
             budget: Some(RetryBudget::ratio()),
             attempt_timeout: Some(Duration::from_secs(10)),
+            attempt_timeout_set: false,
             overall_timeout: Some(Duration::from_secs(30)),
             rng: RngSource::os(),
         }
@@ -218,9 +230,14 @@ impl StandardRetryStrategy {
         self
     }
 
-    /// The timeout of each attempt when the request has no deadline (default 10 s).
+    /// The timeout of each attempt. Without this call: 10 s for requests without a
+    /// deadline, and none under a deadline (an attempt may use all the time left).
+    /// Set here, it bounds every attempt, also under a deadline (the sooner of the
+    /// two), so that an attempt lost in a black hole leaves time for a retry; the
+    /// time-left header of such an attempt carries the shorter bound.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
         self.attempt_timeout = Some(checked_timeout("attempt timeout", timeout)?);
+        self.attempt_timeout_set = true;
         Ok(self)
     }
 
@@ -235,6 +252,7 @@ impl StandardRetryStrategy {
     #[must_use]
     pub fn no_timeout(mut self) -> Self {
         self.attempt_timeout = None;
+        self.attempt_timeout_set = false;
         self.overall_timeout = None;
         self
     }
@@ -339,6 +357,10 @@ impl RetryStrategy for StandardRetryStrategy {
 
     fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>) {
         (self.attempt_timeout, self.overall_timeout)
+    }
+
+    fn attempt_timeout_under_deadline(&self) -> Option<Duration> {
+        self.attempt_timeout.filter(|_| self.attempt_timeout_set)
     }
 }
 

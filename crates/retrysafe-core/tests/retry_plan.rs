@@ -24,7 +24,7 @@ use retrysafe_core::retry::{
     Decision, GiveUpEvent, Outcome, RetryCall, RetryEvent, RetryPolicy, child_key_label,
 };
 use retrysafe_core::strategy::{
-    GiveUp, Idempotent, NoRetry, RetryCharged, RetryToken, StandardRetryStrategy,
+    GiveUp, Idempotent, NoRetry, RetryCharged, RetryStrategy, RetryToken, StandardRetryStrategy,
 };
 use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::{Convention, IdempotencyKey};
@@ -395,6 +395,51 @@ async fn attempt_and_overall_bounds_follow_the_deadline_or_the_default_timeouts(
     let (mut call, _) = begin(forever, &mut get());
     assert_eq!(call.attempt_until(), None);
     assert_eq!(call.overall_until(), None);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
+    let strategy = StandardRetryStrategy::new()
+        .attempt_timeout(Duration::from_secs(1))
+        .unwrap();
+    assert_eq!(
+        strategy.attempt_timeout_under_deadline(),
+        Some(Duration::from_secs(1))
+    );
+    let bounded = RetryPolicy::new().with_strategy(strategy);
+    let t0 = Instant::now();
+    let deadline = Deadline::after(Duration::from_secs(3));
+    let (mut call, token) = begin(bounded, &mut with(get(), deadline));
+    // Each attempt ends after 1 s, not at the deadline, so a black-holed attempt leaves
+    // time for a retry; the time-left header says 1 s, not 3 s.
+    assert_eq!(call.attempt_until(), Some(t0 + Duration::from_secs(1)));
+    assert_eq!(call.overall_until(), Some(deadline.instant()));
+    let (mut headers, mut extensions) = (HeaderMap::new(), http::Extensions::new());
+    call.prepare_attempt(&mut headers, &mut extensions, &token);
+    assert_eq!(headers["request-timeout-ms"], "1000");
+    // Near the deadline the deadline is the sooner bound.
+    tokio::time::advance(Duration::from_millis(2500)).await;
+    assert_eq!(call.attempt_until(), Some(deadline.instant()));
+    call.prepare_attempt(&mut headers, &mut extensions, &token);
+    assert_eq!(headers["request-timeout-ms"], "500");
+
+    // The default attempt timeout (10 s) applies only without a deadline.
+    assert_eq!(
+        StandardRetryStrategy::new().attempt_timeout_under_deadline(),
+        None
+    );
+    let (mut call, token) = begin(policy(), &mut with(get(), deadline));
+    assert_eq!(call.attempt_until(), Some(deadline.instant()));
+    call.prepare_attempt(&mut headers, &mut extensions, &token);
+    assert_eq!(headers["request-timeout-ms"], "500");
+    assert_eq!(
+        StandardRetryStrategy::new()
+            .attempt_timeout(Duration::from_secs(1))
+            .unwrap()
+            .no_timeout()
+            .attempt_timeout_under_deadline(),
+        None
+    );
 }
 
 // ---------------------------------------------------------------------------------------

@@ -405,6 +405,40 @@ async fn a_delay_longer_than_the_time_left_gives_up_at_once() {
     no_more_attempts(&mut handle).await;
 }
 
+/// An attempt that never answers (a black hole) under a deadline: an explicit
+/// `attempt_timeout` cuts it and leaves time for a retry; the attempt's time-left header
+/// is the attempt's bound. Without one, the attempt may use the whole deadline.
+#[tokio::test(start_paused = true)]
+async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
+    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)).unwrap());
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = bounded.layer(mock);
+    let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
+    let t0 = Instant::now();
+    let join = call(&mut svc, req).await;
+    let (first, _black_hole) = take(&mut handle).await;
+    assert_eq!(first.header("request-timeout-ms"), Some("200"));
+    let (second, reply) = take(&mut handle).await;
+    // Cut at 200 ms, then the seeded backoff.
+    let [delay] = jitter_delays::<1>();
+    assert_eq!(second.at, t0 + ms(200) + ceil_ms(delay));
+    assert_eq!(second.header("retry-attempt"), Some("2"));
+    reply.send_response(status(200));
+    assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
+    no_more_attempts(&mut handle).await;
+
+    // The default attempt timeout does not apply under a deadline.
+    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let mut svc = layer().layer(mock);
+    let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
+    let join = call(&mut svc, req).await;
+    let (first, _black_hole) = take(&mut handle).await;
+    assert_eq!(first.header("request-timeout-ms"), Some("1000"));
+    let err = join.await.unwrap().unwrap_err();
+    assert!(err.is::<DeadlineExceeded>(), "{err}");
+    no_more_attempts(&mut handle).await;
+}
+
 // ---------------------------------------------------------------------------------------
 // Readiness
 // ---------------------------------------------------------------------------------------
