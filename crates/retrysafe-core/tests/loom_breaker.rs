@@ -165,6 +165,33 @@ fn a_success_racing_a_failure_opens_the_breaker_once() {
     });
 }
 
+/// A success working from an older reading of the window must not lower the
+/// "suspect" flag for good: with the flag raised (1 failure, 1 success; 6 calls needed),
+/// a success reads the window (1 of 3: not failing) and, before it stores "not
+/// suspect", two failures find the window failing (3 of 5) with the flag still up, so
+/// they store nothing. Once both threads are done, the flag must be up again, so that
+/// the next success evaluates and opens the breaker at 3 of 6. Before the fix the
+/// success's late store won and the breaker stayed closed (found by review; the
+/// models above start with the flag down).
+#[test]
+fn a_stale_evaluation_cannot_lower_the_suspect_flag_for_good() {
+    check("closed_suspect_lowered", Some(3), || {
+        let (breaker, log) = breaker(1, 6, SlidingWindow::time(SECOND, 1));
+        call(&breaker, BreakerOutcome::Failure);
+        call(&breaker, BreakerOutcome::Success);
+        let success = on_thread(&breaker, |b| call(&b, BreakerOutcome::Success));
+        let failures = on_thread(&breaker, |b| {
+            call(&b, BreakerOutcome::Failure);
+            call(&b, BreakerOutcome::Failure);
+        });
+        success.join().unwrap();
+        failures.join().unwrap();
+        assert_eq!(breaker.state(), State::Closed, "5 calls: too few to judge");
+        call(&breaker, BreakerOutcome::Success);
+        assert_eq!(log.all(), [(State::Closed, State::Open)]);
+    });
+}
+
 /// The clock passes the open duration while two callers ask for a permit (one probe):
 /// a caller is admitted only after the step, at most one is (the probe), and the
 /// breaker goes half-open at most once — exactly once if anyone was admitted.

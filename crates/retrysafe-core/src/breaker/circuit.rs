@@ -17,6 +17,9 @@ use super::window::{Call, Window, WindowCounts};
 use crate::stripe::{CachePadded, Local, Striped, nanos};
 use crate::sync::{AtomicBool, AtomicU64, Mutex, fence, now};
 
+/// How many times one evaluation reads the window at most (see `Shared::evaluate`).
+const MAX_EVALUATIONS: usize = 4;
+
 /// Fixed-point scale of the rate thresholds: percent × 10 000, so 100 % is one million.
 const RATE_SCALE: u128 = 1_000_000;
 
@@ -366,29 +369,36 @@ impl Shared {
     }
 
     /// Checks the window's rates in the closed phase of `word`; opens the breaker when
-    /// one is at or above its threshold over at least `minimum_calls` calls.
+    /// one is at or above its threshold over at least `minimum_calls` calls, and
+    /// otherwise keeps the "suspect" flag (the window is failing, but over too few
+    /// calls: successes must evaluate too) equal to what it read.
+    ///
+    /// A change of the flag is followed by a fence and one more reading of the window:
+    /// a call recorded since this reading may have checked the flag before the store
+    /// (a success that then skipped its own evaluation), or another evaluation may have
+    /// raised the flag that this one, working from an older reading, just lowered.
+    /// Repeated until the flag agrees with a reading made after the last change, at
+    /// most [`MAX_EVALUATIONS`] times (each repetition needs another thread's change in
+    /// between).
     fn evaluate(&self, word: Word) {
-        let counts = self.window.counts();
-        let calls = u128::from(counts.calls());
-        let over = |count: u64, threshold: u128| {
-            calls > 0 && u128::from(count) * RATE_SCALE >= threshold * calls
-        };
-        let failing = over(counts.failures, self.failure_threshold)
-            || (self.config.slow_call_duration.is_some()
-                && over(counts.slow_calls, self.slow_threshold));
-        if failing && counts.calls() >= self.minimum_calls {
-            self.transition(Some(word), State::Open);
-            return;
-        }
-        let suspect = failing;
-        if self.hot.0.suspect.load(Relaxed) != suspect {
-            self.hot.0.suspect.store(suspect, Relaxed);
-            if suspect {
-                // A success recorded since the window was read may have checked the flag
-                // before this store: read the window once more, after the store.
-                fence(SeqCst);
-                self.evaluate(word);
+        for _ in 0..MAX_EVALUATIONS {
+            let counts = self.window.counts();
+            let calls = u128::from(counts.calls());
+            let over = |count: u64, threshold: u128| {
+                calls > 0 && u128::from(count) * RATE_SCALE >= threshold * calls
+            };
+            let failing = over(counts.failures, self.failure_threshold)
+                || (self.config.slow_call_duration.is_some()
+                    && over(counts.slow_calls, self.slow_threshold));
+            if failing && counts.calls() >= self.minimum_calls {
+                self.transition(Some(word), State::Open);
+                return;
             }
+            if self.hot.0.suspect.load(Relaxed) == failing {
+                return;
+            }
+            self.hot.0.suspect.store(failing, Relaxed);
+            fence(SeqCst);
         }
     }
 
