@@ -904,6 +904,41 @@ async fn unkeyed_request_runs_in_a_transaction_of_its_own() {
     assert_eq!(env.key_rows().await, (0, 0));
 }
 
+/// A request without a key whose body trickles in (one byte, then nothing) gets 408
+/// `body-timeout`: its body is read, within `request_body_timeout`, before the
+/// transaction begins, so it never holds a connection, and its in-flight slot is freed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unkeyed_trickled_body_times_out_before_any_transaction() {
+    use futures_util::StreamExt;
+    let env = Env::new(2).await;
+    let layer = env
+        .layer()
+        .max_in_flight(1)
+        .unwrap()
+        .request_body_timeout(Duration::from_millis(300))
+        .unwrap();
+    let app = env.app(layer);
+    let trickle = futures_util::stream::once(async { Ok::<_, std::io::Error>(Bytes::from("a")) })
+        .chain(futures_util::stream::pending());
+    let req = Request::post("/pay")
+        .header("content-type", "text/plain")
+        .header("x-mode", "ok")
+        .body(Body::from_stream(trickle))
+        .unwrap();
+    let answer = send(&app, req).await;
+    assert_eq!(answer.status, StatusCode::REQUEST_TIMEOUT);
+    assert_eq!(answer.problem(), problem_type(ProblemKind::BodyTimeout));
+    assert!(!answer.do_not_retry(), "nothing happened: a retry is safe");
+    env.pool_settles().await;
+    // The one slot is free again, and nothing ran.
+    assert_eq!(env.payments().await, 0);
+    assert_eq!(
+        send(&app, pay_req(None, "ok", "acc")).await.status,
+        StatusCode::CREATED
+    );
+    assert_eq!(env.payments().await, 1);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guard_rules_as_the_idempotency_layer() {
     let env = Env::new(4).await;

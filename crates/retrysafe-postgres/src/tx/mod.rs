@@ -116,11 +116,12 @@
 //! | situation | answer | transaction and key row |
 //! |---|---|---|
 //! | method not guarded (default: other than POST, PATCH), or gRPC | passes through | none |
-//! | no key, key not required | the handler's answer, no deduplication | a transaction of its own, committed or rolled back by the rules below, no key row |
+//! | no key, key not required | the handler's answer, no deduplication (its body is read first, like a keyed one's) | a transaction of its own, committed or rolled back by the rules below, no key row |
 //! | no key with [`require_key`](retrysafe_tower::idempotency::IdempotencyLayer::require_key) | 400 `key-missing` | none |
 //! | key empty, over 255 characters, not printable ASCII, or sent twice | 400 `key-invalid` | none |
 //! | no scope (no [`Principal`]) | 500 `scope-missing` | none |
 //! | body over the limit (1 MiB) | 413 `body-too-large`, before any connection is taken | none |
+//! | body not arrived within [`request_body_timeout`](retrysafe_tower::idempotency::IdempotencyLayer::request_body_timeout) (30 s, or the deadline) | 408 `body-timeout`, before any connection is taken | none |
 //! | no connection and transaction within the deadline (1 s) | 503 `store-unavailable` with `retry-after` | none |
 //! | first request | the handler runs | key row inserted with the lock |
 //! | same key and request, committed | the stored response, `idempotent-replayed: true` | rolled back (read only) |

@@ -98,12 +98,12 @@ where
         let key = match guard.key(&parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if X::GUARDS_UNKEYED => {
-                let req = Request::from_parts(parts, RequestBody::stream(body));
                 let handler = Inner::new(inner);
                 return ResponseFuture::guarded(Box::pin(unkeyed(
                     self.layer.clone(),
                     handler,
-                    req,
+                    parts,
+                    body,
                 )));
             }
             Ok(None) => return passthrough(&mut inner, parts, body),
@@ -175,35 +175,11 @@ where
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let guard = &layer.guard;
-    let config = &guard.config;
-    let limit = config.max_request_body;
-    let mut body = std::pin::pin!(body);
-    if let Err(problem) = blocks::check_declared_length(&parts.headers, body.as_mut(), limit).await
-    {
-        return Ok(guard.problem(problem));
-    }
-    // The permit is taken before the body is buffered, so the bound also caps the
-    // memory held by buffered request bodies.
-    let permit = match permit(guard) {
-        Ok(p) => p,
+    let (permit, body) = match read_body(guard, &parts, body).await {
+        Ok(read) => read,
         Err(answer) => return Ok(*answer),
     };
-    // The body must arrive in time: the permit is held while it is read, so a client
-    // that trickles its body must not hold it for as long as it likes.
-    let deadline = parts.extensions.get::<Deadline>().copied();
-    let patience = Deadline::bound(deadline, config.request_body_timeout);
-    let buffered =
-        tokio::time::timeout(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
-    let body = match buffered {
-        Ok(Ok(b)) => b,
-        Ok(Err(problem)) => return Ok(guard.problem(problem)),
-        Err(_) => {
-            return Ok(guard.problem(Problem::new(
-                ProblemKind::BodyTimeout,
-                "the request body did not arrive in time",
-            )));
-        }
-    };
+    let config = &guard.config;
     let fingerprint =
         config
             .fingerprinter
@@ -222,17 +198,61 @@ where
     .await
 }
 
+/// Takes a slot of the in-flight bound, then buffers the body within the limit and
+/// in time: the slot is taken first, so the bound also caps the memory held by
+/// buffered bodies, and the body must arrive within `request_body_timeout` (or the
+/// request's deadline), so a client that trickles its body cannot hold a slot for as
+/// long as it likes. The answer when it cannot: 413, 408, 400 or 503 `overloaded`.
+async fn read_body<B, R>(
+    guard: &Guard,
+    parts: &Parts,
+    body: B,
+) -> Result<(OwnedSemaphorePermit, Bytes), Box<Res<R>>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let config = &guard.config;
+    let limit = config.max_request_body;
+    let mut body = std::pin::pin!(body);
+    if let Err(problem) = blocks::check_declared_length(&parts.headers, body.as_mut(), limit).await
+    {
+        return Err(Box::new(guard.problem(problem)));
+    }
+    let permit = permit(guard)?;
+    let deadline = parts.extensions.get::<Deadline>().copied();
+    let patience = Deadline::bound(deadline, config.request_body_timeout);
+    let buffered =
+        tokio::time::timeout(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
+    match buffered {
+        Ok(Ok(b)) => Ok((permit, b)),
+        Ok(Err(problem)) => Err(Box::new(guard.problem(problem))),
+        Err(_) => Err(Box::new(guard.problem(Problem::new(
+            ProblemKind::BodyTimeout,
+            "the request body did not arrive in time",
+        )))),
+    }
+}
+
 /// A request on a guarded method without a key, for a backend that
-/// [guards those](Backend::GUARDS_UNKEYED): run it through the backend in a task.
+/// [guards those](Backend::GUARDS_UNKEYED): its body is read first, like a keyed one's
+/// (so a client that trickles it holds neither a slot past `request_body_timeout` nor
+/// anything of the backend, such as a transaction), then it runs through the backend in
+/// a task.
 async fn unkeyed<H: Handler, X: Backend>(
     layer: IdempotencyLayer<X>,
     handler: H,
-    req: Request<RequestBody<H::ReqBody>>,
-) -> Answer<H> {
-    let permit = match permit(&layer.guard) {
-        Ok(p) => p,
+    parts: Parts,
+    body: H::ReqBody,
+) -> Answer<H>
+where
+    <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let (permit, body) = match read_body(&layer.guard, &parts, body).await {
+        Ok(read) => read,
         Err(answer) => return Ok(*answer),
     };
+    let req = Request::from_parts(parts, RequestBody::buffered(body));
     let guard = layer.guard.clone();
     spawned(&guard, permit, move || async move {
         layer.backend.run_unkeyed(&layer.guard, handler, req).await
