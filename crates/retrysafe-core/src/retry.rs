@@ -587,7 +587,7 @@ impl RetryCall {
             }
         }
         // An attempt bounded more tightly than the deadline says so downstream.
-        let cap = self.policy.strategy.attempt_timeout_under_deadline();
+        let cap = self.attempt_cap();
         if let Some(left) = left.map(|l| cap.map_or(l, |c| l.min(c))) {
             if self.facts.grpc {
                 headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
@@ -598,6 +598,16 @@ impl RetryCall {
                 );
             }
         }
+    }
+
+    /// The strategy's bound on each attempt under a deadline, for a call that may be
+    /// retried at all (a safe request, not limited to one attempt): cutting an attempt
+    /// that can never be repeated would only turn a slow answer into an unknown outcome.
+    fn attempt_cap(&self) -> Option<Duration> {
+        if self.passthrough || !self.facts.safe {
+            return None;
+        }
+        self.policy.strategy.attempt_timeout_under_deadline()
     }
 
     /// When the whole call must end: the deadline, or the strategy's default overall
@@ -615,7 +625,7 @@ impl RetryCall {
     /// or the strategy's default attempt timeout from now, bounded by the overall one.
     pub fn attempt_until(&mut self) -> Option<Instant> {
         if let Some(d) = self.deadline {
-            let cap = self.policy.strategy.attempt_timeout_under_deadline();
+            let cap = self.attempt_cap();
             return Some(cap.map_or(d.instant(), |c| d.instant().min(Instant::now() + c)));
         }
         let attempt = self

@@ -230,12 +230,17 @@ impl StandardRetryStrategy {
         self
     }
 
-    /// The timeout of each attempt. Without this call: 10 s for requests without a
-    /// deadline, and none under a deadline (an attempt may use all the time left).
-    /// Set here, it bounds every attempt, also under a deadline (the sooner of the
-    /// two), so that an attempt lost in a black hole leaves time for a retry; the
-    /// time-left header of such an attempt carries the shorter bound.
+    /// The timeout of each attempt (at least 1 ms). Without this call: 10 s for
+    /// requests without a deadline, and none under a deadline (an attempt may use all
+    /// the time left). Set here, it also bounds the attempts of a request with a
+    /// deadline that may be retried (a safe request, not limited to one attempt): the
+    /// sooner of the two, so that an attempt lost in a black hole leaves time for a
+    /// retry; the time-left header of such an attempt carries the shorter bound.
     pub fn attempt_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
+        if timeout < MIN_ATTEMPT_TIME {
+            // Shorter would send a time-left header of 0: "already expired".
+            return Err(ConfigError::new("attempt timeout", "must be at least 1 ms"));
+        }
         self.attempt_timeout = Some(checked_timeout("attempt timeout", timeout)?);
         self.attempt_timeout_set = true;
         Ok(self)

@@ -423,6 +423,24 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
     call.prepare_attempt(&mut headers, &mut extensions, &token);
     assert_eq!(headers["request-timeout-ms"], "500");
 
+    // A request that can never be repeated (a POST without a key) is not cut short:
+    // that would only turn a slow answer into an unknown outcome.
+    let bounded = RetryPolicy::new().with_strategy(
+        StandardRetryStrategy::new()
+            .attempt_timeout(Duration::from_secs(1))
+            .unwrap(),
+    );
+    let (mut call, token) = begin(bounded, &mut with(post(), deadline));
+    assert_eq!(call.attempt_until(), Some(deadline.instant()));
+    call.prepare_attempt(&mut headers, &mut extensions, &token);
+    assert_eq!(headers["request-timeout-ms"], "500");
+    // Shorter than 1 ms would send "0", which means "already expired".
+    assert!(
+        StandardRetryStrategy::new()
+            .attempt_timeout(Duration::from_micros(999))
+            .is_err()
+    );
+
     // The default attempt timeout (10 s) applies only without a deadline.
     assert_eq!(
         StandardRetryStrategy::new().attempt_timeout_under_deadline(),

@@ -22,7 +22,9 @@
 //! - is **deadline-aware**: the deadline is the soonest of a [`Deadline`] in the
 //!   reqwest-middleware `Extensions` (a `DeadlineMiddleware` above puts it there), the
 //!   inherited context, and a `request-timeout-ms` header already on the request; every
-//!   attempt is bounded by the time left and carries it as `request-timeout-ms`; no
+//!   attempt is bounded by the time left (and by an explicitly set
+//!   [`attempt_timeout`](retrysafe_core::strategy::StandardRetryStrategy::attempt_timeout)
+//!   when the request may be retried) and carries that bound as `request-timeout-ms`; no
 //!   attempt starts with less than [`MIN_ATTEMPT_TIME`](retrysafe_core::strategy::MIN_ATTEMPT_TIME)
 //!   left; when it runs out, the error is [`DeadlineExceeded`];
 //! - sends `retry-attempt: N` on attempts 2 and later;

@@ -591,6 +591,52 @@ async fn a_deadline_extension_becomes_a_request_timeout_header_on_every_attempt(
     assert!(timeout_ms(&script.seen()[0]) <= 3_000);
 }
 
+/// A black hole under a deadline: an explicit `attempt_timeout` cuts the attempt that
+/// never answers and leaves time for the retry, whose answer is the call's; the
+/// attempts' `request-timeout-ms` is the attempt's bound, not the deadline's.
+#[tokio::test]
+async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
+    let calls = Arc::new(AtomicU32::new(0));
+    let headers = Arc::new(Mutex::new(Vec::new()));
+    let app = {
+        let (calls, headers) = (Arc::clone(&calls), Arc::clone(&headers));
+        axum::Router::new().fallback(move |request: AxumRequest| {
+            let (calls, headers) = (Arc::clone(&calls), Arc::clone(&headers));
+            async move {
+                headers.lock().unwrap().push(request.headers().clone());
+                if calls.fetch_add(1, Ordering::SeqCst) == 0 {
+                    std::future::pending::<()>().await;
+                }
+                "answered"
+            }
+        })
+    };
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+
+    let bounded = RetryMiddleware::new().strategy(
+        strategy()
+            .attempt_timeout(Duration::from_millis(300))
+            .unwrap(),
+    );
+    let response = client(bounded)
+        .get(format!("http://{addr}/items"))
+        .with_extension(Deadline::after(Duration::from_secs(30)))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    assert_eq!(response.text().await.unwrap(), "answered");
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    let headers = headers.lock().unwrap();
+    for h in headers.iter() {
+        let left: u64 = h["request-timeout-ms"].to_str().unwrap().parse().unwrap();
+        assert!(left <= 300, "{left}");
+    }
+    assert_eq!(headers[1]["retry-attempt"], "2");
+}
+
 #[tokio::test]
 async fn no_attempt_starts_when_the_deadline_has_passed() {
     let (url, script) = serve(vec![s(200)]).await;

@@ -26,7 +26,9 @@
 //!   request; `request-timeout-ms` (or `grpc-timeout`) is rewritten on every attempt
 //!   from the time left; no attempt starts, and no delay is waited, that the deadline
 //!   cannot cover. Without a deadline the strategy's default timeouts apply (10 s per
-//!   attempt, 30 s overall);
+//!   attempt, 30 s overall); an explicitly set
+//!   [`attempt_timeout`](retrysafe_core::strategy::StandardRetryStrategy::attempt_timeout)
+//!   also bounds each attempt of a retryable request under a deadline (and its header);
 //! - awaits the inner service's readiness after the backoff sleep, bounded by the
 //!   deadline;
 //! - sends `retry-attempt: N` (and `grpc-previous-rpc-attempts`) on attempts 2 and
