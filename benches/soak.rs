@@ -51,23 +51,13 @@ use axum::response::{IntoResponse, Response as AxumResponse};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use bytes::Bytes;
+use fault_proxy::client::{Stack, StackCounts, client_stack, error_kind};
 use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, SplitMix64};
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
-use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
-use retrysafe::core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe::core::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{
     EventKind, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, Shutdown,
-};
-use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
-    StandardRetryStrategy,
 };
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
@@ -75,16 +65,10 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tower::util::BoxCloneSyncService;
-use tower::{BoxError, ServiceBuilder, ServiceExt};
-
-type ResponseFuture = hyper_util::client::legacy::ResponseFuture;
-type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Incoming>>, BoxError>;
+use tower::ServiceExt;
 
 const TRANSIENT_PER_MILLE: u64 = 10;
 const FAIL_AFTER_EFFECT_PER_MILLE: u64 = 3;
-const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
-const DEADLINE: Duration = Duration::from_secs(10);
 const PAD: usize = 300;
 /// Duplicate resends pick among this many latest logical requests of a store.
 const RESEND_WINDOW: u64 = 2000;
@@ -280,10 +264,8 @@ async fn start(layer: IdempotencyLayer, seed: u64) -> ServerSide {
 
 #[derive(Debug, Default)]
 struct ClientCounts {
-    attempts: AtomicU64,
-    retries: AtomicU64,
-    breaker_opened: AtomicU64,
-    give_ups: Mutex<BTreeMap<String, u64>>,
+    /// What the client stack counts (attempts, retries, breaker openings, give-ups).
+    stack: Arc<StackCounts>,
     /// Operation → outcome label → count.
     outcomes: Mutex<BTreeMap<(&'static str, String), u64>>,
     logical: AtomicU64,
@@ -291,91 +273,6 @@ struct ClientCounts {
     succeeded: AtomicU64,
     /// Duplicate resends answered with a replayed 201.
     replays_seen: AtomicU64,
-}
-
-fn client_stack(seed: u64, counts: &Arc<ClientCounts>) -> Stack {
-    let backoff = Backoff::new(
-        Duration::from_millis(5),
-        Duration::from_millis(200),
-        Jitter::Full,
-    )
-    .unwrap();
-    let budget = RetryBudget::ratio();
-    let strategy = StandardRetryStrategy::new()
-        .max_attempts(4)
-        .unwrap()
-        .backoff(backoff)
-        .budget(budget.clone())
-        .seed(seed);
-    // The defaults (time window 30 s, 50 % failures), but at least 100 calls before
-    // the rate counts: with 20 (the default), a cold start on a loaded machine (a burst
-    // of attempt timeouts while pools connect) opened it once, and a driver that does
-    // not pace then had every remaining request refused at once.
-    let mut config = BreakerConfig::default();
-    config.minimum_calls = 100;
-    let c = Arc::clone(counts);
-    config.on_state_change = Some(Arc::new(move |change| {
-        if change.to == BreakerState::Open {
-            c.breaker_opened.fetch_add(1, Ordering::Relaxed);
-        }
-    }));
-    let breaker = CircuitBreaker::new(config).unwrap();
-    let (on_retry, on_give_up, counted) =
-        (Arc::clone(counts), Arc::clone(counts), Arc::clone(counts));
-    let http = Client::builder(TokioExecutor::new()).build_http();
-    let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(DEADLINE).unwrap())
-        .layer(
-            RetryLayer::new()
-                .generate_idempotency_keys()
-                .strategy(strategy)
-                .on_retry(move |_| {
-                    on_retry.retries.fetch_add(1, Ordering::Relaxed);
-                })
-                .on_give_up(move |e| {
-                    *on_give_up
-                        .give_ups
-                        .lock()
-                        .unwrap()
-                        .entry(format!("{:?}", e.reason))
-                        .or_default() += 1;
-                }),
-        )
-        .layer(RetryBudgetLayer::new(budget))
-        .layer(CircuitBreakerLayer::new(breaker))
-        .map_future(|fut: ResponseFuture| async move {
-            match tokio::time::timeout(ATTEMPT_TIMEOUT, fut).await {
-                Ok(r) => r.map_err(BoxError::from),
-                Err(_) => Err(BoxError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "attempt timed out",
-                ))),
-            }
-        })
-        .map_request(move |r| {
-            counted.attempts.fetch_add(1, Ordering::Relaxed);
-            r
-        })
-        .service(http);
-    BoxCloneSyncService::new(svc)
-}
-
-fn error_kind(e: &BoxError) -> &'static str {
-    if find::<CircuitOpen>(&**e).is_some() {
-        return "circuit_open";
-    }
-    if find::<BudgetExhausted>(&**e).is_some() {
-        return "budget_exhausted";
-    }
-    if find::<DeadlineExceeded>(&**e).is_some() {
-        return "deadline_exceeded";
-    }
-    match retrysafe::retry::failure_of(&**e) {
-        retrysafe::core::classify::Failure::ConnectFailed => "connect_failed",
-        retrysafe::core::classify::Failure::NoResponse => "no_response",
-        retrysafe::core::classify::Failure::Timeout => "timeout",
-        _ => "other",
-    }
 }
 
 /// One call through the stack with `key`: an outcome label, and whether it was a 201.
@@ -527,7 +424,7 @@ async fn run() -> bool {
             .unwrap();
         let counts = Arc::new(ClientCounts::default());
         let driver = Arc::new(Driver {
-            stack: client_stack(pseed, &counts),
+            stack: client_stack(pseed, &counts.stack),
             base: format!("http://{}", proxy.addr),
             store: name,
             next_id: AtomicU64::new(0),
@@ -617,6 +514,7 @@ async fn run() -> bool {
             .map(|((op, label), n)| format!("\"{op}:{label}\":{n}"))
             .collect();
         let give_ups: Vec<String> = c
+            .stack
             .give_ups
             .lock()
             .unwrap()
@@ -645,13 +543,13 @@ async fn run() -> bool {
              \"proxy\":{{\"connections\":{},\"requests\":{},\"faults\":{}}}{extra}}}",
             driver.store,
             succeeded as f64 / logical.max(1) as f64,
-            c.attempts.load(Ordering::Relaxed),
-            c.retries.load(Ordering::Relaxed),
+            c.stack.attempts.load(Ordering::Relaxed),
+            c.stack.retries.load(Ordering::Relaxed),
             c.replays_seen.load(Ordering::Relaxed),
             side.events.get("outcome_unknown"),
             side.events.get("takeover"),
             side.events.get("completion_lost"),
-            c.breaker_opened.load(Ordering::Relaxed),
+            c.stack.breaker_opened.load(Ordering::Relaxed),
             give_ups.join(","),
             outcomes.join(","),
             side.state.handler_calls.load(Ordering::Relaxed),

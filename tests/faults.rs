@@ -51,26 +51,18 @@ use axum::response::{IntoResponse, Response as AxumResponse};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use bytes::Bytes;
+use fault_proxy::client::{Stack, StackCounts, client_stack, error_kind};
 use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, ProxyStats, SplitMix64};
 use futures_util::StreamExt;
-use http::{Request, Response, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
-use retrysafe::core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe::core::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{
     EventKind, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, RecordId, Scope, Shutdown,
 };
 use retrysafe::wire::IdempotencyKey;
-use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
-    StandardRetryStrategy,
-};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
@@ -81,20 +73,12 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tokio::time::Instant;
-use tower::util::BoxCloneSyncService;
-use tower::{BoxError, ServiceBuilder, ServiceExt};
-
-type ResponseFuture = hyper_util::client::legacy::ResponseFuture;
-type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Incoming>>, BoxError>;
+use tower::ServiceExt;
 
 /// Transient 503s marked `NoEffect`, per mille of handler calls.
 const TRANSIENT_PER_MILLE: u64 = 10;
 /// 500s after the effect (outcome unknown), per mille of handler calls.
 const FAIL_AFTER_EFFECT_PER_MILLE: u64 = 3;
-/// The per-attempt timeout below the breaker.
-const ATTEMPT_TIMEOUT: Duration = Duration::from_secs(1);
-/// The deadline of one logical request.
-const DEADLINE: Duration = Duration::from_secs(10);
 /// Padding in each request and response body, so a cut can land mid-body.
 const PAD: usize = 300;
 
@@ -438,82 +422,6 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
 // ---------------------------------------------------------------------------------
 // The client
 
-#[derive(Debug, Default)]
-struct ClientCounts {
-    attempts: AtomicU64,
-    retries: AtomicU64,
-    breaker_opened: AtomicU64,
-    give_ups: Mutex<BTreeMap<String, u64>>,
-}
-
-fn client_stack(target: SocketAddr, seed: u64, counts: &Arc<ClientCounts>) -> Stack {
-    let _ = target;
-    let backoff = Backoff::new(
-        Duration::from_millis(5),
-        Duration::from_millis(200),
-        Jitter::Full,
-    )
-    .unwrap();
-    let budget = RetryBudget::ratio();
-    let strategy = StandardRetryStrategy::new()
-        .max_attempts(4)
-        .unwrap()
-        .backoff(backoff)
-        .budget(budget.clone())
-        .seed(seed);
-    // The defaults (time window 30 s, 50 % failures), but at least 100 calls before
-    // the rate counts: with 20 (the default), a cold start on a loaded machine (a burst
-    // of attempt timeouts while pools connect) opened it once, and a driver that does
-    // not pace then had every remaining request refused at once.
-    let mut config = BreakerConfig::default();
-    config.minimum_calls = 100;
-    let c = Arc::clone(counts);
-    config.on_state_change = Some(Arc::new(move |change| {
-        if change.to == BreakerState::Open {
-            c.breaker_opened.fetch_add(1, Ordering::Relaxed);
-        }
-    }));
-    let breaker = CircuitBreaker::new(config).unwrap();
-    let (on_retry, on_give_up, counted) =
-        (Arc::clone(counts), Arc::clone(counts), Arc::clone(counts));
-    let http = Client::builder(TokioExecutor::new()).build_http();
-    let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(DEADLINE).unwrap())
-        .layer(
-            RetryLayer::new()
-                .generate_idempotency_keys()
-                .strategy(strategy)
-                .on_retry(move |_| {
-                    on_retry.retries.fetch_add(1, Ordering::Relaxed);
-                })
-                .on_give_up(move |e| {
-                    *on_give_up
-                        .give_ups
-                        .lock()
-                        .unwrap()
-                        .entry(format!("{:?}", e.reason))
-                        .or_default() += 1;
-                }),
-        )
-        .layer(RetryBudgetLayer::new(budget))
-        .layer(CircuitBreakerLayer::new(breaker))
-        .map_future(|fut: ResponseFuture| async move {
-            match tokio::time::timeout(ATTEMPT_TIMEOUT, fut).await {
-                Ok(r) => r.map_err(BoxError::from),
-                Err(_) => Err(BoxError::from(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    "attempt timed out",
-                ))),
-            }
-        })
-        .map_request(move |r| {
-            counted.attempts.fetch_add(1, Ordering::Relaxed);
-            r
-        })
-        .service(http);
-    BoxCloneSyncService::new(svc)
-}
-
 /// How one logical request ended, as the client saw it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 enum Outcome {
@@ -533,24 +441,6 @@ impl Outcome {
             Outcome::Error(e) => format!("error_{e}"),
             Outcome::Stuck => "stuck".to_owned(),
         }
-    }
-}
-
-fn error_kind(e: &BoxError) -> &'static str {
-    if find::<CircuitOpen>(&**e).is_some() {
-        return "circuit_open";
-    }
-    if find::<BudgetExhausted>(&**e).is_some() {
-        return "budget_exhausted";
-    }
-    if find::<DeadlineExceeded>(&**e).is_some() {
-        return "deadline_exceeded";
-    }
-    match retrysafe::retry::failure_of(&**e) {
-        retrysafe::core::classify::Failure::ConnectFailed => "connect_failed",
-        retrysafe::core::classify::Failure::NoResponse => "no_response",
-        retrysafe::core::classify::Failure::Timeout => "timeout",
-        _ => "other",
     }
 }
 
@@ -648,8 +538,8 @@ async fn run(mode: Mode) {
     let mut config = ProxyConfig::new(FaultMix::standard(), seed);
     config.black_hole_hold = Duration::from_secs(20);
     let proxy = FaultProxy::start(server.addr, config).await.unwrap();
-    let counts = Arc::new(ClientCounts::default());
-    let stack = client_stack(proxy.addr, seed, &counts);
+    let counts = Arc::new(StackCounts::default());
+    let stack = client_stack(seed, &counts);
     let base = format!("http://{}", proxy.addr);
 
     let outcomes: Vec<(u64, Outcome)> = futures_util::stream::iter(0..n)

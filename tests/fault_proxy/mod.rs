@@ -39,6 +39,8 @@
     missing_docs
 )]
 
+pub mod client;
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -22,7 +22,9 @@
               models' assertions"
 )]
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+mod loom_support;
+use loom_support::check;
+
 use std::time::Duration;
 
 use loom::thread;
@@ -30,31 +32,6 @@ use retrysafe_core::budget::{
     BudgetSnapshot, RatioConfig, RetryBudget, RetryCost, TokenBucketConfig,
 };
 use retrysafe_core::loom_clock;
-
-/// Runs `model` under loom (with `LOOM_MAX_PREEMPTIONS` / `LOOM_MAX_BRANCHES` from the
-/// environment, else `preemptions` as the bound, `None` for none) and prints the number of
-/// executions explored.
-fn check(name: &str, preemptions: Option<usize>, model: impl Fn() + Sync + Send + 'static) {
-    static RUNS: AtomicUsize = AtomicUsize::new(0);
-    let mut builder = loom::model::Builder::new();
-    if builder.preemption_bound.is_none() {
-        builder.preemption_bound = preemptions;
-    }
-    let counter = std::sync::Arc::new(AtomicUsize::new(0));
-    let executions = std::sync::Arc::clone(&counter);
-    let start = std::time::Instant::now();
-    builder.check(move || {
-        executions.fetch_add(1, Ordering::Relaxed);
-        model();
-    });
-    RUNS.fetch_add(1, Ordering::Relaxed);
-    eprintln!(
-        "loom model {name}: {} executions in {:.2?} (preemption bound {:?})",
-        counter.load(Ordering::Relaxed),
-        start.elapsed(),
-        builder.preemption_bound,
-    );
-}
 
 /// A ratio budget of `ratio` with no floor, over the shortest window (1 s in 10 buckets).
 fn ratio(ratio: f64) -> RetryBudget {
