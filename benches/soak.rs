@@ -56,9 +56,7 @@ use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, SplitMix64};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use retrysafe::core::idempotency::IdempotencyContext;
-use retrysafe::idempotency::{
-    EventKind, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, Shutdown,
-};
+use retrysafe::idempotency::{IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, Shutdown};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
 use serde::Deserialize;
@@ -105,18 +103,12 @@ struct Events {
 
 impl Events {
     fn count(&self, e: &IdempotencyEvent) {
-        let name = match e.kind {
-            EventKind::Claimed => "claimed",
-            EventKind::Replayed => "replayed",
-            EventKind::Conflict => "conflict",
-            EventKind::Mismatch => "mismatch",
-            EventKind::Takeover => "takeover",
-            EventKind::OutcomeUnknown => "outcome_unknown",
-            EventKind::CompletionLost => "completion_lost",
-            EventKind::Evicted => "evicted",
-            _ => "other",
-        };
-        *self.by_kind.lock().unwrap().entry(name).or_default() += 1;
+        *self
+            .by_kind
+            .lock()
+            .unwrap()
+            .entry(e.kind.as_str())
+            .or_default() += 1;
     }
 
     fn get(&self, name: &str) -> u64 {

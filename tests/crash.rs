@@ -504,26 +504,10 @@ async fn crash_and_restart(mode: Mode) {
         stages.join("; ")
     );
     println!(
-        "{test}: kills {kills}, keys {keys}, effects {effects}, duplicates {dup}, created \
-         {created}, outcome_unknown {unknown} ({with} with its payment, {without} without), \
-         completion_lost {lost}, answered payments missing {missing}, keys answered two \
-         ways {differ}, in_progress left {left} (orphaned {orphans}); sends interrupted by a \
-         kill: before the commit point {ib}, after the effect {ia}, \
+        "{test}: kills {kills}, {total}; sends interrupted by a kill: before the commit point {ib}, after the effect {ia}, \
          streams {is}; outcome_unknown by point {ub}/{ua}/{us}; ran only after the kill \
          {rb}/{ra}/{rs}; resends {resends}; {secs:.1} s",
         kills = counts.kills,
-        keys = total.keys,
-        effects = total.effects,
-        dup = total.duplicates,
-        created = total.created,
-        unknown = total.outcome_unknown(),
-        with = total.unknown_with_effect,
-        without = total.unknown_without_effect,
-        lost = total.completion_lost,
-        missing = total.lost,
-        differ = total.answers_differ,
-        left = total.in_progress_left,
-        orphans = total.orphaned,
         ib = counts.interrupted[0],
         ia = counts.interrupted[1],
         is = counts.interrupted[2],

@@ -332,26 +332,12 @@ where
          sent and answered while the store was away, the slowest in {slowest_ms} ms), 201 \
          {created_before_resend}, app 500 (payment outcome unknown) {app_unknown}; store back \
          in {repair_ms} ms, first 201 {recovery_ms} ms after it was back; resent to a \
-         definitive answer ({resends} sends): keys {keys}, effects {effects}, duplicates \
-         {dup}, created {created}, outcome_unknown {unknown} ({with} with its payment, \
-         {without} without), completion_lost {lost}, answered payments missing {missing}, \
-         keys answered two ways {differ}, in_progress left {left}",
+         definitive answer ({resends} sends): {tally}",
         requests = sent.len(),
         secs = (ready - down + BEFORE + recovery).as_secs_f64() + 0.3,
         slowest_ms = slowest_refusal.as_millis(),
         repair_ms = (ready - back).as_millis(),
         recovery_ms = recovery.as_millis(),
-        keys = tally.keys,
-        effects = tally.effects,
-        dup = tally.duplicates,
-        created = tally.created,
-        unknown = tally.outcome_unknown(),
-        with = tally.unknown_with_effect,
-        without = tally.unknown_without_effect,
-        lost = tally.completion_lost,
-        missing = tally.lost,
-        differ = tally.answers_differ,
-        left = tally.in_progress_left,
     );
     tally.assert_sound(space.transactional());
     assert_eq!(

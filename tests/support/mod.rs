@@ -1243,7 +1243,33 @@ impl Tally {
     pub fn outcome_unknown(&self) -> u64 {
         self.unknown_with_effect + self.unknown_without_effect
     }
+}
 
+/// The summary the crash and store-fault tests print: `keys N, effects N, …`.
+impl std::fmt::Display for Tally {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "keys {}, effects {}, duplicates {}, created {}, outcome_unknown {} ({} with its \
+             payment, {} without), completion_lost {}, answered payments missing {}, keys \
+             answered two ways {}, in_progress left {} (orphaned {})",
+            self.keys,
+            self.effects,
+            self.duplicates,
+            self.created,
+            self.outcome_unknown(),
+            self.unknown_with_effect,
+            self.unknown_without_effect,
+            self.completion_lost,
+            self.lost,
+            self.answers_differ,
+            self.in_progress_left,
+            self.orphaned,
+        )
+    }
+}
+
+impl Tally {
     /// The invariants of every store: never two effects, nothing answered lost, one
     /// answer per key, records that match the ledger, no `in_progress` left. With
     /// `transactional` (PostgreSQL's transactional layer) also: exactly one effect per
