@@ -43,6 +43,13 @@ mod sync;
 pub mod wire;
 
 pub use config::ConfigError;
+
+/// Plumbing shared by the retrysafe crates (the tower layers, the stores, the reqwest
+/// adapters). Not part of the public API: it may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::config::Validate;
+}
 pub use context::{CallContext, Scoped};
 pub use deadline::Deadline;
 /// The clock of the loom models (`tests/loom_*.rs`); only under `--cfg loom`.
