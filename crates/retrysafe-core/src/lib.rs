@@ -9,6 +9,7 @@
 //! - [`idempotency`]: scopes, record keys, fingerprints, tokens, the record states and
 //!   their versioned byte encoding, the decision table of the `IdempotencyLayer`, and the
 //!   [`IdempotencyContext`](idempotency::IdempotencyContext) handlers see;
+//! - [`problem`]: the RFC 9457 answers of the server layers, written in one place;
 //! - [`CallContext`]: what an inbound request passes to the outbound calls made for it
 //!   (deadline, retry point, idempotency record, whether downstream gave up);
 //! - [`classify`]: what an attempt's outcome means (retry safety, throttle, timeout,
@@ -35,6 +36,7 @@ mod context;
 mod deadline;
 pub mod error;
 pub mod idempotency;
+pub mod problem;
 pub mod retry;
 pub mod store;
 pub mod strategy;

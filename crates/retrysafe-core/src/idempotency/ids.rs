@@ -209,7 +209,7 @@ pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
     /// A fingerprint from its bytes (as a store persisted them).
-    pub fn from_bytes(bytes: [u8; 32]) -> Self {
+    pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Fingerprint(bytes)
     }
 

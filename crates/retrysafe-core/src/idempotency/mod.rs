@@ -13,15 +13,21 @@
 //!   [`Record::decode`], which is total);
 //! - [`StoredResponse`] and [`HeaderFilter`]: response capture;
 //! - [`decide`] and [`Disposition`]: the decision table;
+//! - [`protocol`]: the claim → wait → run → complete protocol of one guarded request,
+//!   as a state machine that every engine drives;
+//! - [`EventKind`] and [`UnknownReason`]: what the layers report;
 //! - [`IdempotencyContext`]: what a guarded handler sees.
 
 mod context;
 mod decision;
+mod event;
 mod ids;
+pub mod protocol;
 mod record;
 
 pub use context::IdempotencyContext;
 pub use decision::{Decision, Disposition, NoEffect, decide};
+pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
 pub use record::{
     CommitPoint, Completed, DecodeError, HeaderFilter, InProgress, OutcomeUnknown, RECORD_VERSION,
