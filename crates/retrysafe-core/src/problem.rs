@@ -17,7 +17,8 @@ use std::fmt;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::StatusCode;
+use http::header::CONTENT_TYPE;
+use http::{HeaderValue, Response, StatusCode};
 
 /// The stable cases in which a retrysafe server layer answers for the handler.
 ///
@@ -242,6 +243,18 @@ impl Problem {
         push_json_string(&mut out, &self.detail);
         out.push('}');
         Bytes::from(out)
+    }
+
+    /// The default response: the kind's status and the `application/problem+json`
+    /// body. (A layer adds `do-not-retry`, `retry-after` and the `Problem` extension.)
+    pub fn to_response(&self) -> Response<Bytes> {
+        let mut res = Response::new(self.to_json());
+        *res.status_mut() = self.kind.status();
+        res.headers_mut().insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        res
     }
 }
 

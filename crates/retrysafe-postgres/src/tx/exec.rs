@@ -1,8 +1,8 @@
-//! The transactional backend: inside the layer's spawned task, begin the transaction,
-//! take the key, run the handler with the transaction in a slot, take it back, and
-//! commit (with the key row) or roll back.
+//! The transactional engine: inside the layer's detachable task, drives the
+//! idempotency protocol with a PostgreSQL transaction — begin it, take the key, run the
+//! handler with the transaction in a slot, take it back, and commit (with the key row)
+//! or roll back.
 
-use std::any::Any;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
@@ -11,14 +11,18 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::Body;
-use retrysafe_core::idempotency::{
-    Completed, Disposition, Fingerprint, IdempotencyContext, NoEffect, Record, RecordId, Token,
+use retrysafe_core::idempotency::protocol::{
+    Claimed, Note, Protocol, Settle, Settled, Step, Waited,
 };
+use retrysafe_core::idempotency::{
+    Completed, Fingerprint, IdempotencyContext, Record, RecordId, Token,
+};
+use retrysafe_core::problem::ProblemKind;
 use retrysafe_core::store::StoreError;
 use retrysafe_core::{CallContext, Deadline};
+use retrysafe_tower::idempotency::__private::{Engine, Outcome, answer_of, conclude, negotiate};
 use retrysafe_tower::idempotency::{
-    Answer, Backend, Captured, EventKind, Guard, GuardedRequest, Handler, Problem, ProblemKind,
-    RequestBody, ResponseBody,
+    Answer, Backend, Captured, Guard, GuardedRequest, Handler, RequestBody,
 };
 use sqlx::Row;
 use tokio::time::Instant;
@@ -29,9 +33,7 @@ use super::sql::lock_key;
 use super::txn::LayerTx;
 use crate::store::{db_error, micros, record_from_row};
 
-type Res<B> = Response<ResponseBody<B>>;
 type Tx = LayerTx;
-type Panic = Box<dyn Any + Send>;
 
 /// How many times the key statement is repeated when it took the lock but found the
 /// key held by a row its snapshot predates (a holder committed while it started).
@@ -49,7 +51,8 @@ impl Backend for TxBackend {
         handler: H,
         request: GuardedRequest,
     ) -> impl Future<Output = Answer<H>> + Send {
-        run_keyed(guard, self, handler, request)
+        let row = KeyRow::new(self, guard, &request);
+        run_keyed(guard, self, row, handler, request)
     }
 
     fn run_unkeyed<H: Handler>(
@@ -72,14 +75,202 @@ async fn run_unkeyed<H: Handler>(
     req: Request<RequestBody<H::ReqBody>>,
 ) -> Answer<H> {
     let deadline = req.extensions().get::<Deadline>().copied();
-    match opening(backend, deadline, begin(backend)).await {
+    let mut protocol = Protocol::new(guard.policy(), Fingerprint::from_bytes([0; 32]), deadline);
+    let mut engine = TxEngine::new(backend, deadline, None);
+    let claimed = match opening(backend, deadline, begin(backend)).await {
         Some(Ok(tx)) => {
-            let context = CallContext::inherited(req.extensions()).unwrap_or_default();
-            run_in_tx(guard, backend, handler, req, tx, context, None).await
+            engine.tx = Some(tx);
+            Claimed::Mine { takeover: false }
         }
-        Some(Err(e)) => Ok(begin_failed(guard, &e)),
-        None => Ok(begin_timed_out(guard)),
+        Some(Err(e)) => Claimed::Failed(e),
+        None => Claimed::Failed(StoreError::Timeout),
+    };
+    match protocol.claimed(claimed) {
+        Step::Run => {
+            let context = CallContext::inherited(req.extensions()).unwrap_or_default();
+            engine
+                .run(guard, &mut protocol, handler, req, context)
+                .await
+        }
+        step => Ok(answer_of(guard, step)),
     }
+}
+
+/// The keyed request inside its task: take the key (or wait), then replay or run.
+async fn run_keyed<H: Handler>(
+    guard: &Guard,
+    backend: &TxBackend,
+    row: KeyRow,
+    handler: H,
+    request: GuardedRequest,
+) -> Answer<H> {
+    let token = row.token;
+    let deadline = request.deadline();
+    let mut protocol = Protocol::new(guard.policy(), request.fingerprint, deadline);
+    let mut engine = TxEngine::new(backend, deadline, Some(row));
+    match negotiate(guard, &mut protocol, &mut engine).await {
+        Step::Run => {
+            // A detached context: the commit point is the transaction itself. The
+            // handler runs in this task: re-scope the inherited call context, now
+            // carrying the record, so outbound client layers derive child keys from it.
+            let (req, context) =
+                request.into_request(|scope, key| IdempotencyContext::detached(scope, key, token));
+            engine
+                .run(guard, &mut protocol, handler, req, context)
+                .await
+        }
+        step => Ok(answer_of(guard, step)),
+    }
+}
+
+/// The I/O of one request run in a transaction.
+struct TxEngine<'a> {
+    backend: &'a TxBackend,
+    deadline: Option<Deadline>,
+    /// The key; `None` for a request without one.
+    row: Option<KeyRow>,
+    /// The transaction, once begun (and while the handler does not hold it).
+    tx: Option<Tx>,
+}
+
+impl<'a> TxEngine<'a> {
+    fn new(backend: &'a TxBackend, deadline: Option<Deadline>, row: Option<KeyRow>) -> Self {
+        TxEngine {
+            backend,
+            deadline,
+            row,
+            tx: None,
+        }
+    }
+
+    /// Hands the transaction to the handler (in a slot its guard borrows from), takes
+    /// it back, and settles as the protocol says.
+    async fn run<H: Handler>(
+        mut self,
+        guard: &Guard,
+        protocol: &mut Protocol,
+        handler: H,
+        mut req: Request<RequestBody<H::ReqBody>>,
+        context: CallContext,
+    ) -> Answer<H> {
+        let Some(tx) = self.tx.take() else {
+            return Ok(answer_of(guard, Step::Run));
+        };
+        let slot = TxSlot::new(tx);
+        req.extensions_mut().insert(slot.clone());
+        req.extensions_mut().insert(context.clone());
+        // The handler's future (and any guard it holds) is dropped by the end of this
+        // statement, panicked or not.
+        let outcome: Outcome<H::ResBody, H::Error> =
+            AssertUnwindSafe(context.scope(handler.call(req)))
+                .catch_unwind()
+                .await;
+        let Some(tx) = slot.reclaim() else {
+            // A guard outlived the handler's answer. The transaction stays with it and
+            // rolls back when it is dropped (or when the server ends the idle session);
+            // nothing of it is ever committed.
+            tracing::error!(
+                target: "retrysafe::idempotency",
+                "a handler kept its IdempotentTx guard after answering; its transaction is rolled back"
+            );
+            return Ok(guard.problem_of(
+                ProblemKind::TransactionLeaked,
+                "the request handler kept its transaction after answering; nothing was committed",
+            ));
+        };
+        self.tx = Some(tx);
+        conclude(guard, protocol, &mut self, outcome).await
+    }
+}
+
+impl Engine for TxEngine<'_> {
+    async fn claim(&mut self) -> Claimed {
+        let Some(row) = &self.row else {
+            return Claimed::Failed(StoreError::unavailable("no key to claim"));
+        };
+        match opening(self.backend, self.deadline, open(self.backend, row)).await {
+            Some(Ok(Opened::Mine(tx))) => {
+                self.tx = Some(tx);
+                Claimed::Mine { takeover: false }
+            }
+            Some(Ok(Opened::Existing(record))) => Claimed::Existing {
+                record,
+                became_unknown: false,
+            },
+            Some(Ok(Opened::Busy)) => Claimed::Busy,
+            Some(Err(e)) => Claimed::Failed(e),
+            None => Claimed::Failed(StoreError::Timeout),
+        }
+    }
+
+    async fn wait(&mut self, max: Duration) -> Waited {
+        let Some(row) = &self.row else {
+            return Waited::TimedOut;
+        };
+        match wait(self.backend, row, Instant::now() + max).await {
+            Ok(Probed::Record(record)) => Waited::Record(record),
+            // The holder rolled back (or is gone): race to take the key.
+            Ok(Probed::Free) => Waited::LookAgain,
+            Ok(Probed::TimedOut) => Waited::TimedOut,
+            Err(e) => Waited::Failed(e),
+        }
+    }
+
+    async fn capture<B>(&mut self, guard: &Guard, response: Response<B>) -> Option<Captured<B>>
+    where
+        B: Body<Data = Bytes> + Send,
+    {
+        // Too large (or too slow) to store: the key row records that it completed,
+        // committed before the rest streams.
+        let until = Instant::now() + self.backend.idle_in_transaction / 2;
+        guard.capture(response, until).await
+    }
+
+    async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
+        let Some(tx) = self.tx.take() else {
+            return Settled::Done;
+        };
+        let backend = self.backend;
+        if settle != Settle::Complete {
+            // 401/403/429, NoEffect, 5xx, 408, a panic: nothing happened, provably — the
+            // key is simply absent and a retry runs again.
+            rollback(backend, tx).await;
+            return Settled::Done;
+        }
+        let done = completed.map(Record::Completed);
+        let commit = commit(backend, tx, self.row.as_ref(), done.as_ref());
+        match tokio::time::timeout(backend.commit_timeout, commit).await {
+            Ok(Ok(())) => Settled::Done,
+            Ok(Err(Unfinished::Aborted)) => Settled::Aborted,
+            Ok(Err(Unfinished::Failed(e))) => Settled::Failed(e),
+            Err(_) => Settled::Failed(StoreError::Timeout),
+        }
+    }
+
+    fn note(&mut self, guard: &Guard, note: Note) {
+        if let (Note::Event(kind), Some(row)) = (note, &self.row) {
+            guard.emit(kind, &row.id);
+        }
+    }
+}
+
+/// Writes the key row (when there is one) and commits; rolls back when the row cannot
+/// be written.
+async fn commit(
+    backend: &TxBackend,
+    mut tx: Tx,
+    row: Option<&KeyRow>,
+    done: Option<&Record>,
+) -> Result<(), Unfinished> {
+    if let (Some(row), Some(done)) = (row, done)
+        && let Err(e) = complete(backend, &mut tx, row, done).await
+    {
+        rollback(backend, tx).await;
+        return Err(e);
+    }
+    tx.commit()
+        .await
+        .map_err(|e| Unfinished::Failed(db_error(e)))
 }
 
 /// Runs the opening of a transaction under the acquire timeout and the request's
@@ -95,19 +286,6 @@ async fn opening<T>(
         return None;
     }
     tokio::time::timeout(limit, open).await.ok()
-}
-
-fn begin_failed<B>(guard: &Guard, error: &StoreError) -> Res<B> {
-    tracing::warn!(target: "retrysafe::idempotency", error = %error, "could not begin the transaction");
-    guard.store_unavailable("the database is unavailable; retry later")
-}
-
-fn begin_timed_out<B>(guard: &Guard) -> Res<B> {
-    tracing::warn!(
-        target: "retrysafe::idempotency",
-        "no connection and transaction within the request's deadline or the acquire timeout"
-    );
-    guard.store_unavailable("the database is busy; retry later")
 }
 
 /// Checks a connection out and begins the transaction: `BEGIN ISOLATION LEVEL READ
@@ -138,6 +316,20 @@ struct KeyRow {
     fingerprint: Fingerprint,
     lock_key: i32,
     retention: Duration,
+}
+
+impl KeyRow {
+    /// The key of `request`, with a fresh token.
+    fn new(backend: &TxBackend, guard: &Guard, request: &GuardedRequest) -> Self {
+        let id = request.record_id();
+        KeyRow {
+            id,
+            token: Token::random(),
+            fingerprint: request.fingerprint,
+            lock_key: lock_key(&id, backend.sql.table_salt),
+            retention: guard.retention(),
+        }
+    }
 }
 
 async fn open(backend: &TxBackend, row: &KeyRow) -> Result<Opened, StoreError> {
@@ -173,67 +365,7 @@ async fn open(backend: &TxBackend, row: &KeyRow) -> Result<Opened, StoreError> {
     ))
 }
 
-/// The keyed request inside its task: take the key (or wait), then replay or run.
-async fn run_keyed<H: Handler>(
-    guard: &Guard,
-    backend: &TxBackend,
-    handler: H,
-    request: GuardedRequest,
-) -> Answer<H> {
-    let id = request.record_id();
-    let row = KeyRow {
-        id,
-        token: Token::random(),
-        fingerprint: request.fingerprint,
-        lock_key: lock_key(&id, backend.sql.table_salt),
-        retention: guard.retention(),
-    };
-    let deadline = request.deadline();
-    let mut in_flight = guard.in_flight_wait(deadline);
-    loop {
-        let opened = match opening(backend, deadline, open(backend, &row)).await {
-            Some(Ok(opened)) => opened,
-            Some(Err(e)) => return Ok(begin_failed(guard, &e)),
-            None => return Ok(begin_timed_out(guard)),
-        };
-        let existing = match opened {
-            Opened::Mine(tx) => {
-                guard.emit(EventKind::Claimed, &id);
-                return run_mine(guard, backend, handler, request, row, tx).await;
-            }
-            Opened::Existing(record) => Some(record),
-            Opened::Busy => None,
-        };
-        if let Some(answer) = existing
-            .as_ref()
-            .and_then(|record| guard.answer(&id, record, &row.fingerprint))
-        {
-            return Ok(answer);
-        }
-
-        // In flight.
-        let left = match in_flight.next(&id) {
-            Ok(left) => left,
-            Err(problem) => return Ok(guard.problem(problem)),
-        };
-        match wait(backend, &row, Instant::now() + left).await {
-            Ok(Waited::Record(record)) => {
-                if let Some(answer) = guard.answer(&id, &record, &row.fingerprint) {
-                    return Ok(answer);
-                }
-            }
-            // The holder rolled back (or is gone): race to take the key.
-            Ok(Waited::Free) => {}
-            Ok(Waited::TimedOut) => return Ok(guard.problem(in_flight.timed_out())),
-            Err(e) => {
-                tracing::warn!(target: "retrysafe::idempotency", error = %e, "waiting for a request in flight failed");
-                return Ok(guard.store_unavailable("the database is unavailable; retry later"));
-            }
-        }
-    }
-}
-
-enum Waited {
+enum Probed {
     /// A record that is no longer in flight.
     Record(Record),
     /// No record and the lock is free.
@@ -243,12 +375,12 @@ enum Waited {
 
 /// Waits for a key in flight with short autocommit probes (each checks a connection out
 /// for one statement), backing off from 5 ms to 100 ms, until `until`.
-async fn wait(backend: &TxBackend, row: &KeyRow, until: Instant) -> Result<Waited, StoreError> {
+async fn wait(backend: &TxBackend, row: &KeyRow, until: Instant) -> Result<Probed, StoreError> {
     let mut delay = Duration::from_millis(5);
     loop {
         let now = Instant::now();
         if now >= until {
-            return Ok(Waited::TimedOut);
+            return Ok(Probed::TimedOut);
         }
         tokio::time::sleep_until(until.min(now + delay)).await;
         delay = (delay * 2).min(Duration::from_millis(100));
@@ -257,8 +389,8 @@ async fn wait(backend: &TxBackend, row: &KeyRow, until: Instant) -> Result<Waite
             .unwrap_or(Err(StoreError::Timeout))?;
         match probe {
             (_, Some(Record::InProgress(_))) => {}
-            (_, Some(record)) => return Ok(Waited::Record(record)),
-            (true, None) => return Ok(Waited::Free),
+            (_, Some(record)) => return Ok(Probed::Record(record)),
+            (true, None) => return Ok(Probed::Free),
             (false, None) => {}
         }
     }
@@ -279,159 +411,6 @@ async fn probe(backend: &TxBackend, row: &KeyRow) -> Result<(bool, Option<Record
         None => None,
     };
     Ok((free, record))
-}
-
-/// Runs the handler of a request whose key row this transaction inserted.
-async fn run_mine<H: Handler>(
-    guard: &Guard,
-    backend: &TxBackend,
-    handler: H,
-    request: GuardedRequest,
-    row: KeyRow,
-    tx: Tx,
-) -> Answer<H> {
-    // A detached context: the commit point is the transaction itself. The handler runs
-    // in this spawned task: re-scope the inherited call context, now carrying the
-    // record, so outbound client layers derive child keys from it.
-    let (req, context) =
-        request.into_request(|scope, key| IdempotencyContext::detached(scope, key, row.token));
-    run_in_tx(guard, backend, handler, req, tx, context, Some(row)).await
-}
-
-/// Hands the transaction to the handler (in a slot its guard borrows from), takes it
-/// back, and commits or rolls back as the answer says.
-async fn run_in_tx<H: Handler>(
-    guard: &Guard,
-    backend: &TxBackend,
-    handler: H,
-    mut req: Request<RequestBody<H::ReqBody>>,
-    tx: Tx,
-    context: CallContext,
-    row: Option<KeyRow>,
-) -> Answer<H> {
-    let slot = TxSlot::new(tx);
-    req.extensions_mut().insert(slot.clone());
-    req.extensions_mut().insert(context.clone());
-    // The handler's future (and any guard it holds) is dropped by the end of this
-    // statement, panicked or not.
-    let outcome: Result<Result<Response<H::ResBody>, H::Error>, Panic> =
-        AssertUnwindSafe(context.scope(handler.call(req)))
-            .catch_unwind()
-            .await;
-
-    let Some(tx) = slot.reclaim() else {
-        // A guard outlived the handler's answer. The transaction stays with it and
-        // rolls back when it is dropped (or when the server ends the idle session);
-        // nothing of it is ever committed.
-        tracing::error!(
-            target: "retrysafe::idempotency",
-            "a handler kept its IdempotentTx guard after answering; its transaction is rolled back"
-        );
-        return Ok(guard.problem(Problem::new(
-            ProblemKind::TransactionLeaked,
-            "the request handler kept its transaction after answering; nothing was committed",
-        )));
-    };
-    let response = match outcome {
-        Err(_panic) => {
-            rollback(backend, tx).await;
-            return Ok(guard.problem(Problem::new(
-                ProblemKind::HandlerPanicked,
-                "the request handler failed; nothing was committed",
-            )));
-        }
-        Ok(Err(e)) => {
-            rollback(backend, tx).await;
-            return Err(e);
-        }
-        Ok(Ok(response)) => response,
-    };
-
-    let no_effect = response.extensions().get::<NoEffect>().is_some();
-    match (Disposition::of(response.status(), no_effect), row) {
-        // 401/403/429, NoEffect, 5xx, 408: nothing happened, provably — the key is
-        // simply absent and a retry runs again.
-        (Disposition::Release | Disposition::OutcomeUnknown, _) => {
-            rollback(backend, tx).await;
-            Ok(response.map(ResponseBody::stream))
-        }
-        (Disposition::Store, None) => {
-            match tokio::time::timeout(backend.commit_timeout, tx.commit()).await {
-                Ok(Ok(())) => Ok(response.map(ResponseBody::stream)),
-                Ok(Err(e)) => Ok(commit_failed(guard, &db_error(e))),
-                Err(_) => Ok(commit_failed(guard, &StoreError::Timeout)),
-            }
-        }
-        (Disposition::Store, Some(row)) => store(guard, backend, tx, &row, response).await,
-    }
-}
-
-/// Collects the response (up to the storable limit), writes it into the key row and
-/// commits; the response is returned only once the commit succeeded.
-async fn store<B, E>(
-    guard: &Guard,
-    backend: &TxBackend,
-    mut tx: Tx,
-    row: &KeyRow,
-    response: Response<B>,
-) -> Result<Res<B>, E>
-where
-    B: Body<Data = Bytes> + Send + 'static,
-{
-    let until = Instant::now() + backend.idle_in_transaction / 2;
-    // Too large (or too slow) to store: the key row records that it completed,
-    // committed before the rest streams.
-    let Some(Captured { stored, response }) = guard.capture(response, until).await else {
-        rollback(backend, tx).await;
-        return Ok(guard.problem(Problem::new(
-            ProblemKind::HandlerPanicked,
-            "the response failed while it was being produced; nothing was committed",
-        )));
-    };
-    let done = Record::Completed(Completed {
-        fingerprint: row.fingerprint,
-        response: stored,
-    });
-    let status = response.status();
-    let commit = async {
-        match complete(backend, &mut tx, row, &done).await {
-            Ok(()) => tx
-                .commit()
-                .await
-                .map_err(|e| Unfinished::Failed(db_error(e))),
-            Err(e) => {
-                rollback(backend, tx).await;
-                Err(e)
-            }
-        }
-    };
-    match tokio::time::timeout(backend.commit_timeout, commit).await {
-        Ok(Ok(())) => Ok(response),
-        // A statement of the handler failed, which aborted the transaction, and the
-        // handler answered anyway. Nothing was committed. A client error is passed on
-        // (a retry gets it again); a success would be a lie.
-        Ok(Err(Unfinished::Aborted)) if status.is_client_error() => {
-            tracing::debug!(
-                target: "retrysafe::idempotency",
-                %status,
-                "the handler answered a client error after a failed statement; nothing committed or stored"
-            );
-            Ok(response)
-        }
-        Ok(Err(Unfinished::Aborted)) => {
-            tracing::error!(
-                target: "retrysafe::idempotency",
-                %status,
-                "a statement of the request's transaction failed, and the handler answered as if it had not; nothing was committed"
-            );
-            Ok(guard.problem(Problem::new(
-                ProblemKind::HandlerPanicked,
-                "a statement of the request's transaction failed; nothing was committed",
-            )))
-        }
-        Ok(Err(Unfinished::Failed(e))) => Ok(commit_failed(guard, &e)),
-        Err(_) => Ok(commit_failed(guard, &StoreError::Timeout)),
-    }
 }
 
 /// Why a transaction to store did not commit.
@@ -466,19 +445,6 @@ async fn complete(
     } else {
         Err(Unfinished::Failed(StoreError::StaleToken))
     }
-}
-
-/// The key row or the commit failed: nothing, or everything, was committed — which
-/// one, a retry finds out (it runs, or replays).
-fn commit_failed<B>(guard: &Guard, error: &StoreError) -> Res<B> {
-    tracing::warn!(
-        target: "retrysafe::idempotency",
-        error = %error,
-        "could not commit the request's transaction; answering 503"
-    );
-    guard.store_unavailable(
-        "the request's transaction could not be committed; retry with the same key",
-    )
 }
 
 /// Rolls back (bounded by the commit timeout). A failure is only logged: a transaction

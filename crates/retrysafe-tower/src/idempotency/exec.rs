@@ -1,27 +1,32 @@
-//! The store backend: inside the layer's detachable task (see `service::spawned`),
-//! claim the key, run the handler with its lease renewed, capture the response and
-//! complete the record.
+//! The store engine: inside the layer's detachable task (see `service::spawned`),
+//! drives the idempotency protocol over an [`IdempotencyStore`]: claim the key, run the
+//! handler with its lease renewed, capture the response and complete the record.
 
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
+use bytes::Bytes;
 use futures_util::FutureExt;
-use http::Request;
+use http::{Request, Response};
+use http_body::Body;
 use retrysafe_core::Deadline;
+use retrysafe_core::idempotency::protocol::Protocol;
+use retrysafe_core::idempotency::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Disposition, IdempotencyContext, NoEffect, RecordId, Token,
+    CommitPoint, Completed, Fingerprint, IdempotencyContext, RecordId, Token,
 };
 use retrysafe_core::store::{BoxStore, Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_core::wire::DO_NOT_RETRY_VALUE;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::body::{RequestBody, ResponseBody};
+use super::engine::{Engine, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
 use super::guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler};
-use super::problem::{Problem, ProblemKind};
 
 /// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
 /// [`IdempotencyStore`]: claim the key (a lease and a token), run the handler with the
@@ -87,10 +92,7 @@ impl StoreBackend {
         );
         guard.emit(EventKind::OutcomeUnknown, record);
         if let Some(f) = &self.on_outcome_unknown {
-            f(&UnknownOutcome {
-                record: *record,
-                reason,
-            });
+            f(&UnknownOutcome::new(*record, reason));
         }
     }
 }
@@ -102,225 +104,205 @@ async fn execute<H: Handler>(
     handler: H,
     request: GuardedRequest,
 ) -> Answer<H> {
-    let id = request.record_id();
-    let deadline = request.deadline();
-    let fingerprint = request.fingerprint;
-    let mut in_flight = guard.in_flight_wait(deadline);
-    let mut seen_record = false;
-    loop {
-        let claim = Claim {
-            token: Token::random(),
-            fingerprint,
-            lease: backend.lease,
+    let policy = guard.policy().fail_open(backend.fail_open);
+    let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
+    let mut engine = StoreEngine::new(guard, backend, &request);
+    match negotiate(guard, &mut protocol, &mut engine).await {
+        Step::Run => engine.run(guard, &mut protocol, handler, request).await,
+        Step::RunUnguarded => {
+            let req = Request::from_parts(request.parts, RequestBody::buffered(request.body));
+            let res = handler.call(req).await?;
+            Ok(res.map(ResponseBody::stream))
+        }
+        step => Ok(answer_of(guard, step)),
+    }
+}
+
+/// The I/O of one guarded request over a store.
+struct StoreEngine<'a> {
+    backend: &'a StoreBackend,
+    id: RecordId,
+    deadline: Option<Deadline>,
+    fingerprint: Fingerprint,
+    retention: Duration,
+    /// The token of the last claim.
+    token: Token,
+    /// Set when the claim is ours.
+    lease: Option<Arc<Lease>>,
+    /// The renewal task, spawned once the handler may outlive a third of its lease.
+    renewal: Option<Renewal>,
+    /// When the handler (and the capture of its response) must be done by.
+    cap: Instant,
+}
+
+impl<'a> StoreEngine<'a> {
+    fn new(guard: &Guard, backend: &'a StoreBackend, request: &GuardedRequest) -> Self {
+        StoreEngine {
+            backend,
+            id: request.record_id(),
+            deadline: request.deadline(),
+            fingerprint: request.fingerprint,
             retention: guard.retention(),
+            token: Token::random(),
+            lease: None,
+            renewal: None,
+            cap: Instant::now(),
+        }
+    }
+
+    /// Runs the handler of a claim that is ours, then settles the record.
+    async fn run<H: Handler>(
+        mut self,
+        guard: &Guard,
+        protocol: &mut Protocol,
+        handler: H,
+        request: GuardedRequest,
+    ) -> Answer<H> {
+        let backend = self.backend;
+        let token = self.token;
+        // The handler runs in this (detachable) task: re-scope the inherited call
+        // context (as a task-local and an extension), now carrying the record, so
+        // outbound client layers derive child keys and report back when they give up.
+        let (req, call_context) = request.into_request(|scope, key| {
+            IdempotencyContext::new(
+                scope,
+                key,
+                token,
+                backend.store.clone(),
+                backend.store_timeout,
+            )
+        });
+        let claimed_at = Instant::now();
+        self.lease = Some(Arc::new(Lease::new(claimed_at, backend.lease)));
+        self.cap = claimed_at + backend.max_execution;
+        let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
+        let outcome = self.renewed(handler).await;
+        conclude(guard, protocol, &mut self, outcome).await
+    }
+
+    /// Awaits `work` with the lease renewed: if it is still running a third of a lease
+    /// after the claim, the renewal task starts (a request answered sooner never arms
+    /// it).
+    async fn renewed<F: Future>(&mut self, work: F) -> F::Output {
+        let Some(lease) = self.lease.clone() else {
+            return work.await;
+        };
+        if self.renewal.is_some() {
+            return work.await;
+        }
+        let mut work = std::pin::pin!(work);
+        let first = lease.claimed_at + self.backend.lease / 3;
+        tokio::select! {
+            biased;
+            out = &mut work => return out,
+            () = tokio::time::sleep_until(first) => {}
+        }
+        self.renewal = Some(Renewal::spawn(
+            self.backend,
+            self.id,
+            self.token,
+            self.cap,
+            lease,
+        ));
+        work.await
+    }
+
+    fn lease_until(&self) -> Instant {
+        self.lease.as_ref().map_or_else(Instant::now, |l| l.until())
+    }
+}
+
+impl Engine for StoreEngine<'_> {
+    async fn claim(&mut self) -> Claimed {
+        self.token = Token::random();
+        let backend = self.backend;
+        let claim = Claim {
+            token: self.token,
+            fingerprint: self.fingerprint,
+            lease: backend.lease,
+            retention: self.retention,
             commit_point: backend.commit_point,
         };
         let outcome = backend
-            .bounded(deadline, backend.store.claim(&id, &claim))
+            .bounded(self.deadline, backend.store.claim(&self.id, &claim))
             .await;
-        let (record, became_unknown) = match outcome {
-            Ok(ClaimOutcome::Claimed { takeover }) => {
-                let kind = if takeover {
-                    EventKind::Takeover
-                } else {
-                    EventKind::Claimed
-                };
-                guard.emit(kind, &id);
-                return run_guarded(guard, backend, handler, request, id, claim.token).await;
-            }
+        match outcome {
+            Ok(ClaimOutcome::Claimed { takeover }) => Claimed::Mine { takeover },
             Ok(ClaimOutcome::Existing {
                 record,
                 became_unknown,
-            }) => (record, became_unknown),
-            Err(e) => {
-                if matches!(e, StoreError::Timeout) {
-                    // The claim may have landed after we stopped waiting: take it back,
-                    // best effort and in the background (bounded by the store timeout),
-                    // so the key does not sit in progress for a lease.
-                    let store = backend.store.clone();
-                    let timeout = backend.store_timeout;
-                    guard.shared.tracker.spawn(async move {
-                        let _ =
-                            tokio::time::timeout(timeout, store.release(&id, claim.token)).await;
-                    });
-                }
-                // Fail open only when no record was seen and the store is just down:
-                // never past a record that exists, never over corrupt data.
-                let may_run =
-                    !seen_record && matches!(e, StoreError::Timeout | StoreError::Unavailable(_));
-                return store_failed(guard, backend, handler, request, &e, may_run).await;
-            }
-        };
-        seen_record = true;
-        if became_unknown {
-            backend.reconcile(guard, &id, UnknownReason::LeaseExpired);
+            }) => Claimed::Existing {
+                record,
+                became_unknown,
+            },
+            Err(e) => Claimed::Failed(e),
         }
-        if let Some(answer) = guard.answer(&id, &record, &fingerprint) {
-            return Ok(answer);
-        }
-        let left = match in_flight.next(&id) {
-            Ok(left) => left,
-            Err(problem) => return Ok(guard.problem(problem)),
-        };
+    }
+
+    async fn wait(&mut self, max: Duration) -> Waited {
+        let backend = self.backend;
         let wait = tokio::time::timeout(
-            left.saturating_add(backend.store_timeout),
-            backend.store.wait(&id, left),
+            max.saturating_add(backend.store_timeout),
+            backend.store.wait(&self.id, max),
         )
         .await;
-        let e = match wait {
-            Ok(Ok(())) => continue,
-            Ok(Err(e)) => e,
-            Err(_) => StoreError::Timeout,
+        match wait {
+            Ok(Ok(())) => Waited::LookAgain,
+            Ok(Err(e)) => Waited::Failed(e),
+            Err(_) => Waited::Failed(StoreError::Timeout),
+        }
+    }
+
+    async fn capture<B>(&mut self, guard: &Guard, response: Response<B>) -> Option<Captured<B>>
+    where
+        B: Body<Data = Bytes> + Send,
+    {
+        let cap = self.cap;
+        self.renewed(guard.capture(response, cap)).await
+    }
+
+    async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
+        let (backend, id, token, retention) = (self.backend, &self.id, self.token, self.retention);
+        let until = self.lease_until();
+        let store = &backend.store;
+        let written = match (settle, &completed) {
+            (Settle::Complete, Some(done)) => {
+                write_with_retry(backend, until, || {
+                    store.complete(id, token, done, retention)
+                })
+                .await
+            }
+            (Settle::Release, _) => {
+                write_with_retry(backend, until, || store.release(id, token)).await
+            }
+            (Settle::MarkUnknown(_), _) => {
+                write_with_retry(backend, until, || store.mark_unknown(id, token, retention)).await
+            }
+            _ => Ok(()),
         };
-        return store_failed(guard, backend, handler, request, &e, false).await;
+        // The record is settled (or lost): no renewal past this point.
+        self.renewal = None;
+        match written {
+            Ok(()) => Settled::Done,
+            Err(e) => Settled::Failed(e),
+        }
     }
-}
 
-/// The store failed: 503 (fail closed), or, when `may_run` and `fail_open()`, run
-/// unguarded.
-async fn store_failed<H: Handler>(
-    guard: &Guard,
-    backend: &StoreBackend,
-    handler: H,
-    request: GuardedRequest,
-    error: &StoreError,
-    may_run: bool,
-) -> Answer<H> {
-    if backend.fail_open && may_run {
-        tracing::warn!(
-            target: "retrysafe::idempotency",
-            error = %error,
-            "idempotency store failed; running the request unguarded (fail_open)"
-        );
-        let req = Request::from_parts(request.parts, RequestBody::buffered(request.body));
-        let res = handler.call(req).await?;
-        return Ok(res.map(ResponseBody::stream));
-    }
-    if matches!(error, StoreError::Full) {
-        // A bound of the store, reached under load (or a key flood): the same answer as
-        // the layer's own bound, and no warning per refused request.
-        tracing::debug!(target: "retrysafe::idempotency", "idempotency store full");
-        return Ok(guard.problem(
-            Problem::new(
-                ProblemKind::Overloaded,
-                "the idempotency store cannot take more requests in progress; retry later",
-            )
-            .retry_after(guard.config.unavailable_retry_after),
-        ));
-    }
-    tracing::warn!(target: "retrysafe::idempotency", error = %error, "idempotency store failed");
-    Ok(guard.store_unavailable("the idempotency store is unavailable; retry later"))
-}
-
-/// Runs the handler with its lease renewed, then records what became of it.
-async fn run_guarded<H: Handler>(
-    guard: &Guard,
-    backend: &StoreBackend,
-    handler: H,
-    request: GuardedRequest,
-    id: RecordId,
-    token: Token,
-) -> Answer<H> {
-    let fingerprint = request.fingerprint;
-    // The handler runs in this (detachable) task: re-scope the inherited call context (as a
-    // task-local and an extension), now carrying the record, so outbound client layers
-    // derive child keys and report back when they give up.
-    let (req, call_context) = request.into_request(|scope, key| {
-        IdempotencyContext::new(
-            scope,
-            key,
-            token,
-            backend.store.clone(),
-            backend.store_timeout,
-        )
-    });
-    let claimed_at = Instant::now();
-    let lease = Lease::new(claimed_at, backend.lease);
-    let cap = claimed_at + backend.max_execution;
-
-    let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
-    let mut handler = std::pin::pin!(handler);
-    // The lease is renewed concurrently with the handler and the capture of its
-    // response (never delaying them), every third of a lease, never past
-    // `max_execution`. It is only polled inside the two `select!`s below, so it stops
-    // (is simply no longer polled) before the record is written.
-    let mut renewals = std::pin::pin!(renew_lease(backend, &id, token, cap, &lease));
-    let outcome = tokio::select! {
-        biased;
-        out = &mut handler => out,
-        () = &mut renewals => handler.await,
-    };
-
-    let lease = &lease;
-    let unknown = |reason: UnknownReason| async move {
-        let r = write_with_retry(backend, lease.until(), || {
-            backend.store.mark_unknown(&id, token, guard.retention())
-        })
-        .await;
-        match r {
-            Ok(()) => backend.reconcile(guard, &id, reason),
-            Err(e) => {
-                tracing::error!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not mark the record outcome_unknown");
-                guard.emit(EventKind::CompletionLost, &id);
+    fn note(&mut self, guard: &Guard, note: Note) {
+        match note {
+            Note::Event(kind) => guard.emit(kind, &self.id),
+            Note::Unknown(reason) => self.backend.reconcile(guard, &self.id, reason),
+            Note::ReleaseClaim => {
+                // The claim may have landed after we stopped waiting: take it back, best
+                // effort and in the background (bounded by the store timeout), so the key
+                // does not sit in progress for a lease.
+                let (store, id, token) = (self.backend.store.clone(), self.id, self.token);
+                let timeout = self.backend.store_timeout;
+                guard.shared.tracker.spawn(async move {
+                    let _ = tokio::time::timeout(timeout, store.release(&id, token)).await;
+                });
             }
-        }
-    };
-
-    let response = match outcome {
-        Err(_panic) => {
-            unknown(UnknownReason::Panicked).await;
-            return Ok(guard.problem(Problem::new(
-                ProblemKind::HandlerPanicked,
-                "the request handler failed",
-            )));
-        }
-        Ok(Err(e)) => {
-            unknown(UnknownReason::ServiceError).await;
-            return Err(e);
-        }
-        Ok(Ok(res)) => res,
-    };
-
-    let no_effect = response.extensions().get::<NoEffect>().is_some();
-    match Disposition::of(response.status(), no_effect) {
-        Disposition::Release => {
-            if let Err(e) =
-                write_with_retry(backend, lease.until(), || backend.store.release(&id, token)).await
-            {
-                tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "could not release the record");
-                guard.emit(EventKind::CompletionLost, &id);
-            }
-            Ok(response.map(ResponseBody::stream))
-        }
-        Disposition::OutcomeUnknown => {
-            unknown(UnknownReason::Status(response.status())).await;
-            let mut response = response.map(ResponseBody::stream);
-            response.headers_mut().insert(
-                guard.convention().do_not_retry().clone(),
-                DO_NOT_RETRY_VALUE,
-            );
-            Ok(response)
-        }
-        Disposition::Store => {
-            let mut capturing = std::pin::pin!(guard.capture(response, cap));
-            let captured = tokio::select! {
-                biased;
-                c = &mut capturing => c,
-                () = &mut renewals => capturing.await,
-            };
-            let Some(Captured { stored, response }) = captured else {
-                unknown(UnknownReason::BodyError).await;
-                return Ok(guard.problem(Problem::new(
-                    ProblemKind::OutcomeUnknown,
-                    "the response failed while it was being produced",
-                )));
-            };
-            let done = Completed {
-                fingerprint,
-                response: stored,
-            };
-            complete(guard, backend, &id, token, &done, lease.until()).await;
-            Ok(response)
+            _ => {}
         }
     }
 }
@@ -354,70 +336,72 @@ where
     }
 }
 
-async fn complete(
-    guard: &Guard,
-    backend: &StoreBackend,
-    id: &RecordId,
-    token: Token,
-    done: &Completed,
-    lease_until: Instant,
-) {
-    let r = write_with_retry(backend, lease_until, || {
-        backend.store.complete(id, token, done, guard.retention())
-    })
-    .await;
-    if let Err(e) = r {
-        tracing::error!(
-            target: "retrysafe::idempotency",
-            event = EventKind::CompletionLost.as_str(),
-            record = ?id,
-            error = %e,
-            "could not store the completed record; the handler's response is returned anyway"
-        );
-        guard.emit(EventKind::CompletionLost, id);
+/// The task that renews a claim's lease every third of a lease until `cap`, or until
+/// the lease is lost; aborted when dropped (the record is settled). It is a task of its
+/// own, so a handler that blocks its thread does not stop its own renewals.
+struct Renewal(JoinHandle<()>);
+
+impl Renewal {
+    fn spawn(
+        backend: &StoreBackend,
+        id: RecordId,
+        token: Token,
+        cap: Instant,
+        lease: Arc<Lease>,
+    ) -> Self {
+        let (store, every, timeout) = (backend.store.clone(), backend.lease, backend.store_timeout);
+        Renewal(tokio::spawn(renew_lease(
+            store, every, timeout, id, token, cap, lease,
+        )))
     }
 }
 
-/// Renews a claim's lease every third of a lease until `cap`, the lease is lost, or the
-/// future is dropped (the handler finished). Updates `lease` on every renewal.
+impl Drop for Renewal {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Renews now, then every third of `full` until `cap` or until the lease is lost.
+/// Updates `state` on every renewal.
 async fn renew_lease(
-    backend: &StoreBackend,
-    id: &RecordId,
+    store: BoxStore,
+    full: Duration,
+    timeout: Duration,
+    id: RecordId,
     token: Token,
     cap: Instant,
-    state: &Lease,
+    state: Arc<Lease>,
 ) {
-    let every = backend.lease / 3;
     loop {
-        tokio::time::sleep(every).await;
         let now = Instant::now();
-        let lease = backend.lease.min(cap.saturating_duration_since(now));
+        let lease = full.min(cap.saturating_duration_since(now));
         if lease.is_zero() {
             tracing::warn!(
                 target: "retrysafe::idempotency",
                 record = ?id,
                 "handler exceeded max_execution; its lease is no longer renewed"
             );
-            break;
+            return;
         }
-        match backend
-            .bounded(None, backend.store.renew(id, token, lease))
-            .await
-        {
-            Ok(()) => state.renewed(now, lease),
-            Err(StoreError::StaleToken) => {
+        match tokio::time::timeout(timeout, store.renew(&id, token, lease)).await {
+            Ok(Ok(())) => state.renewed(now, lease),
+            Ok(Err(StoreError::StaleToken)) => {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
-                break;
+                return;
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "lease renewal failed");
             }
+            Err(_) => {
+                tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease renewal timed out");
+            }
         }
-        if lease < backend.lease {
-            break; // the last renewal, capped by max_execution
+        if lease < full {
+            return; // the last renewal, capped by max_execution
         }
+        tokio::time::sleep(full / 3).await;
     }
-    std::future::pending::<()>().await;
 }
 
 /// The end of a claim's lease, as the holder last renewed it. Shared between the

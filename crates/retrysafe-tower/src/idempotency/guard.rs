@@ -15,9 +15,10 @@ use http::header::AUTHORIZATION;
 use http::request::Parts;
 use http::{HeaderMap, Method, Request, Response};
 use http_body::Body;
+use retrysafe_core::idempotency::protocol::Policy;
 use retrysafe_core::idempotency::{
-    Decision, Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, Principal, Record,
-    RecordId, Scope, StoredResponse, decide,
+    Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, IdempotencyEvent, Principal,
+    RecordId, Scope, StoredResponse,
 };
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use retrysafe_core::{CallContext, Deadline};
@@ -28,7 +29,7 @@ use tower_service::Service;
 
 use super::blocks::{self, CapturedBody};
 use super::body::{RequestBody, ResponseBody};
-use super::event::{EventHook, EventKind, IdempotencyEvent};
+use super::event::{EventHook, EventKind};
 use super::problem::{Problem, ProblemKind, Responder};
 
 type Res<B> = Response<ResponseBody<B>>;
@@ -70,13 +71,11 @@ pub(crate) struct GuardConfig {
     pub(crate) request_body_timeout: Duration,
     pub(crate) max_stored_response: usize,
     pub(crate) retention: Duration,
-    pub(crate) in_flight_retry_after: Duration,
-    pub(crate) wait_for_in_flight: Option<Duration>,
-    pub(crate) unavailable_retry_after: Duration,
+    /// The in-flight policy, the `retry-after` hints and whether the backend rolls a
+    /// failed handler back ([`Backend::ROLLS_BACK`]).
+    pub(crate) policy: Policy,
     pub(crate) responder: Option<Responder>,
     pub(crate) on_event: Option<EventHook>,
-    /// The backend rolls a failed handler back ([`Backend::ROLLS_BACK`]).
-    pub(crate) rolls_back: bool,
 }
 
 pub(crate) const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
@@ -98,12 +97,9 @@ impl GuardConfig {
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
             max_stored_response: MIB,
             retention: Duration::from_secs(24 * 60 * 60),
-            in_flight_retry_after: Duration::from_secs(1),
-            wait_for_in_flight: None,
-            unavailable_retry_after: Duration::from_secs(1),
+            policy: Policy::new().rolls_back(rolls_back),
             responder: None,
             on_event: None,
-            rolls_back,
         }
     }
 }
@@ -152,8 +148,7 @@ impl fmt::Debug for Guard {
             .field("request_body_timeout", &c.request_body_timeout)
             .field("max_stored_response", &c.max_stored_response)
             .field("retention", &c.retention)
-            .field("in_flight_retry_after", &c.in_flight_retry_after)
-            .field("wait_for_in_flight", &c.wait_for_in_flight)
+            .field("policy", &c.policy)
             .finish_non_exhaustive()
     }
 }
@@ -194,11 +189,16 @@ impl Guard {
         }
     }
 
+    /// The layer's answer of `kind`, with the `retry-after` and `do-not-retry` its case
+    /// requires (see [`Policy::problem`]).
+    pub fn problem_of<B>(&self, kind: ProblemKind, detail: &'static str) -> Res<B> {
+        self.problem(self.config.policy.problem(kind, detail))
+    }
+
     /// The answer to `problem`: the configured responder's (or the default RFC 9457
-    /// one), with the `do-not-retry` and `retry-after` headers its case requires and the
-    /// [`Problem`] as a response extension. With a backend that
-    /// [rolls back](Backend::ROLLS_BACK), a `handler-panicked` answer is not marked
-    /// `do-not-retry`: nothing happened, so a retry is safe.
+    /// one), with the `do-not-retry` and `retry-after` headers the problem carries and
+    /// the [`Problem`] as a response extension. Every problem answer of the layer (and
+    /// of the transactional layer) is written here.
     pub fn problem<B>(&self, problem: Problem) -> Res<B> {
         let config = &self.config;
         let res = match &config.responder {
@@ -206,8 +206,7 @@ impl Guard {
             None => problem.to_response(),
         };
         let (mut parts, body) = res.into_parts();
-        let kind = problem.kind();
-        if kind.do_not_retry() && !(config.rolls_back && kind == ProblemKind::HandlerPanicked) {
+        if problem.do_not_retry() {
             parts
                 .headers
                 .insert(config.convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
@@ -222,70 +221,22 @@ impl Guard {
         Response::from_parts(parts, ResponseBody::full(body, None))
     }
 
-    /// A 503 `store-unavailable` answer with the configured `retry-after`.
-    pub fn store_unavailable<B>(&self, detail: &'static str) -> Res<B> {
-        self.problem(
-            Problem::new(ProblemKind::StoreUnavailable, detail)
-                .retry_after(self.config.unavailable_retry_after),
-        )
-    }
-
     /// Reports `kind` for `record`: a `tracing` event, and the `on_event` hook.
     pub fn emit(&self, kind: EventKind, record: &RecordId) {
         tracing::debug!(target: "retrysafe::idempotency", event = kind.as_str(), record = ?record);
         if let Some(f) = &self.config.on_event {
-            f(&IdempotencyEvent {
-                kind,
-                record: *record,
-            });
+            f(&IdempotencyEvent::new(kind, *record));
         }
     }
 
-    /// The answer a copy gets from the existing `record` of its key (`fingerprint`
-    /// being its own): the replay, or a 422 `key-mismatch`, 500 `outcome-unknown` or 409
-    /// `response-not-stored` problem. `None` while the record is in flight (see
-    /// [`in_flight_wait`](Self::in_flight_wait)).
-    pub fn answer<B>(
-        &self,
-        id: &RecordId,
-        record: &Record,
-        fingerprint: &Fingerprint,
-    ) -> Option<Res<B>> {
-        let problem = match decide(record, fingerprint) {
-            Decision::InFlight => return None,
-            Decision::Replay(stored) => {
-                self.emit(EventKind::Replayed, id);
-                return Some(blocks::replay_response(&self.config.convention, stored));
-            }
-            Decision::Mismatch => {
-                self.emit(EventKind::Mismatch, id);
-                Problem::new(
-                    ProblemKind::KeyMismatch,
-                    "this Idempotency-Key was already used with a different request",
-                )
-            }
-            Decision::OutcomeUnknown => Problem::new(
-                ProblemKind::OutcomeUnknown,
-                "the first request with this Idempotency-Key may or may not have taken \
-                 effect; it will not be run again",
-            ),
-            Decision::NotStored => Problem::new(
-                ProblemKind::ResponseNotStored,
-                "the request with this Idempotency-Key completed, but its response was \
-                 too large to store",
-            ),
-        };
-        Some(self.problem(problem))
+    /// The protocol's settings for this layer.
+    pub fn policy(&self) -> &Policy {
+        &self.config.policy
     }
 
-    /// The in-flight policy for one copy, from now: see [`InFlightWait::next`].
-    pub fn in_flight_wait(&self, deadline: Option<Deadline>) -> InFlightWait {
-        InFlightWait {
-            guard: self.clone(),
-            started: Instant::now(),
-            deadline,
-            conflicted: false,
-        }
+    /// The replay of a stored response, marked `idempotent-replayed: true`.
+    pub fn replay<B>(&self, stored: &StoredResponse) -> Res<B> {
+        blocks::replay_response(&self.config.convention, stored)
     }
 
     /// Collects a handler's response to store it: the body up to the storable limit
@@ -334,46 +285,6 @@ pub struct Captured<B> {
     pub stored: Option<StoredResponse>,
     /// The response to send.
     pub response: Res<B>,
-}
-
-/// How long a copy that finds its key in flight may wait for it: the layer's
-/// [`wait_for_in_flight`](super::IdempotencyLayer::wait_for_in_flight) (zero without
-/// it), counted from the copy's first attempt and bounded by its deadline.
-#[derive(Debug)]
-pub struct InFlightWait {
-    guard: Guard,
-    started: Instant,
-    deadline: Option<Deadline>,
-    conflicted: bool,
-}
-
-impl InFlightWait {
-    /// The key was found in flight (again): reports a conflict the first time, then
-    /// returns the time the copy may still wait, or — none left — the 409
-    /// `request-in-flight` problem with the configured `retry-after`.
-    pub fn next(&mut self, id: &RecordId) -> Result<Duration, Problem> {
-        let guard = &self.guard;
-        if !self.conflicted {
-            guard.emit(EventKind::Conflict, id);
-        }
-        self.conflicted = true;
-        let max = guard.config.wait_for_in_flight.unwrap_or(Duration::ZERO);
-        let left = Deadline::bound(self.deadline, max.saturating_sub(self.started.elapsed()));
-        if left.is_zero() {
-            return Err(self.timed_out());
-        }
-        Ok(left)
-    }
-
-    /// The 409 `request-in-flight` problem with the configured `retry-after`, for a
-    /// copy whose wait ran out.
-    pub fn timed_out(&self) -> Problem {
-        Problem::new(
-            ProblemKind::InFlight,
-            "a request with this Idempotency-Key is still in progress; retry later",
-        )
-        .retry_after(self.guard.config.in_flight_retry_after)
-    }
 }
 
 /// A guarded request with a key, buffered and fingerprinted, as a [`Backend`] gets it.

@@ -318,7 +318,7 @@ impl<X> IdempotencyLayer<X> {
 
     /// The `retry-after` of a 409 `request-in-flight` answer (default 1 s).
     pub fn in_flight_retry_after(self, hint: Duration) -> Self {
-        self.config(|c| c.in_flight_retry_after = hint)
+        self.config(|c| c.policy = c.policy.in_flight_retry_after(hint))
     }
 
     /// Copies that find their key in flight wait up to `max` (bounded by the request's
@@ -326,7 +326,7 @@ impl<X> IdempotencyLayer<X> {
     /// holder released (or rolled back) race to claim.
     pub fn wait_for_in_flight(self, max: Duration) -> Result<Self, ConfigError> {
         let max = positive(max, "wait_for_in_flight")?;
-        Ok(self.config(|c| c.wait_for_in_flight = Some(max)))
+        Ok(self.config(|c| c.policy = c.policy.wait_for_in_flight(Some(max))))
     }
 
     /// The bound of guarded requests in flight (default 1024); past it, 503 `overloaded`.

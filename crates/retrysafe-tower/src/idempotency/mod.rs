@@ -103,6 +103,7 @@
 
 pub mod blocks;
 mod body;
+mod engine;
 mod event;
 mod exec;
 mod future;
@@ -116,7 +117,14 @@ pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use exec::StoreBackend;
 pub use future::ResponseFuture;
-pub use guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler, InFlightWait};
+pub use guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler};
+
+/// Plumbing for the transactional layer of `retrysafe-postgres`: not part of the public
+/// API, it may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
+}
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use memory::*;
 pub use problem::{Problem, ProblemKind};

@@ -24,7 +24,7 @@ use super::exec::StoreBackend;
 use super::future::ResponseFuture;
 use super::guard::{Answer, Backend, Guard, GuardedRequest, Handler, Inner};
 use super::layer::IdempotencyLayer;
-use super::problem::{Problem, ProblemKind};
+use super::problem::ProblemKind;
 
 type Res<B> = Response<ResponseBody<B>>;
 
@@ -118,10 +118,10 @@ where
                      authentication layer outside the idempotency layer, or configure scope_by"
                 );
             }
-            return ResponseFuture::ready(guard.problem(Problem::new(
+            return ResponseFuture::ready(guard.problem_of(
                 ProblemKind::ScopeMissing,
                 "the server could not determine whom this request belongs to",
-            )));
+            ));
         };
 
         let layer = self.layer.clone();
@@ -147,15 +147,10 @@ fn permit<B>(guard: &Guard) -> Result<OwnedSemaphorePermit, Box<Res<B>>> {
     Arc::clone(&guard.shared.permits)
         .try_acquire_owned()
         .map_err(|_| {
-            Box::new(
-                guard.problem(
-                    Problem::new(
-                        ProblemKind::Overloaded,
-                        "too many requests with idempotency keys in progress",
-                    )
-                    .retry_after(guard.config.unavailable_retry_after),
-                ),
-            )
+            Box::new(guard.problem_of(
+                ProblemKind::Overloaded,
+                "too many requests with idempotency keys in progress",
+            ))
         })
 }
 
@@ -227,10 +222,10 @@ where
     match buffered {
         Ok(Ok(b)) => Ok((permit, b)),
         Ok(Err(problem)) => Err(Box::new(guard.problem(problem))),
-        Err(_) => Err(Box::new(guard.problem(Problem::new(
+        Err(_) => Err(Box::new(guard.problem_of(
             ProblemKind::BodyTimeout,
             "the request body did not arrive in time",
-        )))),
+        ))),
     }
 }
 
@@ -303,10 +298,10 @@ where
                 .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
                 .unwrap_or("a panic");
             tracing::error!(target: "retrysafe::idempotency", error = what, "guarded task panicked");
-            Ok(guard.problem(Problem::new(
+            Ok(guard.problem_of(
                 ProblemKind::HandlerPanicked,
                 "the request could not be completed",
-            )))
+            ))
         }
     }
 }
@@ -391,6 +386,7 @@ mod tests {
     use tower::ServiceExt;
 
     use super::*;
+    use crate::idempotency::Problem;
 
     fn post(key: &str) -> Request<Full<Bytes>> {
         let mut req = Request::post("/pay")
