@@ -22,7 +22,7 @@ use retrysafe_core::store::StoreError;
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::idempotency::__private::{Engine, Outcome, answer_of, conclude, negotiate};
 use retrysafe_tower::idempotency::{
-    Answer, Backend, Captured, Guard, GuardedRequest, Handler, RequestBody,
+    Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler, RequestBody,
 };
 use sqlx::Row;
 use tokio::time::Instant;
@@ -45,23 +45,15 @@ impl Backend for TxBackend {
     /// A failed call is rolled back: nothing happened, a retry is safe.
     const ROLLS_BACK: bool = true;
 
-    fn run<H: Handler>(
-        &self,
-        guard: &Guard,
-        handler: H,
-        request: GuardedRequest,
-    ) -> impl Future<Output = Answer<H>> + Send {
-        let row = KeyRow::new(self, guard, &request);
-        run_keyed(guard, self, row, handler, request)
-    }
-
-    fn run_unkeyed<H: Handler>(
-        &self,
-        guard: &Guard,
-        handler: H,
-        request: Request<RequestBody<H::ReqBody>>,
-    ) -> impl Future<Output = Answer<H>> + Send {
-        run_unkeyed(guard, self, handler, request)
+    async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
+        let Call { guard, handler, .. } = call;
+        match call.request {
+            Guarded::Keyed(request) => {
+                let row = KeyRow::new(self, guard, &request);
+                run_keyed(guard, self, row, handler, request).await
+            }
+            Guarded::Unkeyed(request) => run_unkeyed(guard, self, handler, request).await,
+        }
     }
 }
 

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use super::body::{RequestBody, ResponseBody};
 use super::engine::{Engine, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
-use super::guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler};
+use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
 
 /// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
 /// [`IdempotencyStore`]: claim the key (a lease and a token), run the handler with the
@@ -58,13 +58,11 @@ impl fmt::Debug for StoreBackend {
 }
 
 impl Backend for StoreBackend {
-    fn run<H: Handler>(
-        &self,
-        guard: &Guard,
-        handler: H,
-        request: GuardedRequest,
-    ) -> impl Future<Output = Answer<H>> + Send {
-        execute(guard, self, handler, request)
+    async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
+        match call.request {
+            Guarded::Keyed(request) => execute(call.guard, self, call.handler, request).await,
+            Guarded::Unkeyed(request) => Call::unguarded(call.handler, request).await,
+        }
     }
 }
 

@@ -406,8 +406,8 @@ where
 /// layer of `retrysafe-postgres` runs the request in a PostgreSQL transaction that
 /// also writes its key.
 pub trait Backend: fmt::Debug + Send + Sync + 'static {
-    /// Whether a request on a guarded method without a key runs through
-    /// [`run_unkeyed`](Self::run_unkeyed) (in the same detachable task, bounded like the others)
+    /// Whether a request on a guarded method without a key is run by the backend (as
+    /// [`Guarded::Unkeyed`], in the same detachable task, bounded like the others)
     /// instead of passing to the service untouched.
     const GUARDS_UNKEYED: bool = false;
 
@@ -415,25 +415,35 @@ pub trait Backend: fmt::Debug + Send + Sync + 'static {
     /// back): a `handler-panicked` answer is then not marked `do-not-retry`.
     const ROLLS_BACK: bool = false;
 
-    /// Runs a request with a key: claims it (or answers from the record found), calls
-    /// the handler, and records what became of the call.
-    fn run<H: Handler>(
-        &self,
-        guard: &Guard,
-        handler: H,
-        request: GuardedRequest,
-    ) -> impl Future<Output = Answer<H>> + Send;
+    /// Runs a guarded request: claims its key (or answers from the record found),
+    /// calls the handler, and records what became of the call.
+    fn run<H: Handler>(&self, call: Call<'_, H>) -> impl Future<Output = Answer<H>> + Send;
+}
 
-    /// Runs a request without a key, when [`GUARDS_UNKEYED`](Self::GUARDS_UNKEYED) is
-    /// set. The default calls the handler: the request is not guarded.
-    fn run_unkeyed<H: Handler>(
-        &self,
-        guard: &Guard,
-        handler: H,
-        request: Request<RequestBody<H::ReqBody>>,
-    ) -> impl Future<Output = Answer<H>> + Send {
-        let _ = guard;
-        let call = handler.call(request);
-        async move { Ok(call.await?.map(ResponseBody::stream)) }
+/// One request for a [`Backend`] to run.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct Call<'a, H: Handler> {
+    /// The layer's rules.
+    pub guard: &'a Guard,
+    /// The inner service.
+    pub handler: H,
+    /// The request.
+    pub request: Guarded<H::ReqBody>,
+}
+
+/// A request a [`Backend`] runs.
+#[derive(Debug)]
+pub enum Guarded<B> {
+    /// With a key.
+    Keyed(GuardedRequest),
+    /// Without one, for a backend that [guards those](Backend::GUARDS_UNKEYED).
+    Unkeyed(Request<RequestBody<B>>),
+}
+
+impl<H: Handler> Call<'_, H> {
+    /// Calls the handler with `request` as it is: the request is not guarded.
+    pub async fn unguarded(handler: H, request: Request<RequestBody<H::ReqBody>>) -> Answer<H> {
+        Ok(handler.call(request).await?.map(ResponseBody::stream))
     }
 }

@@ -117,7 +117,7 @@ pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use exec::StoreBackend;
 pub use future::ResponseFuture;
-pub use guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler};
+pub use guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
 
 /// Plumbing for the transactional layer of `retrysafe-postgres`: not part of the public
 /// API, it may change in any release.

@@ -22,7 +22,7 @@ use super::blocks;
 use super::body::{RequestBody, ResponseBody};
 use super::exec::StoreBackend;
 use super::future::ResponseFuture;
-use super::guard::{Answer, Backend, Guard, GuardedRequest, Handler, Inner};
+use super::guard::{Answer, Backend, Call, Guard, Guarded, GuardedRequest, Handler, Inner};
 use super::layer::IdempotencyLayer;
 use super::problem::ProblemKind;
 
@@ -188,7 +188,14 @@ where
     };
     let guard = layer.guard.clone();
     spawned(&guard, permit, move || async move {
-        layer.backend.run(&layer.guard, handler, request).await
+        layer
+            .backend
+            .run(Call {
+                guard: &layer.guard,
+                handler,
+                request: Guarded::Keyed(request),
+            })
+            .await
     })
     .await
 }
@@ -250,7 +257,14 @@ where
     let req = Request::from_parts(parts, RequestBody::buffered(body));
     let guard = layer.guard.clone();
     spawned(&guard, permit, move || async move {
-        layer.backend.run_unkeyed(&layer.guard, handler, req).await
+        layer
+            .backend
+            .run(Call {
+                guard: &layer.guard,
+                handler,
+                request: Guarded::Unkeyed(req),
+            })
+            .await
     })
     .await
 }
@@ -433,12 +447,7 @@ mod tests {
     struct Panicking;
 
     impl Backend for Panicking {
-        async fn run<H: Handler>(
-            &self,
-            _guard: &Guard,
-            _handler: H,
-            _request: GuardedRequest,
-        ) -> Answer<H> {
+        async fn run<H: Handler>(&self, _call: Call<'_, H>) -> Answer<H> {
             panic!("backend bug")
         }
     }
