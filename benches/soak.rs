@@ -399,6 +399,7 @@ async fn run() -> bool {
         .unwrap();
     let redis_layer = IdempotencyLayer::new(redis_store)
         .retention(Duration::from_secs(30))
+        .build()
         .unwrap();
     let redis_side = start(redis_layer, seed ^ 2).await;
 

@@ -541,13 +541,15 @@ fn router(guard: Guard) -> Router {
 
 fn layer(store: impl IdempotencyStore) -> Res<Guard> {
     Ok(Guard::Layer(
-        IdempotencyLayer::new(store).retention(RETENTION)?,
+        IdempotencyLayer::new(store).retention(RETENTION).build()?,
     ))
 }
 
 fn tx_layer(store: &PostgresStore) -> Res<Guard> {
     Ok(Guard::Tx(
-        TxIdempotencyLayer::with_backend(TxBackend::from_store(store)).retention(RETENTION)?,
+        TxIdempotencyLayer::with_backend(TxBackend::from_store(store))
+            .retention(RETENTION)
+            .build()?,
     ))
 }
 

@@ -386,7 +386,6 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
                 .handlers_declare_commit_point()
                 .in_flight_retry_after(in_flight_hint)
                 .retention(Duration::from_secs(600))
-                .unwrap()
                 .on_event(on_event)
                 .on_outcome_unknown(on_unknown);
             let shutdown = layer.shutdown_handle();
@@ -401,7 +400,6 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
                 .require_key()
                 .in_flight_retry_after(in_flight_hint)
                 .retention(Duration::from_secs(600))
-                .unwrap()
                 .on_event(on_event);
             let shutdown = layer.shutdown_handle();
             (routes.layer(layer), shutdown)

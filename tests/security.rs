@@ -605,6 +605,7 @@ async fn key_flood_stays_within_the_memory_store_bounds() {
     // The layer's own bound is above the store's, so the store's is the one flooded.
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(1024)
+        .build()
         .unwrap();
     let fx = Effects::new();
     let addr = serve(app(layer, true, &fx)).await;
@@ -1109,6 +1110,7 @@ async fn disconnect_flood(how: Hangup) {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(MAX)
+        .build()
         .unwrap();
     let shutdown = layer.shutdown_handle();
     let fx = Effects::new();
@@ -1226,6 +1228,7 @@ async fn oversize_bodies_are_refused_before_any_claim() {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_request_body(1024)
+        .build()
         .unwrap();
     let fx = Effects::new();
     let addr = serve(app(layer, true, &fx)).await;
@@ -1417,7 +1420,7 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
 
     // No timeout: the slots are held for as long as the clients keep the connections.
     let fx = Effects::new();
-    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX).unwrap();
+    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX);
     let addr = serve(app(layer, true, &fx)).await;
     let conns = trickle(addr).await;
     until_status(&client, addr, 503, "probe").await;
@@ -1430,7 +1433,7 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
 
     // With an outer timeout the trickling requests are dropped and their slots freed.
     let fx = Effects::new();
-    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX).unwrap();
+    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX);
     let timed_out = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&timed_out);
     let router = app(layer, true, &fx).layer(axum::middleware::from_fn(
@@ -1473,8 +1476,8 @@ async fn trickled_bodies_time_out_and_free_their_slots() {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(MAX)
-        .unwrap()
         .request_body_timeout(Duration::from_millis(300))
+        .build()
         .unwrap();
     let fx = Effects::new();
     let addr = serve(app(layer, true, &fx)).await;
@@ -1529,8 +1532,8 @@ async fn a_body_that_never_arrives_times_out_on_the_paused_clock() {
     let fx = Effects::new();
     let layer = IdempotencyLayer::in_memory()
         .max_in_flight(1)
-        .unwrap()
         .request_body_timeout(Duration::from_secs(5))
+        .build()
         .unwrap();
     let router = app(layer, true, &fx);
     let never =
@@ -1566,6 +1569,7 @@ async fn a_body_that_never_arrives_times_out_on_the_paused_clock() {
     assert!(
         IdempotencyLayer::in_memory()
             .request_body_timeout(Duration::ZERO)
+            .build()
             .is_err()
     );
 }
@@ -1845,8 +1849,8 @@ async fn a_client_that_never_reads_holds_no_slot() {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_stored_response(32 << 20)
-        .unwrap()
         .max_in_flight(1)
+        .build()
         .unwrap();
     let shutdown = layer.shutdown_handle();
     let fx = Effects::new();
@@ -1881,6 +1885,7 @@ async fn a_client_that_never_reads_holds_no_slot() {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(1)
+        .build()
         .unwrap();
     let shutdown = layer.shutdown_handle();
     let fx = Effects::new();

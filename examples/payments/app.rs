@@ -143,14 +143,15 @@ pub(crate) fn router_on(
     };
     let mut idempotency = layer.require_key().handlers_declare_commit_point();
     if let Some(lease) = options.lease {
-        idempotency = idempotency.lease(lease)?;
+        idempotency = idempotency.lease(lease);
     }
     if let Some(retention) = options.retention {
-        idempotency = idempotency.retention(retention)?;
+        idempotency = idempotency.retention(retention);
     }
     if options.wait_for_in_flight {
-        idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT)?;
+        idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT);
     }
+    let idempotency = idempotency.build()?;
     let shutdown = idempotency.shutdown_handle();
 
     let router = Router::new()
@@ -171,15 +172,16 @@ fn transactional(
 ) -> Result<(Router, Shutdown), ConfigError> {
     let mut backend = TxBackend::from_store(store);
     if let Some(lease) = options.lease {
-        backend = backend.idle_in_transaction_timeout(lease)?;
+        backend = backend.idle_in_transaction_timeout(lease);
     }
     let mut idempotency = TxIdempotencyLayer::with_backend(backend).require_key();
     if let Some(retention) = options.retention {
-        idempotency = idempotency.retention(retention)?;
+        idempotency = idempotency.retention(retention);
     }
     if options.wait_for_in_flight {
-        idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT)?;
+        idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT);
     }
+    let idempotency = idempotency.build()?;
     let shutdown = idempotency.shutdown_handle();
 
     let router = Router::new()

@@ -91,7 +91,7 @@ impl std::error::Error for ConfigError {}
 /// let e = v.finish(()).unwrap_err();
 /// assert_eq!(e.fields().collect::<Vec<_>>(), ["lease"]);
 /// ```
-#[derive(Debug, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct Validate {
     error: Option<ConfigError>,
 }
@@ -126,6 +126,11 @@ impl Validate {
             None => error,
             Some(first) => first.and(error),
         });
+    }
+
+    /// Every refusal so far, if any.
+    pub fn error(&self) -> Option<&ConfigError> {
+        self.error.as_ref()
     }
 
     /// `value` when nothing was refused, otherwise every refusal.

@@ -466,6 +466,7 @@ async fn kept_guard_is_freed_by_the_idle_timeout() {
     let layer = TxIdempotencyLayer::with_backend(
         env.backend()
             .idle_in_transaction_timeout(Duration::from_millis(300))
+            .build()
             .unwrap(),
     );
     let app = env.app(layer);
@@ -600,6 +601,7 @@ async fn fifty_concurrent_copies_in_wait_mode_get_the_replay() {
     let layer = env
         .layer()
         .wait_for_in_flight(Duration::from_secs(30))
+        .build()
         .unwrap();
     let app = env.app(layer);
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
@@ -653,6 +655,7 @@ async fn waiter_runs_when_the_holder_rolls_back() {
     let layer = env
         .layer()
         .wait_for_in_flight(Duration::from_secs(30))
+        .build()
         .unwrap();
     let app = env.app(layer);
     let holder = tokio::spawn({
@@ -697,6 +700,7 @@ async fn connection_acquisition_is_bounded_by_the_deadline() {
     let quick = env.app(TxIdempotencyLayer::with_backend(
         env.backend()
             .acquire_timeout(Duration::from_millis(200))
+            .build()
             .unwrap(),
     ));
     let busy = send(&quick, pay_req(Some("k"), "ok", "acc")).await;
@@ -861,7 +865,7 @@ async fn cancelled_begin_never_leaves_a_connection_in_a_transaction() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn oversized_response_commits_a_not_stored_marker() {
     let env = Env::new(4).await;
-    let app = env.app(env.layer().max_stored_response(16).unwrap());
+    let app = env.app(env.layer().max_stored_response(16));
     let first = send(&app, pay_req(Some("k"), "big", "acc")).await;
     assert_eq!(first.status, StatusCode::CREATED);
     assert_eq!(first.body.len(), 100);
@@ -914,8 +918,8 @@ async fn unkeyed_trickled_body_times_out_before_any_transaction() {
     let layer = env
         .layer()
         .max_in_flight(1)
-        .unwrap()
         .request_body_timeout(Duration::from_millis(300))
+        .build()
         .unwrap();
     let app = env.app(layer);
     let trickle = futures_util::stream::once(async { Ok::<_, std::io::Error>(Bytes::from("a")) })
@@ -981,7 +985,7 @@ async fn guard_rules_as_the_idempotency_layer() {
     assert_eq!(missing.problem(), problem_type(ProblemKind::KeyMissing));
 
     // Body over the limit: 413 before anything.
-    let small = env.app(env.layer().max_request_body(8).unwrap());
+    let small = env.app(env.layer().max_request_body(8));
     let large = send(&small, pay_req(Some("k"), "ok", "a-long-account-name")).await;
     assert_eq!(large.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert_eq!(large.problem(), problem_type(ProblemKind::BodyTooLarge));
@@ -1008,7 +1012,7 @@ async fn guard_rules_as_the_idempotency_layer() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn expired_key_rows_go_by_the_store_sweeper() {
     let env = Env::new(4).await;
-    let app = env.app(env.layer().retention(Duration::from_millis(300)).unwrap());
+    let app = env.app(env.layer().retention(Duration::from_millis(300)));
     assert_eq!(
         send(&app, pay_req(Some("k"), "ok", "acc")).await.status,
         StatusCode::CREATED
@@ -1079,32 +1083,59 @@ async fn settings_are_validated() {
     let env = Env::new(2).await;
     let l = || env.layer();
     let b = || env.backend();
-    assert_eq!(b().table("Bad").unwrap_err().field(), "table");
-    assert_eq!(b().schema("1x").unwrap_err().field(), "schema");
+    assert_eq!(b().table("Bad").build().unwrap_err().field(), "table");
+    assert_eq!(b().schema("1x").build().unwrap_err().field(), "schema");
     assert_eq!(
-        b().acquire_timeout(Duration::ZERO).unwrap_err().field(),
+        b().acquire_timeout(Duration::ZERO)
+            .build()
+            .unwrap_err()
+            .field(),
         "acquire_timeout"
     );
     assert_eq!(
         b().idle_in_transaction_timeout(Duration::from_micros(10))
+            .build()
             .unwrap_err()
             .field(),
         "idle_in_transaction_timeout"
     );
     assert_eq!(
         b().idle_in_transaction_timeout(Duration::from_secs(30 * 24 * 3600))
+            .build()
             .unwrap_err()
             .field(),
         "idle_in_transaction_timeout"
     );
     assert_eq!(
-        l().retention(Duration::ZERO).unwrap_err().field(),
+        l().retention(Duration::ZERO).build().unwrap_err().field(),
         "retention"
     );
-    assert_eq!(l().max_in_flight(0).unwrap_err().field(), "max_in_flight");
+    assert_eq!(
+        l().max_in_flight(0).build().unwrap_err().field(),
+        "max_in_flight"
+    );
+    // Every refused setting is named, the backend's through the layer's build too.
+    let both = b()
+        .acquire_timeout(Duration::ZERO)
+        .table("Bad")
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        both.fields().collect::<Vec<_>>(),
+        ["acquire_timeout", "table"]
+    );
+    let through_layer = TxIdempotencyLayer::with_backend(b().commit_timeout(Duration::ZERO))
+        .max_in_flight(0)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        through_layer.fields().collect::<Vec<_>>(),
+        ["max_in_flight", "commit_timeout"]
+    );
     assert_eq!(l().backend().table_name(), env.store.table());
     let named = TxBackend::new(env.store.pool().clone())
         .schema(env.store.schema.clone())
+        .build()
         .unwrap();
     assert_eq!(named.table_name(), env.store.table());
 }

@@ -27,6 +27,7 @@ async fn app_server(prefix: &str, effects: &Arc<AtomicUsize>) -> Router {
         .unwrap();
     let layer = IdempotencyLayer::new(store)
         .wait_for_in_flight(Duration::from_secs(10))
+        .build()
         .unwrap();
     let effects = Arc::clone(effects);
     Router::new()

@@ -260,6 +260,7 @@ async fn quoted_and_bare_forms_are_one_key() {
 async fn oversize_body_is_refused_before_any_claim() {
     let layer = IdempotencyLayer::in_memory()
         .max_request_body(1024)
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let big = vec![b'x'; 1025];
@@ -374,6 +375,7 @@ async fn in_flight_duplicate_gets_409_with_retry_after() {
 async fn in_flight_duplicate_waits_and_replays() {
     let layer = IdempotencyLayer::in_memory()
         .wait_for_in_flight(Duration::from_secs(5))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let mk = || {
@@ -401,6 +403,7 @@ async fn in_flight_duplicate_waits_and_replays() {
 async fn wait_past_its_maximum_gets_409() {
     let layer = IdempotencyLayer::in_memory()
         .wait_for_in_flight(Duration::from_secs(2))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let mk = || {
@@ -428,6 +431,7 @@ async fn wait_past_its_maximum_gets_409() {
 async fn waiters_race_to_claim_after_a_release() {
     let layer = IdempotencyLayer::in_memory()
         .wait_for_in_flight(Duration::from_secs(5))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let first = tokio::spawn({
@@ -870,8 +874,8 @@ async fn dead_holder_after_commit_point_is_outcome_unknown() {
 async fn lease_is_renewed_until_max_execution() {
     let layer = IdempotencyLayer::in_memory()
         .lease(Duration::from_secs(10))
-        .unwrap()
         .max_execution(Duration::from_secs(30))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let stalled = tokio::spawn({
@@ -909,6 +913,7 @@ async fn stalled_holder_before_commit_point_is_taken_over() {
         IdempotencyLayer::in_memory()
             .handlers_declare_commit_point()
             .max_execution(Duration::from_secs(10))
+            .build()
             .unwrap(),
     );
     let (app, effects) = make_app(layer);
@@ -964,6 +969,7 @@ async fn completion_failures_are_retried_then_reported() {
 async fn oversize_response_is_streamed_once_and_never_rerun() {
     let layer = IdempotencyLayer::in_memory()
         .max_stored_response(1000)
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let mk = || {
@@ -1038,7 +1044,7 @@ async fn slow_store_times_out() {
 // Row: too many guarded requests in flight → 503 with retry-after.
 #[tokio::test]
 async fn in_flight_bound_answers_503() {
-    let (app, effects) = make_app(IdempotencyLayer::in_memory().max_in_flight(1).unwrap());
+    let (app, effects) = make_app(IdempotencyLayer::in_memory().max_in_flight(1));
     let slow = tokio::spawn({
         let app = app.clone();
         let r = post_req(Some("a"), "")
@@ -1062,6 +1068,7 @@ async fn retention_expires() {
     let (app, effects) = make_app(
         IdempotencyLayer::in_memory()
             .retention(Duration::from_secs(60))
+            .build()
             .unwrap(),
     );
     send(&app, req("k", "a")).await;
@@ -1156,6 +1163,7 @@ async fn concurrent_duplicates_run_once() {
 async fn concurrent_duplicates_in_wait_mode_all_get_the_answer() {
     let layer = IdempotencyLayer::in_memory()
         .wait_for_in_flight(Duration::from_secs(5))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let mut tasks = Vec::new();
@@ -1283,31 +1291,51 @@ async fn problem_responder_can_be_replaced() {
 // Builders validate instead of panicking.
 #[test]
 fn invalid_configuration_is_an_error() {
-    assert!(IdempotencyLayer::in_memory().lease(Duration::ZERO).is_err());
+    assert!(
+        IdempotencyLayer::in_memory()
+            .lease(Duration::ZERO)
+            .build()
+            .is_err()
+    );
     assert!(
         IdempotencyLayer::in_memory()
             .retention(Duration::ZERO)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .max_execution(Duration::ZERO)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .store_timeout(Duration::ZERO)
+            .build()
             .is_err()
     );
-    assert!(IdempotencyLayer::in_memory().max_in_flight(0).is_err());
-    assert!(IdempotencyLayer::in_memory().max_request_body(0).is_err());
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_in_flight(0)
+            .build()
+            .is_err()
+    );
+    assert!(
+        IdempotencyLayer::in_memory()
+            .max_request_body(0)
+            .build()
+            .is_err()
+    );
     assert!(
         IdempotencyLayer::in_memory()
             .wait_for_in_flight(Duration::ZERO)
+            .build()
             .is_err()
     );
     let e = IdempotencyLayer::in_memory()
         .lease(Duration::ZERO)
+        .build()
         .err()
         .unwrap();
     assert_eq!(e.field(), "lease");
@@ -1320,43 +1348,78 @@ fn _get_route_compiles() -> Router {
         .layer(IdempotencyLayer::in_memory())
 }
 
+// One build names every refused setting; a refused setting keeps its default, so a
+// layer used without build still works.
+#[tokio::test]
+async fn build_names_every_refused_setting_and_refused_values_keep_their_defaults() {
+    let unbuilt = IdempotencyLayer::in_memory()
+        .lease(Duration::ZERO)
+        .max_request_body(0)
+        .retention(Duration::MAX)
+        .max_in_flight(0);
+    let error = unbuilt.clone().build().unwrap_err();
+    assert_eq!(
+        error.fields().collect::<Vec<_>>(),
+        ["lease", "max_request_body", "retention", "max_in_flight"]
+    );
+    let (app, effects) = make_app(unbuilt);
+    let (first, _, _) = send(&app, req("k", "{}")).await;
+    let (again, headers, _) = send(&app, req("k", "{}")).await;
+    assert_eq!(first, StatusCode::CREATED);
+    assert_eq!(again, StatusCode::CREATED);
+    assert_eq!(headers["idempotent-replayed"], "true");
+    assert_eq!(effects.get(), 1);
+}
+
 // Absurd values are refused rather than overflowing deadline arithmetic later.
 #[test]
 fn huge_configuration_values_are_refused() {
-    assert!(IdempotencyLayer::in_memory().lease(Duration::MAX).is_err());
+    assert!(
+        IdempotencyLayer::in_memory()
+            .lease(Duration::MAX)
+            .build()
+            .is_err()
+    );
     assert!(
         IdempotencyLayer::in_memory()
             .max_execution(Duration::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .wait_for_in_flight(Duration::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .store_timeout(Duration::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .retention(Duration::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .max_stored_response(usize::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .max_request_body(usize::MAX)
+            .build()
             .is_err()
     );
     assert!(
         IdempotencyLayer::in_memory()
             .retention(Duration::from_secs(365 * 86_400))
+            .build()
             .is_ok()
     );
 }
@@ -1369,6 +1432,7 @@ async fn fail_open_never_runs_past_an_existing_record() {
     let layer = IdempotencyLayer::new(store.clone())
         .fail_open()
         .wait_for_in_flight(Duration::from_secs(5))
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let first = tokio::spawn({
@@ -1400,6 +1464,7 @@ async fn fail_open_never_runs_past_an_existing_record() {
 async fn slow_response_body_is_bounded_by_max_execution() {
     let layer = IdempotencyLayer::in_memory()
         .max_execution(Duration::from_secs(5))
+        .build()
         .unwrap();
     let app = Router::new()
         .route(
@@ -1440,6 +1505,7 @@ async fn slow_response_body_is_bounded_by_max_execution() {
 async fn one_huge_frame_is_passed_on() {
     let layer = IdempotencyLayer::in_memory()
         .max_stored_response(10)
+        .build()
         .unwrap();
     let (app, effects) = make_app(layer);
     let mk = || {

@@ -2,6 +2,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_tower::idempotency::blocks::duration_setting;
 use sqlx::PgPool;
@@ -14,8 +15,9 @@ use crate::PostgresStore;
 /// pool, the key table) and how long their steps may take. See the
 /// [module docs](super) for the pattern.
 ///
-/// Its builder methods take and return it, those whose value can be invalid as
-/// `Result<Self, ConfigError>`; the guard's options (methods, key, scope, limits,
+/// Its builder methods take and return it and never fail: a refused value keeps the
+/// default and is named by the layer's [`build`](retrysafe_tower::idempotency::IdempotencyLayer::build).
+/// The guard's options (methods, key, scope, limits,
 /// retention, in-flight policy, …) are methods of the layer:
 ///
 /// ```no_run
@@ -25,10 +27,11 @@ use crate::PostgresStore;
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
-/// let backend = TxBackend::from_store(&store).acquire_timeout(Duration::from_millis(500))?;
+/// let backend = TxBackend::from_store(&store).acquire_timeout(Duration::from_millis(500));
 /// let layer = TxIdempotencyLayer::with_backend(backend)
 ///     .require_key()
-///     .wait_for_in_flight(Duration::from_secs(5))?;
+///     .wait_for_in_flight(Duration::from_secs(5))
+///     .build()?;
 /// assert_eq!(layer.backend().table_name(), store.table());
 /// # Ok(()) }
 /// ```
@@ -43,6 +46,8 @@ pub struct TxBackend {
     pub(crate) acquire_timeout: Duration,
     pub(crate) commit_timeout: Duration,
     pub(crate) idle_in_transaction: Duration,
+    /// The settings a setter refused, reported by the layer's `build`.
+    pub(crate) checks: Validate,
 }
 
 impl fmt::Debug for TxBackend {
@@ -77,7 +82,7 @@ impl TxBackend {
     /// `test_before_acquire`, that adds a ping (one round trip) per request; the pools
     /// [`PostgresStore::connect`] makes skip it.
     pub fn new(pool: PgPool) -> Self {
-        Self::build(pool, None, crate::sql::DEFAULT_TABLE.to_owned())
+        Self::make(pool, None, crate::sql::DEFAULT_TABLE.to_owned())
     }
 
     /// Transactions on the store's pool and table: key rows the layer commits are
@@ -96,10 +101,10 @@ impl TxBackend {
             Some((s, t)) => (Some(s.to_owned()), t.to_owned()),
             None => (None, store.table().to_owned()),
         };
-        Self::build(store.pool().clone(), schema, table)
+        Self::make(store.pool().clone(), schema, table)
     }
 
-    fn build(pool: PgPool, schema: Option<String>, table: String) -> Self {
+    fn make(pool: PgPool, schema: Option<String>, table: String) -> Self {
         let idle = Duration::from_secs(10);
         TxBackend {
             pool,
@@ -111,45 +116,58 @@ impl TxBackend {
             acquire_timeout: Duration::from_secs(1),
             commit_timeout: Duration::from_secs(5),
             idle_in_transaction: idle,
+            checks: Validate::new(),
         }
     }
 
     /// The schema of the key table (default: none, the connection's `search_path`), as
     /// in [`PostgresStoreBuilder::schema`](crate::PostgresStoreBuilder::schema).
-    pub fn schema(mut self, schema: impl Into<String>) -> Result<Self, ConfigError> {
+    pub fn schema(mut self, schema: impl Into<String>) -> Self {
         let schema = schema.into();
-        crate::sql::check_schema(&schema)?;
-        self.sql = Arc::new(TxSql::new(Some(&schema), &self.table));
-        self.schema = Some(schema);
-        Ok(self)
+        if self
+            .checks
+            .take(crate::sql::check_schema(&schema))
+            .is_some()
+        {
+            self.sql = Arc::new(TxSql::new(Some(&schema), &self.table));
+            self.schema = Some(schema);
+        }
+        self
     }
 
     /// The key table (default `retrysafe_idempotency`), as in
     /// [`PostgresStoreBuilder::table`](crate::PostgresStoreBuilder::table).
-    pub fn table(mut self, table: impl Into<String>) -> Result<Self, ConfigError> {
+    pub fn table(mut self, table: impl Into<String>) -> Self {
         let table = table.into();
-        crate::sql::check_table(&table)?;
-        self.sql = Arc::new(TxSql::new(self.schema.as_deref(), &table));
-        self.table = table;
-        Ok(self)
+        if self.checks.take(crate::sql::check_table(&table)).is_some() {
+            self.sql = Arc::new(TxSql::new(self.schema.as_deref(), &table));
+            self.table = table;
+        }
+        self
     }
 
     /// How long a request may take to check a connection out of the pool, begin its
     /// transaction and take its key (default 1 s); with a
     /// [`Deadline`](retrysafe_core::Deadline) extension, the sooner of the two. Past it,
     /// 503 `store-unavailable` with `retry-after`.
-    pub fn acquire_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        self.acquire_timeout = duration_setting(timeout, "acquire_timeout", MAX_SPAN)?;
-        Ok(self)
+    pub fn acquire_timeout(mut self, timeout: Duration) -> Self {
+        let checked = duration_setting(timeout, "acquire_timeout", MAX_SPAN);
+        if let Some(t) = self.checks.take(checked) {
+            self.acquire_timeout = t;
+        }
+        self
     }
 
     /// How long writing the key row and committing may take after the handler answered
     /// (default 5 s). Past it, or when either fails, the answer is 503
     /// `store-unavailable`: the retry finds the key committed (and replays) or absent
     /// (and runs).
-    pub fn commit_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        self.commit_timeout = duration_setting(timeout, "commit_timeout", MAX_SPAN)?;
-        Ok(self)
+    pub fn commit_timeout(mut self, timeout: Duration) -> Self {
+        let checked = duration_setting(timeout, "commit_timeout", MAX_SPAN);
+        if let Some(t) = self.checks.take(checked) {
+            self.commit_timeout = t;
+        }
+        self
     }
 
     /// The `idle_in_transaction_session_timeout` set (`SET LOCAL`) on every transaction
@@ -157,17 +175,23 @@ impl TxBackend {
     /// idle that long — its application host vanished, a leaked guard, a handler waiting
     /// on something else — is ended by the server, which rolls it back and frees its
     /// key. Response bodies are collected for at most half of it.
-    pub fn idle_in_transaction_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        let t = duration_setting(timeout, "idle_in_transaction_timeout", MAX_IDLE)?;
-        if t < Duration::from_millis(1) {
-            return Err(ConfigError::new(
-                "idle_in_transaction_timeout",
-                "must be at least 1 ms",
-            ));
+    pub fn idle_in_transaction_timeout(mut self, timeout: Duration) -> Self {
+        let checked =
+            duration_setting(timeout, "idle_in_transaction_timeout", MAX_IDLE).and_then(|t| {
+                if t < Duration::from_millis(1) {
+                    Err(ConfigError::new(
+                        "idle_in_transaction_timeout",
+                        "must be at least 1 ms",
+                    ))
+                } else {
+                    Ok(t)
+                }
+            });
+        if let Some(t) = self.checks.take(checked) {
+            self.idle_in_transaction = t;
+            self.begin = sql::begin(t);
         }
-        self.idle_in_transaction = t;
-        self.begin = sql::begin(t);
-        Ok(self)
+        self
     }
 
     /// The advisory-lock class (default [`DEFAULT_LOCK_CLASS`](Self::DEFAULT_LOCK_CLASS)),
@@ -176,6 +200,13 @@ impl TxBackend {
     pub fn advisory_lock_class(mut self, class: i32) -> Self {
         self.lock_class = class;
         self
+    }
+
+    /// Validates the settings: every one a setter refused is named in the error. (The
+    /// layer's [`build`](retrysafe_tower::idempotency::IdempotencyLayer::build) checks
+    /// them too.)
+    pub fn build(self) -> Result<Self, ConfigError> {
+        self.checks.clone().finish(self)
     }
 
     /// The pool the layer takes its connections from.

@@ -19,7 +19,7 @@ use retrysafe_core::idempotency::{
 };
 use retrysafe_core::problem::ProblemKind;
 use retrysafe_core::store::StoreError;
-use retrysafe_core::{CallContext, Deadline};
+use retrysafe_core::{CallContext, ConfigError, Deadline};
 use retrysafe_tower::idempotency::__private::{Engine, Outcome, answer_of, conclude, negotiate};
 use retrysafe_tower::idempotency::{
     Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler, RequestBody,
@@ -44,6 +44,10 @@ impl Backend for TxBackend {
     const GUARDS_UNKEYED: bool = true;
     /// A failed call is rolled back: nothing happened, a retry is safe.
     const ROLLS_BACK: bool = true;
+
+    fn refused(&self) -> Option<&ConfigError> {
+        self.checks.error()
+    }
 
     async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
         let Call { guard, handler, .. } = call;

@@ -85,10 +85,11 @@
 //! # use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
 //! # async fn run(store: PostgresStore) -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = TxBackend::from_store(&store)
-//!     .idle_in_transaction_timeout(Duration::from_secs(5))?;
+//!     .idle_in_transaction_timeout(Duration::from_secs(5));
 //! let layer = TxIdempotencyLayer::with_backend(backend)
 //!     .require_key()
-//!     .retention(Duration::from_secs(3600))?;
+//!     .retention(Duration::from_secs(3600))
+//!     .build()?; // names every refused setting, the backend's included
 //! assert_eq!(layer.backend().table_name(), store.table());
 //! # Ok(()) }
 //! ```
@@ -215,7 +216,8 @@ pub use retrysafe_tower::idempotency::ResponseFuture;
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;
 /// let layer = TxIdempotencyLayer::with_backend(TxBackend::from_store(&store))
 ///     .require_key()
-///     .max_request_body(64 * 1024)?;
+///     .max_request_body(64 * 1024)
+///     .build()?;
 /// # drop(layer);
 /// # Ok(()) }
 /// ```

@@ -15,13 +15,14 @@ use http::header::AUTHORIZATION;
 use http::request::Parts;
 use http::{HeaderMap, Method, Request, Response};
 use http_body::Body;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::idempotency::protocol::Policy;
 use retrysafe_core::idempotency::{
     Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, IdempotencyEvent, Principal,
     RecordId, Scope, StoredResponse,
 };
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
-use retrysafe_core::{CallContext, Deadline};
+use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
@@ -76,6 +77,8 @@ pub(crate) struct GuardConfig {
     pub(crate) policy: Policy,
     pub(crate) responder: Option<Responder>,
     pub(crate) on_event: Option<EventHook>,
+    /// The settings a setter refused, reported by `build`.
+    pub(crate) checks: Validate,
 }
 
 pub(crate) const DEFAULT_MAX_IN_FLIGHT: usize = 1024;
@@ -100,6 +103,7 @@ impl GuardConfig {
             policy: Policy::new().rolls_back(rolls_back),
             responder: None,
             on_event: None,
+            checks: Validate::new(),
         }
     }
 }
@@ -414,6 +418,12 @@ pub trait Backend: fmt::Debug + Send + Sync + 'static {
     /// Whether the backend undoes a failed handler's effects (its transaction rolls
     /// back): a `handler-panicked` answer is then not marked `do-not-retry`.
     const ROLLS_BACK: bool = false;
+
+    /// The settings of the backend that its setters refused, reported by the layer's
+    /// `build`.
+    fn refused(&self) -> Option<&ConfigError> {
+        None
+    }
 
     /// Runs a guarded request: claims its key (or answers from the record found),
     /// calls the handler, and records what became of the call.

@@ -23,8 +23,8 @@ use super::{MemoryStore, blocks};
 /// Applies [`Idempotency`] to a service: makes POST and PATCH safe to retry by
 /// `Idempotency-Key`. See the [module docs](super) for the full behaviour.
 ///
-/// Builder methods take and return the layer; those whose value can be invalid return
-/// `Result<Self, ConfigError>`. The methods of `IdempotencyLayer<X>` set the [`Guard`]
+/// Builder methods take and return the layer and never fail; [`build`](Self::build)
+/// validates them once and names every refused setting. The methods of `IdempotencyLayer<X>` set the [`Guard`]
 /// and apply whatever the [`Backend`] `X`; those of `IdempotencyLayer` (over the
 /// default [`StoreBackend`]) set the store protocol. The transactional layer of
 /// `retrysafe-postgres` is this layer over its own backend, built with
@@ -136,26 +136,36 @@ impl IdempotencyLayer {
 
     /// The lease of a claim (default 10 s), renewed every third of it while the handler
     /// runs.
-    pub fn lease(self, lease: Duration) -> Result<Self, ConfigError> {
-        let l = positive(lease, "lease")?;
-        if l < Duration::from_millis(3) {
-            return Err(ConfigError::new("lease", "must be at least 3 ms"));
+    pub fn lease(mut self, lease: Duration) -> Self {
+        let checked = positive(lease, "lease").and_then(|l| {
+            if l < Duration::from_millis(3) {
+                Err(ConfigError::new("lease", "must be at least 3 ms"))
+            } else {
+                Ok(l)
+            }
+        });
+        match self.checked(checked) {
+            Some(l) => self.store_config(|c| c.lease = l),
+            None => self,
         }
-        Ok(self.store_config(|c| c.lease = l))
     }
 
     /// The longest a handler's lease is renewed (default 60 s); a handler still running
     /// then loses its lease.
-    pub fn max_execution(self, max: Duration) -> Result<Self, ConfigError> {
-        let m = positive(max, "max_execution")?;
-        Ok(self.store_config(|c| c.max_execution = m))
+    pub fn max_execution(mut self, max: Duration) -> Self {
+        match self.checked(positive(max, "max_execution")) {
+            Some(m) => self.store_config(|c| c.max_execution = m),
+            None => self,
+        }
     }
 
     /// The timeout of one store call without a request deadline (default 1 s); with a
     /// [`Deadline`](retrysafe_core::Deadline) extension, the sooner of the two.
-    pub fn store_timeout(self, timeout: Duration) -> Result<Self, ConfigError> {
-        let t = positive(timeout, "store_timeout")?;
-        Ok(self.store_config(|c| c.store_timeout = t))
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        match self.checked(positive(timeout, "store_timeout")) {
+            Some(t) => self.store_config(|c| c.store_timeout = t),
+            None => self,
+        }
     }
 
     /// Runs the handler unguarded (and logs) when the store fails, instead of the
@@ -201,10 +211,51 @@ impl<X: Backend> IdempotencyLayer<X> {
     }
 }
 
+impl<X: Backend> IdempotencyLayer<X> {
+    /// Validates the layer: every setting refused by a setter (the layer's and its
+    /// backend's) is named in the error. A refused setting keeps its default, so a
+    /// layer used without `build` is still safe, but `build` is where mistakes show.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use retrysafe_tower::idempotency::IdempotencyLayer;
+    ///
+    /// let error = IdempotencyLayer::in_memory()
+    ///     .lease(Duration::ZERO)
+    ///     .retention(Duration::from_secs(400 * 24 * 3600))
+    ///     .build()
+    ///     .unwrap_err();
+    /// assert_eq!(error.fields().collect::<Vec<_>>(), ["lease", "retention"]);
+    /// assert!(IdempotencyLayer::in_memory().require_key().build().is_ok());
+    /// ```
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut checks = self.guard.config.checks.clone();
+        if let Some(e) = self.backend.refused() {
+            checks.refuse(e.clone());
+        }
+        checks.finish(self)
+    }
+}
+
 impl<X> IdempotencyLayer<X> {
     fn config(mut self, f: impl FnOnce(&mut GuardConfig)) -> Self {
         f(Arc::make_mut(&mut self.guard.config));
         self
+    }
+
+    /// Records the refusal of a setting unless `ok`; returns `ok`.
+    fn check(&mut self, ok: bool, field: &'static str, reason: &'static str) -> bool {
+        if !ok {
+            Arc::make_mut(&mut self.guard.config)
+                .checks
+                .refuse(ConfigError::new(field, reason));
+        }
+        ok
+    }
+
+    /// The value of a checked setting, or `None` with its refusal recorded.
+    fn checked<T>(&mut self, checked: Result<T, ConfigError>) -> Option<T> {
+        Arc::make_mut(&mut self.guard.config).checks.take(checked)
     }
 
     /// The backend that runs the guarded requests.
@@ -274,14 +325,12 @@ impl<X> IdempotencyLayer<X> {
 
     /// The largest request body accepted on guarded requests with a key (default
     /// 1 MiB); larger ones get 413 before any claim (or database connection).
-    pub fn max_request_body(self, bytes: usize) -> Result<Self, ConfigError> {
-        if bytes == 0 || bytes > MAX_BODY_LIMIT {
-            return Err(ConfigError::new(
-                "max_request_body",
-                "must be between 1 byte and 1 GiB",
-            ));
+    pub fn max_request_body(mut self, bytes: usize) -> Self {
+        let ok = bytes > 0 && bytes <= MAX_BODY_LIMIT;
+        if self.check(ok, "max_request_body", "must be between 1 byte and 1 GiB") {
+            self = self.config(|c| c.max_request_body = bytes);
         }
-        Ok(self.config(|c| c.max_request_body = bytes))
+        self
     }
 
     /// How long the body of a guarded request with a key may take to arrive (default
@@ -291,29 +340,38 @@ impl<X> IdempotencyLayer<X> {
     /// bodies); past this time it gets a 408 `body-timeout` problem, before any claim,
     /// and its slot is freed, so clients that trickle their bodies cannot hold every
     /// slot.
-    pub fn request_body_timeout(self, timeout: Duration) -> Result<Self, ConfigError> {
-        let t = positive(timeout, "request_body_timeout")?;
-        Ok(self.config(|c| c.request_body_timeout = t))
+    pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
+        match self.checked(positive(timeout, "request_body_timeout")) {
+            Some(t) => self.config(|c| c.request_body_timeout = t),
+            None => self,
+        }
     }
 
     /// The largest response body stored (default 1 MiB). A larger response is recorded
     /// as not replayable before the rest streams to the client; later copies get 409
     /// `response-not-stored`.
-    pub fn max_stored_response(self, bytes: usize) -> Result<Self, ConfigError> {
-        if bytes > MAX_BODY_LIMIT {
-            return Err(ConfigError::new(
-                "max_stored_response",
-                "must be at most 1 GiB",
-            ));
+    pub fn max_stored_response(mut self, bytes: usize) -> Self {
+        if self.check(
+            bytes <= MAX_BODY_LIMIT,
+            "max_stored_response",
+            "must be at most 1 GiB",
+        ) {
+            self = self.config(|c| c.max_stored_response = bytes);
         }
-        Ok(self.config(|c| c.max_stored_response = bytes))
+        self
     }
 
     /// How long completed and `outcome_unknown` records (committed key rows) are kept
     /// (default 24 h, at most 366 days); then the key is new again.
-    pub fn retention(self, retention: Duration) -> Result<Self, ConfigError> {
-        let r = blocks::duration_setting(retention, "retention", MAX_RETENTION)?;
-        Ok(self.config(|c| c.retention = r))
+    pub fn retention(mut self, retention: Duration) -> Self {
+        match self.checked(blocks::duration_setting(
+            retention,
+            "retention",
+            MAX_RETENTION,
+        )) {
+            Some(r) => self.config(|c| c.retention = r),
+            None => self,
+        }
     }
 
     /// The `retry-after` of a 409 `request-in-flight` answer (default 1 s).
@@ -324,21 +382,24 @@ impl<X> IdempotencyLayer<X> {
     /// Copies that find their key in flight wait up to `max` (bounded by the request's
     /// deadline) for the holder and get its replay (after `max`, 409). Waiters whose
     /// holder released (or rolled back) race to claim.
-    pub fn wait_for_in_flight(self, max: Duration) -> Result<Self, ConfigError> {
-        let max = positive(max, "wait_for_in_flight")?;
-        Ok(self.config(|c| c.policy = c.policy.wait_for_in_flight(Some(max))))
+    pub fn wait_for_in_flight(mut self, max: Duration) -> Self {
+        match self.checked(positive(max, "wait_for_in_flight")) {
+            Some(max) => self.config(|c| c.policy = c.policy.wait_for_in_flight(Some(max))),
+            None => self,
+        }
     }
 
     /// The bound of guarded requests in flight (default 1024); past it, 503 `overloaded`.
-    pub fn max_in_flight(mut self, n: usize) -> Result<Self, ConfigError> {
-        if n == 0 || n > Semaphore::MAX_PERMITS {
-            return Err(ConfigError::new(
-                "max_in_flight",
-                "must be between 1 and Semaphore::MAX_PERMITS",
-            ));
+    pub fn max_in_flight(mut self, n: usize) -> Self {
+        let ok = n > 0 && n <= Semaphore::MAX_PERMITS;
+        if self.check(
+            ok,
+            "max_in_flight",
+            "must be between 1 and Semaphore::MAX_PERMITS",
+        ) {
+            self.guard.shared = Arc::new(Shared::new(n, self.guard.shared.tracker.clone()));
         }
-        self.guard.shared = Arc::new(Shared::new(n, self.guard.shared.tracker.clone()));
-        Ok(self)
+        self
     }
 
     /// The header names in use (default [`Convention::default`]).

@@ -458,6 +458,7 @@ mod tests {
     async fn a_panic_of_the_task_answers_500_and_frees_its_slot() {
         let layer = IdempotencyLayer::with_backend(Panicking)
             .max_in_flight(1)
+            .build()
             .unwrap();
         let shutdown = layer.shutdown_handle();
         let svc = tower::service_fn(|_req: Request<RequestBody<Full<Bytes>>>| async {
