@@ -58,6 +58,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue, StatusCode};
+use retrysafe::memory::MemoryStore;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, RecordId, Scope, StoredResponse, Token,
 };
@@ -69,7 +70,6 @@ use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use retrysafe_tower::idempotency::MemoryStore;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;

@@ -49,7 +49,7 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
         lease: Duration::from_secs(2),
     };
 
-    let memory = retrysafe_tower::idempotency::MemoryStore::new();
+    let memory = retrysafe::memory::MemoryStore::new();
 
     let url = "redis://127.0.0.1:6379";
     let client = retrysafe_redis::redis::Client::open(url).unwrap();

@@ -22,9 +22,10 @@ use bytes::Bytes;
 use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, RecordId, Scope, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore};
 use retrysafe_core::wire::IdempotencyKey;
+use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{
-    EventKind, IdempotencyContext, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect,
-    Principal, ProblemKind, UnknownOutcome, UnknownReason,
+    EventKind, IdempotencyContext, IdempotencyEvent, IdempotencyLayer, NoEffect, Principal,
+    ProblemKind, UnknownOutcome, UnknownReason,
 };
 use tower::ServiceExt;
 

@@ -108,7 +108,6 @@ mod exec;
 mod future;
 mod guard;
 mod layer;
-mod memory;
 mod problem;
 mod service;
 
@@ -118,7 +117,7 @@ pub use exec::StoreBackend;
 pub use future::ResponseFuture;
 pub use guard::{Answer, Backend, Captured, Guard, GuardedRequest, Handler, InFlightWait};
 pub use layer::{IdempotencyLayer, Shutdown};
-pub use memory::*;
 pub use problem::{Problem, ProblemKind};
 pub use retrysafe_core::idempotency::{IdempotencyContext, NoEffect, Principal};
+use retrysafe_memory::MemoryStore;
 pub use service::Idempotency;

@@ -15,12 +15,12 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_core::wire::IdempotencyKey;
-use retrysafe_tower::idempotency::MemoryStore;
+use retrysafe_memory::MemoryStore;
 use tokio::time::Instant;
 
 retrysafe_core::store_conformance_tests! {
     #[tokio::test(start_paused = true)]
-    store = || async { retrysafe_tower::idempotency::MemoryStore::new() },
+    store = || async { retrysafe_memory::MemoryStore::new() },
     clock = retrysafe_core::store::conformance::PausedClock::default(),
 }
 

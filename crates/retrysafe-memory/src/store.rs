@@ -1,17 +1,4 @@
-//! The embedded idempotency store: [`MemoryStore`].
-//!
-//! Two structures, each with its own bound:
-//!
-//! - **in-flight claims** (`in_progress` records) live in a sharded map of plain
-//!   mutexes, bounded by a count and *never evicted*: forgetting a running claim would
-//!   let a duplicate run. When the map is full a new claim gets [`StoreError::Full`]
-//!   (the layer answers 503), after expired leases were swept out of the way;
-//! - **completed and `outcome_unknown` records** live in a moka cache bounded by bytes,
-//!   with LRU eviction. moka's default, TinyLFU, is deliberately not used: its
-//!   admission filter may refuse a fresh entry, and a refused completion is a key that
-//!   runs again.
-//!
-//! All time is tokio time, so the store runs on tokio's paused clock in tests.
+//! [`MemoryStore`]: the store, its settings and its [`IdempotencyStore`] implementation.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -83,12 +70,12 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_tower::core::idempotency::{
+/// use retrysafe_core::idempotency::{
 ///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
 /// };
-/// use retrysafe_tower::core::store::{Claim, ClaimOutcome, IdempotencyStore};
-/// use retrysafe_tower::core::wire::IdempotencyKey;
-/// use retrysafe_tower::idempotency::MemoryStore;
+/// use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
+/// use retrysafe_core::wire::IdempotencyKey;
+/// use retrysafe_memory::MemoryStore;
 ///
 /// let store = MemoryStore::builder().max_in_flight(1_000).max_bytes(16 << 20).build()?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
@@ -196,7 +183,7 @@ impl Default for MemoryStore {
 /// Configures a [`MemoryStore`]; made by [`MemoryStore::builder`].
 ///
 /// ```
-/// use retrysafe_tower::idempotency::MemoryStore;
+/// use retrysafe_memory::MemoryStore;
 /// let store = MemoryStore::builder()
 ///     .max_in_flight(2_048)
 ///     .max_bytes(256 << 20)
