@@ -493,7 +493,7 @@ fn child(spec: &str) -> Res<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let store = MemoryStore::builder().max_bytes(max_bytes).build()?;
+        let store = MemoryStore::new().max_bytes(max_bytes).build()?;
         // Everything the fill leaves behind but the store's records is transient: the
         // keys and ids are made and dropped one at a time.
         let _ = store.cached_len();

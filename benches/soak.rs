@@ -374,7 +374,7 @@ async fn run() -> bool {
     // The memory store, bounded.
     let evicted = Arc::new(AtomicU64::new(0));
     let ev = Arc::clone(&evicted);
-    let memory_store = MemoryStore::builder()
+    let memory_store = MemoryStore::new()
         .max_bytes(max_bytes)
         .on_evicted(move |_| {
             ev.fetch_add(1, Ordering::Relaxed);

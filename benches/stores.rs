@@ -586,7 +586,7 @@ impl Servers {
         // The defaults (64 MiB of records), counting early evictions.
         let memory_evicted = Arc::new(AtomicU64::new(0));
         let evicted = Arc::clone(&memory_evicted);
-        let memory_store = MemoryStore::builder()
+        let memory_store = MemoryStore::new()
             .on_evicted(move |_| {
                 evicted.fetch_add(1, Ordering::Relaxed);
             })
@@ -835,7 +835,7 @@ fn rss_child(n: &str) -> Res<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let store = MemoryStore::builder().max_bytes(1 << 30).build()?;
+        let store = MemoryStore::new().max_bytes(1 << 30).build()?;
         let before = rss_bytes()?;
         fill(&store, 1, n, &record, 1).await?;
         let after = rss_bytes()?;

@@ -594,7 +594,7 @@ async fn key_flood_stays_within_the_memory_store_bounds() {
     let evicted = Arc::new(AtomicUsize::new(0));
     let store = {
         let evicted = Arc::clone(&evicted);
-        MemoryStore::builder()
+        MemoryStore::new()
             .max_in_flight(MAP)
             .max_bytes(MAX_BYTES)
             .on_evicted(move |_| {
@@ -764,7 +764,7 @@ async fn key_flood_stays_within_the_memory_store_bounds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_in_flight_map_never_fails_open() {
     const MAP: usize = 4;
-    let store = MemoryStore::builder().max_in_flight(MAP).build().unwrap();
+    let store = MemoryStore::new().max_in_flight(MAP).build().unwrap();
     let layer = IdempotencyLayer::new(store.clone()).fail_open();
     let fx = Effects::new();
     let addr = serve(app(layer, true, &fx)).await;

@@ -16,7 +16,7 @@
 //! use retrysafe_core::wire::IdempotencyKey;
 //! use retrysafe_memory::MemoryStore;
 //!
-//! let store = MemoryStore::builder().max_in_flight(1_000).build()?;
+//! let store = MemoryStore::new().max_in_flight(1_000).build()?;
 //! let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
 //! let claim = Claim {
 //!     token: Token::random(),
@@ -56,4 +56,4 @@
 
 mod store;
 
-pub use store::{MemoryStore, MemoryStoreBuilder};
+pub use store::MemoryStore;

@@ -1181,7 +1181,7 @@ async fn concurrent_duplicates_in_wait_mode_all_get_the_answer() {
 // A full completed-record cache, then a fresh claim and its duplicate: still one run.
 #[tokio::test]
 async fn full_cache_does_not_let_a_duplicate_run() {
-    let store = MemoryStore::builder().max_bytes(64 * 1024).build().unwrap();
+    let store = MemoryStore::new().max_bytes(64 * 1024).build().unwrap();
     let (app, effects) = make_app(IdempotencyLayer::new(store.clone()));
     for i in 0..300 {
         let r = post_req(Some(&format!("fill-{i}")), "")
@@ -1458,7 +1458,7 @@ async fn one_huge_frame_is_passed_on() {
 // marker, never silently dropped (which would let a retry run again).
 #[tokio::test]
 async fn record_heavier_than_the_store_is_kept_as_a_marker() {
-    let store = MemoryStore::builder().max_bytes(4096).build().unwrap();
+    let store = MemoryStore::new().max_bytes(4096).build().unwrap();
     let (app, effects) = make_app(IdempotencyLayer::new(store));
     let mk = || {
         post_req(Some("k"), "")
