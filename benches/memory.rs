@@ -569,10 +569,10 @@ impl RedisEnv {
         let admin = redis_manager(&url).await?;
         // As long as the default `retrysafe:`, so keys weigh what they would.
         let prefix = format!("rsm{}:", &Token::random().to_hex()[..6]);
-        let store = RedisStore::builder(redis_manager(&url).await?)
+        let store = RedisStore::options()
             .key_prefix(prefix.clone())
             .call_timeout(Duration::from_secs(30))
-            .build()?;
+            .build(redis_manager(&url).await?)?;
         Ok(RedisEnv {
             admin,
             store,

@@ -392,10 +392,10 @@ async fn run() -> bool {
         .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={url}: {e}"));
     let nonce = SplitMix64::new(seed ^ u64::from(std::process::id())).next_u64();
     let prefix = format!("soak:{nonce:016x}:");
-    let redis_store = RedisStore::builder(conn.clone())
+    let redis_store = RedisStore::options()
         .key_prefix(prefix.clone())
         .call_timeout(Duration::from_secs(2))
-        .build()
+        .build(conn.clone())
         .unwrap();
     let redis_layer = IdempotencyLayer::new(redis_store)
         .retention(Duration::from_secs(30))

@@ -461,9 +461,9 @@ impl Env {
     }
 
     async fn redis_store(&self) -> Res<RedisStore> {
-        Ok(RedisStore::builder(redis_manager(&self.redis_url).await?)
+        Ok(RedisStore::options()
             .key_prefix(self.prefix.clone())
-            .build()?)
+            .build(redis_manager(&self.redis_url).await?)?)
     }
 }
 
@@ -1057,9 +1057,9 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
 
     // Redis.
     let counting = CountingConnection::new(redis_manager(&env.redis_url).await?);
-    let store = RedisStore::builder(counting.clone())
+    let store = RedisStore::options()
         .key_prefix(env.prefix.clone())
-        .build()?;
+        .build(counting.clone())?;
     let addr = serve(router(layer(store)?)).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Ran).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Replayed).await?;

@@ -56,9 +56,9 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
     let conn = retrysafe_redis::redis::aio::ConnectionManager::new(client)
         .await
         .unwrap_or_else(|e| panic!("cannot reach Redis at {url}: {e}"));
-    let redis = RedisStore::builder(conn)
+    let redis = RedisStore::options()
         .key_prefix(format!("lease_race:{}:", Token::random().to_hex()))
-        .build()
+        .build(conn)
         .unwrap();
 
     let database_url = std::env::var("DATABASE_URL")

@@ -294,9 +294,9 @@ async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> 
         .await
         .map_err(|e| format!("cannot connect to the redis store at {shown}: {e}"))?;
     let conn = connected.connection().clone();
-    let store = RedisStore::builder(conn.clone())
+    let store = RedisStore::options()
         .key_prefix(format!("{prefix}idem:"))
-        .build()
+        .build(conn.clone())
         .map_err(|e| format!("invalid redis store settings: {e}"))?;
     match store.check_config().await {
         Ok(report) => {

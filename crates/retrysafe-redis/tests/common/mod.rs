@@ -60,9 +60,9 @@ pub(crate) fn fresh_prefix() -> String {
 
 /// A store on `REDIS_URL` with a fresh key prefix.
 pub(crate) async fn store() -> RedisStore {
-    RedisStore::builder(manager().await)
+    RedisStore::options()
         .key_prefix(fresh_prefix())
-        .build()
+        .build(manager().await)
         .unwrap_or_else(|e| panic!("builder: {e}"))
 }
 
