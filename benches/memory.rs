@@ -719,7 +719,7 @@ impl PgEnv {
 
     async fn row(&self, body: usize, n: usize) -> Res<Row> {
         let record = completed(body);
-        let store = PostgresStore::builder()
+        let store = PostgresStore::options()
             .schema(self.schema.clone())
             .table(format!("records_{body}_{n}"))
             .max_connections(env_or("MEMORY_BENCH_PG_CONNECTIONS", 32))

@@ -449,13 +449,13 @@ impl Env {
         options: PgConnectOptions,
         max: Option<u32>,
     ) -> Res<PostgresStore> {
-        let mut builder = PostgresStore::builder()
+        let mut settings = PostgresStore::options()
             .schema(self.schema.clone())
             .table(table);
         if let Some(max) = max {
-            builder = builder.max_connections(max);
+            settings = settings.max_connections(max);
         }
-        let store = builder.connect_with(options).await?;
+        let store = settings.connect_with(options).await?;
         store.migrate().await?;
         Ok(store)
     }

@@ -334,7 +334,7 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
         }
         Mode::Postgres | Mode::PostgresTx => {
             let schema = format!("faults_test_{}", unique());
-            let store = PostgresStore::builder()
+            let store = PostgresStore::options()
                 .schema(schema.clone())
                 .max_connections(16)
                 .call_timeout(Duration::from_secs(2))

@@ -70,7 +70,7 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
     // The `rspg_<secs>_` prefix: the PostgreSQL tests' support drops such schemas an
     // hour later.
     let schema = format!("rspg_{secs}_{}", &Token::random().to_hex()[..12]);
-    let pg = PostgresStore::builder()
+    let pg = PostgresStore::options()
         .schema(schema.clone())
         .max_connections(4)
         .call_timeout(Duration::from_secs(10))

@@ -63,7 +63,7 @@ pub(crate) async fn store() -> RedisStore {
     RedisStore::options()
         .key_prefix(fresh_prefix())
         .build(manager().await)
-        .unwrap_or_else(|e| panic!("builder: {e}"))
+        .unwrap_or_else(|e| panic!("options: {e}"))
 }
 
 /// A lock held in Redis, so that tests that change server-wide state (the eviction
