@@ -58,6 +58,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use http::{HeaderName, HeaderValue, StatusCode};
+use retrysafe::memory::MemoryStore;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, RecordId, Scope, StoredResponse, Token,
 };
@@ -69,7 +70,6 @@ use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
-use retrysafe_tower::idempotency::MemoryStore;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -493,7 +493,7 @@ fn child(spec: &str) -> Res<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let store = MemoryStore::builder().max_bytes(max_bytes).build()?;
+        let store = MemoryStore::new().max_bytes(max_bytes).build()?;
         // Everything the fill leaves behind but the store's records is transient: the
         // keys and ids are made and dropped one at a time.
         let _ = store.cached_len();
@@ -569,10 +569,10 @@ impl RedisEnv {
         let admin = redis_manager(&url).await?;
         // As long as the default `retrysafe:`, so keys weigh what they would.
         let prefix = format!("rsm{}:", &Token::random().to_hex()[..6]);
-        let store = RedisStore::builder(redis_manager(&url).await?)
+        let store = RedisStore::options()
             .key_prefix(prefix.clone())
             .call_timeout(Duration::from_secs(30))
-            .build()?;
+            .build(redis_manager(&url).await?)?;
         Ok(RedisEnv {
             admin,
             store,
@@ -719,7 +719,7 @@ impl PgEnv {
 
     async fn row(&self, body: usize, n: usize) -> Res<Row> {
         let record = completed(body);
-        let store = PostgresStore::builder()
+        let store = PostgresStore::options()
             .schema(self.schema.clone())
             .table(format!("records_{body}_{n}"))
             .max_connections(env_or("MEMORY_BENCH_PG_CONNECTIONS", 32))

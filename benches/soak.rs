@@ -374,7 +374,7 @@ async fn run() -> bool {
     // The memory store, bounded.
     let evicted = Arc::new(AtomicU64::new(0));
     let ev = Arc::clone(&evicted);
-    let memory_store = MemoryStore::builder()
+    let memory_store = MemoryStore::new()
         .max_bytes(max_bytes)
         .on_evicted(move |_| {
             ev.fetch_add(1, Ordering::Relaxed);
@@ -392,10 +392,10 @@ async fn run() -> bool {
         .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={url}: {e}"));
     let nonce = SplitMix64::new(seed ^ u64::from(std::process::id())).next_u64();
     let prefix = format!("soak:{nonce:016x}:");
-    let redis_store = RedisStore::builder(conn.clone())
+    let redis_store = RedisStore::options()
         .key_prefix(prefix.clone())
         .call_timeout(Duration::from_secs(2))
-        .build()
+        .build(conn.clone())
         .unwrap();
     let redis_layer = IdempotencyLayer::new(redis_store)
         .retention(Duration::from_secs(30))

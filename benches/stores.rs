@@ -449,21 +449,21 @@ impl Env {
         options: PgConnectOptions,
         max: Option<u32>,
     ) -> Res<PostgresStore> {
-        let mut builder = PostgresStore::builder()
+        let mut settings = PostgresStore::options()
             .schema(self.schema.clone())
             .table(table);
         if let Some(max) = max {
-            builder = builder.max_connections(max);
+            settings = settings.max_connections(max);
         }
-        let store = builder.connect_with(options).await?;
+        let store = settings.connect_with(options).await?;
         store.migrate().await?;
         Ok(store)
     }
 
     async fn redis_store(&self) -> Res<RedisStore> {
-        Ok(RedisStore::builder(redis_manager(&self.redis_url).await?)
+        Ok(RedisStore::options()
             .key_prefix(self.prefix.clone())
-            .build()?)
+            .build(redis_manager(&self.redis_url).await?)?)
     }
 }
 
@@ -588,7 +588,7 @@ impl Servers {
         // The defaults (64 MiB of records), counting early evictions.
         let memory_evicted = Arc::new(AtomicU64::new(0));
         let evicted = Arc::clone(&memory_evicted);
-        let memory_store = MemoryStore::builder()
+        let memory_store = MemoryStore::new()
             .on_evicted(move |_| {
                 evicted.fetch_add(1, Ordering::Relaxed);
             })
@@ -837,7 +837,7 @@ fn rss_child(n: &str) -> Res<()> {
         .enable_all()
         .build()?;
     runtime.block_on(async {
-        let store = MemoryStore::builder().max_bytes(1 << 30).build()?;
+        let store = MemoryStore::new().max_bytes(1 << 30).build()?;
         let before = rss_bytes()?;
         fill(&store, 1, n, &record, 1).await?;
         let after = rss_bytes()?;
@@ -1059,9 +1059,9 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
 
     // Redis.
     let counting = CountingConnection::new(redis_manager(&env.redis_url).await?);
-    let store = RedisStore::builder(counting.clone())
+    let store = RedisStore::options()
         .key_prefix(env.prefix.clone())
-        .build()?;
+        .build(counting.clone())?;
     let addr = serve(router(layer(store)?)).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Ran).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Replayed).await?;

@@ -223,7 +223,8 @@
 //!
 //! # Features
 //!
-//! - `idempotency` (default): [`idempotency`] and [`server`].
+//! - `idempotency` (default): [`idempotency`], [`server`] and the `retrysafe-memory` crate
+//!   (`MemoryStore`, the default store) as [`memory`].
 //! - `retry` (default): [`RetryLayer`] and [`ReplayBody`].
 //! - `budget` (default): [`RetryBudgetLayer`].
 //! - `breaker` (default): [`CircuitBreakerLayer`].
@@ -244,6 +245,8 @@ pub use retrysafe_core::strategy::StandardRetryStrategy;
 pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
 pub use retrysafe_tower::local;
 
+#[cfg(feature = "idempotency")]
+pub use retrysafe_memory as memory;
 #[cfg(feature = "postgres")]
 pub use retrysafe_postgres as postgres;
 #[cfg(feature = "redis")]
@@ -264,14 +267,15 @@ pub use retrysafe_tower::propagate::{self, PropagateLayer};
 pub use retrysafe_tower::retry::{self, ReplayBody, RetryLayer};
 
 /// Idempotency keys on servers: the [`IdempotencyLayer`](idempotency::IdempotencyLayer),
-/// the [`MemoryStore`](idempotency::MemoryStore), and the model they share with every
-/// store.
+/// the [`MemoryStore`](idempotency::MemoryStore) (also [`memory::MemoryStore`]), and the
+/// model they share with every store.
 #[cfg(feature = "idempotency")]
 pub mod idempotency {
     pub use retrysafe_core::idempotency::{
         Fingerprint, Fingerprinter, HeaderFilter, RecordId, Scope, StoredResponse,
     };
     pub use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
+    pub use retrysafe_memory::MemoryStore;
     pub use retrysafe_tower::idempotency::*;
 }
 

@@ -322,10 +322,10 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
                     .unwrap_or_else(|_| panic!("timed out connecting to Redis at {url}"))
                     .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={url}: {e}"));
             let prefix = format!("faults-test:{}:", unique());
-            let store = RedisStore::builder(conn.clone())
+            let store = RedisStore::options()
                 .key_prefix(prefix.clone())
                 .call_timeout(Duration::from_secs(2))
-                .build()
+                .build(conn.clone())
                 .unwrap();
             (
                 Backing::Redis { conn, prefix },
@@ -334,7 +334,7 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
         }
         Mode::Postgres | Mode::PostgresTx => {
             let schema = format!("faults_test_{}", unique());
-            let store = PostgresStore::builder()
+            let store = PostgresStore::options()
                 .schema(schema.clone())
                 .max_connections(16)
                 .call_timeout(Duration::from_secs(2))

@@ -49,16 +49,16 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
         lease: Duration::from_secs(2),
     };
 
-    let memory = retrysafe_tower::idempotency::MemoryStore::new();
+    let memory = retrysafe::memory::MemoryStore::new();
 
     let url = "redis://127.0.0.1:6379";
     let client = retrysafe_redis::redis::Client::open(url).unwrap();
     let conn = retrysafe_redis::redis::aio::ConnectionManager::new(client)
         .await
         .unwrap_or_else(|e| panic!("cannot reach Redis at {url}: {e}"));
-    let redis = RedisStore::builder(conn)
+    let redis = RedisStore::options()
         .key_prefix(format!("lease_race:{}:", Token::random().to_hex()))
-        .build()
+        .build(conn)
         .unwrap();
 
     let database_url = std::env::var("DATABASE_URL")
@@ -70,7 +70,7 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
     // The `rspg_<secs>_` prefix: the PostgreSQL tests' support drops such schemas an
     // hour later.
     let schema = format!("rspg_{secs}_{}", &Token::random().to_hex()[..12]);
-    let pg = PostgresStore::builder()
+    let pg = PostgresStore::options()
         .schema(schema.clone())
         .max_connections(4)
         .call_timeout(Duration::from_secs(10))

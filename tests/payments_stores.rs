@@ -585,7 +585,7 @@ async fn postgres_a_late_completion_with_a_stale_token_is_refused() {
     // stale completion cannot arise there; the PostgresStore (the same table, store
     // API) refuses one.
     let space = PgSpace::new().await;
-    let store = PostgresStore::builder()
+    let store = PostgresStore::options()
         .schema(space.schema.clone())
         .call_timeout(Duration::from_secs(10))
         .connect(&database_url())

@@ -39,6 +39,7 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
+use retrysafe::memory::MemoryStore;
 use retrysafe_core::CallContext;
 use retrysafe_core::backoff::{Backoff, Jitter};
 use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
@@ -47,7 +48,7 @@ use retrysafe_core::strategy::StandardRetryStrategy;
 use retrysafe_core::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
-use retrysafe_tower::idempotency::{IdempotencyLayer, MemoryStore, Principal, ProblemKind};
+use retrysafe_tower::idempotency::{IdempotencyLayer, Principal, ProblemKind};
 use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
 use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
@@ -593,7 +594,7 @@ async fn key_flood_stays_within_the_memory_store_bounds() {
     let evicted = Arc::new(AtomicUsize::new(0));
     let store = {
         let evicted = Arc::clone(&evicted);
-        MemoryStore::builder()
+        MemoryStore::new()
             .max_in_flight(MAP)
             .max_bytes(MAX_BYTES)
             .on_evicted(move |_| {
@@ -764,7 +765,7 @@ async fn key_flood_stays_within_the_memory_store_bounds() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_in_flight_map_never_fails_open() {
     const MAP: usize = 4;
-    let store = MemoryStore::builder().max_in_flight(MAP).build().unwrap();
+    let store = MemoryStore::new().max_in_flight(MAP).build().unwrap();
     let layer = IdempotencyLayer::new(store.clone()).fail_open();
     let fx = Effects::new();
     let addr = serve(app(layer, true, &fx)).await;

@@ -294,9 +294,9 @@ async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> 
         .await
         .map_err(|e| format!("cannot connect to the redis store at {shown}: {e}"))?;
     let conn = connected.connection().clone();
-    let store = RedisStore::builder(conn.clone())
+    let store = RedisStore::options()
         .key_prefix(format!("{prefix}idem:"))
-        .build()
+        .build(conn.clone())
         .map_err(|e| format!("invalid redis store settings: {e}"))?;
     match store.check_config().await {
         Ok(report) => {
@@ -341,14 +341,14 @@ async fn connect_postgres(
     transactional: bool,
 ) -> Result<(app::Backend, SweeperHandle), String> {
     let shown = redact(url);
-    let mut builder = PostgresStore::builder();
+    let mut options = PostgresStore::options();
     if let Some(schema) = schema {
-        builder = builder.schema(schema);
-        builder
+        options = options.schema(schema);
+        options
             .migration_sql()
             .map_err(|e| format!("PAYMENTS_PG_SCHEMA is not a usable schema name: {e}"))?;
     }
-    let store = builder
+    let store = options
         .connect(url)
         .await
         .map_err(|e| format!("cannot connect to the postgres store at {shown}: {e}"))?;

@@ -490,10 +490,10 @@ impl RedisSpace {
                 Err(_) => panic!("timed out connecting to Redis at REDIS_URL={url}"),
             };
         let prefix = format!("payments-test:{}:", unique());
-        let store = RedisStore::builder(conn.clone())
+        let store = RedisStore::options()
             .key_prefix(format!("{prefix}idem:"))
             .call_timeout(Duration::from_secs(5))
-            .build()
+            .build(conn.clone())
             .unwrap();
         RedisSpace {
             prefix,

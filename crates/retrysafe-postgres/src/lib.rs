@@ -29,8 +29,8 @@
 //! # The table
 //!
 //! [`PostgresStore::migrate`] creates it; for users who run their own migrations, this
-//! is the SQL for the default table (with [`PostgresStoreBuilder::schema`] and
-//! [`PostgresStoreBuilder::table`], [`PostgresStore::migration_sql`] renders it for
+//! is the SQL for the default table (with [`PostgresStoreOptions::schema`] and
+//! [`PostgresStoreOptions::table`], [`PostgresStore::migration_sql`] renders it for
 //! another name):
 //!
 //! ```sql
@@ -96,7 +96,11 @@ mod store;
 pub mod test_util;
 pub mod tx;
 
-pub use store::{PostgresStore, PostgresStoreBuilder, SweeperHandle, Swept};
+pub use store::{PostgresStore, PostgresStoreOptions, SweeperHandle, Swept};
+
+/// Another name of [`PostgresStoreOptions`], hidden: for code and doc links that name it.
+#[doc(hidden)]
+pub type PostgresStoreBuilder = PostgresStoreOptions;
 
 /// The sqlx this crate is built on, for [`PgPool`](sqlx::PgPool) and connection
 /// options of the same version.

@@ -6,6 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId,
@@ -31,7 +32,7 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// One row per record, keyed by the [`RecordId`] bytes (the table is described in the
 /// [crate docs](crate)). Every store call is one SQL statement — one round trip once
 /// the statement is prepared on the connection — timed out after the
-/// [`call_timeout`](PostgresStoreBuilder::call_timeout) (default 1 s):
+/// [`call_timeout`](PostgresStoreOptions::call_timeout) (default 1 s):
 ///
 /// - a claim is one `INSERT … ON CONFLICT (k) DO UPDATE … WHERE … RETURNING …` that
 ///   inserts the claim, replaces a row past its retention, takes over an expired lease
@@ -61,7 +62,7 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// use std::time::Duration;
 /// use retrysafe_postgres::PostgresStore;
 ///
-/// let store = PostgresStore::builder()
+/// let store = PostgresStore::options()
 ///     .schema("idempotency")
 ///     .table("records")
 ///     .call_timeout(Duration::from_millis(500))
@@ -103,7 +104,7 @@ impl PostgresStore {
     pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
     /// A store on `pool` with the default table and call timeout. See
-    /// [`builder`](Self::builder) for the pool settings the store relies on.
+    /// [`PostgresStoreOptions`] for the pool settings the store relies on.
     pub fn new(pool: PgPool) -> Self {
         PostgresStore {
             inner: Arc::new(Inner {
@@ -114,15 +115,17 @@ impl PostgresStore {
         }
     }
 
-    /// Connects a pool to `url` with the defaults of [`builder`](Self::builder) and
+    /// Connects a pool to `url` with the defaults of [`options`](Self::options) and
     /// makes a store on it. Does not create the table: see [`migrate`](Self::migrate).
     pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
-        Self::builder().connect(url).await
+        Self::options().connect(url).await
     }
 
-    /// A builder to set the table, the call timeout and the pool.
-    pub fn builder() -> PostgresStoreBuilder {
-        PostgresStoreBuilder::default()
+    /// The settings of a store (table, call timeout, connected pool) with their
+    /// defaults, to be changed and then [connected](PostgresStoreOptions::connect) or
+    /// [built](PostgresStoreOptions::build) on a pool of yours.
+    pub fn options() -> PostgresStoreOptions {
+        PostgresStoreOptions::new()
     }
 
     /// The pool the store uses.
@@ -142,7 +145,7 @@ impl PostgresStore {
     ///
     /// ```
     /// use retrysafe_postgres::PostgresStore;
-    /// let sql = PostgresStore::builder().schema("app").table("keys").migration_sql().unwrap();
+    /// let sql = PostgresStore::options().schema("app").table("keys").migration_sql().unwrap();
     /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.keys ("));
     /// assert!(sql.contains("ON app.keys (expires_at)"));
     /// ```
@@ -168,7 +171,7 @@ impl PostgresStore {
     /// An `in_progress` row is kept until its lease end plus its claim's retention:
     /// that is as long as the `outcome_unknown` record an expired lease would become.
     ///
-    /// On a pool made by [`connect`](PostgresStoreBuilder::connect) each batch runs
+    /// On a pool made by [`connect`](PostgresStoreOptions::connect) each batch runs
     /// under the server's `statement_timeout`, set to the call timeout: keep batches to
     /// a few thousand rows.
     pub async fn sweep_expired(&self, batch: u32) -> Result<Swept, sqlx::Error> {
@@ -309,11 +312,18 @@ impl SweeperHandle {
     }
 }
 
-/// Configures a [`PostgresStore`]; made by [`PostgresStore::builder`].
+/// The settings of a [`PostgresStore`]: made by [`PostgresStore::options`] (or `new`, or
+/// `default`) with the defaults, changed by setters that never fail, and validated once
+/// where the store is made: [`connect`](Self::connect) /
+/// [`connect_with`](Self::connect_with), which open a pool with these settings, or
+/// [`build`](Self::build), on a pool of yours. Every refused setting is named.
 ///
-/// The store is built on a pool given with [`pool`](Self::pool) and
-/// [`build`](Self::build), or connected with [`connect`](Self::connect) /
-/// [`connect_with`](Self::connect_with). A connected pool:
+/// A value of its own rather than setters on the store: a store holds a pool, and the
+/// pool a connected store opens depends on these settings (its size, its timeouts), so
+/// they exist before the store does; and the store's [`table`](PostgresStore::table)
+/// reads its setting back.
+///
+/// A connected pool:
 ///
 /// - does not ping a connection before handing it out (sqlx's `test_before_acquire`,
 ///   which would add a round trip to every store call): a connection the server closed
@@ -324,45 +334,54 @@ impl SweeperHandle {
 ///   connection, and holds up to [`max_connections`](Self::max_connections)
 ///   (default 10).
 ///
-/// A pool given with [`pool`](Self::pool) is used as it is; consider the same settings.
+/// A pool given to [`build`](Self::build) is used as it is; consider the same settings.
 ///
 /// ```
 /// use std::time::Duration;
 /// use retrysafe_postgres::PostgresStore;
-/// let builder = PostgresStore::builder()
+/// let options = PostgresStore::options()
 ///     .schema("idempotency")
 ///     .table("records")
 ///     .call_timeout(Duration::from_millis(250));
-/// assert!(builder.migration_sql().unwrap().contains("idempotency.records"));
-/// assert!(PostgresStore::builder().table("Bad-Name").migration_sql().is_err());
-/// // `build` needs a pool: one of yours, or use `connect`.
-/// assert!(PostgresStore::builder().build().is_err());
+/// assert!(options.migration_sql().unwrap().contains("idempotency.records"));
+///
+/// let refused = PostgresStore::options()
+///     .table("Bad-Name")
+///     .call_timeout(Duration::ZERO)
+///     .migration_sql()
+///     .unwrap_err();
+/// assert_eq!(refused.fields().collect::<Vec<_>>(), ["call_timeout", "table"]);
 /// ```
 #[must_use]
 #[derive(Debug, Clone)]
-pub struct PostgresStoreBuilder {
+pub struct PostgresStoreOptions {
     schema: Option<String>,
     table: String,
     call_timeout: Duration,
     connect_timeout: Duration,
     max_connections: u32,
-    pool: Option<PgPool>,
 }
 
-impl Default for PostgresStoreBuilder {
+impl Default for PostgresStoreOptions {
     fn default() -> Self {
-        PostgresStoreBuilder {
+        PostgresStoreOptions {
             schema: None,
             table: sql::DEFAULT_TABLE.to_owned(),
             call_timeout: PostgresStore::DEFAULT_CALL_TIMEOUT,
             connect_timeout: Duration::from_secs(5),
             max_connections: 10,
-            pool: None,
         }
     }
 }
 
-impl PostgresStoreBuilder {
+impl PostgresStoreOptions {
+    /// The defaults: the table `retrysafe_idempotency` in the connection's
+    /// `search_path`, a 1 s call timeout, and a connected pool of up to 10 connections
+    /// with a 5 s connect timeout.
+    pub fn new() -> Self {
+        PostgresStoreOptions::default()
+    }
+
     /// The schema of the table (default: none, the connection's `search_path`).
     /// [`migrate`](PostgresStore::migrate) creates it if needed. Lowercase ASCII
     /// letters, digits and underscores, not starting with a digit; at most 63 bytes.
@@ -401,38 +420,28 @@ impl PostgresStoreBuilder {
         self
     }
 
-    /// The pool to use, for [`build`](Self::build).
-    pub fn pool(mut self, pool: PgPool) -> Self {
-        self.pool = Some(pool);
-        self
-    }
-
     /// The migration SQL for this table (see [`PostgresStore::migration_sql`]), without
-    /// a pool.
+    /// a pool; refuses the invalid table settings, naming each.
     pub fn migration_sql(&self) -> Result<String, ConfigError> {
-        Ok(self.render()?.migration_script())
+        let mut v = Validate::new();
+        let sql = self.render(&mut v);
+        Ok(v.finish(sql)?.migration_script())
     }
 
-    /// Builds the store on the [`pool`](Self::pool); refuses a missing pool and the
-    /// invalid settings named on each method.
-    pub fn build(self) -> Result<PostgresStore, ConfigError> {
-        let sql = self.render()?;
-        let pool = self.pool.ok_or(ConfigError::new(
-            "pool",
-            "is required: set one, or use connect",
-        ))?;
-        Ok(PostgresStore {
-            inner: Arc::new(Inner {
-                pool,
-                sql,
-                call_timeout: self.call_timeout,
-            }),
-        })
+    /// Validates the settings and makes the store on `pool`, used as it is: refuses the
+    /// invalid settings named on each method (the connected pool's own settings aside),
+    /// naming each.
+    pub fn build(self, pool: PgPool) -> Result<PostgresStore, ConfigError> {
+        let mut v = Validate::new();
+        let sql = self.render(&mut v);
+        let sql = v.finish(sql)?;
+        Ok(self.store(pool, sql))
     }
 
-    /// Connects a pool to `url` (a `postgres://` URL) as described on the builder and
-    /// builds the store on it. An invalid setting is a [`sqlx::Error::Configuration`]
-    /// holding the [`ConfigError`].
+    /// Validates the settings, connects a pool to `url` (a `postgres://` URL) as
+    /// described on [`PostgresStoreOptions`] and makes the store on it. Invalid settings
+    /// are one [`sqlx::Error::Configuration`] holding the [`ConfigError`] that names
+    /// each.
     pub async fn connect(self, url: &str) -> Result<PostgresStore, sqlx::Error> {
         let options = PgConnectOptions::from_str(url)?;
         self.connect_with(options).await
@@ -443,26 +452,21 @@ impl PostgresStoreBuilder {
         self,
         options: PgConnectOptions,
     ) -> Result<PostgresStore, sqlx::Error> {
-        let config = |e: ConfigError| sqlx::Error::Configuration(Box::new(e));
-        if self.pool.is_some() {
-            return Err(config(ConfigError::new(
-                "pool",
-                "set both a pool and a connection: use build with a pool",
-            )));
-        }
-        if self.connect_timeout.is_zero() {
-            return Err(config(ConfigError::new(
-                "connect_timeout",
-                "must be greater than zero",
-            )));
-        }
-        if self.max_connections == 0 {
-            return Err(config(ConfigError::new(
-                "max_connections",
-                "must be greater than zero",
-            )));
-        }
-        let sql = self.render().map_err(config)?;
+        let mut v = Validate::new();
+        v.check(
+            !self.connect_timeout.is_zero(),
+            "connect_timeout",
+            "must be greater than zero",
+        );
+        v.check(
+            self.max_connections > 0,
+            "max_connections",
+            "must be greater than zero",
+        );
+        let sql = self.render(&mut v);
+        let sql = v
+            .finish(sql)
+            .map_err(|e| sqlx::Error::Configuration(Box::new(e)))?;
         // Whole milliseconds, rounded up, so the server never gives up first.
         let statement_ms = self.call_timeout.min(MAX_SPAN).as_micros().div_ceil(1000);
         let options = options.options([("statement_timeout", statement_ms.to_string())]);
@@ -472,27 +476,32 @@ impl PostgresStoreBuilder {
             .test_before_acquire(false)
             .connect_with(options)
             .await?;
-        Ok(PostgresStore {
+        Ok(self.store(pool, sql))
+    }
+
+    /// The statements of the table, when the call timeout, the schema and the table
+    /// pass; otherwise their refusals go to `v`.
+    fn render(&self, v: &mut Validate) -> Sql {
+        v.check(
+            !self.call_timeout.is_zero(),
+            "call_timeout",
+            "must be greater than zero",
+        );
+        if let Some(schema) = &self.schema {
+            v.take(sql::check_schema(schema));
+        }
+        v.take(sql::check_table(&self.table));
+        Sql::new(self.schema.as_deref(), &self.table)
+    }
+
+    fn store(self, pool: PgPool, sql: Sql) -> PostgresStore {
+        PostgresStore {
             inner: Arc::new(Inner {
                 pool,
                 sql,
                 call_timeout: self.call_timeout,
             }),
-        })
-    }
-
-    fn render(&self) -> Result<Sql, ConfigError> {
-        if self.call_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "call_timeout",
-                "must be greater than zero",
-            ));
         }
-        if let Some(schema) = &self.schema {
-            sql::check_schema(schema)?;
-        }
-        sql::check_table(&self.table)?;
-        Ok(Sql::new(self.schema.as_deref(), &self.table))
     }
 }
 
@@ -719,9 +728,8 @@ mod tests {
     }
 
     #[test]
-    fn builder_refuses_bad_settings() {
-        let b = PostgresStore::builder;
-        assert_eq!(b().build().unwrap_err().field(), "pool");
+    fn options_refuse_bad_settings() {
+        let b = PostgresStore::options;
         assert_eq!(
             b().call_timeout(Duration::ZERO)
                 .migration_sql()
@@ -733,6 +741,20 @@ mod tests {
         assert_eq!(
             b().schema("9").migration_sql().unwrap_err().field(),
             "schema"
+        );
+    }
+
+    #[test]
+    fn every_refused_setting_is_named() {
+        let e = PostgresStore::options()
+            .schema("9")
+            .table("")
+            .call_timeout(Duration::ZERO)
+            .migration_sql()
+            .unwrap_err();
+        assert_eq!(
+            e.fields().collect::<Vec<_>>(),
+            ["call_timeout", "schema", "table"]
         );
     }
 }

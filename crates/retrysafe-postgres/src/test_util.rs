@@ -33,6 +33,7 @@ use tokio::sync::watch;
 
 /// What a [`WireProxy`] saw the clients send, counted by round trip.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct Seen {
     /// Extended-protocol batches that executed a statement.
     pub statements: u64,

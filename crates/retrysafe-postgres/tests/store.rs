@@ -21,14 +21,15 @@ use axum::routing::post;
 use axum::{Extension, Router};
 use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
+use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, Record, RecordId, StoredResponse, Token,
 };
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
 use retrysafe_postgres::sqlx::{self, PgConnection};
+use retrysafe_postgres::{PostgresStore, PostgresStoreOptions};
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
@@ -486,7 +487,7 @@ async fn unreachable_server_is_unavailable() {
     let url = format!("postgres://postgres@127.0.0.1:{port}/test");
     let guard = Duration::from_secs(30);
 
-    let connect = PostgresStore::builder()
+    let connect = PostgresStore::options()
         .connect_timeout(Duration::from_millis(300))
         .connect(&url);
     let result = tokio::time::timeout(guard, connect)
@@ -498,10 +499,9 @@ async fn unreachable_server_is_unavailable() {
         .acquire_timeout(Duration::from_secs(60))
         .connect_lazy(&url)
         .unwrap();
-    let store = PostgresStore::builder()
-        .pool(pool)
+    let store = PostgresStore::options()
         .call_timeout(Duration::from_millis(300))
-        .build()
+        .build(pool)
         .unwrap();
     let id = fresh_id();
     let c = claim(1, HOUR, HOUR);
@@ -593,10 +593,9 @@ async fn migrate_is_idempotent() {
     )));
     // A fresh schema migrated by hand with the documented SQL works the same.
     let schema = support::fresh_schema();
-    let by_hand = PostgresStore::builder()
+    let by_hand = PostgresStore::options()
         .schema(schema.clone())
-        .pool(store.pool().clone())
-        .build()
+        .build(store.pool().clone())
         .unwrap();
     sqlx::raw_sql(&by_hand.migration_sql())
         .execute(&mut conn)
@@ -648,30 +647,30 @@ async fn leases_use_the_database_clock() {
     assert!(i64::try_from(p.lease_until_ms).unwrap() >= after + 60_000);
 }
 
-/// Builder settings are validated; `connect` reports them as configuration errors.
+/// Settings are validated where the store is made; `connect` reports them as
+/// configuration errors.
 #[tokio::test]
 async fn settings_are_validated() {
     let pool = PgPoolOptions::new()
         .connect_lazy("postgres://postgres@127.0.0.1:1/test")
         .unwrap();
-    let b = || PostgresStore::builder().pool(pool.clone());
-    assert!(b().build().is_ok());
-    assert_eq!(b().table("a b").build().unwrap_err().field(), "table");
-    assert_eq!(b().schema("").build().unwrap_err().field(), "schema");
+    let build = |options: PostgresStoreOptions| options.build(pool.clone());
+    let b = PostgresStore::options;
+    assert!(build(b()).is_ok());
+    assert_eq!(build(b().table("a b")).unwrap_err().field(), "table");
+    assert_eq!(build(b().schema("")).unwrap_err().field(), "schema");
     assert_eq!(
-        b().call_timeout(Duration::ZERO)
-            .build()
-            .unwrap_err()
-            .field(),
+        build(b().call_timeout(Duration::ZERO)).unwrap_err().field(),
         "call_timeout"
     );
-    // A pool and a URL at once.
+    // A refused setting stops `connect` before any connection is tried.
     let err = b()
+        .table("a b")
         .connect("postgres://postgres@127.0.0.1:1/test")
         .await
         .unwrap_err();
     assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
-    let err = PostgresStore::builder()
+    let err = b()
         .max_connections(0)
         .connect("postgres://postgres@127.0.0.1:1/test")
         .await
@@ -681,4 +680,34 @@ async fn settings_are_validated() {
         .await
         .unwrap_err();
     assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
+}
+
+/// One validation names every refused setting, for `build` and for `connect`.
+#[tokio::test]
+async fn every_refused_setting_is_named() {
+    let pool = PgPoolOptions::new()
+        .connect_lazy("postgres://postgres@127.0.0.1:1/test")
+        .unwrap();
+    let e = PostgresStore::options()
+        .table("a b")
+        .call_timeout(Duration::ZERO)
+        .build(pool)
+        .unwrap_err();
+    assert_eq!(e.fields().collect::<Vec<_>>(), ["call_timeout", "table"]);
+
+    let err = PostgresStore::options()
+        .connect_timeout(Duration::ZERO)
+        .max_connections(0)
+        .schema("")
+        .connect("postgres://postgres@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    let sqlx::Error::Configuration(e) = err else {
+        panic!("expected a configuration error, got {err:?}");
+    };
+    let e = e.downcast_ref::<ConfigError>().expect("a ConfigError");
+    assert_eq!(
+        e.fields().collect::<Vec<_>>(),
+        ["connect_timeout", "max_connections", "schema"]
+    );
 }

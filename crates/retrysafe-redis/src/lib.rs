@@ -71,7 +71,7 @@ mod store;
 pub mod test_util;
 
 pub use check::{CheckError, ConfigReport, EvictionPolicy};
-pub use store::{RedisStore, RedisStoreBuilder};
+pub use store::{RedisStore, RedisStoreOptions};
 
 /// The redis-rs crate this store is built on, for building connections.
 pub use redis;

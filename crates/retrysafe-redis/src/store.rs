@@ -1,4 +1,4 @@
-//! [`RedisStore`]: the store, its builder and its [`IdempotencyStore`] implementation.
+//! [`RedisStore`]: the store, its options and its [`IdempotencyStore`] implementation.
 
 use std::fmt;
 use std::future::Future;
@@ -9,6 +9,7 @@ use bytes::Bytes;
 use rand::Rng;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::{IntoConnectionInfo, RedisError, RedisResult};
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
@@ -56,7 +57,7 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 ///   be taken over (before the commit point, same fingerprint) or turned into
 ///   `outcome_unknown` by the next copy; completed and `outcome_unknown` records live for
 ///   their retention.
-/// - **Timeouts.** Every call is bounded by the [`call_timeout`](RedisStoreBuilder::call_timeout)
+/// - **Timeouts.** Every call is bounded by the [`call_timeout`](RedisStoreOptions::call_timeout)
 ///   (default 1 s): a slow call is [`StoreError::Timeout`], a failed one
 ///   [`StoreError::Unavailable`]. The connection may have its own response timeout
 ///   (redis-rs's `ConnectionManager` defaults to 500 ms; [`connect`](Self::connect)
@@ -135,7 +136,7 @@ impl RedisStore {
     /// here with a 1 s connection timeout, two retries per connection attempt, and no
     /// response timeout of its own (the store's call timeout bounds every call). To
     /// configure it differently, build it yourself and pass it to
-    /// [`builder`](Self::builder).
+    /// [`options`](Self::options)`().build(conn)`.
     ///
     /// A server that cannot be reached is [`StoreError::Unavailable`] (or
     /// [`StoreError::Timeout`]), never a hang.
@@ -150,6 +151,28 @@ impl RedisStore {
         let bound = DEFAULT_CALL_TIMEOUT * 5;
         let conn = bounded(bound, ConnectionManager::new_with_config(client, config)).await?;
         Ok(RedisStore::new(conn))
+    }
+
+    /// The settings of a store (key prefix, call timeout) with their defaults, to be
+    /// changed and then [built](RedisStoreOptions::build) over a connection.
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use retrysafe_redis::RedisStore;
+    ///
+    /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+    /// let conn = redis::aio::ConnectionManager::new(client).await?;
+    /// let store = RedisStore::options()
+    ///     .key_prefix("billing:idem:")
+    ///     .call_timeout(Duration::from_millis(300))
+    ///     .build(conn)?;
+    /// assert_eq!(store.key_prefix(), "billing:idem:");
+    /// # Ok(()) }
+    /// ```
+    pub fn options() -> RedisStoreOptions {
+        RedisStoreOptions::new()
     }
 }
 
@@ -198,30 +221,6 @@ where
                 prefix: DEFAULT_KEY_PREFIX.to_owned(),
                 call_timeout: DEFAULT_CALL_TIMEOUT,
             }),
-        }
-    }
-
-    /// A builder for a store over `conn`.
-    ///
-    /// ```no_run
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// use retrysafe_redis::RedisStore;
-    ///
-    /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
-    /// let conn = redis::aio::ConnectionManager::new(client).await?;
-    /// let store = RedisStore::builder(conn)
-    ///     .key_prefix("billing:idem:")
-    ///     .call_timeout(Duration::from_millis(300))
-    ///     .build()?;
-    /// # Ok(()) }
-    /// ```
-    pub fn builder(conn: C) -> RedisStoreBuilder<C> {
-        RedisStoreBuilder {
-            conn,
-            prefix: DEFAULT_KEY_PREFIX.to_owned(),
-            call_timeout: DEFAULT_CALL_TIMEOUT,
         }
     }
 
@@ -442,25 +441,49 @@ where
     }
 }
 
-/// Configures a [`RedisStore`]; made by [`RedisStore::builder`].
+/// The settings of a [`RedisStore`]: made by [`RedisStore::options`] (or `new`, or
+/// `default`) with the defaults, changed by setters that never fail, and validated once
+/// by [`build`](Self::build), which makes the store over a connection.
+///
+/// A value of its own rather than setters on the store: the store's
+/// [`key_prefix`](RedisStore::key_prefix) and [`call_timeout`](RedisStore::call_timeout)
+/// read its settings back, and the settings exist before the connection they are built
+/// over (one set of options can make stores over several connections).
+///
+/// ```
+/// use std::time::Duration;
+/// use retrysafe_redis::RedisStoreOptions;
+///
+/// // Validation needs no connection: `()` stands in for one here.
+/// let refused = RedisStoreOptions::new()
+///     .key_prefix("{tenant}:")
+///     .call_timeout(Duration::ZERO)
+///     .build(())
+///     .unwrap_err();
+/// assert_eq!(refused.fields().collect::<Vec<_>>(), ["key_prefix", "call_timeout"]);
+/// ```
 #[must_use]
-pub struct RedisStoreBuilder<C> {
-    conn: C,
+#[derive(Debug, Clone)]
+pub struct RedisStoreOptions {
     prefix: String,
     call_timeout: Duration,
 }
 
-impl<C> fmt::Debug for RedisStoreBuilder<C> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RedisStoreBuilder")
-            .field("connection", &std::any::type_name::<C>())
-            .field("key_prefix", &self.prefix)
-            .field("call_timeout", &self.call_timeout)
-            .finish()
+impl Default for RedisStoreOptions {
+    fn default() -> Self {
+        RedisStoreOptions {
+            prefix: DEFAULT_KEY_PREFIX.to_owned(),
+            call_timeout: DEFAULT_CALL_TIMEOUT,
+        }
     }
 }
 
-impl<C> RedisStoreBuilder<C> {
+impl RedisStoreOptions {
+    /// The defaults: key prefix `retrysafe:`, 1 s call timeout.
+    pub fn new() -> Self {
+        RedisStoreOptions::default()
+    }
+
     /// The prefix of every key (default `retrysafe:`), to share a Redis database with
     /// other data or other stores. It must not contain `{` or `}`: the record id is the
     /// key's hash tag.
@@ -478,25 +501,27 @@ impl<C> RedisStoreBuilder<C> {
         self
     }
 
-    /// Builds the store; refuses a prefix with braces and a zero or huge timeout.
-    pub fn build(self) -> Result<RedisStore<C>, ConfigError> {
-        if self.prefix.contains(['{', '}']) {
-            return Err(ConfigError::new(
-                "key_prefix",
-                "must not contain `{` or `}` (the record id is the hash tag)",
-            ));
-        }
-        if self.call_timeout.is_zero() {
-            return Err(ConfigError::new(
-                "call_timeout",
-                "must be greater than zero",
-            ));
-        }
-        if self.call_timeout > MAX_TIMEOUT {
-            return Err(ConfigError::new("call_timeout", "must be at most 30 days"));
-        }
-        Ok(RedisStore {
-            conn: self.conn,
+    /// Validates the settings and makes a store over `conn` with them: refuses a prefix
+    /// with braces and a zero or huge call timeout, naming every refused setting.
+    pub fn build<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            !self.prefix.contains(['{', '}']),
+            "key_prefix",
+            "must not contain `{` or `}` (the record id is the hash tag)",
+        );
+        v.check(
+            !self.call_timeout.is_zero(),
+            "call_timeout",
+            "must be greater than zero",
+        );
+        v.check(
+            self.call_timeout <= MAX_TIMEOUT,
+            "call_timeout",
+            "must be at most 30 days",
+        );
+        v.finish(RedisStore {
+            conn,
             config: Arc::new(Config {
                 prefix: self.prefix,
                 call_timeout: self.call_timeout,

@@ -21,9 +21,9 @@ use tower::ServiceExt;
 
 /// One app server: its own connection to the shared Redis, its own layer.
 async fn app_server(prefix: &str, effects: &Arc<AtomicUsize>) -> Router {
-    let store = RedisStore::builder(manager().await)
+    let store = RedisStore::options()
         .key_prefix(prefix)
-        .build()
+        .build(manager().await)
         .unwrap();
     let layer = IdempotencyLayer::new(store)
         .wait_for_in_flight(Duration::from_secs(10))

@@ -65,9 +65,9 @@ async fn redis_now_ms(conn: &mut ConnectionManager) -> u64 {
 #[tokio::test]
 async fn every_store_call_is_one_round_trip() {
     let conn = CountingConnection::new(manager().await);
-    let store = RedisStore::builder(conn.clone())
+    let store = RedisStore::options()
         .key_prefix(fresh_prefix())
-        .build()
+        .build(conn.clone())
         .unwrap();
     // No script flush while counting.
     let mut admin = manager().await;
@@ -179,9 +179,9 @@ async fn scripts_are_reloaded_after_a_flush() {
 #[tokio::test]
 async fn one_key_per_record_with_the_id_as_hash_tag() {
     let prefix = fresh_prefix();
-    let store = RedisStore::builder(manager().await)
+    let store = RedisStore::options()
         .key_prefix(prefix.clone())
-        .build()
+        .build(manager().await)
         .unwrap();
     let mut admin = manager().await;
     let id = fresh_id();
@@ -386,30 +386,30 @@ fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
 }
 
 #[tokio::test]
-async fn builder_validates() {
+async fn options_are_validated() {
     let manager = manager().await;
     let conn = || CountingConnection::new(manager.clone());
     for prefix in ["a{b", "a}b", "{x}"] {
-        let e = RedisStore::builder(conn())
+        let e = RedisStore::options()
             .key_prefix(prefix)
-            .build()
+            .build(conn())
             .unwrap_err();
         assert_eq!(e.field(), "key_prefix");
     }
-    let e = RedisStore::builder(conn())
+    let e = RedisStore::options()
         .call_timeout(Duration::ZERO)
-        .build()
+        .build(conn())
         .unwrap_err();
     assert_eq!(e.field(), "call_timeout");
-    let e = RedisStore::builder(conn())
+    let e = RedisStore::options()
         .call_timeout(Duration::from_secs(365 * 24 * 60 * 60))
-        .build()
+        .build(conn())
         .unwrap_err();
     assert_eq!(e.field(), "call_timeout");
-    let store = RedisStore::builder(conn())
+    let store = RedisStore::options()
         .key_prefix("")
         .call_timeout(Duration::from_millis(250))
-        .build()
+        .build(conn())
         .unwrap();
     assert_eq!(store.call_timeout(), Duration::from_millis(250));
     assert_eq!(
@@ -418,6 +418,19 @@ async fn builder_validates() {
     );
     let dbg = format!("{store:?}");
     assert!(dbg.contains("RedisStore") && dbg.contains("250ms"), "{dbg}");
+}
+
+#[tokio::test]
+async fn build_names_every_refused_setting() {
+    let e = RedisStore::options()
+        .key_prefix("a{b}")
+        .call_timeout(Duration::ZERO)
+        .build(CountingConnection::new(manager().await))
+        .unwrap_err();
+    assert_eq!(
+        e.fields().collect::<Vec<_>>(),
+        ["key_prefix", "call_timeout"]
+    );
 }
 
 /// A port nothing listens on.
@@ -447,10 +460,10 @@ async fn connecting_to_a_closed_port_is_unavailable_not_a_hang() {
 #[tokio::test]
 async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
     let proxy = StallingProxy::start(host_port(&redis_url())).await;
-    let store = RedisStore::builder(manager_to(&proxy.url()).await)
+    let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(500))
-        .build()
+        .build(manager_to(&proxy.url()).await)
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
@@ -551,10 +564,10 @@ async fn pump(
 #[tokio::test]
 async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
     let proxy = StallingProxy::start(host_port(&redis_url())).await;
-    let store = RedisStore::builder(manager_to(&proxy.url()).await)
+    let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(300))
-        .build()
+        .build(manager_to(&proxy.url()).await)
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
@@ -714,9 +727,9 @@ async fn check_config_on_a_server_gone_is_a_store_error() {
     let proxy = StallingProxy::start(host_port(&redis_url())).await;
     let conn = manager_to(&proxy.url()).await;
     proxy.shut_down();
-    let store = RedisStore::builder(conn)
+    let store = RedisStore::options()
         .call_timeout(Duration::from_millis(500))
-        .build()
+        .build(conn)
         .unwrap();
     let r = tokio::time::timeout(Duration::from_secs(20), store.check_config())
         .await

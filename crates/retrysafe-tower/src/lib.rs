@@ -1,7 +1,8 @@
 //! Tower layers of retrysafe.
 //!
 //! - [`idempotency`] (feature `idempotency`): the server-side `IdempotencyLayer` that makes
-//!   POST and PATCH safe to retry by `Idempotency-Key`, and the in-memory `MemoryStore`.
+//!   POST and PATCH safe to retry by `Idempotency-Key` (over retrysafe-memory's `MemoryStore`
+//!   by default).
 //! - [`retry`] (feature `retry`): the client-side `RetryLayer` and its `ReplayBody`.
 //! - [`budget`] (feature `budget`): the `RetryBudgetLayer`, a budget on every attempt
 //!   marked as a retry.

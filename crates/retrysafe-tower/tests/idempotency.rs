@@ -22,9 +22,10 @@ use bytes::Bytes;
 use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, RecordId, Scope, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore};
 use retrysafe_core::wire::IdempotencyKey;
+use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{
-    EventKind, IdempotencyContext, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect,
-    Principal, ProblemKind, UnknownOutcome, UnknownReason,
+    EventKind, IdempotencyContext, IdempotencyEvent, IdempotencyLayer, NoEffect, Principal,
+    ProblemKind, UnknownOutcome, UnknownReason,
 };
 use tower::ServiceExt;
 
@@ -1188,7 +1189,7 @@ async fn concurrent_duplicates_in_wait_mode_all_get_the_answer() {
 // A full completed-record cache, then a fresh claim and its duplicate: still one run.
 #[tokio::test]
 async fn full_cache_does_not_let_a_duplicate_run() {
-    let store = MemoryStore::builder().max_bytes(64 * 1024).build().unwrap();
+    let store = MemoryStore::new().max_bytes(64 * 1024).build().unwrap();
     let (app, effects) = make_app(IdempotencyLayer::new(store.clone()));
     for i in 0..300 {
         let r = post_req(Some(&format!("fill-{i}")), "")
@@ -1523,7 +1524,7 @@ async fn one_huge_frame_is_passed_on() {
 // marker, never silently dropped (which would let a retry run again).
 #[tokio::test]
 async fn record_heavier_than_the_store_is_kept_as_a_marker() {
-    let store = MemoryStore::builder().max_bytes(4096).build().unwrap();
+    let store = MemoryStore::new().max_bytes(4096).build().unwrap();
     let (app, effects) = make_app(IdempotencyLayer::new(store));
     let mk = || {
         post_req(Some("k"), "")

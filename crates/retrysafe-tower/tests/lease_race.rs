@@ -418,7 +418,7 @@ fn check(case: &Case, trace: &Trace) {
 /// Every interleaving against the MemoryStore, on tokio's paused clock.
 #[tokio::test(start_paused = true)]
 async fn memory_store_lease_takeover_races() {
-    let store = retrysafe_tower::idempotency::MemoryStore::new();
+    let store = retrysafe_memory::MemoryStore::new();
     let traces = run_all(&store, &PausedClock::default()).await;
     let takeovers = traces
         .iter()

@@ -19,7 +19,7 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 use retrysafe_postgres::test_util::{Seen, WireProxy};
-use retrysafe_postgres::{PostgresStore, PostgresStoreBuilder};
+use retrysafe_postgres::{PostgresStore, PostgresStoreOptions};
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -56,9 +56,9 @@ pub fn fresh_schema() -> String {
 }
 
 /// An isolated, migrated store in its own schema (dropped, best effort, when the store
-/// is dropped), with a pool of at most 4 connections. `configure` adjusts the builder.
+/// is dropped), with a pool of at most 4 connections. `configure` adjusts its settings.
 pub async fn isolated_store(
-    configure: impl FnOnce(PostgresStoreBuilder) -> PostgresStoreBuilder,
+    configure: impl FnOnce(PostgresStoreOptions) -> PostgresStoreOptions,
 ) -> TestStore {
     isolated_store_with(connect_options(), configure).await
 }
@@ -66,17 +66,17 @@ pub async fn isolated_store(
 /// Like [`isolated_store`], connecting with `options`.
 pub async fn isolated_store_with(
     options: PgConnectOptions,
-    configure: impl FnOnce(PostgresStoreBuilder) -> PostgresStoreBuilder,
+    configure: impl FnOnce(PostgresStoreOptions) -> PostgresStoreOptions,
 ) -> TestStore {
     drop_stale_schemas().await;
     let schema = fresh_schema();
-    let builder = PostgresStore::builder()
+    let settings = PostgresStore::options()
         .schema(schema.clone())
         .max_connections(4)
         // Generous: a loaded test machine must not turn slowness into failures.
         .call_timeout(Duration::from_secs(10))
         .connect_timeout(Duration::from_secs(10));
-    let store = configure(builder)
+    let store = configure(settings)
         .connect_with(options)
         .await
         .unwrap_or_else(|e| unreachable(e));

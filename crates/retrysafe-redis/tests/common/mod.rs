@@ -60,10 +60,10 @@ pub(crate) fn fresh_prefix() -> String {
 
 /// A store on `REDIS_URL` with a fresh key prefix.
 pub(crate) async fn store() -> RedisStore {
-    RedisStore::builder(manager().await)
+    RedisStore::options()
         .key_prefix(fresh_prefix())
-        .build()
-        .unwrap_or_else(|e| panic!("builder: {e}"))
+        .build(manager().await)
+        .unwrap_or_else(|e| panic!("options: {e}"))
 }
 
 /// A lock held in Redis, so that tests that change server-wide state (the eviction

@@ -109,7 +109,6 @@ mod exec;
 mod future;
 mod guard;
 mod layer;
-mod memory;
 mod problem;
 mod service;
 
@@ -126,7 +125,7 @@ pub mod __private {
     pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
 }
 pub use layer::{IdempotencyLayer, Shutdown};
-pub use memory::*;
 pub use problem::{Problem, ProblemKind};
 pub use retrysafe_core::idempotency::{IdempotencyContext, NoEffect, Principal};
+use retrysafe_memory::MemoryStore;
 pub use service::Idempotency;

@@ -1,17 +1,4 @@
-//! The embedded idempotency store: [`MemoryStore`].
-//!
-//! Two structures, each with its own bound:
-//!
-//! - **in-flight claims** (`in_progress` records) live in a sharded map of plain
-//!   mutexes, bounded by a count and *never evicted*: forgetting a running claim would
-//!   let a duplicate run. When the map is full a new claim gets [`StoreError::Full`]
-//!   (the layer answers 503), after expired leases were swept out of the way;
-//! - **completed and `outcome_unknown` records** live in a moka cache bounded by bytes,
-//!   with LRU eviction. moka's default, TinyLFU, is deliberately not used: its
-//!   admission filter may refuse a fresh entry, and a refused completion is a key that
-//!   runs again.
-//!
-//! All time is tokio time, so the store runs on tokio's paused clock in tests.
+//! [`MemoryStore`]: the store, its settings and its [`IdempotencyStore`] implementation.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -23,6 +10,7 @@ use bytes::Bytes;
 use moka::notification::RemovalCause;
 use moka::policy::{EvictionPolicy, Expiry};
 use moka::sync::Cache;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
@@ -58,17 +46,17 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 /// The embedded default [`IdempotencyStore`]: in memory, for one process.
 ///
 /// - In-flight claims live in a bounded map that is never evicted: at
-///   [`max_in_flight`](MemoryStoreBuilder::max_in_flight) live claims a new claim gets
+///   [`max_in_flight`](Self::max_in_flight) live claims a new claim gets
 ///   [`StoreError::Full`] (the layer answers 503). Before refusing, the store sweeps
 ///   claims whose lease has expired: one whose holder had not reached its commit point
 ///   is dropped, any other becomes `outcome_unknown` for the retention of its claim.
 /// - Completed and `outcome_unknown` records live in a moka cache with LRU eviction,
-///   bounded by [`max_bytes`](MemoryStoreBuilder::max_bytes). A record weighs its
+///   bounded by [`max_bytes`](Self::max_bytes). A record weighs its
 ///   encoded length ([`Record::encoded_len`]) plus the 32-byte key plus
 ///   [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD), the measured cost of the cache's own
 ///   structures, so that the bound holds the store's real memory (plus a fixed part of
 ///   well under a megabyte). A record evicted before its retention ends is reported to
-///   the [`on_evicted`](MemoryStoreBuilder::on_evicted) hook.
+///   the [`on_evicted`](Self::on_evicted) hook.
 /// - Each record keeps its own expiry in tokio time, checked on every read; moka's
 ///   expiry (real time, retention plus a minute) only collects garbage. Leases are tokio
 ///   time too, and [`InProgress::lease_until_ms`] counts milliseconds since the store
@@ -79,18 +67,30 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 ///
 /// Cloning is cheap and shares the store.
 ///
+/// # Settings
+///
+/// [`new`](Self::new) (or `default`) gives a store with the documented defaults. The
+/// setters ([`max_in_flight`](Self::max_in_flight), [`max_bytes`](Self::max_bytes),
+/// [`on_evicted`](Self::on_evicted)) take and return the store and never fail;
+/// [`build`](Self::build) validates them once and names every refused setting. They
+/// are meant to follow `new` directly: each returns a fresh, empty store with the
+/// changed setting (the bounds are fixed in the store's structures), so a store already
+/// in use, and its clones, keep their records and settings. A store whose settings
+/// were never validated still works: a zero bound refuses every claim, or keeps no
+/// completed record.
+///
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_tower::core::idempotency::{
+/// use retrysafe_core::idempotency::{
 ///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
 /// };
-/// use retrysafe_tower::core::store::{Claim, ClaimOutcome, IdempotencyStore};
-/// use retrysafe_tower::core::wire::IdempotencyKey;
-/// use retrysafe_tower::idempotency::MemoryStore;
+/// use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
+/// use retrysafe_core::wire::IdempotencyKey;
+/// use retrysafe_memory::MemoryStore;
 ///
-/// let store = MemoryStore::builder().max_in_flight(1_000).max_bytes(16 << 20).build()?;
+/// let store = MemoryStore::new().max_in_flight(1_000).max_bytes(16 << 20).build()?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
 /// let claim = Claim {
 ///     token: Token::random(),
@@ -143,25 +143,83 @@ impl MemoryStore {
     /// From 10 000 to 1 000 000 records, with bodies of 1 B to 16 KiB, that is 391 to
     /// 424 bytes per record, the most at 10 000 records for record sizes that round up
     /// worst; this constant is above all of them, so that the weight
-    /// [`max_bytes`](MemoryStoreBuilder::max_bytes) bounds is not less than the memory
+    /// [`max_bytes`](Self::max_bytes) bounds is not less than the memory
     /// the records hold. A store also holds a fixed 0.1 to 0.3 MB of its own (the cache's
     /// tables and buffers) that no record's weight carries.
     pub const ENTRY_OVERHEAD: u64 = 440;
 
-    /// A store with the default bounds.
+    /// A store with the default bounds and no eviction hook.
+    ///
+    /// ```
+    /// use retrysafe_memory::MemoryStore;
+    /// let store = MemoryStore::new()
+    ///     .max_in_flight(2_048)
+    ///     .max_bytes(256 << 20)
+    ///     .on_evicted(|id| eprintln!("record {id:?} evicted before its retention"))
+    ///     .build()
+    ///     .unwrap();
+    /// assert_eq!(store.in_flight_len(), 0);
+    ///
+    /// let refused = MemoryStore::new().max_in_flight(0).max_bytes(0).build().unwrap_err();
+    /// assert_eq!(refused.fields().collect::<Vec<_>>(), ["max_in_flight", "max_bytes"]);
+    /// ```
     pub fn new() -> Self {
+        MemoryStore::with(Settings::default())
+    }
+
+    fn with(settings: Settings) -> Self {
         MemoryStore {
-            inner: Arc::new(Inner::new(
-                Self::DEFAULT_MAX_IN_FLIGHT,
-                Self::DEFAULT_MAX_BYTES,
-                None,
-            )),
+            inner: Arc::new(Inner::new(settings)),
         }
     }
 
-    /// A builder to set the bounds and the eviction hook.
-    pub fn builder() -> MemoryStoreBuilder {
-        MemoryStoreBuilder::default()
+    /// A fresh store with `set` applied to this one's settings.
+    fn configure(self, set: impl FnOnce(&mut Settings)) -> Self {
+        let mut settings = self.inner.settings.clone();
+        set(&mut settings);
+        MemoryStore::with(settings)
+    }
+
+    /// The most in-flight claims held at once (default 10 000). In-flight claims are
+    /// never evicted; at the bound a new claim gets [`StoreError::Full`]. Must be
+    /// greater than zero.
+    pub fn max_in_flight(self, max: usize) -> Self {
+        self.configure(|s| s.max_in_flight = max)
+    }
+
+    /// The byte bound of the completed-record cache (default 64 MiB), weighed as
+    /// described on [`MemoryStore`]. The least recently used records are evicted past
+    /// it; a record heavier than the whole bound cannot be kept at all. Must be greater
+    /// than zero.
+    pub fn max_bytes(self, max: u64) -> Self {
+        self.configure(|s| s.max_bytes = max)
+    }
+
+    /// A hook called with the id of each completed or `outcome_unknown` record evicted
+    /// for size before its retention ended (not on expiry, replacement or removal).
+    ///
+    /// It is called after the store call during which the cache evicted the record,
+    /// outside the store's locks; it should be quick and must not panic.
+    pub fn on_evicted(self, hook: impl Fn(&RecordId) + Send + Sync + 'static) -> Self {
+        self.configure(|s| s.on_evicted = Some(Arc::new(hook)))
+    }
+
+    /// Validates the settings: refuses a zero [`max_in_flight`](Self::max_in_flight) and
+    /// a zero [`max_bytes`](Self::max_bytes), naming every refused one.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        let settings = &self.inner.settings;
+        v.check(
+            settings.max_in_flight > 0,
+            "max_in_flight",
+            "must be greater than zero",
+        );
+        v.check(
+            settings.max_bytes > 0,
+            "max_bytes",
+            "must be greater than zero",
+        );
+        v.finish(self)
     }
 
     /// The number of in-flight claims held (live or with an expired lease not yet
@@ -193,92 +251,21 @@ impl Default for MemoryStore {
     }
 }
 
-/// Configures a [`MemoryStore`]; made by [`MemoryStore::builder`].
-///
-/// ```
-/// use retrysafe_tower::idempotency::MemoryStore;
-/// let store = MemoryStore::builder()
-///     .max_in_flight(2_048)
-///     .max_bytes(256 << 20)
-///     .on_evicted(|id| eprintln!("record {id:?} evicted before its retention"))
-///     .build()
-///     .unwrap();
-/// assert_eq!(store.in_flight_len(), 0);
-/// assert!(MemoryStore::builder().max_bytes(0).build().is_err());
-/// ```
-#[must_use]
-pub struct MemoryStoreBuilder {
+/// The settings of a store, as given (validated by [`MemoryStore::build`]).
+#[derive(Clone)]
+struct Settings {
     max_in_flight: usize,
     max_bytes: u64,
     on_evicted: Option<Arc<HookFn>>,
 }
 
-impl Default for MemoryStoreBuilder {
+impl Default for Settings {
     fn default() -> Self {
-        MemoryStoreBuilder {
+        Settings {
             max_in_flight: MemoryStore::DEFAULT_MAX_IN_FLIGHT,
             max_bytes: MemoryStore::DEFAULT_MAX_BYTES,
             on_evicted: None,
         }
-    }
-}
-
-impl fmt::Debug for MemoryStoreBuilder {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("MemoryStoreBuilder")
-            .field("max_in_flight", &self.max_in_flight)
-            .field("max_bytes", &self.max_bytes)
-            .field("on_evicted", &self.on_evicted.is_some())
-            .finish()
-    }
-}
-
-impl MemoryStoreBuilder {
-    /// The most in-flight claims held at once (default 10 000). In-flight claims are
-    /// never evicted; at the bound a new claim gets [`StoreError::Full`]. Must be
-    /// greater than zero.
-    pub fn max_in_flight(mut self, max: usize) -> Self {
-        self.max_in_flight = max;
-        self
-    }
-
-    /// The byte bound of the completed-record cache (default 64 MiB), weighed as
-    /// described on [`MemoryStore`]. The least recently used records are evicted past
-    /// it; a record heavier than the whole bound cannot be kept at all. Must be greater
-    /// than zero.
-    pub fn max_bytes(mut self, max: u64) -> Self {
-        self.max_bytes = max;
-        self
-    }
-
-    /// A hook called with the id of each completed or `outcome_unknown` record evicted
-    /// for size before its retention ended (not on expiry, replacement or removal).
-    ///
-    /// It is called after the store call during which the cache evicted the record,
-    /// outside the store's locks; it should be quick and must not panic.
-    pub fn on_evicted(mut self, hook: impl Fn(&RecordId) + Send + Sync + 'static) -> Self {
-        self.on_evicted = Some(Arc::new(hook));
-        self
-    }
-
-    /// Builds the store; refuses a zero bound.
-    pub fn build(self) -> Result<MemoryStore, ConfigError> {
-        if self.max_in_flight == 0 {
-            return Err(ConfigError::new(
-                "max_in_flight",
-                "must be greater than zero",
-            ));
-        }
-        if self.max_bytes == 0 {
-            return Err(ConfigError::new("max_bytes", "must be greater than zero"));
-        }
-        Ok(MemoryStore {
-            inner: Arc::new(Inner::new(
-                self.max_in_flight,
-                self.max_bytes,
-                self.on_evicted,
-            )),
-        })
     }
 }
 
@@ -395,15 +382,14 @@ struct Inner {
     shards: [Shard; SHARDS],
     /// Entries across all shards; changed only under the entry's shard lock.
     in_flight: AtomicUsize,
-    max_in_flight: usize,
     /// A lower bound on the earliest lease end (milliseconds since `epoch`) among the
     /// in-flight entries: a full map is not swept before then, so refusing a claim stays
     /// cheap while every claim is live.
     sweep_after_ms: AtomicU64,
     cache: Cache<RecordId, Cached>,
-    max_bytes: u64,
     evictions: Arc<Evictions>,
-    on_evicted: Option<Arc<HookFn>>,
+    /// The bounds and the hook, as given.
+    settings: Settings,
     epoch: Instant,
 }
 
@@ -411,19 +397,20 @@ impl fmt::Debug for Inner {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Inner")
             .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
-            .field("max_in_flight", &self.max_in_flight)
+            .field("max_in_flight", &self.settings.max_in_flight)
             .field("cached", &self.cache.entry_count())
-            .field("max_bytes", &self.max_bytes)
+            .field("max_bytes", &self.settings.max_bytes)
+            .field("on_evicted", &self.settings.on_evicted.is_some())
             .finish_non_exhaustive()
     }
 }
 
 impl Inner {
-    fn new(max_in_flight: usize, max_bytes: u64, on_evicted: Option<Arc<HookFn>>) -> Self {
+    fn new(settings: Settings) -> Self {
         let evictions = Arc::new(Evictions::default());
         let epoch = Instant::now();
         let mut builder = Cache::builder()
-            .max_capacity(max_bytes)
+            .max_capacity(settings.max_bytes)
             .eviction_policy(EvictionPolicy::lru())
             .weigher(|_id: &RecordId, value: &Cached| value.weight())
             .expire_after(GcAfter);
@@ -443,12 +430,10 @@ impl Inner {
         Inner {
             shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
             in_flight: AtomicUsize::new(0),
-            max_in_flight,
             sweep_after_ms: AtomicU64::new(u64::MAX),
             cache: builder.build(),
-            max_bytes,
             evictions,
-            on_evicted,
+            settings,
             epoch,
         }
     }
@@ -471,7 +456,7 @@ impl Inner {
     fn reserve_slot(&self) -> bool {
         self.in_flight
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.max_in_flight).then_some(n + 1)
+                (n < self.settings.max_in_flight).then_some(n + 1)
             })
             .is_ok()
     }
@@ -503,7 +488,7 @@ impl Inner {
         let retention = retention.min(MAX_SPAN);
         // A record heavier than the whole cache would be evicted at once and a retry
         // would run again: keep the small "not stored" marker instead.
-        let bytes = if weight_of(&bytes) > self.max_bytes {
+        let bytes = if weight_of(&bytes) > self.settings.max_bytes {
             match Record::decode(Bytes::copy_from_slice(&bytes)) {
                 Ok(Record::Completed(c)) => blob(&Record::Completed(Completed {
                     fingerprint: c.fingerprint,
@@ -726,7 +711,7 @@ impl Inner {
         self.cache.run_pending_tasks();
         // One run applies what is queued; repeat a little if it left the cache over.
         for _ in 0..4 {
-            if self.cache.weighted_size() <= self.max_bytes {
+            if self.cache.weighted_size() <= self.settings.max_bytes {
                 break;
             }
             self.cache.run_pending_tasks();
@@ -749,7 +734,7 @@ impl Inner {
                 record = ?id,
                 "completed idempotency record evicted before its retention (MemoryStore max_bytes)"
             );
-            if let Some(hook) = &self.on_evicted {
+            if let Some(hook) = &self.settings.on_evicted {
                 hook(id);
             }
         }

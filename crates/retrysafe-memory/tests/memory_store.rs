@@ -15,12 +15,12 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_core::wire::IdempotencyKey;
-use retrysafe_tower::idempotency::MemoryStore;
+use retrysafe_memory::MemoryStore;
 use tokio::time::Instant;
 
 retrysafe_core::store_conformance_tests! {
     #[tokio::test(start_paused = true)]
-    store = || async { retrysafe_tower::idempotency::MemoryStore::new() },
+    store = || async { retrysafe_memory::MemoryStore::new() },
     clock = retrysafe_core::store::conformance::PausedClock::default(),
 }
 
@@ -86,26 +86,65 @@ fn recorder() -> (
 }
 
 #[test]
-fn builder_refuses_zero_bounds() {
-    let e = MemoryStore::builder()
+fn build_refuses_zero_bounds() {
+    let e = MemoryStore::new()
         .max_in_flight(0)
         .build()
         .expect_err("zero in-flight bound");
     assert_eq!(e.field(), "max_in_flight");
-    let e = MemoryStore::builder()
+    let e = MemoryStore::new()
         .max_bytes(0)
         .build()
         .expect_err("zero byte bound");
     assert_eq!(e.field(), "max_bytes");
-    let store = MemoryStore::builder()
+    let store = MemoryStore::new()
         .max_in_flight(1)
         .max_bytes(1)
         .build()
         .expect("valid");
     assert_eq!(store.in_flight_len(), 0);
     assert_eq!(store.cached_len(), 0);
-    let debug = format!("{:?}", MemoryStore::builder().on_evicted(|_| {}));
+    let debug = format!("{:?}", MemoryStore::new().on_evicted(|_| {}));
     assert!(debug.contains("on_evicted: true"), "{debug}");
+}
+
+#[test]
+fn build_names_every_refused_bound() {
+    let e = MemoryStore::new()
+        .max_in_flight(0)
+        .max_bytes(0)
+        .build()
+        .expect_err("two zero bounds");
+    assert_eq!(
+        e.fields().collect::<Vec<_>>(),
+        ["max_in_flight", "max_bytes"]
+    );
+}
+
+/// Each setter keeps the settings made before it.
+#[test]
+fn setters_keep_earlier_settings() {
+    let store = MemoryStore::new()
+        .on_evicted(|_| {})
+        .max_in_flight(7)
+        .max_bytes(4096);
+    let debug = format!("{store:?}");
+    for part in ["max_in_flight: 7", "max_bytes: 4096", "on_evicted: true"] {
+        assert!(debug.contains(part), "{part} in {debug}");
+    }
+}
+
+/// A store whose settings were never validated still answers: a zero in-flight bound
+/// refuses every claim as full.
+#[tokio::test(start_paused = true)]
+async fn unvalidated_zero_bound_refuses_claims() {
+    let store = MemoryStore::new().max_in_flight(0);
+    let c = claim(CommitPoint::Undeclared);
+    assert!(matches!(
+        store.claim(&fresh_id(), &c).await,
+        Err(StoreError::Full)
+    ));
+    assert_eq!(store.in_flight_len(), 0);
 }
 
 /// 64 claims of one id race on two worker threads, many times: one wins each round.
@@ -237,7 +276,7 @@ async fn lease_until_is_tokio_millis_since_creation() {
 #[tokio::test(start_paused = true)]
 async fn in_flight_bound_is_full_and_never_evicted() {
     let max_bytes = 64 * 1024;
-    let store = MemoryStore::builder()
+    let store = MemoryStore::new()
         .max_in_flight(100)
         .max_bytes(max_bytes)
         .build()
@@ -301,7 +340,7 @@ async fn in_flight_bound_is_full_and_never_evicted() {
 /// default TinyLFU admission filter could refuse the fresh entry.)
 #[tokio::test(start_paused = true)]
 async fn fresh_completion_is_admitted_into_a_full_cache() {
-    let store = MemoryStore::builder()
+    let store = MemoryStore::new()
         .max_bytes(16 * 1024)
         .build()
         .expect("store");
@@ -356,7 +395,7 @@ async fn fresh_completion_is_admitted_into_a_full_cache() {
 #[tokio::test(start_paused = true)]
 async fn early_eviction_calls_the_hook_and_expiry_does_not() {
     let (seen, hook) = recorder();
-    let store = MemoryStore::builder()
+    let store = MemoryStore::new()
         .max_bytes(16 * 1024)
         .on_evicted(hook)
         .build()
@@ -412,10 +451,7 @@ async fn early_eviction_calls_the_hook_and_expiry_does_not() {
 /// are dropped, otherwise they become `outcome_unknown` for their claim's retention.
 #[tokio::test(start_paused = true)]
 async fn expired_in_flight_entries_are_swept_when_full() {
-    let store = MemoryStore::builder()
-        .max_in_flight(4)
-        .build()
-        .expect("store");
+    let store = MemoryStore::new().max_in_flight(4).build().expect("store");
     let retention = Duration::from_secs(100);
     let with = |cp| Claim {
         retention,
@@ -476,10 +512,7 @@ async fn expired_in_flight_entries_are_swept_when_full() {
 /// before and not later.
 #[tokio::test(start_paused = true)]
 async fn sweeping_follows_the_earliest_lease() {
-    let store = MemoryStore::builder()
-        .max_in_flight(2)
-        .build()
-        .expect("store");
+    let store = MemoryStore::new().max_in_flight(2).build().expect("store");
     let short = claim(CommitPoint::Before);
     let long = Claim {
         lease: LEASE * 2,
@@ -514,7 +547,7 @@ async fn sweeping_follows_the_earliest_lease() {
 #[tokio::test(start_paused = true)]
 async fn cached_bytes_stay_within_max_bytes() {
     let max_bytes = 100 * 1024;
-    let store = MemoryStore::builder()
+    let store = MemoryStore::new()
         .max_bytes(max_bytes)
         .build()
         .expect("store");
