@@ -40,7 +40,7 @@ use tower::limit::{ConcurrencyLimit, ConcurrencyLimitLayer};
 use tower::util::Either;
 use tower_layer::{Identity, Layer};
 
-use crate::idempotency::{Idempotency, IdempotencyLayer};
+use crate::idempotency::{IdempotencyLayer, IdempotencyService};
 
 /// The server-side layers in the recommended order, as one layer: authentication
 /// (outermost) → [`IdempotencyLayer`] → concurrency limit (innermost).
@@ -92,7 +92,7 @@ impl<A> ServerLayers<A> {
 
 impl<S, A> Layer<S> for ServerLayers<A>
 where
-    A: Layer<Idempotency<Either<ConcurrencyLimit<S>, S>>>,
+    A: Layer<IdempotencyService<Either<ConcurrencyLimit<S>, S>>>,
 {
     type Service = A::Service;
 

@@ -118,11 +118,11 @@ async fn inner_error_is_returned_and_the_outcome_is_unknown() {
 }
 
 trait LayerService {
-    fn layer_service<S>(&self, s: S) -> retrysafe_tower::idempotency::Idempotency<S>;
+    fn layer_service<S>(&self, s: S) -> retrysafe_tower::idempotency::IdempotencyService<S>;
 }
 
 impl LayerService for IdempotencyLayer {
-    fn layer_service<S>(&self, s: S) -> retrysafe_tower::idempotency::Idempotency<S> {
+    fn layer_service<S>(&self, s: S) -> retrysafe_tower::idempotency::IdempotencyService<S> {
         tower_layer::Layer::layer(self, s)
     }
 }

@@ -4,13 +4,13 @@ use std::time::Duration;
 
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
-use retrysafe_tower::idempotency::blocks::duration_setting;
+use retrysafe_tower::idempotency::__private::blocks::duration_setting;
 use sqlx::PgPool;
 
 use super::sql::{self, TxSql};
 use crate::PostgresStore;
 
-/// The [`Backend`](retrysafe_tower::idempotency::Backend) of the
+/// The backend of the
 /// [`TxIdempotencyLayer`](super::TxIdempotencyLayer): where the transactions run (the
 /// pool, the key table) and how long their steps may take. See the
 /// [module docs](super) for the pattern.

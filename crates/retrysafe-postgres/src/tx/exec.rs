@@ -20,10 +20,11 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::problem::ProblemKind;
 use retrysafe_core::store::StoreError;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use retrysafe_tower::idempotency::__private::{Engine, Outcome, answer_of, conclude, negotiate};
-use retrysafe_tower::idempotency::{
-    Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler, RequestBody,
+use retrysafe_tower::idempotency::__private::{
+    Answer, Backend, Call, Captured, Engine, Guard, Guarded, GuardedRequest, Handler, Outcome,
+    answer_of, conclude, negotiate,
 };
+use retrysafe_tower::idempotency::RequestBody;
 use sqlx::Row;
 use tokio::time::Instant;
 

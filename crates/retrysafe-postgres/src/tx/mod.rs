@@ -94,16 +94,6 @@
 //! # Ok(()) }
 //! ```
 //!
-//! *Changed:* `TxIdempotencyLayer` used to be a type of its own, with copies of those
-//! builder methods. `TxIdempotencyLayer::from_store(&store)` and
-//! `TxIdempotencyLayer::new(pool)` are now
-//! `TxIdempotencyLayer::with_backend(TxBackend::from_store(&store))` and
-//! `TxIdempotencyLayer::with_backend(TxBackend::new(pool))`; `schema`, `table`,
-//! `acquire_timeout`, `commit_timeout`, `idle_in_transaction_timeout`,
-//! `advisory_lock_class`, `pool`, `table_name` and `DEFAULT_LOCK_CLASS` moved to
-//! [`TxBackend`] (on a built layer: `layer.backend().pool()`); [`TxIdempotency`] is
-//! `Idempotency<S, TxBackend>`, and [`ResponseFuture`] is the `IdempotencyLayer`'s.
-//!
 //! **Handlers must not make remote calls inside the transaction** (HTTP, gRPC, a
 //! message broker, another database): those effects do not roll back with it, and while
 //! the handler waits for them the transaction holds its connection, its row locks and
@@ -192,11 +182,11 @@ mod txn;
 pub use backend::TxBackend;
 pub use extract::{IdempotentTx, IdempotentTxRejection};
 pub use retrysafe_core::idempotency::{NoEffect, Principal};
-/// Response future of [`TxIdempotency`]: the
+/// Response future of [`TxIdempotencyService`]: the
 /// [`IdempotencyLayer`](retrysafe_tower::idempotency::IdempotencyLayer)'s own.
 pub use retrysafe_tower::idempotency::ResponseFuture;
 
-/// Applies [`TxIdempotency`] to a service: runs each guarded request (POST and PATCH by
+/// Applies [`TxIdempotencyService`] to a service: runs each guarded request (POST and PATCH by
 /// default) in one PostgreSQL transaction that also holds its idempotency key, so that
 /// the key and the handler's effects commit — or roll back — together. See the
 /// [module docs](self) for the pattern and the full behaviour.
@@ -228,6 +218,6 @@ pub type TxIdempotencyLayer = retrysafe_tower::idempotency::IdempotencyLayer<TxB
 
 /// Middleware that runs each guarded request in one PostgreSQL transaction holding its
 /// idempotency key: the
-/// [`Idempotency`](retrysafe_tower::idempotency::Idempotency) service over a
+/// [`IdempotencyService`](retrysafe_tower::idempotency::IdempotencyService) service over a
 /// [`TxBackend`]. Built by [`TxIdempotencyLayer`].
-pub type TxIdempotency<S> = retrysafe_tower::idempotency::Idempotency<S, TxBackend>;
+pub type TxIdempotencyService<S> = retrysafe_tower::idempotency::IdempotencyService<S, TxBackend>;

@@ -12,7 +12,7 @@ pub(crate) type GuardedFuture<B, E> =
     Pin<Box<dyn Future<Output = Result<Response<ResponseBody<B>>, E>> + Send>>;
 
 pin_project! {
-    /// Response future of [`Idempotency`](super::Idempotency).
+    /// Response future of [`IdempotencyService`](super::IdempotencyService).
     ///
     /// Requests the layer does not guard are polled in place; guarded ones poll the task
     /// that runs them, which is spawned to finish on its own if this future is dropped

@@ -400,7 +400,7 @@ where
 
 /// What runs the guarded part of a request for an
 /// [`IdempotencyLayer`](super::IdempotencyLayer): the layer's service
-/// ([`Idempotency`](super::Idempotency)) does the rest — the methods, the key, the scope,
+/// ([`IdempotencyService`](super::IdempotencyService)) does the rest — the methods, the key, the scope,
 /// the body limit and the fingerprint, the bound of requests in flight and the tracked
 /// task that calls the backend (polled in place, spawned if the response future is
 /// dropped first), so that dropping the response future cancels nothing.

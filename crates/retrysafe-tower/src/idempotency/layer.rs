@@ -17,10 +17,10 @@ use super::event::{IdempotencyEvent, UnknownOutcome};
 use super::exec::StoreBackend;
 use super::guard::{Backend, DEFAULT_MAX_IN_FLIGHT, Guard, GuardConfig, ScopeRule, Shared};
 use super::problem::Problem;
-use super::service::Idempotency;
+use super::service::IdempotencyService;
 use super::{MemoryStore, blocks};
 
-/// Applies [`Idempotency`] to a service: makes POST and PATCH safe to retry by
+/// Applies [`IdempotencyService`] to a service: makes POST and PATCH safe to retry by
 /// `Idempotency-Key`. See the [module docs](super) for the full behaviour.
 ///
 /// Builder methods take and return the layer and never fail; [`build`](Self::build)
@@ -263,7 +263,8 @@ impl<X> IdempotencyLayer<X> {
         &self.backend
     }
 
-    /// The rules the layer guards requests by.
+    /// The rules the layer guards requests by (for the backends of other crates).
+    #[doc(hidden)]
     pub fn guard(&self) -> &Guard {
         &self.guard
     }
@@ -433,9 +434,9 @@ impl<X> IdempotencyLayer<X> {
 }
 
 impl<S, X> Layer<S> for IdempotencyLayer<X> {
-    type Service = Idempotency<S, X>;
+    type Service = IdempotencyService<S, X>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Idempotency::new(inner, self.clone())
+        IdempotencyService::new(inner, self.clone())
     }
 }

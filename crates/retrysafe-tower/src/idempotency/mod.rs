@@ -82,25 +82,16 @@
 //!
 //! # Backends
 //!
-//! The layer is one piece in two parts. Its [`Guard`] — which requests are guarded, the
-//! key, the scope, the fingerprint, the limits, the in-flight policy, the problem
-//! answers and the events — is set with the builder methods of
-//! [`IdempotencyLayer<X>`](IdempotencyLayer), and applied by its service before any
-//! record is touched. What runs a guarded request is its [`Backend`] `X`: by default the
-//! [`StoreBackend`], the claim–run–complete protocol above over any
+//! What runs a guarded request is the layer's backend: by default the claim–run–
+//! complete protocol above over any
 //! [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore), whose own settings
 //! ([`lease`](IdempotencyLayer::lease), [`fail_open`](IdempotencyLayer::fail_open), …)
-//! are methods of `IdempotencyLayer` too. The transactional layer of
-//! `retrysafe-postgres` (`TxIdempotencyLayer`) is `IdempotencyLayer<TxBackend>`: the
-//! same guard, with a backend that runs the handler in a PostgreSQL transaction that
-//! also writes its key ([`IdempotencyLayer::with_backend`]).
-//!
-//! *Changed:* `IdempotencyLayer` and [`Idempotency`] gained the backend as a type
-//! parameter, defaulted to [`StoreBackend`], so code that names them is unchanged; the
-//! transactional layer's copies of the guard (its builder methods, service and response
-//! future) are gone, and with them `Shutdown::new` and `Shutdown::spawn`, which only it
-//! used.
+//! are methods of `IdempotencyLayer`. The transactional layer of `retrysafe-postgres`
+//! (`TxIdempotencyLayer`) is the same layer over a backend that runs the handler in a
+//! PostgreSQL transaction that also writes its key. Both drive the one protocol of
+//! [`retrysafe_core::idempotency::protocol`].
 
+#[doc(hidden)]
 pub mod blocks;
 mod body;
 mod engine;
@@ -114,18 +105,23 @@ mod service;
 
 pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+#[doc(hidden)]
 pub use exec::StoreBackend;
 pub use future::ResponseFuture;
-pub use guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
 
 /// Plumbing for the transactional layer of `retrysafe-postgres`: not part of the public
 /// API, it may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use super::blocks;
     pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
+    pub use super::exec::StoreBackend;
+    pub use super::guard::{
+        Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler,
+    };
 }
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use problem::{Problem, ProblemKind};
 pub use retrysafe_core::idempotency::{IdempotencyContext, NoEffect, Principal};
 use retrysafe_memory::MemoryStore;
-pub use service::Idempotency;
+pub use service::IdempotencyService;

@@ -34,21 +34,21 @@ type Res<B> = Response<ResponseBody<B>>;
 /// It decides in `call` which requests are guarded and answers the bad ones (key,
 /// scope, body) itself; the others run in a spawned task through the layer's
 /// [`Backend`] `X`.
-pub struct Idempotency<S, X = StoreBackend> {
+pub struct IdempotencyService<S, X = StoreBackend> {
     inner: S,
     layer: IdempotencyLayer<X>,
 }
 
-impl<S: Clone, X> Clone for Idempotency<S, X> {
+impl<S: Clone, X> Clone for IdempotencyService<S, X> {
     fn clone(&self) -> Self {
-        Idempotency {
+        IdempotencyService {
             inner: self.inner.clone(),
             layer: self.layer.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug, X: fmt::Debug> fmt::Debug for Idempotency<S, X> {
+impl<S: fmt::Debug, X: fmt::Debug> fmt::Debug for IdempotencyService<S, X> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Idempotency")
             .field("inner", &self.inner)
@@ -57,9 +57,9 @@ impl<S: fmt::Debug, X: fmt::Debug> fmt::Debug for Idempotency<S, X> {
     }
 }
 
-impl<S, X> Idempotency<S, X> {
+impl<S, X> IdempotencyService<S, X> {
     pub(crate) fn new(inner: S, layer: IdempotencyLayer<X>) -> Self {
-        Idempotency { inner, layer }
+        IdempotencyService { inner, layer }
     }
 
     /// The wrapped service.
@@ -68,7 +68,7 @@ impl<S, X> Idempotency<S, X> {
     }
 }
 
-impl<S, X, B, ResB> Service<Request<B>> for Idempotency<S, X>
+impl<S, X, B, ResB> Service<Request<B>> for IdempotencyService<S, X>
 where
     S: Service<Request<RequestBody<B>>, Response = Response<ResB>> + Clone + Send + 'static,
     S::Future: Send + 'static,
