@@ -107,12 +107,74 @@ impl Sql {
             None => table.to_owned(),
         };
         let t = &qualified;
-        let mut migration = Vec::new();
-        if let Some(s) = schema {
-            migration.push(format!("CREATE SCHEMA IF NOT EXISTS {s}"));
+        let migration = migration(schema, table, t);
+        let mut migrate = format!(
+            "SET LOCAL statement_timeout = 0;
+SELECT pg_advisory_xact_lock({MIGRATE_LOCK_CLASS}, hashtext('{qualified}'));
+"
+        );
+        for stmt in &migration {
+            migrate.push_str(stmt);
+            migrate.push_str(";\n");
         }
-        migration.push(format!(
-            "CREATE TABLE IF NOT EXISTS {t} (
+        // Every token-carrying change: the row must be in progress, held by the token,
+        // and not dead.
+        let holder = format!("k = $1 AND state = {STATE_IN_PROGRESS} AND token = $2");
+        Sql {
+            claim: claim(t),
+            get: format!(
+                "SELECT {RECORD_COLUMNS} FROM {t} r WHERE r.k = $1 AND r.expires_at > clock_timestamp()"
+            ),
+            complete: format!(
+                "UPDATE {t} SET state = {STATE_COMPLETED}, fingerprint = $3, token = NULL,
+    commit_point = NULL, lease_until = NULL, record = $5,
+    expires_at = c.t + $4 * interval '1 microsecond'
+FROM (SELECT clock_timestamp() AS t) c
+WHERE {holder} AND expires_at > c.t"
+            ),
+            release: format!("DELETE FROM {t} WHERE {holder} AND expires_at > clock_timestamp()"),
+            // The retention of an in-progress row (expires_at - lease_until) is kept.
+            renew: format!(
+                "UPDATE {t} SET lease_until = c.t + $3 * interval '1 microsecond',
+    expires_at = c.t + $3 * interval '1 microsecond' + (expires_at - lease_until)
+FROM (SELECT clock_timestamp() AS t) c
+WHERE {holder} AND expires_at > c.t"
+            ),
+            commit_point: format!(
+                "UPDATE {t} SET commit_point = 2 WHERE {holder} AND expires_at > clock_timestamp()"
+            ),
+            mark_unknown: format!(
+                "UPDATE {t} SET state = {STATE_UNKNOWN}, token = NULL, commit_point = NULL,
+    lease_until = NULL, record = NULL, expires_at = c.t + $3 * interval '1 microsecond'
+FROM (SELECT clock_timestamp() AS t) c
+WHERE {holder} AND expires_at > c.t"
+            ),
+            sweep: sweep(t),
+            table: qualified,
+            migrate,
+            migration,
+        }
+    }
+
+    /// The migration as one script, statements separated by `;`.
+    pub(crate) fn migration_script(&self) -> String {
+        let mut out = String::new();
+        for stmt in &self.migration {
+            out.push_str(stmt);
+            out.push_str(";\n");
+        }
+        out
+    }
+}
+
+/// The migration statements: the schema (if any), the table and its index.
+fn migration(schema: Option<&str>, table: &str, t: &str) -> Vec<String> {
+    let mut migration = Vec::new();
+    if let Some(s) = schema {
+        migration.push(format!("CREATE SCHEMA IF NOT EXISTS {s}"));
+    }
+    migration.push(format!(
+        "CREATE TABLE IF NOT EXISTS {t} (
     k            bytea       PRIMARY KEY,
     state        smallint    NOT NULL CHECK (state IN (1, 2, 3)),
     fingerprint  bytea       NOT NULL,
@@ -123,22 +185,25 @@ impl Sql {
     expires_at   timestamptz NOT NULL,
     record       bytea
 )"
-        ));
-        migration.push(format!(
-            "CREATE INDEX IF NOT EXISTS {table}{INDEX_SUFFIX} ON {t} (expires_at)"
-        ));
+    ));
+    migration.push(format!(
+        "CREATE INDEX IF NOT EXISTS {table}{INDEX_SUFFIX} ON {t} (expires_at)"
+    ));
+    migration
+}
 
-        // The claim, in one statement. An existing row `r` is replaced when it is dead
-        // (past its retention: the key is new again) or when it is in progress, its
-        // lease has expired and the fingerprint matches; then it is taken over if its
-        // holder had not reached the commit point, and turned into outcome_unknown
-        // otherwise. Any other existing row is left alone (but locked for the moment of
-        // the statement, as ON CONFLICT DO UPDATE does) and returned from the
-        // statement's snapshot by the second branch of the UNION.
-        let dead = "r.expires_at <= (SELECT t FROM c)";
-        let fresh = format!("({dead} OR r.commit_point = 1)");
-        let claim = format!(
-            "WITH c AS (SELECT clock_timestamp() AS t),
+/// The claim, in one statement. An existing row `r` is replaced when it is dead (past
+/// its retention: the key is new again) or when it is in progress, its lease has
+/// expired and the fingerprint matches; then it is taken over if its holder had not
+/// reached the commit point, and turned into outcome_unknown otherwise. Any other
+/// existing row is left alone (but locked for the moment of the statement, as ON
+/// CONFLICT DO UPDATE does) and returned from the statement's snapshot by the second
+/// branch of the UNION.
+fn claim(t: &str) -> String {
+    let dead = "r.expires_at <= (SELECT t FROM c)";
+    let fresh = format!("({dead} OR r.commit_point = 1)");
+    format!(
+        "WITH c AS (SELECT clock_timestamp() AS t),
 up AS (
     INSERT INTO {t} AS r
         (k, state, fingerprint, token, commit_point, lease_until, takeovers, expires_at, record)
@@ -168,42 +233,14 @@ UNION ALL
 SELECT false, r.takeovers, {RECORD_COLUMNS}
 FROM {t} r, c
 WHERE r.k = $1 AND r.expires_at > c.t AND NOT EXISTS (SELECT 1 FROM up)"
-        );
+    )
+}
 
-        let get = format!(
-            "SELECT {RECORD_COLUMNS} FROM {t} r WHERE r.k = $1 AND r.expires_at > clock_timestamp()"
-        );
-        // Every token-carrying change: the row must be in progress, held by the token,
-        // and not dead.
-        let holder = format!("k = $1 AND state = {STATE_IN_PROGRESS} AND token = $2");
-        let complete = format!(
-            "UPDATE {t} SET state = {STATE_COMPLETED}, fingerprint = $3, token = NULL,
-    commit_point = NULL, lease_until = NULL, record = $5,
-    expires_at = c.t + $4 * interval '1 microsecond'
-FROM (SELECT clock_timestamp() AS t) c
-WHERE {holder} AND expires_at > c.t"
-        );
-        let release = format!("DELETE FROM {t} WHERE {holder} AND expires_at > clock_timestamp()");
-        // The retention of an in-progress row (expires_at - lease_until) is kept.
-        let renew = format!(
-            "UPDATE {t} SET lease_until = c.t + $3 * interval '1 microsecond',
-    expires_at = c.t + $3 * interval '1 microsecond' + (expires_at - lease_until)
-FROM (SELECT clock_timestamp() AS t) c
-WHERE {holder} AND expires_at > c.t"
-        );
-        let commit_point = format!(
-            "UPDATE {t} SET commit_point = 2 WHERE {holder} AND expires_at > clock_timestamp()"
-        );
-        let mark_unknown = format!(
-            "UPDATE {t} SET state = {STATE_UNKNOWN}, token = NULL, commit_point = NULL,
-    lease_until = NULL, record = NULL, expires_at = c.t + $3 * interval '1 microsecond'
-FROM (SELECT clock_timestamp() AS t) c
-WHERE {holder} AND expires_at > c.t"
-        );
-        // One batch: rows locked by someone else (a claim replacing a dead row right
-        // now) are skipped, not waited for.
-        let sweep = format!(
-            "WITH c AS (SELECT clock_timestamp() AS t)
+/// One batch of the sweeper: rows locked by someone else (a claim replacing a dead row
+/// right now) are skipped, not waited for.
+fn sweep(t: &str) -> String {
+    format!(
+        "WITH c AS (SELECT clock_timestamp() AS t)
 DELETE FROM {t}
 WHERE k IN (
     SELECT k FROM {t}
@@ -212,40 +249,7 @@ WHERE k IN (
     FOR UPDATE SKIP LOCKED
 )
 AND expires_at <= (SELECT t FROM c)"
-        );
-        let mut migrate = format!(
-            "SET LOCAL statement_timeout = 0;
-SELECT pg_advisory_xact_lock({MIGRATE_LOCK_CLASS}, hashtext('{qualified}'));
-"
-        );
-        for stmt in &migration {
-            migrate.push_str(stmt);
-            migrate.push_str(";\n");
-        }
-        Sql {
-            table: qualified,
-            migrate,
-            migration,
-            claim,
-            get,
-            complete,
-            release,
-            renew,
-            commit_point,
-            mark_unknown,
-            sweep,
-        }
-    }
-
-    /// The migration as one script, statements separated by `;`.
-    pub(crate) fn migration_script(&self) -> String {
-        let mut out = String::new();
-        for stmt in &self.migration {
-            out.push_str(stmt);
-            out.push_str(";\n");
-        }
-        out
-    }
+    )
 }
 
 #[cfg(test)]
