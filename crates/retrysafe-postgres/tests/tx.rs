@@ -541,6 +541,39 @@ async fn in_flight_copy_gets_409_at_once() {
     assert_eq!(env.payments().await, 1);
 }
 
+/// Two keys whose record ids share their first 32 bits (found offline; under a lock on
+/// 32 bits they collided): while one holds its transaction, the other runs — no false
+/// 409 between unrelated keys.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_sharing_32_bits_of_their_record_id_do_not_block_each_other() {
+    const A: &str = "collide-14294";
+    const B: &str = "collide-32700";
+    let scope = Scope::from(&Principal::new("alice"));
+    let id = |k: &str| RecordId::new(&scope, &IdempotencyKey::new(k).unwrap());
+    assert_eq!(
+        id(A).as_bytes()[..4],
+        id(B).as_bytes()[..4],
+        "the fixture collides"
+    );
+    assert_ne!(id(A), id(B));
+
+    let env = Env::new(4).await;
+    let app = env.app(env.layer());
+    let holder = tokio::spawn({
+        let app = app.clone();
+        async move { send(&app, pay_req(Some(A), "hold", "acc-a")).await }
+    });
+    env.hooks.started.acquire().await.unwrap().forget();
+
+    let other = send(&app, pay_req(Some(B), "ok", "acc-b")).await;
+    assert_eq!(other.status, StatusCode::CREATED);
+    assert!(!holder.is_finished(), "the first request is still running");
+
+    env.hooks.release.add_permits(1);
+    assert_eq!(holder.await.unwrap().status, StatusCode::CREATED);
+    assert_eq!(env.payments().await, 2);
+}
+
 /// Fifty copies of one request at once, on a pool of five connections: one runs, the
 /// other 49 get 409 while it still holds its transaction (none of them waits for it),
 /// and meanwhile an unrelated request still gets a connection.

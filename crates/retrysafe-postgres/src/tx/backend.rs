@@ -42,7 +42,6 @@ pub struct TxBackend {
     pub(crate) table: String,
     pub(crate) sql: Arc<TxSql>,
     pub(crate) begin: String,
-    pub(crate) lock_class: i32,
     pub(crate) acquire_timeout: Duration,
     pub(crate) commit_timeout: Duration,
     pub(crate) idle_in_transaction: Duration,
@@ -54,7 +53,6 @@ impl fmt::Debug for TxBackend {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("TxBackend")
             .field("table", &self.sql.store.table)
-            .field("lock_class", &self.lock_class)
             .field("acquire_timeout", &self.acquire_timeout)
             .field("commit_timeout", &self.commit_timeout)
             .field("idle_in_transaction_timeout", &self.idle_in_transaction)
@@ -69,10 +67,6 @@ const MAX_SPAN: Duration = retrysafe_core::wire::MAX_TIMEOUT;
 const MAX_IDLE: Duration = Duration::from_millis(i32::MAX as u64);
 
 impl TxBackend {
-    /// The default advisory-lock class: the first key of the two-int
-    /// `pg_try_advisory_xact_lock(class, key)` the layer takes per record key.
-    pub const DEFAULT_LOCK_CLASS: i32 = 0x7273_0002;
-
     /// Transactions on `pool`, with the [`PostgresStore`]'s default table
     /// (`retrysafe_idempotency`, created by [`PostgresStore::migrate`]) and the
     /// defaults: 1 s to acquire a connection and open the transaction, 5 s to complete
@@ -112,7 +106,6 @@ impl TxBackend {
             schema,
             table,
             begin: sql::begin(idle),
-            lock_class: Self::DEFAULT_LOCK_CLASS,
             acquire_timeout: Duration::from_secs(1),
             commit_timeout: Duration::from_secs(5),
             idle_in_transaction: idle,
@@ -191,14 +184,6 @@ impl TxBackend {
             self.idle_in_transaction = t;
             self.begin = sql::begin(t);
         }
-        self
-    }
-
-    /// The advisory-lock class (default [`DEFAULT_LOCK_CLASS`](Self::DEFAULT_LOCK_CLASS)),
-    /// the first key of `pg_try_advisory_xact_lock(class, key)`: change it if the
-    /// application uses two-int advisory locks of that class itself.
-    pub fn advisory_lock_class(mut self, class: i32) -> Self {
-        self.lock_class = class;
         self
     }
 

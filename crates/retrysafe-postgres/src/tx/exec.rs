@@ -311,7 +311,7 @@ struct KeyRow {
     id: RecordId,
     token: Token,
     fingerprint: Fingerprint,
-    lock_key: i32,
+    lock_key: i64,
     retention: Duration,
 }
 
@@ -341,7 +341,6 @@ async fn open(backend: &TxBackend, row: &KeyRow) -> Result<Opened, StoreError> {
             // outlast the transaction.
             .bind(micros(row.retention))
             .bind(micros(row.retention))
-            .bind(backend.lock_class)
             .bind(row.lock_key);
         let found = tx.fetch_one(query).await.map_err(db_error)?;
         let locked: bool = found.try_get("locked").map_err(db_error)?;
@@ -396,7 +395,6 @@ async fn wait(backend: &TxBackend, row: &KeyRow, until: Instant) -> Result<Probe
 async fn probe(backend: &TxBackend, row: &KeyRow) -> Result<(bool, Option<Record>), StoreError> {
     let found = sqlx::query(&backend.sql.probe)
         .bind(&row.id.as_bytes()[..])
-        .bind(backend.lock_class)
         .bind(row.lock_key)
         .fetch_one(&backend.pool)
         .await

@@ -11,9 +11,10 @@
 //!    [`Deadline`](retrysafe_core::Deadline), default 1 s: 503 past it) and begins a
 //!    `READ COMMITTED` transaction with its own `idle_in_transaction_session_timeout`;
 //! 2. it tries a transaction-scoped advisory lock on the key
-//!    (`pg_try_advisory_xact_lock(class, key)`, the two-int form with a class of its
-//!    own): when another transaction holds it, the request is in flight and gets 409 at
-//!    once — it never parks on a row that transaction has not committed yet;
+//!    (`pg_try_advisory_xact_lock(bigint)`, on 64 bits of the record key mixed with a
+//!    hash of the table name): when another transaction holds it, the request is in
+//!    flight and gets 409 at once — it never parks on a row that transaction has not
+//!    committed yet;
 //! 3. with the lock, it inserts the key row (`in_progress`), in the same statement;
 //! 4. the handler runs with an [`IdempotentTx`] extractor: a guard that dereferences to
 //!    the transaction's connection, usable as an executor, with no way to commit, roll
@@ -76,7 +77,7 @@
 //! bounds the requests in flight, answers with the same problems and reports the same
 //! events. The guard's settings (methods, key, scope, limits, retention, in-flight
 //! policy, problem answers, events, shutdown) are therefore the `IdempotencyLayer`'s
-//! builder methods; the transaction's (pool, table, timeouts, lock class) are the
+//! builder methods; the transaction's (pool, table, timeouts) are the
 //! [`TxBackend`]'s, set before the layer is built:
 //!
 //! ```no_run

@@ -13,12 +13,11 @@ use crate::sql::{RECORD_COLUMNS, STATE_IN_PROGRESS, Sql};
 pub(crate) struct TxSql {
     /// The store's statements of this table.
     pub(crate) store: Sql,
-    /// A 32-bit hash of the qualified table name, mixed into the advisory-lock key so
+    /// A 64-bit hash of the qualified table name, mixed into the advisory-lock key so
     /// that the same record key in two tables takes two locks.
-    pub(crate) table_salt: i32,
+    pub(crate) table_salt: i64,
     /// The key statement, run inside the transaction:
-    /// `$1 k, $2 fingerprint, $3 token, $4 lease µs, $5 retention µs, $6 lock class,
-    /// $7 lock key`.
+    /// `$1 k, $2 fingerprint, $3 token, $4 lease µs, $5 retention µs, $6 lock key`.
     ///
     /// Tries the transaction-scoped advisory lock; only when it was taken, inserts the
     /// key row `in_progress` (replacing a row past its retention). Returns one row:
@@ -29,8 +28,7 @@ pub(crate) struct TxSql {
     /// When the lock is busy the key row is never touched, so the statement cannot park
     /// on a row another transaction has inserted and not committed yet.
     pub(crate) claim: String,
-    /// The wait-mode probe, one short autocommit read: `$1 k, $2 lock class, $3 lock
-    /// key`. Returns `free` (whether the advisory lock could be taken at that moment; it
+    /// The wait-mode probe, one short autocommit read: `$1 k, $2 lock key`. Returns `free` (whether the advisory lock could be taken at that moment; it
     /// is released at once, with the statement's implicit transaction) and the record
     /// columns of the live row, or NULLs.
     pub(crate) probe: String,
@@ -43,7 +41,7 @@ impl TxSql {
         let t = &store.table;
         let claim = format!(
             "WITH c AS (SELECT clock_timestamp() AS t),
-l AS (SELECT pg_try_advisory_xact_lock($6::int4, $7::int4) AS locked),
+l AS (SELECT pg_try_advisory_xact_lock($6::int8) AS locked),
 up AS (
     INSERT INTO {t} AS r
         (k, state, fingerprint, token, commit_point, lease_until, takeovers, expires_at, record)
@@ -74,7 +72,7 @@ FROM l LEFT JOIN (
 ) x ON true"
         );
         let probe = format!(
-            "SELECT pg_try_advisory_xact_lock($2::int4, $3::int4) AS free,
+            "SELECT pg_try_advisory_xact_lock($2::int8) AS free,
        x.state, x.fingerprint, x.token, x.commit_point, x.lease_ms, x.record
 FROM (SELECT 1) one LEFT JOIN (
     SELECT {RECORD_COLUMNS} FROM {t} r WHERE r.k = $1 AND r.expires_at > clock_timestamp()
@@ -100,21 +98,22 @@ pub(crate) fn begin(idle_in_transaction: Duration) -> String {
     )
 }
 
-/// The second key of the two-int advisory lock of a record: the first 32 bits of the
-/// record key, mixed with the table's salt.
-pub(crate) fn lock_key(id: &RecordId, table_salt: i32) -> i32 {
-    let [a, b, c, d, ..] = *id.as_bytes();
-    i32::from_be_bytes([a, b, c, d]) ^ table_salt
+/// The key of a record's advisory lock (`pg_try_advisory_xact_lock(bigint)`): the first
+/// 64 bits of the record key, mixed with the table's salt. (The bigint key space and the
+/// two-int one do not overlap.)
+pub(crate) fn lock_key(id: &RecordId, table_salt: i64) -> i64 {
+    let [a, b, c, d, e, f, g, h, ..] = *id.as_bytes();
+    i64::from_be_bytes([a, b, c, d, e, f, g, h]) ^ table_salt
 }
 
-/// 32-bit FNV-1a, as a signed int (a stable hash of a table name).
-fn fnv1a(bytes: &[u8]) -> i32 {
-    let mut h: u32 = 0x811c_9dc5;
+/// 64-bit FNV-1a, as a signed int (a stable hash of a table name).
+fn fnv1a(bytes: &[u8]) -> i64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
     for b in bytes {
-        h ^= u32::from(*b);
-        h = h.wrapping_mul(0x0100_0193);
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    i32::from_be_bytes(h.to_be_bytes())
+    i64::from_be_bytes(h.to_be_bytes())
 }
 
 #[cfg(test)]
