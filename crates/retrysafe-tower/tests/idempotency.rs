@@ -1020,6 +1020,26 @@ async fn store_failure_fails_closed_or_open() {
     assert_eq!(effects.get(), 2, "unguarded");
 }
 
+// A claim the store applied but whose reply was lost (a connection reset after the
+// script ran) answers 503 and is released with its token in the background, so the
+// retry runs the handler — not a key stuck in progress, nor an unknown outcome.
+#[tokio::test(start_paused = true)]
+async fn a_claim_applied_with_its_reply_lost_is_released_and_the_retry_runs() {
+    let store = FaultyStore::new(MemoryStore::new());
+    let layer = IdempotencyLayer::new(store.clone());
+    let shutdown = layer.shutdown_handle();
+    let (app, effects) = make_app(layer);
+    store.lose_next_replies(1);
+    let lost = send(&app, req("k", "a")).await;
+    assert_problem(&lost, ProblemKind::StoreUnavailable);
+    assert_eq!(effects.get(), 0);
+    shutdown.drain().await; // the background release
+    let (retry, headers, _) = send(&app, req("k", "a")).await;
+    assert_eq!(retry, StatusCode::CREATED);
+    assert!(!headers.contains_key("idempotent-replayed"));
+    assert_eq!(effects.get(), 1);
+}
+
 // Row: a slow store times out (1 s default, or the request deadline) → 503.
 #[tokio::test(start_paused = true)]
 async fn slow_store_times_out() {

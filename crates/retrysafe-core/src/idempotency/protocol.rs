@@ -288,8 +288,8 @@ pub enum Note {
     /// The record became `outcome_unknown` for this reason: report it (the
     /// `outcome_unknown` event and the reconcile hook).
     Unknown(UnknownReason),
-    /// A claim that timed out may still land: release it with its token, in the
-    /// background.
+    /// A claim that failed in transit (timed out, or its connection failed) may have
+    /// landed: release it with its token, in the background.
     ReleaseClaim,
 }
 
@@ -371,7 +371,9 @@ impl Protocol {
             }
             Claimed::Busy => self.in_flight(),
             Claimed::Failed(error) => {
-                if matches!(error, StoreError::Timeout) && !self.policy.rolls_back {
+                // The claim may have landed and only its reply been lost.
+                let in_transit = matches!(error, StoreError::Timeout | StoreError::Unavailable(_));
+                if in_transit && !self.policy.rolls_back {
                     self.note(Note::ReleaseClaim);
                 }
                 // Fail open only when no record was seen and the store is just down:

@@ -45,6 +45,7 @@ pub struct FaultyStore<S> {
 struct Faults {
     fail_all: AtomicBool,
     fail_completions: AtomicU32,
+    lose_replies: AtomicU32,
     delay_ms: AtomicU64,
     calls: AtomicU64,
 }
@@ -79,6 +80,13 @@ impl<S: IdempotencyStore> FaultyStore<S> {
         self.faults.fail_completions.store(n, Ordering::SeqCst);
     }
 
+    /// The next `n` calls (of any kind) are applied to the inner store and then report
+    /// a failure, as when a connection drops after the store ran the call but before
+    /// its reply arrived ("applied, reply lost").
+    pub fn lose_next_replies(&self, n: u32) {
+        self.faults.lose_replies.store(n, Ordering::SeqCst);
+    }
+
     /// Delays every call by `delay` (tokio time) before it runs.
     pub fn delay(&self, delay: Duration) {
         let ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
@@ -93,6 +101,25 @@ impl<S: IdempotencyStore> FaultyStore<S> {
     /// The wrapped store.
     pub fn inner(&self) -> &S {
         &self.inner
+    }
+
+    /// Runs one call of the inner store behind the gate, losing its reply when asked.
+    async fn run<T>(
+        &self,
+        completion: bool,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        self.gate(completion).await?;
+        let out = call.await;
+        let lose = self
+            .faults
+            .lose_replies
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if lose {
+            return Err(StoreError::unavailable(InjectedFault));
+        }
+        out
     }
 
     async fn gate(&self, completion: bool) -> Result<(), StoreError> {
@@ -119,8 +146,7 @@ impl<S: IdempotencyStore> FaultyStore<S> {
 
 impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
     async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        self.gate(false).await?;
-        self.inner.claim(id, claim).await
+        self.run(false, self.inner.claim(id, claim)).await
     }
     async fn complete(
         &self,
@@ -129,20 +155,17 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
         record: &Completed,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        self.gate(true).await?;
-        self.inner.complete(id, token, record, retention).await
+        self.run(true, self.inner.complete(id, token, record, retention))
+            .await
     }
     async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.gate(false).await?;
-        self.inner.release(id, token).await
+        self.run(false, self.inner.release(id, token)).await
     }
     async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
-        self.gate(false).await?;
-        self.inner.renew(id, token, lease).await
+        self.run(false, self.inner.renew(id, token, lease)).await
     }
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.gate(false).await?;
-        self.inner.commit_point(id, token).await
+        self.run(false, self.inner.commit_point(id, token)).await
     }
     async fn mark_unknown(
         &self,
@@ -150,15 +173,13 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
         token: Token,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        self.gate(false).await?;
-        self.inner.mark_unknown(id, token, retention).await
+        self.run(false, self.inner.mark_unknown(id, token, retention))
+            .await
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.gate(false).await?;
-        self.inner.get(id).await
+        self.run(false, self.inner.get(id)).await
     }
     async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
-        self.gate(false).await?;
-        self.inner.wait(id, max).await
+        self.run(false, self.inner.wait(id, max)).await
     }
 }

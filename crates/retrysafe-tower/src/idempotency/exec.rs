@@ -291,13 +291,15 @@ impl Engine for StoreEngine<'_> {
             Note::Event(kind) => guard.emit(kind, &self.id),
             Note::Unknown(reason) => self.backend.reconcile(guard, &self.id, reason),
             Note::ReleaseClaim => {
-                // The claim may have landed after we stopped waiting: take it back, best
-                // effort and in the background (bounded by the store timeout), so the key
-                // does not sit in progress for a lease.
-                let (store, id, token) = (self.backend.store.clone(), self.id, self.token);
-                let timeout = self.backend.store_timeout;
+                // The claim may have landed and only its reply been lost: take it back,
+                // best effort and in the background, retried while its lease lasts, so
+                // the key does not sit in progress for a lease.
+                let (backend, id, token) = (self.backend.clone(), self.id, self.token);
+                let until = Instant::now() + backend.lease;
                 guard.shared.tracker.spawn(async move {
-                    let _ = tokio::time::timeout(timeout, store.release(&id, token)).await;
+                    let release = || backend.store.release(&id, token);
+                    // A stale token (nothing landed, or someone else holds it) is final.
+                    let _ = write_with_retry(&backend, until, release).await;
                 });
             }
             _ => {}
