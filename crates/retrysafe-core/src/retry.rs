@@ -334,38 +334,11 @@ impl RetryPolicy {
         head: &mut H,
     ) -> (RetryCall, RetryToken) {
         let this: &Self = policy;
-        let convention = &this.convention;
         let context = CallContext::inherited(head.extensions());
-        // (Not `RequestFacts::of`: the deadline headers are read once, below.)
-        let mut facts = RequestFacts::UNSAFE;
-        facts.has_key = head.headers().contains_key(convention.idempotency_key());
-        facts.safe = head.method().is_idempotent() || facts.has_key;
-        facts.grpc = is_grpc(head.headers());
-        if head.extensions().get::<Idempotent>().is_some()
-            || this
-                .idempotent_if
-                .as_ref()
-                .is_some_and(|f| head.satisfies(&**f))
-        {
-            facts.safe = true;
-        }
+        let mut facts = this.facts_of(head);
         let no_retry = head.extensions().get::<NoRetry>().is_some();
-
-        if this.generate_keys
-            && !facts.has_key
-            && !no_retry
-            && (head.method() == Method::POST || head.method() == Method::PATCH)
-        {
-            let key = match context.as_ref().and_then(CallContext::idempotency) {
-                Some(idem) => Some(idem.next_child_key(&head.child_key_label())),
-                None => random_key(),
-            };
-            if let Some(key) = key {
-                head.headers_mut()
-                    .insert(convention.idempotency_key().clone(), key.to_header_value());
-                facts.has_key = true;
-                facts.safe = true;
-            }
+        if !no_retry {
+            this.add_key(head, context.as_ref(), &mut facts);
         }
         let caller_is_retry_point = context
             .as_ref()
@@ -374,18 +347,9 @@ impl RetryPolicy {
         // below may retry this request's calls.
         if this.retry_point || caller_is_retry_point {
             head.headers_mut()
-                .insert(convention.retry_point().clone(), RETRY_POINT_CALLER);
+                .insert(this.convention.retry_point().clone(), RETRY_POINT_CALLER);
         }
-
-        // The deadline: the request's, the inherited one, and a timeout header the
-        // caller already set, whichever is soonest.
-        let mut deadline = head.extensions().get::<Deadline>().copied();
-        if let Some(inherited) = context.as_ref().and_then(CallContext::deadline) {
-            deadline = Some(inherited.tighten(deadline));
-        }
-        if let Some(d) = header_deadline(head.headers(), facts.grpc, convention) {
-            deadline = Some(d.tighten(deadline));
-        }
+        let deadline = this.deadline_of(head, context.as_ref(), facts.grpc);
         // Every attempt carries the deadline header when there is a deadline.
         facts.deadline_sent = deadline.is_some();
 
@@ -404,6 +368,72 @@ impl RetryPolicy {
             started: None,
         };
         (call, token)
+    }
+
+    /// What the classifier is told about the request (but its deadline).
+    fn facts_of<H: RequestHead + ?Sized>(&self, head: &mut H) -> RequestFacts {
+        // (Not `RequestFacts::of`: the deadline headers are read once, by `deadline_of`.)
+        let mut facts = RequestFacts::UNSAFE;
+        facts.has_key = head
+            .headers()
+            .contains_key(self.convention.idempotency_key());
+        facts.safe = head.method().is_idempotent() || facts.has_key;
+        facts.grpc = is_grpc(head.headers());
+        if head.extensions().get::<Idempotent>().is_some()
+            || self
+                .idempotent_if
+                .as_ref()
+                .is_some_and(|f| head.satisfies(&**f))
+        {
+            facts.safe = true;
+        }
+        facts
+    }
+
+    /// Adds a generated `Idempotency-Key` to a POST or PATCH that has none, when
+    /// configured to.
+    fn add_key<H: RequestHead + ?Sized>(
+        &self,
+        head: &mut H,
+        context: Option<&CallContext>,
+        facts: &mut RequestFacts,
+    ) {
+        if !self.generate_keys
+            || facts.has_key
+            || (head.method() != Method::POST && head.method() != Method::PATCH)
+        {
+            return;
+        }
+        let key = match context.and_then(CallContext::idempotency) {
+            Some(idem) => Some(idem.next_child_key(&head.child_key_label())),
+            None => random_key(),
+        };
+        if let Some(key) = key {
+            head.headers_mut().insert(
+                self.convention.idempotency_key().clone(),
+                key.to_header_value(),
+            );
+            facts.has_key = true;
+            facts.safe = true;
+        }
+    }
+
+    /// The deadline: the request's, the inherited one, and a timeout header the caller
+    /// already set, whichever is soonest.
+    fn deadline_of<H: RequestHead + ?Sized>(
+        &self,
+        head: &H,
+        context: Option<&CallContext>,
+        grpc: bool,
+    ) -> Option<Deadline> {
+        let mut deadline = head.extensions().get::<Deadline>().copied();
+        if let Some(inherited) = context.and_then(CallContext::deadline) {
+            deadline = Some(inherited.tighten(deadline));
+        }
+        if let Some(d) = header_deadline(head.headers(), grpc, &self.convention) {
+            deadline = Some(d.tighten(deadline));
+        }
+        deadline
     }
 }
 
@@ -651,21 +681,7 @@ impl RetryCall {
         replayable: bool,
         last: Option<StatusCode>,
     ) -> Decision {
-        let classification = match outcome {
-            Outcome::Response { status, headers } => {
-                self.policy
-                    .classifier
-                    .classify_response(status, headers, &self.facts)
-            }
-            Outcome::Failure(failure) => self
-                .policy
-                .classifier
-                .classify_failure(failure, &self.facts),
-            Outcome::TimedOut => self
-                .policy
-                .classifier
-                .classify_failure(Failure::Timeout, &self.facts),
-        };
+        let classification = self.classify(outcome);
         if classification.is_success() {
             self.policy.strategy.record_success(&token);
             return Decision::Success;
@@ -678,51 +694,81 @@ impl RetryCall {
         }
         let attempts = token.attempt();
         let status = outcome.status();
-        let refreshed = if self.passthrough || !replayable {
-            // One attempt only; or a body that cannot be sent again.
-            Err(GiveUp::NotRetryable)
-        } else {
-            let time_left = self
-                .overall_until()
-                .map(|at| at.saturating_duration_since(Instant::now()));
-            self.policy
-                .strategy
-                .refresh_retry_token(token, &classification, &self.facts, time_left)
-        };
-        match refreshed {
+        match self.refresh(token, &classification, replayable) {
             Ok(next) => {
                 self.retrying(&next, status, &classification);
                 Decision::Retry(next)
             }
-            Err(GiveUp::NotRetryable) => match outcome {
-                // A local refusal (a budget or breaker below refused a retry) after a
-                // real response: that response, marked, is the answer.
-                Outcome::Failure(Failure::Local) if last.is_some() => {
-                    self.give_up(GiveUp::RefusedBelow, attempts, last);
-                    Decision::GiveUp(GiveUp::RefusedBelow)
-                }
-                _ => {
-                    // Retried, then a failure that is not retryable: this layer gave up
-                    // after retrying all the same, so the server above marks its own
-                    // failure and its caller does not retry again. (A client error is
-                    // an answer, not a give-up.)
-                    if attempts >= 2
-                        && matches!(
-                            classification.fault,
-                            Some(FaultSide::Server | FaultSide::CallerDeadline)
-                        )
-                        && let Some(context) = &self.context
-                    {
-                        context.mark_downstream_gave_up();
-                    }
-                    Decision::Final
-                }
-            },
+            Err(GiveUp::NotRetryable) => {
+                self.not_retryable(outcome, &classification, attempts, last)
+            }
             Err(reason) => {
                 self.give_up(reason, attempts, status.or(last));
                 Decision::GiveUp(reason)
             }
         }
+    }
+
+    /// What the classifier makes of `outcome`.
+    fn classify(&self, outcome: Outcome<'_>) -> Classification {
+        let classifier = &self.policy.classifier;
+        match outcome {
+            Outcome::Response { status, headers } => {
+                classifier.classify_response(status, headers, &self.facts)
+            }
+            Outcome::Failure(failure) => classifier.classify_failure(failure, &self.facts),
+            Outcome::TimedOut => classifier.classify_failure(Failure::Timeout, &self.facts),
+        }
+    }
+
+    /// The token of the next attempt, or why there is none.
+    fn refresh(
+        &mut self,
+        token: RetryToken,
+        classification: &Classification,
+        replayable: bool,
+    ) -> Result<RetryToken, GiveUp> {
+        if self.passthrough || !replayable {
+            // One attempt only; or a body that cannot be sent again.
+            return Err(GiveUp::NotRetryable);
+        }
+        let time_left = self
+            .overall_until()
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        self.policy
+            .strategy
+            .refresh_retry_token(token, classification, &self.facts, time_left)
+    }
+
+    /// A failure that is not retried, after `attempts` attempts.
+    fn not_retryable(
+        &self,
+        outcome: Outcome<'_>,
+        classification: &Classification,
+        attempts: u32,
+        last: Option<StatusCode>,
+    ) -> Decision {
+        if let Outcome::Failure(Failure::Local) = outcome
+            && last.is_some()
+        {
+            // A local refusal (a budget or breaker below refused a retry) after a real
+            // response: that response, marked, is the answer.
+            self.give_up(GiveUp::RefusedBelow, attempts, last);
+            return Decision::GiveUp(GiveUp::RefusedBelow);
+        }
+        // Retried, then a failure that is not retryable: this layer gave up after
+        // retrying all the same, so the server above marks its own failure and its
+        // caller does not retry again. (A client error is an answer, not a give-up.)
+        if attempts >= 2
+            && matches!(
+                classification.fault,
+                Some(FaultSide::Server | FaultSide::CallerDeadline)
+            )
+            && let Some(context) = &self.context
+        {
+            context.mark_downstream_gave_up();
+        }
+        Decision::Final
     }
 
     /// Gives up on a retryable failure after `attempts` attempts: records

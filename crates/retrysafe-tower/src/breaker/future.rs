@@ -110,77 +110,111 @@ where
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let mut state = self.as_mut().project().state;
-            match state.as_mut().project() {
+            let answer = match state.as_mut().project() {
                 StateProj::Readying { waiting, call } => {
-                    let Some((service, _)) = waiting.as_deref_mut() else {
-                        state.set(State::Done);
-                        continue;
-                    };
-                    match ready!(service.poll_ready(cx)) {
-                        Ok(()) => {
-                            let (Some(boxed), Some(mut call)) = (waiting.take(), call.take())
-                            else {
-                                state.set(State::Done);
-                                continue;
-                            };
-                            let (mut service, request) = *boxed;
-                            call.start();
-                            let future = service.call(request);
-                            state.set(State::Calling {
-                                future,
-                                call: Some(call),
-                            });
+                    match ready!(poll_readying(waiting, call, cx)) {
+                        Ok(Some(next)) => {
+                            state.set(next);
+                            continue;
                         }
-                        Err(error) => {
-                            let error = error.into();
-                            if let Some(call) = call.take() {
-                                call.failed(&*error);
-                            }
+                        Ok(None) => {
                             state.set(State::Done);
-                            return Poll::Ready(Err(error));
+                            continue;
                         }
+                        Err(error) => Err(error),
                     }
                 }
-                StateProj::Failed { error } => {
-                    let error = error.take().unwrap_or_else(|| {
-                        "breaker response future polled after completion".into()
-                    });
-                    state.set(State::Done);
-                    return Poll::Ready(Err(error));
-                }
+                StateProj::Failed { error } => Err(error
+                    .take()
+                    .unwrap_or_else(|| "breaker response future polled after completion".into())),
                 StateProj::Calling { future, call } => {
                     let result = ready!(future.poll(cx));
-                    let call = call.take();
-                    state.set(State::Done);
-                    return Poll::Ready(match (result, call) {
-                        (Ok(response), Some(call)) => Ok(call.respond(response)),
-                        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
-                        (Err(error), call) => {
-                            let error = error.into();
-                            if let Some(call) = call {
-                                call.failed(&*error);
-                            }
-                            Err(error)
-                        }
-                    });
+                    responded(result, call.take())
                 }
                 StateProj::Refused { grpc, open, config } => {
-                    let open = open
-                        .take()
-                        .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO));
-                    let answer = M::answer(*grpc, Box::new(open), &config.convention)
-                        .map(|response| response.map(ResponseBody::plain));
-                    state.set(State::Done);
-                    return Poll::Ready(answer);
+                    refused::<ResB, M>(*grpc, open, config)
                 }
                 StateProj::Done => {
                     return Poll::Ready(Err(
                         "breaker response future polled after completion".into()
                     ));
                 }
-            }
+            };
+            state.set(State::Done);
+            return Poll::Ready(answer);
         }
     }
+}
+
+/// The state of a future of service `S` for requests of body `ReqB`.
+type CallState<S, ReqB> = State<S, Request<ReqB>, <S as Service<Request<ReqB>>>::Future>;
+
+/// `Readying`: awaits the readiness of the service, then calls it: the `Calling` state
+/// (`None` after completion), or the readiness error (recorded).
+fn poll_readying<S, ReqB>(
+    waiting: &mut Option<Box<(S, Request<ReqB>)>>,
+    call: &mut Option<Call>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Option<CallState<S, ReqB>>, BoxError>>
+where
+    S: Service<Request<ReqB>>,
+    S::Error: Into<BoxError>,
+{
+    let Some((service, _)) = waiting.as_deref_mut() else {
+        return Poll::Ready(Ok(None));
+    };
+    match ready!(service.poll_ready(cx)) {
+        Ok(()) => {
+            let (Some(boxed), Some(mut call)) = (waiting.take(), call.take()) else {
+                return Poll::Ready(Ok(None));
+            };
+            let (mut service, request) = *boxed;
+            call.start();
+            let future = service.call(request);
+            Poll::Ready(Ok(Some(State::Calling {
+                future,
+                call: Some(call),
+            })))
+        }
+        Err(error) => {
+            let error = error.into();
+            if let Some(call) = call.take() {
+                call.failed(&*error);
+            }
+            Poll::Ready(Err(error))
+        }
+    }
+}
+
+/// `Calling`, the inner service answered: records the outcome on the permit.
+fn responded<ResB, E: Into<BoxError>>(
+    result: Result<Response<ResB>, E>,
+    call: Option<Call>,
+) -> Result<Response<ResponseBody<ResB>>, BoxError> {
+    match (result, call) {
+        (Ok(response), Some(call)) => Ok(call.respond(response)),
+        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
+        (Err(error), call) => {
+            let error = error.into();
+            if let Some(call) = call {
+                call.failed(&*error);
+            }
+            Err(error)
+        }
+    }
+}
+
+/// `Refused`: the refusal, answered as `M` says.
+fn refused<ResB, M: LocalFailure<ResB>>(
+    grpc: bool,
+    open: &mut Option<CircuitOpen>,
+    config: &Local<Config>,
+) -> Result<Response<ResponseBody<ResB>>, BoxError> {
+    let open = open
+        .take()
+        .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO));
+    M::answer(grpc, Box::new(open), &config.convention)
+        .map(|response| response.map(ResponseBody::plain))
 }
 
 impl<S, ReqB, M> fmt::Debug for ResponseFuture<S, ReqB, M>

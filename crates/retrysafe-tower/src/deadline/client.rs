@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -270,72 +270,71 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            match this.state.as_mut().project() {
+            let deadline = *this.deadline;
+            // `None`: the deadline passed first.
+            let answer = match this.state.as_mut().project() {
                 StateProj::Readying { service, request } => match service.poll_ready(cx) {
-                    Poll::Ready(Ok(())) => {
-                        let Some(request) = request.take() else {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(polled_after_completion()));
-                        };
-                        let future = service.call(request);
-                        this.state.set(State::Calling { future });
-                        continue;
+                    Poll::Ready(Ok(())) => match request.take() {
+                        Some(request) => {
+                            let future = service.call(request);
+                            this.state.set(State::Calling { future });
+                            continue;
+                        }
+                        None => Some(Err(polled_after_completion())),
+                    },
+                    Poll::Ready(Err(e)) => Some(Err(e.into())),
+                    Poll::Pending => {
+                        ready!(poll_expiry(this.sleep.as_mut(), deadline, cx));
+                        None
                     }
-                    Poll::Ready(Err(e)) => {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(e.into()));
-                    }
-                    Poll::Pending => {}
                 },
-                StateProj::Calling { future } => {
-                    // The inner future before the timer: a response that is ready is
-                    // never dropped.
-                    if let Poll::Ready(result) = future.poll(cx) {
-                        this.state.set(State::Done);
-                        let deadline = *this.deadline;
-                        return Poll::Ready(match result {
-                            Ok(r) => Ok(r.map(|b| W::wrap(b, deadline))),
-                            // An error once the deadline has passed is the deadline's
-                            // (a transport timing the call from the timeout header,
-                            // such as a tonic `Channel`, may fire at the same instant).
-                            Err(_) if deadline.is_expired() => M::answer(
-                                *this.grpc,
-                                Box::new(DeadlineExceeded::new()),
-                                &this.config.convention,
-                            ),
-                            Err(e) => Err(e.into()),
-                        });
+                // The inner future before the timer: a response that is ready is never
+                // dropped.
+                StateProj::Calling { future } => match future.poll(cx) {
+                    Poll::Ready(Ok(r)) => Some(Ok(r.map(|b| W::wrap(b, deadline)))),
+                    // An error once the deadline has passed is the deadline's (a
+                    // transport timing the call from the timeout header, such as a
+                    // tonic `Channel`, may fire at the same instant).
+                    Poll::Ready(Err(_)) if deadline.is_expired() => None,
+                    Poll::Ready(Err(e)) => Some(Err(e.into())),
+                    Poll::Pending => {
+                        ready!(poll_expiry(this.sleep.as_mut(), deadline, cx));
+                        None
                     }
-                }
+                },
                 StateProj::Failed { error } => {
-                    let error = error.take().unwrap_or_else(polled_after_completion);
-                    this.state.set(State::Done);
-                    return Poll::Ready(Err(error));
+                    Some(Err(error.take().unwrap_or_else(polled_after_completion)))
                 }
-                StateProj::Expired => {}
+                StateProj::Expired => None,
                 StateProj::Done => return Poll::Ready(Err(polled_after_completion())),
-            }
-            if !matches!(this.state.as_mut().project(), StateProj::Expired) {
-                if this.sleep.is_none() {
-                    this.sleep
-                        .set(Some(tokio::time::sleep_until(this.deadline.instant())));
-                }
-                if let Some(sleep) = this.sleep.as_mut().as_pin_mut()
-                    && sleep.poll(cx).is_pending()
-                {
-                    return Poll::Pending;
-                }
-                tracing::debug!("deadline exceeded before the response head");
-            }
+            };
             // Drops the inner future (or the unready service) at once.
             this.state.set(State::Done);
-            return Poll::Ready(M::answer(
-                *this.grpc,
-                Box::new(DeadlineExceeded::new()),
-                &this.config.convention,
-            ));
+            return Poll::Ready(answer.unwrap_or_else(|| {
+                M::answer(
+                    *this.grpc,
+                    Box::new(DeadlineExceeded::new()),
+                    &this.config.convention,
+                )
+            }));
         }
     }
+}
+
+/// Waits for the deadline, the timer made on first need.
+fn poll_expiry(
+    mut sleep: Pin<&mut Option<Sleep>>,
+    deadline: Deadline,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    if sleep.is_none() {
+        sleep.set(Some(tokio::time::sleep_until(deadline.instant())));
+    }
+    if let Some(sleep) = sleep.as_pin_mut() {
+        ready!(sleep.poll(cx));
+    }
+    tracing::debug!("deadline exceeded before the response head");
+    Poll::Ready(())
 }
 
 fn polled_after_completion() -> BoxError {
