@@ -577,8 +577,8 @@ impl RetryCall {
     }
 
     /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
-    /// `retry-attempt` (and `grpc-previous-rpc-attempts`) and, when the token is
-    /// budgeted, the [`RetryCharged`] extension; with a deadline, the time left (or the
+    /// `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt of a budgeted
+    /// token, the [`RetryCharged`] extension; with a deadline, the time left (or the
     /// strategy's attempt bound under a deadline, if shorter) as `request-timeout-ms`
     /// (or `grpc-timeout`), rounded down.
     pub fn prepare_attempt(
@@ -612,9 +612,9 @@ impl RetryCall {
                     HeaderValue::from(attempt - 1),
                 );
             }
-            if let Some(budget) = token.budget_id() {
-                extensions.insert(RetryCharged { attempt, budget });
-            }
+        }
+        if let Some(budget) = token.budget_id() {
+            extensions.insert(RetryCharged { attempt, budget });
         }
         // An attempt bounded more tightly than the deadline says so downstream.
         let cap = self.attempt_cap();

@@ -383,12 +383,11 @@ pub struct Idempotent;
 /// logical request, one withdrawal per retry), so a budget layer below it that holds
 /// *the same* budget does not count it again (one holding another budget counts it).
 ///
-/// Two marks, both set by the `RetryLayer`: this request extension on attempts 2 and
-/// later (it travels through a `Buffer`), and, around the synchronous `call` of every
-/// attempt, a thread-local mark ([`RetryCharged::mark`]) that a layer directly below
-/// reads with [`RetryCharged::covers`] — which keeps the first attempt, the common
-/// case, free of an extension allocation. Through a `Buffer`, a first attempt is
-/// therefore counted again by a budget layer holding the same budget.
+/// The `RetryLayer` puts it in the extensions of every attempt it makes of a budgeted
+/// request, the first included ([`RetryCall::prepare_attempt`](crate::retry::RetryCall::prepare_attempt)).
+/// It travels with the request, so any layer in between — a `Buffer` that hands the
+/// request to another task, a spawn — keeps it, and the budget layer reads it with
+/// [`RetryCharged::covers`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RetryCharged {
     /// The 1-based attempt number.
@@ -397,40 +396,12 @@ pub struct RetryCharged {
     pub budget: BudgetId,
 }
 
-/// The guard of [`RetryCharged::mark`]: restores the thread-local mark when dropped.
-#[derive(Debug)]
-#[must_use = "the mark lasts until the guard is dropped"]
-pub struct ChargeMark {
-    previous: usize,
-}
-
-impl Drop for ChargeMark {
-    fn drop(&mut self) {
-        CHARGED.with(|c| c.set(self.previous));
-    }
-}
-
-thread_local! {
-    /// The `BudgetId` of the call being made on this thread, 0 for none.
-    static CHARGED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 impl RetryCharged {
-    /// Marks the calls made on this thread until the guard is dropped as counted by
-    /// `budget`.
-    pub fn mark(budget: BudgetId) -> ChargeMark {
-        ChargeMark {
-            previous: CHARGED.with(|c| c.replace(budget.get())),
-        }
-    }
-
-    /// Whether a request with these extensions, being called now, was already
-    /// accounted for in `budget` by a `RetryLayer` above.
+    /// Whether a request with these extensions was already accounted for in `budget`
+    /// by a `RetryLayer` above.
     pub fn covers(budget: &RetryBudget, extensions: &http::Extensions) -> bool {
-        let id = budget.id();
-        CHARGED.with(std::cell::Cell::get) == id.get()
-            || extensions
-                .get::<RetryCharged>()
-                .is_some_and(|c| c.budget == id)
+        extensions
+            .get::<RetryCharged>()
+            .is_some_and(|c| c.budget == budget.id())
     }
 }

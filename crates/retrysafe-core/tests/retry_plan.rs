@@ -328,7 +328,14 @@ async fn per_attempt_headers_number_attempts_and_shrink_the_time_left() {
     let first = attempt(&call, &parts, &token);
     assert_eq!(header(&first, "retry-attempt"), None);
     assert_eq!(header(&first, "request-timeout-ms"), Some("1000"));
-    assert!(first.extensions.get::<RetryCharged>().is_none());
+    // The first attempt is tagged too: the budget that counted it is named.
+    assert_eq!(
+        first
+            .extensions
+            .get::<RetryCharged>()
+            .map(|c| (c.attempt, c.budget)),
+        Some((1, budget.id()))
+    );
 
     let next = retry(respond(&mut call, token, 503, &[]));
     assert!(next.delay() <= ms(50));

@@ -939,8 +939,8 @@ async fn each_attempt_starts_from_the_callers_extensions_and_nothing_leaks_back(
         .await
         .unwrap();
     assert_eq!(response.status(), 200);
-    // The retry did not see the first attempt's note; it carried its retry mark.
-    assert_eq!(*scribble.0.lock().unwrap(), [(false, false), (false, true)]);
+    // The retry did not see the first attempt's note; each carried its retry mark.
+    assert_eq!(*scribble.0.lock().unwrap(), [(false, true), (false, true)]);
     // The caller's extensions hold no deadline and no retry mark afterwards...
     assert!(extensions.get::<Deadline>().is_none());
     assert!(extensions.get::<RetryCharged>().is_none());

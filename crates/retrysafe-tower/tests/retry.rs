@@ -686,7 +686,7 @@ async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
-async fn attempts_two_and_later_are_numbered_and_tagged() {
+async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
     let (res, seen) = run(
         layer(),
         with(grpc_call(), Idempotent),
@@ -709,9 +709,10 @@ async fn attempts_two_and_later_are_numbered_and_tagged() {
         seen.iter().map(previous).collect::<Vec<_>>(),
         [None, Some("1".to_owned()), Some("2".to_owned())]
     );
+    // Every attempt of a budgeted request is tagged, the first included.
     assert_eq!(
         seen.iter().map(charged).collect::<Vec<_>>(),
-        [None, Some(2), Some(3)]
+        [Some(1), Some(2), Some(3)]
     );
 
     // Plain HTTP: no grpc-previous-rpc-attempts.
@@ -1406,6 +1407,41 @@ async fn the_budget_layer_skips_attempts_the_retry_layer_charged() {
     assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(seen[1].header("retry-attempt"), Some("2"));
     assert_eq!(ratio_counts(&budget), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_buffer_between_the_retry_and_budget_layers_keeps_one_deposit_per_request() {
+    // The "already counted" mark travels in the request's extensions, so a `Buffer`
+    // (which calls the layers below on another task) keeps it: one deposit per logical
+    // request and one withdrawal per retry, however many attempts pass the budget layer.
+    let budget = ratio(0, 1.0);
+    let calls = Arc::new(Mutex::new(0u32));
+    let count = calls.clone();
+    // Fails every first attempt with 503, then succeeds.
+    let flaky = tower::service_fn(move |req: Req| {
+        let retry = req.headers().contains_key("retry-attempt");
+        *count.lock().unwrap() += 1;
+        async move { Ok::<_, Infallible>(if retry { status(200) } else { status(503) }) }
+    });
+    let below = tower::ServiceBuilder::new()
+        .layer(RetryBudgetLayer::new(budget.clone()))
+        .service(flaky);
+    let buffered = tower::buffer::Buffer::new(below, 8);
+    let mut svc = RetryLayer::new()
+        .strategy(strategy().budget(budget.clone()))
+        .layer(buffered);
+    for n in 1..=3u64 {
+        let response = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(get("http://api.local/x"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(ratio_counts(&budget), (n, n));
+    }
+    assert_eq!(*calls.lock().unwrap(), 6);
 }
 
 #[tokio::test(start_paused = true)]

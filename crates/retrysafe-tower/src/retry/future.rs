@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 use retrysafe_core::classify::Failure;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{Decision, Outcome as Seen, RetryCall};
-use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryToken};
+use retrysafe_core::strategy::{GiveUp, RetryToken};
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
@@ -95,7 +95,6 @@ where
             let mut parts = template.clone();
             call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
             let request = Request::from_parts(parts, body);
-            let _mark = token.budget_id().map(RetryCharged::mark);
             State::Calling {
                 future: service.call(request),
             }
@@ -367,7 +366,6 @@ where
         let request = Request::from_parts(parts, self.body.clone());
         let future = {
             let _entered = self.retry.as_ref().map(|r| r.span.enter());
-            let _mark = token.budget_id().map(RetryCharged::mark);
             self.service.call(request)
         };
         self.state.set(State::Calling { future });

@@ -32,8 +32,8 @@
 //! - awaits the inner service's readiness after the backoff sleep, bounded by the
 //!   deadline;
 //! - sends `retry-attempt: N` (and `grpc-previous-rpc-attempts`) on attempts 2 and
-//!   later, tagged with [`RetryCharged`](retrysafe_core::strategy::RetryCharged) so a
-//!   `RetryBudgetLayer` below does not charge them twice;
+//!   later, and tags every attempt of a budgeted request with a request extension so a
+//!   `RetryBudgetLayer` below — even behind a `Buffer` — does not charge it twice;
 //! - makes one attempt when the caller is the retry point (`retry-point: caller`
 //!   inherited; the header is passed on, so no hop below retries either), or for a
 //!   request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
