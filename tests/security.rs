@@ -50,7 +50,7 @@ use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::{IdempotencyLayer, MemoryStore, Principal, ProblemKind};
 use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
-use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
+use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tower::{Layer, ServiceExt};
@@ -805,7 +805,7 @@ async fn a_full_in_flight_map_never_fails_open() {
 // Forged convention headers and the EdgeLayer
 // ---------------------------------------------------------------------------------
 
-type Outbound = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>, AsError>;
+type Outbound = RetryService<Client<HttpConnector, ReplayBody<Full<Bytes>>>, AsError>;
 
 /// What the middle tier's handler saw.
 #[derive(Debug, Clone)]

@@ -106,12 +106,40 @@ impl<M> RetryBudgetLayer<M> {
     }
 
     /// For a server's inbound path: refusals are 503 problem+json responses (gRPC:
-    /// `UNAVAILABLE`) with `do-not-retry: 1`.
-    pub fn server(self) -> RetryBudgetLayer<AsProblem> {
-        RetryBudgetLayer {
+    /// `UNAVAILABLE`) with `do-not-retry: 1`; see [`ServerRetryBudgetLayer`].
+    pub fn server(self) -> ServerRetryBudgetLayer {
+        ServerRetryBudgetLayer {
             config: self.config,
-            _local: PhantomData,
         }
+    }
+}
+
+/// The server form of the [`RetryBudgetLayer`], made by [`RetryBudgetLayer::server`]:
+/// enforces the budget on a server's inbound path, answering refusals with a 503
+/// problem+json (gRPC: `UNAVAILABLE`) marked `do-not-retry: 1`.
+#[derive(Clone)]
+#[must_use]
+pub struct ServerRetryBudgetLayer {
+    config: Arc<Config>,
+}
+
+impl ServerRetryBudgetLayer {
+    /// The header names.
+    pub fn convention(self, convention: Convention) -> Self {
+        ServerRetryBudgetLayer {
+            config: Arc::new(Config {
+                budget: self.config.budget.clone(),
+                convention,
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for ServerRetryBudgetLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerRetryBudgetLayer")
+            .field("config", &self.config)
+            .finish()
     }
 }
 
@@ -133,26 +161,26 @@ impl<M> fmt::Debug for RetryBudgetLayer<M> {
 }
 
 impl<S> Layer<S> for RetryBudgetLayer<AsError> {
-    type Service = EnforceBudget<S, AsError>;
+    type Service = RetryBudgetService<S, AsError>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceBudget::new(inner, &self.config)
+        RetryBudgetService::new(inner, &self.config)
     }
 }
 
 impl<S> Layer<S> for RetryBudgetLayer<AsGrpcStatus> {
-    type Service = EnforceBudget<S, AsGrpcStatus>;
+    type Service = RetryBudgetService<S, AsGrpcStatus>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceBudget::new(inner, &self.config)
+        RetryBudgetService::new(inner, &self.config)
     }
 }
 
-impl<S> Layer<S> for RetryBudgetLayer<AsProblem> {
-    type Service = ServerBudget<S>;
+impl<S> Layer<S> for ServerRetryBudgetLayer {
+    type Service = ServerRetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ServerBudget {
+        ServerRetryBudgetService {
             inner,
             config: self.config.clone(),
         }
@@ -183,15 +211,15 @@ fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
 
 /// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure
 /// (the error [`BudgetExhausted`], or with `M` = [`AsGrpcStatus`] a synthesised status).
-pub struct EnforceBudget<S, M> {
+pub struct RetryBudgetService<S, M> {
     inner: S,
     config: Arc<Config>,
     _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> EnforceBudget<S, M> {
+impl<S, M> RetryBudgetService<S, M> {
     fn new(inner: S, config: &Arc<Config>) -> Self {
-        EnforceBudget {
+        RetryBudgetService {
             inner,
             config: config.clone(),
             _local: PhantomData,
@@ -199,9 +227,9 @@ impl<S, M> EnforceBudget<S, M> {
     }
 }
 
-impl<S: Clone, M> Clone for EnforceBudget<S, M> {
+impl<S: Clone, M> Clone for RetryBudgetService<S, M> {
     fn clone(&self) -> Self {
-        EnforceBudget {
+        RetryBudgetService {
             inner: self.inner.clone(),
             config: self.config.clone(),
             _local: PhantomData,
@@ -209,16 +237,16 @@ impl<S: Clone, M> Clone for EnforceBudget<S, M> {
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for EnforceBudget<S, M> {
+impl<S: fmt::Debug, M> fmt::Debug for RetryBudgetService<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EnforceBudget")
+        f.debug_struct("RetryBudgetService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for EnforceBudget<S, M>
+impl<S, M, ReqB, ResB> Service<Request<ReqB>> for RetryBudgetService<S, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
@@ -250,7 +278,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`EnforceBudget`].
+    /// The response future of [`RetryBudgetService`].
     pub struct ResponseFuture<F, M> {
         #[pin]
         kind: Kind<F>,
@@ -297,35 +325,35 @@ impl<F, M> fmt::Debug for ResponseFuture<F, M> {
     }
 }
 
-/// The service of a server-side [`RetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
+/// The service of a [`ServerRetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
 /// refusal is a 503 problem+json (gRPC: `UNAVAILABLE`) with `do-not-retry: 1`. The inner
 /// service's error type is kept and its body wrapped in a [`LocalBody`], so it fits
 /// axum's `Router::layer` and `route_layer` (which need `Infallible`) and tonic's
 /// `Server::layer` alike.
-pub struct ServerBudget<S> {
+pub struct ServerRetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S: Clone> Clone for ServerBudget<S> {
+impl<S: Clone> Clone for ServerRetryBudgetService<S> {
     fn clone(&self) -> Self {
-        ServerBudget {
+        ServerRetryBudgetService {
             inner: self.inner.clone(),
             config: self.config.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for ServerBudget<S> {
+impl<S: fmt::Debug> fmt::Debug for ServerRetryBudgetService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ServerBudget")
+        f.debug_struct("ServerRetryBudgetService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerBudget<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerRetryBudgetService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -352,7 +380,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`ServerBudget`].
+    /// The response future of [`ServerRetryBudgetService`].
     pub struct ServerResponseFuture<F> {
         #[pin]
         kind: Kind<F>,

@@ -90,10 +90,10 @@ impl EdgeLayer {
 }
 
 impl<S> Layer<S> for EdgeLayer {
-    type Service = Edge<S>;
+    type Service = EdgeService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Edge {
+        EdgeService {
             inner,
             config: self.config.clone(),
         }
@@ -102,12 +102,12 @@ impl<S> Layer<S> for EdgeLayer {
 
 /// The service of an [`EdgeLayer`].
 #[derive(Debug, Clone)]
-pub struct Edge<S> {
+pub struct EdgeService<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S, B> Service<Request<B>> for Edge<S>
+impl<S, B> Service<Request<B>> for EdgeService<S>
 where
     S: Service<Request<B>>,
 {

@@ -195,10 +195,10 @@ impl PropagateLayer {
 }
 
 impl<S> Layer<S> for PropagateLayer {
-    type Service = Propagate<S>;
+    type Service = PropagateService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Propagate {
+        PropagateService {
             inner,
             inbound: self.inbound.clone(),
         }
@@ -207,12 +207,12 @@ impl<S> Layer<S> for PropagateLayer {
 
 /// The service of a [`PropagateLayer`].
 #[derive(Debug, Clone)]
-pub struct Propagate<S> {
+pub struct PropagateService<S> {
     inner: S,
     inbound: Arc<Inbound>,
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for Propagate<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for PropagateService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -236,7 +236,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`Propagate`]: the inner future with the context current,
+    /// The response future of [`PropagateService`]: the inner future with the context current,
     /// marking a failure `do-not-retry: 1` when downstream gave up — in the head, and in
     /// the trailers of a gRPC stream (see [`ResponseBody`]).
     pub struct ResponseFuture<F> {
@@ -336,7 +336,7 @@ struct Watch {
 }
 
 pin_project! {
-    /// The response body of [`Propagate`]: the inner body, with every frame, `size_hint`
+    /// The response body of [`PropagateService`]: the inner body, with every frame, `size_hint`
     /// and `is_end_stream` passed through.
     ///
     /// For a gRPC response whose head carries no status (a streaming call: headers

@@ -599,8 +599,10 @@ async fn wraps_a_plain_service_fn() {
 #[test]
 fn futures_and_bodies_are_send() {
     fn send<T: Send + 'static>() {}
-    type Svc =
-        retrysafe_tower::breaker::Breaker<mock::Mock<Req, Res>, retrysafe_tower::local::AsError>;
+    type Svc = retrysafe_tower::breaker::CircuitBreakerService<
+        mock::Mock<Req, Res>,
+        retrysafe_tower::local::AsError,
+    >;
     send::<Svc>();
     send::<<Svc as Service<Req>>::Future>();
     send::<ResponseBody<TestBody>>();

@@ -43,12 +43,12 @@ use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::IdempotencyLayer;
 use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
-use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
+use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
 type Http = Client<HttpConnector, ReplayBody<Full<Bytes>>>;
-type Outbound = Retry<Http, AsError>;
+type Outbound = RetryService<Http, AsError>;
 
 /// A classifier that ignores `do-not-retry`: what a stack without the convention does.
 #[derive(Debug, Default)]

@@ -334,7 +334,7 @@ fn client_configuration_is_validated() {
     assert!(err.to_string().contains("timeout"), "{err}");
     assert!(DeadlineLayer::new(MAX_TIMEOUT + ms(1)).is_err());
     assert!(DeadlineLayer::new(MAX_TIMEOUT).is_ok());
-    assert!(DeadlineLayer::server().max(Duration::ZERO).is_err());
+    assert!(DeadlineLayer::server().max_timeout(Duration::ZERO).is_err());
     assert!(
         DeadlineLayer::server()
             .margin(Duration::from_secs(61))
@@ -406,7 +406,7 @@ async fn malformed_inbound_timeouts_answer_400() {
 #[tokio::test(start_paused = true)]
 async fn an_overflowing_inbound_timeout_is_clamped_not_refused() {
     let svc = DeadlineLayer::server()
-        .max(Duration::from_secs(2))
+        .max_timeout(Duration::from_secs(2))
         .unwrap()
         .layer(reporting(Duration::ZERO));
     for value in ["9".repeat(40), u64::MAX.to_string()] {
@@ -445,7 +445,7 @@ async fn malformed_grpc_timeouts_answer_invalid_argument() {
 #[tokio::test(start_paused = true)]
 async fn inbound_timeouts_are_clamped_to_the_maximum() {
     let svc = DeadlineLayer::server()
-        .max(Duration::from_secs(1))
+        .max_timeout(Duration::from_secs(1))
         .unwrap()
         .layer(reporting(Duration::ZERO));
     let req = Request::get("/")
@@ -554,8 +554,8 @@ async fn server_readiness_is_the_inner_services() {
 
 // ---------------------------------------------------------------- two real hops
 
-type Outbound = retrysafe_tower::deadline::EnforceDeadline<
-    retrysafe_tower::retry::Retry<
+type Outbound = retrysafe_tower::deadline::DeadlineService<
+    retrysafe_tower::retry::RetryService<
         Client<
             hyper_util::client::legacy::connect::HttpConnector,
             retrysafe_tower::retry::ReplayBody<Full<Bytes>>,

@@ -23,7 +23,7 @@ use super::layer::Config;
 use crate::local::{BoxError, LocalFailure};
 
 pin_project! {
-    /// The response future of [`Breaker`](super::Breaker).
+    /// The response future of [`CircuitBreakerService`](super::CircuitBreakerService).
     ///
     /// Dropping it before the response arrives drops its permit: a half-open probe
     /// dropped this way counts as a failure, a call of a closed breaker as nothing.

@@ -12,7 +12,7 @@ use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
 use super::keyed::{KeyedBreakers, Select};
-use super::service::Breaker;
+use super::service::CircuitBreakerService;
 use crate::local::{AsError, AsGrpcStatus};
 
 /// Which breaker guards a request.
@@ -129,10 +129,10 @@ impl<M> Clone for CircuitBreakerLayer<M> {
 }
 
 impl<S, M> Layer<S> for CircuitBreakerLayer<M> {
-    type Service = Breaker<S, M>;
+    type Service = CircuitBreakerService<S, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Breaker::from_config(inner, self.config.clone())
+        CircuitBreakerService::from_config(inner, self.config.clone())
     }
 }
 

@@ -83,4 +83,4 @@ pub use self::body::ResponseBody;
 pub use self::future::ResponseFuture;
 pub use self::keyed::{DEFAULT_MAX_KEYS, KeyedBreakers};
 pub use self::layer::CircuitBreakerLayer;
-pub use self::service::Breaker;
+pub use self::service::CircuitBreakerService;

@@ -22,15 +22,15 @@ use crate::local::{BoxError, LocalFailure};
 /// otherwise returns a future that drives the readiness of a clone of the inner
 /// service before calling it. Hence `S: Clone` (wrap a service that is not in a
 /// `tower::buffer::Buffer`).
-pub struct Breaker<S, M> {
+pub struct CircuitBreakerService<S, M> {
     inner: S,
     config: Striped<Config>,
     _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> Breaker<S, M> {
+impl<S, M> CircuitBreakerService<S, M> {
     pub(crate) fn from_config(inner: S, config: Striped<Config>) -> Self {
-        Breaker {
+        CircuitBreakerService {
             inner,
             config,
             _local: PhantomData,
@@ -43,9 +43,9 @@ impl<S, M> Breaker<S, M> {
     }
 }
 
-impl<S: Clone, M> Clone for Breaker<S, M> {
+impl<S: Clone, M> Clone for CircuitBreakerService<S, M> {
     fn clone(&self) -> Self {
-        Breaker {
+        CircuitBreakerService {
             inner: self.inner.clone(),
             config: self.config.clone(),
             _local: PhantomData,
@@ -53,16 +53,16 @@ impl<S: Clone, M> Clone for Breaker<S, M> {
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for Breaker<S, M> {
+impl<S: fmt::Debug, M> fmt::Debug for CircuitBreakerService<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Breaker")
+        f.debug_struct("CircuitBreakerService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for Breaker<S, M>
+impl<S, M, ReqB, ResB> Service<Request<ReqB>> for CircuitBreakerService<S, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,

@@ -1,4 +1,4 @@
-//! The client form: [`DeadlineLayer`], [`EnforceDeadline`] and its [`ResponseFuture`].
+//! The client form: [`DeadlineLayer`], [`DeadlineService`] and its [`ResponseFuture`].
 
 use std::fmt;
 use std::future::Future;
@@ -119,10 +119,10 @@ impl<M, W> fmt::Debug for DeadlineLayer<M, W> {
 }
 
 impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
-    type Service = EnforceDeadline<S, M, W>;
+    type Service = DeadlineService<S, M, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceDeadline {
+        DeadlineService {
             inner,
             config: self.config.clone(),
             _marker: PhantomData,
@@ -134,16 +134,16 @@ impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
 ///
 /// Its `poll_ready` is always ready: the inner service's readiness is awaited inside the
 /// response future, so that time waiting for it counts against the deadline.
-pub struct EnforceDeadline<S, M = AsError, W = Unbounded> {
+pub struct DeadlineService<S, M = AsError, W = Unbounded> {
     inner: S,
     // Striped: every call's future holds a reference to it (see `Striped`).
     config: Striped<Config>,
     _marker: PhantomData<fn() -> (M, W)>,
 }
 
-impl<S: Clone, M, W> Clone for EnforceDeadline<S, M, W> {
+impl<S: Clone, M, W> Clone for DeadlineService<S, M, W> {
     fn clone(&self) -> Self {
-        EnforceDeadline {
+        DeadlineService {
             inner: self.inner.clone(),
             config: self.config.clone(),
             _marker: PhantomData,
@@ -151,16 +151,16 @@ impl<S: Clone, M, W> Clone for EnforceDeadline<S, M, W> {
     }
 }
 
-impl<S: fmt::Debug, M, W> fmt::Debug for EnforceDeadline<S, M, W> {
+impl<S: fmt::Debug, M, W> fmt::Debug for DeadlineService<S, M, W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EnforceDeadline")
+        f.debug_struct("DeadlineService")
             .field("inner", &self.inner)
             .field("timeout", &self.config.timeout)
             .finish()
     }
 }
 
-impl<S, M, W, ReqB, ResB> Service<Request<ReqB>> for EnforceDeadline<S, M, W>
+impl<S, M, W, ReqB, ResB> Service<Request<ReqB>> for DeadlineService<S, M, W>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
@@ -227,7 +227,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`EnforceDeadline`]: awaits the inner service's readiness,
+    /// The response future of [`DeadlineService`]: awaits the inner service's readiness,
     /// then its response head, both bounded by the deadline.
     pub struct ResponseFuture<S, ReqB, M, W>
     where

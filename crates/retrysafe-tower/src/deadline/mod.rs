@@ -53,7 +53,7 @@
 //!
 //! The server form does what a [`PropagateLayer`](crate::propagate::PropagateLayer)
 //! does — the same parsing of `request-timeout-ms` (or `grpc-timeout` for gRPC
-//! requests), clamped to a maximum ([`max`](ServerDeadlineLayer::max), default 30 days),
+//! requests), clamped to a maximum ([`max_timeout`](ServerDeadlineLayer::max_timeout), default 30 days),
 //! and the same inherited [`CallContext`] whose deadline is the inbound one less a
 //! [`margin`](ServerDeadlineLayer::margin) (default 10 ms), current for the handler so
 //! that its outbound calls inherit it, with failures marked `do-not-retry: 1` when an
@@ -85,7 +85,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::server().max(Duration::from_secs(5)).unwrap())
+//!     .layer(DeadlineLayer::server().max_timeout(Duration::from_secs(5)).unwrap())
 //!     .service(tower::service_fn(|_req: Request<()>| async {
 //!         // What outbound calls inherit: the inbound 300 ms less the 10 ms margin.
 //!         let left = CallContext::current().unwrap().deadline().unwrap().remaining();
@@ -119,7 +119,7 @@
 //! answers first, with `DEADLINE_EXCEEDED` and `do-not-retry: 1`, and tonic's timer is
 //! only a backstop (for `Server::timeout` shorter than the caller's deadline, or a
 //! handler that blocks its thread). With a zero margin the two race and the caller may
-//! see `CANCELLED`. This layer clamps with [`max`](ServerDeadlineLayer::max) as well;
+//! see `CANCELLED`. This layer clamps with [`max_timeout`](ServerDeadlineLayer::max_timeout) as well;
 //! `Server::timeout` bounds calls that carry no `grpc-timeout` at all, which this layer
 //! leaves unbounded. The server form wraps the response body in a
 //! [`LocalBody`](crate::local::LocalBody) (its own answers are bytes), so it fits
@@ -142,5 +142,5 @@ mod client;
 mod server;
 
 pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
-pub use client::{DeadlineLayer, EnforceDeadline, ResponseFuture};
-pub use server::{ServerDeadline, ServerDeadlineLayer, ServerResponseFuture};
+pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
+pub use server::{ServerDeadlineLayer, ServerDeadlineService, ServerResponseFuture};

@@ -1,4 +1,4 @@
-//! The server form: [`ServerDeadlineLayer`], [`ServerDeadline`] and its
+//! The server form: [`ServerDeadlineLayer`], [`ServerDeadlineService`] and its
 //! [`ServerResponseFuture`].
 
 use std::fmt;
@@ -38,7 +38,7 @@ pub struct ServerDeadlineLayer {
 impl ServerDeadlineLayer {
     /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days; the
     /// default is 30 days).
-    pub fn max(mut self, max: Duration) -> Result<Self, ConfigError> {
+    pub fn max_timeout(mut self, max: Duration) -> Result<Self, ConfigError> {
         if max.is_zero() || max > MAX_TIMEOUT {
             return Err(ConfigError::new(
                 "max timeout",
@@ -67,10 +67,10 @@ impl ServerDeadlineLayer {
 }
 
 impl<S> Layer<S> for ServerDeadlineLayer {
-    type Service = ServerDeadline<S>;
+    type Service = ServerDeadlineService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ServerDeadline {
+        ServerDeadlineService {
             inner,
             inbound: self.inbound.clone(),
         }
@@ -79,12 +79,12 @@ impl<S> Layer<S> for ServerDeadlineLayer {
 
 /// The service of a [`ServerDeadlineLayer`].
 #[derive(Debug, Clone)]
-pub struct ServerDeadline<S> {
+pub struct ServerDeadlineService<S> {
     inner: S,
     inbound: Arc<Inbound>,
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadline<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadlineService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -131,7 +131,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`ServerDeadline`].
+    /// The response future of [`ServerDeadlineService`].
     pub struct ServerResponseFuture<F, B> {
         #[pin]
         kind: Kind<F, B>,

@@ -20,7 +20,7 @@ use super::transport::failure_of;
 use crate::local::{BoxError, LocalAnswer, LocalFailure};
 
 pin_project! {
-    /// The response future of [`Retry`](super::Retry).
+    /// The response future of [`RetryService`](super::RetryService).
     #[project = ResponseFutureProj]
     pub struct ResponseFuture<S, B, M>
     where

@@ -10,7 +10,7 @@ use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
-use super::Retry;
+use super::RetryService;
 use crate::local::{AsError, AsGrpcStatus};
 
 /// The default cap of the request-body copy kept for replay: 64 KiB.
@@ -151,10 +151,10 @@ impl<M> Clone for RetryLayer<M> {
 }
 
 impl<S, M> Layer<S> for RetryLayer<M> {
-    type Service = Retry<S, M>;
+    type Service = RetryService<S, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry::from_config(inner, self.config.clone())
+        RetryService::from_config(inner, self.config.clone())
     }
 }
 

@@ -87,5 +87,5 @@ pub use body::ReplayBody;
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
-pub use service::Retry;
+pub use service::RetryService;
 pub use transport::failure_of;

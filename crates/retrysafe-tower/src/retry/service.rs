@@ -14,15 +14,15 @@ use super::layer::Config;
 use crate::local::{BoxError, LocalFailure};
 
 /// The service of a [`RetryLayer`](super::RetryLayer).
-pub struct Retry<S, M> {
+pub struct RetryService<S, M> {
     inner: S,
     config: Arc<Config>,
     _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> Retry<S, M> {
+impl<S, M> RetryService<S, M> {
     pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
-        Retry {
+        RetryService {
             inner,
             config,
             _local: PhantomData,
@@ -35,9 +35,9 @@ impl<S, M> Retry<S, M> {
     }
 }
 
-impl<S: Clone, M> Clone for Retry<S, M> {
+impl<S: Clone, M> Clone for RetryService<S, M> {
     fn clone(&self) -> Self {
-        Retry {
+        RetryService {
             inner: self.inner.clone(),
             config: self.config.clone(),
             _local: PhantomData,
@@ -45,16 +45,16 @@ impl<S: Clone, M> Clone for Retry<S, M> {
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for Retry<S, M> {
+impl<S: fmt::Debug, M> fmt::Debug for RetryService<S, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Retry")
+        f.debug_struct("RetryService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for Retry<S, M>
+impl<S, M, ReqB, ResB> Service<Request<ReqB>> for RetryService<S, M>
 where
     S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
