@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use http::Request;
 use retrysafe::core::strategy::Idempotent;
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
@@ -151,14 +152,11 @@ async fn probe(args: Args) -> Result<Outcome, retrysafe::ConfigError> {
     let strategy = StandardRetryStrategy::new().max_attempts(args.max_attempts)?;
     let budget = RetryBudget::ratio();
     let stack = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(args.deadline)?.grpc_statuses())
-        .layer(
-            RetryLayer::new()
-                .strategy(strategy.budget(budget.clone()))
-                .grpc_statuses(),
-        )
-        .layer(RetryBudgetLayer::new(budget).grpc_statuses())
-        .layer(CircuitBreakerLayer::default().grpc_statuses())
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(args.deadline)?)
+        .layer(RetryLayer::new().strategy(strategy.budget(budget.clone())))
+        .layer(RetryBudgetLayer::new(budget))
+        .layer(CircuitBreakerLayer::default())
         .layer(MapRequestLayer::new(
             move |r: Request<ReplayBody<GrpcBody>>| {
                 counter.fetch_add(1, Ordering::Relaxed);

@@ -48,7 +48,6 @@ use retrysafe_core::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::{IdempotencyLayer, MemoryStore, Principal, ProblemKind};
-use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
 use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -805,7 +804,7 @@ async fn a_full_in_flight_map_never_fails_open() {
 // Forged convention headers and the EdgeLayer
 // ---------------------------------------------------------------------------------
 
-type Outbound = RetryService<Client<HttpConnector, ReplayBody<Full<Bytes>>>, AsError>;
+type Outbound = RetryService<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
 
 /// What the middle tier's handler saw.
 #[derive(Debug, Clone)]

@@ -34,6 +34,7 @@ use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
 use retrysafe::core::budget::RatioConfig;
 use retrysafe::core::strategy::Idempotent;
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
@@ -271,10 +272,12 @@ fn stack(channel: Channel, config: &Config) -> Stack {
     }
     let svc = ServiceBuilder::new()
         .map_err(Status::from_error)
-        .layer(DeadlineLayer::new(config.deadline).unwrap().grpc_statuses())
-        .layer(retry.grpc_statuses())
-        .layer(RetryBudgetLayer::new(config.layer_budget.clone()).grpc_statuses())
-        .layer(CircuitBreakerLayer::new(config.breaker.clone()).grpc_statuses())
+        // The one place local failures become gRPC statuses.
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(config.deadline).unwrap())
+        .layer(retry)
+        .layer(RetryBudgetLayer::new(config.layer_budget.clone()))
+        .layer(CircuitBreakerLayer::new(config.breaker.clone()))
         // The one adapter line: `Channel` takes only `tonic::body::Body`.
         .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
             r.map(GrpcBody::new)

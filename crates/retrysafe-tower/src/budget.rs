@@ -8,8 +8,9 @@
 //! code that is not ours or by a caller on another host — withdraws one retry, or is
 //! refused:
 //!
-//! - on a client ([`RetryBudgetLayer::new`]): the error [`BudgetExhausted`] (or a
-//!   synthesised gRPC `UNAVAILABLE` with [`grpc_statuses`](RetryBudgetLayer::grpc_statuses));
+//! - on a client ([`RetryBudgetLayer::new`]): the error [`BudgetExhausted`] (for gRPC, a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it into a
+//!   synthesised `UNAVAILABLE`);
 //! - on a server's inbound path ([`RetryBudgetLayer::server`]): a 503 problem+json (or
 //!   gRPC `UNAVAILABLE`) with `do-not-retry: 1`, so callers' retries cannot overload it.
 //!
@@ -40,7 +41,6 @@
 
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
@@ -55,7 +55,7 @@ use retrysafe_core::wire::{Convention, parse_retry_attempt};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsError, AsGrpcStatus, AsProblem, BoxError, LocalBody, LocalFailure};
+use crate::local::{BoxError, LocalBody, problem};
 
 #[derive(Debug)]
 struct Config {
@@ -66,9 +66,8 @@ struct Config {
 /// Enforces a [`RetryBudget`] on attempts marked as retries; see the [module
 /// docs](self).
 #[must_use]
-pub struct RetryBudgetLayer<M = AsError> {
+pub struct RetryBudgetLayer {
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
 impl RetryBudgetLayer {
@@ -79,12 +78,11 @@ impl RetryBudgetLayer {
                 budget,
                 convention: Convention::default(),
             }),
-            _local: PhantomData,
         }
     }
 }
 
-impl<M> RetryBudgetLayer<M> {
+impl RetryBudgetLayer {
     /// The header names.
     pub fn convention(self, convention: Convention) -> Self {
         RetryBudgetLayer {
@@ -92,16 +90,6 @@ impl<M> RetryBudgetLayer<M> {
                 budget: self.config.budget.clone(),
                 convention,
             }),
-            _local: PhantomData,
-        }
-    }
-
-    /// Refusals of gRPC requests become synthesised `UNAVAILABLE` statuses with
-    /// `do-not-retry: 1` (needs a response body with `Default`).
-    pub fn grpc_statuses(self) -> RetryBudgetLayer<AsGrpcStatus> {
-        RetryBudgetLayer {
-            config: self.config,
-            _local: PhantomData,
         }
     }
 
@@ -143,16 +131,15 @@ impl fmt::Debug for ServerRetryBudgetLayer {
     }
 }
 
-impl<M> Clone for RetryBudgetLayer<M> {
+impl Clone for RetryBudgetLayer {
     fn clone(&self) -> Self {
         RetryBudgetLayer {
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<M> fmt::Debug for RetryBudgetLayer<M> {
+impl fmt::Debug for RetryBudgetLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryBudgetLayer")
             .field("config", &self.config)
@@ -160,16 +147,8 @@ impl<M> fmt::Debug for RetryBudgetLayer<M> {
     }
 }
 
-impl<S> Layer<S> for RetryBudgetLayer<AsError> {
-    type Service = RetryBudgetService<S, AsError>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        RetryBudgetService::new(inner, &self.config)
-    }
-}
-
-impl<S> Layer<S> for RetryBudgetLayer<AsGrpcStatus> {
-    type Service = RetryBudgetService<S, AsGrpcStatus>;
+impl<S> Layer<S> for RetryBudgetLayer {
+    type Service = RetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryBudgetService::new(inner, &self.config)
@@ -209,35 +188,32 @@ fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
     }
 }
 
-/// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure
-/// (the error [`BudgetExhausted`], or with `M` = [`AsGrpcStatus`] a synthesised status).
-pub struct RetryBudgetService<S, M> {
+/// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure, the
+/// error [`BudgetExhausted`].
+pub struct RetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> RetryBudgetService<S, M> {
+impl<S> RetryBudgetService<S> {
     fn new(inner: S, config: &Arc<Config>) -> Self {
         RetryBudgetService {
             inner,
             config: config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: Clone, M> Clone for RetryBudgetService<S, M> {
+impl<S: Clone> Clone for RetryBudgetService<S> {
     fn clone(&self) -> Self {
         RetryBudgetService {
             inner: self.inner.clone(),
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for RetryBudgetService<S, M> {
+impl<S: fmt::Debug> fmt::Debug for RetryBudgetService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryBudgetService")
             .field("inner", &self.inner)
@@ -246,15 +222,14 @@ impl<S: fmt::Debug, M> fmt::Debug for RetryBudgetService<S, M> {
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for RetryBudgetService<S, M>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for RetryBudgetService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Future, M>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -270,20 +245,16 @@ where
                 config: self.config.clone(),
             },
         };
-        ResponseFuture {
-            kind,
-            _local: PhantomData,
-        }
+        ResponseFuture { kind }
     }
 }
 
 pin_project! {
     /// The response future of [`RetryBudgetService`].
-    pub struct ResponseFuture<F, M> {
+    pub struct ResponseFuture<F> {
         #[pin]
         kind: Kind<F>,
-        _local: PhantomData<fn() -> M>,
-    }
+        }
 }
 
 pin_project! {
@@ -297,11 +268,10 @@ pin_project! {
     }
 }
 
-impl<F, M, ResB, E> Future for ResponseFuture<F, M>
+impl<F, ResB, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
     E: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Output = Result<Response<ResB>, BoxError>;
 
@@ -309,9 +279,7 @@ where
         let mut kind = self.project().kind;
         let output = match kind.as_mut().project() {
             KindProj::Inner { future } => ready!(future.poll(cx)).map_err(Into::into),
-            KindProj::Refused { grpc, config } => {
-                M::answer(*grpc, Box::new(BudgetExhausted::new()), &config.convention)
-            }
+            KindProj::Refused { .. } => Err(Box::new(BudgetExhausted::new()) as BoxError),
             KindProj::Done => return Poll::Pending,
         };
         kind.set(Kind::Done);
@@ -319,7 +287,7 @@ where
     }
 }
 
-impl<F, M> fmt::Debug for ResponseFuture<F, M> {
+impl<F> fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
@@ -400,13 +368,9 @@ where
                 ready!(future.poll(cx)).map(|response| response.map(LocalBody::inner))
             }
             KindProj::Refused { grpc, config } => {
-                let answer = <AsProblem as LocalFailure<LocalBody<ResB>>>::answer(
-                    *grpc,
-                    Box::new(BudgetExhausted::new()),
-                    &config.convention,
-                );
-                // `AsProblem` answers a `BudgetExhausted` with a response, always.
-                Ok(answer.unwrap_or_else(|_| {
+                let answer = problem(*grpc, &BudgetExhausted::new(), &config.convention);
+                // A `BudgetExhausted` is answered with a response, always.
+                Ok(answer.unwrap_or_else(|| {
                     let mut response = Response::new(LocalBody::default());
                     *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
                     response

@@ -21,7 +21,7 @@ use http_body_util::BodyExt;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
 use retrysafe_core::error::{CircuitOpen, find};
 use retrysafe_tower::breaker::{CircuitBreakerLayer, KeyedBreakers, ResponseBody};
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock::{self, Handle};
 
@@ -453,9 +453,8 @@ async fn grpc_status_in_trailers_counts_at_end_of_stream() {
 async fn grpc_statuses_synthesise_unavailable() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let breaker = CircuitBreaker::default();
-    let mut svc = CircuitBreakerLayer::new(breaker.clone())
-        .grpc_statuses()
-        .layer(mock);
+    let mut svc =
+        GrpcStatusLayer::new().layer(CircuitBreakerLayer::new(breaker.clone()).layer(mock));
     breaker.force_open();
 
     let response = svc.call(grpc()).now_or_never().unwrap().unwrap();
@@ -599,10 +598,7 @@ async fn wraps_a_plain_service_fn() {
 #[test]
 fn futures_and_bodies_are_send() {
     fn send<T: Send + 'static>() {}
-    type Svc = retrysafe_tower::breaker::CircuitBreakerService<
-        mock::Mock<Req, Res>,
-        retrysafe_tower::local::AsError,
-    >;
+    type Svc = retrysafe_tower::breaker::CircuitBreakerService<mock::Mock<Req, Res>>;
     send::<Svc>();
     send::<<Svc as Service<Req>>::Future>();
     send::<ResponseBody<TestBody>>();

@@ -41,14 +41,13 @@ use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::IdempotencyLayer;
-use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
 use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
 type Http = Client<HttpConnector, ReplayBody<Full<Bytes>>>;
-type Outbound = RetryService<Http, AsError>;
+type Outbound = RetryService<Http>;
 
 /// A classifier that ignores `do-not-retry`: what a stack without the convention does.
 #[derive(Debug, Default)]

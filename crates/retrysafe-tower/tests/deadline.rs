@@ -27,7 +27,7 @@ use retrysafe_core::error::{DeadlineExceeded, find};
 use retrysafe_core::wire::{MAX_TIMEOUT, TimeoutError};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::deadline::DeadlineLayer;
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use retrysafe_tower::retry::RetryLayer;
 use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
@@ -159,7 +159,8 @@ async fn an_error_at_the_deadline_is_deadline_exceeded() {
 
     // gRPC: the synthesised DEADLINE_EXCEEDED.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)).unwrap().grpc_statuses())
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(ms(50)).unwrap())
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(50)).await;
             Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
@@ -195,7 +196,9 @@ async fn a_response_ready_at_the_deadline_is_not_dropped() {
 #[tokio::test(start_paused = true)]
 async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded() {
     let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(
-        DeadlineLayer::new(ms(100)).unwrap().grpc_statuses(),
+        ServiceBuilder::new()
+            .layer(GrpcStatusLayer::new())
+            .layer(DeadlineLayer::new(ms(100)).unwrap()),
     );
     let mut svc = svc.into_inner();
     let call = tokio::spawn(svc.ready().await.unwrap().call(grpc_req()));
@@ -313,12 +316,8 @@ async fn a_bounded_body_forwards_hints_and_completes_in_time() {
 #[tokio::test(start_paused = true)]
 async fn grpc_statuses_and_a_bounded_body_combine() {
     let svc = ServiceBuilder::new()
-        .layer(
-            DeadlineLayer::new(ms(100))
-                .unwrap()
-                .grpc_statuses()
-                .bound_body(),
-        )
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(ms(100)).unwrap().bound_body())
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(500)).await;
             Ok::<_, Infallible>(Response::new(Full::<Bytes>::from("too late")))
@@ -560,7 +559,6 @@ type Outbound = retrysafe_tower::deadline::DeadlineService<
             hyper_util::client::legacy::connect::HttpConnector,
             retrysafe_tower::retry::ReplayBody<Full<Bytes>>,
         >,
-        retrysafe_tower::local::AsError,
     >,
 >;
 

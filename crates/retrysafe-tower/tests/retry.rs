@@ -31,11 +31,12 @@ use retrysafe_core::wire::{Convention, IdempotencyKey, encode_grpc_timeout};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use retrysafe_tower::retry::{GiveUpEvent, ReplayBody, RetryEvent, RetryLayer};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt};
+use tower::layer::util::{Identity, Stack};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
 type Req = Request<ReplayBody<String>>;
@@ -210,17 +211,15 @@ async fn answer(handle: &mut Handle, replies: Vec<Result<Res, BoxError>>) -> Vec
 
 /// Runs `req` through `layer` over a mock answering `replies`; returns the result and
 /// the attempts, after checking that no other attempt came.
-async fn run<M>(
-    layer: RetryLayer<M>,
+async fn run<L>(
+    layer: L,
     req: Request<String>,
     replies: Vec<Result<Res, BoxError>>,
 ) -> (Result<Res, BoxError>, Vec<Seen>)
 where
-    RetryLayer<M>: Layer<mock::Mock<Req, Res>>,
-    <RetryLayer<M> as Layer<mock::Mock<Req, Res>>>::Service:
-        Service<Request<String>, Response = Res, Error = BoxError>,
-    <<RetryLayer<M> as Layer<mock::Mock<Req, Res>>>::Service as Service<Request<String>>>::Future:
-        Send + 'static,
+    L: Layer<mock::Mock<Req, Res>>,
+    L::Service: Service<Request<String>, Response = Res, Error = BoxError>,
+    <L::Service as Service<Request<String>>>::Future: Send + 'static,
 {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = layer.layer(mock);
@@ -229,6 +228,15 @@ where
     let result = join.await.unwrap();
     no_more_attempts(&mut handle).await;
     (result, seen)
+}
+
+/// `layer` under the one `GrpcStatusLayer` of a gRPC client stack.
+fn grpc_statuses(
+    layer: RetryLayer,
+) -> ServiceBuilder<Stack<RetryLayer, Stack<GrpcStatusLayer, Identity>>> {
+    ServiceBuilder::new()
+        .layer(GrpcStatusLayer::new())
+        .layer(layer)
 }
 
 fn io_error(kind: io::ErrorKind) -> Result<Res, BoxError> {
@@ -1182,7 +1190,7 @@ async fn a_replayed_response_is_not_retried() {
 async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
     // An expired deadline: nothing is sent.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let deadline = Deadline::after(ms(10));
     tokio::time::advance(ms(10)).await;
     let join = call(&mut svc, with(grpc_call(), deadline)).await;
@@ -1196,7 +1204,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // A budget refusal from below: UNAVAILABLE, not retried.
     let (res, seen) = run(
-        layer().grpc_statuses(),
+        grpc_statuses(layer()),
         with(grpc_call(), Idempotent),
         vec![Err(Box::new(BudgetExhausted::new()))],
     )
@@ -1208,7 +1216,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // The deadline running out during an attempt: DEADLINE_EXCEEDED.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let join = call(
         &mut svc,
         with(with(grpc_call(), Idempotent), Deadline::after(ms(300))),
@@ -1224,7 +1232,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // Other (non-gRPC) requests still get errors in this mode.
     let (mock, _handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let deadline = Deadline::after(ms(1));
     tokio::time::advance(ms(1)).await;
     let err = call(&mut svc, with(get("http://api.local/x"), deadline))
@@ -1537,11 +1545,9 @@ async fn the_budget_layer_charges_foreign_retries() {
     assert!(err.is::<BudgetExhausted>());
     assert_eq!(ratio_counts(&budget), (3, 1));
 
-    // With grpc_statuses, a refused gRPC retry is UNAVAILABLE.
+    // Under a GrpcStatusLayer, a refused gRPC retry is UNAVAILABLE.
     let (mock, _handle) = mock::pair::<Request<String>, Response<String>>();
-    let mut svc = RetryBudgetLayer::new(ratio(0, 0.0))
-        .grpc_statuses()
-        .layer(mock);
+    let mut svc = GrpcStatusLayer::new().layer(RetryBudgetLayer::new(ratio(0, 0.0)).layer(mock));
     let mut req = grpc_call();
     req.headers_mut()
         .insert("retry-attempt", "3".parse().unwrap());
@@ -1692,9 +1698,9 @@ async fn a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts() {
     no_more_attempts(&mut handle).await;
 }
 
-/// A layer below that refuses as a synthesised gRPC status (`grpc_statuses`), after a
-/// real response: the retry layer gives up with that real response, marked, exactly as
-/// when the refusal is an error.
+/// A layer below that refuses after a real response: the retry layer gives up with that
+/// real response, marked — also under the `GrpcStatusLayer` of a gRPC stack, which
+/// synthesises statuses only for refusals that reach it.
 #[tokio::test(start_paused = true)]
 async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one() {
     use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
@@ -1722,17 +1728,16 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
         let seen = Arc::clone(&gave_up);
         let retry = RetryLayer::new()
             .strategy(StandardRetryStrategy::new().seed(1).no_budget())
-            .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason))
-            .grpc_statuses();
+            .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason));
         let mut req = Request::post("http://svc/pkg.Svc/Get")
             .header("content-type", "application/grpc")
             .body(String::new())
             .unwrap();
         req.extensions_mut().insert(Idempotent);
         let res = if synthesised {
-            let breaker = CircuitBreakerLayer::new(breaker).grpc_statuses();
-            retry
-                .layer(breaker.layer(inner))
+            let breaker = CircuitBreakerLayer::new(breaker);
+            grpc_statuses(retry)
+                .service(breaker.layer(inner))
                 .oneshot(req)
                 .await
                 .unwrap()

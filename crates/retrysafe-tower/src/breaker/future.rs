@@ -4,7 +4,6 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
@@ -20,20 +19,19 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::layer::Config;
-use crate::local::{BoxError, LocalFailure};
+use crate::local::BoxError;
 
 pin_project! {
     /// The response future of [`CircuitBreakerService`](super::CircuitBreakerService).
     ///
     /// Dropping it before the response arrives drops its permit: a half-open probe
     /// dropped this way counts as a failure, a call of a closed breaker as nothing.
-    pub struct ResponseFuture<S, ReqB, M>
+    pub struct ResponseFuture<S, ReqB>
     where
         S: Service<Request<ReqB>>,
     {
         #[pin]
         state: State<S, Request<ReqB>, S::Future>,
-        _local: PhantomData<fn() -> M>,
     }
 }
 
@@ -44,14 +42,14 @@ pin_project! {
         // slow path is rare, and the future stays small for the common one).
         Readying { waiting: Option<Box<(S, R)>>, call: Option<Call> },
         Calling { #[pin] future: F, call: Option<Call> },
-        Refused { grpc: bool, open: Option<CircuitOpen>, config: Local<Config> },
+        Refused { open: Option<CircuitOpen> },
         // The inner service failed to become ready (recorded already).
         Failed { error: Option<BoxError> },
         Done,
     }
 }
 
-impl<S, ReqB, M> ResponseFuture<S, ReqB, M>
+impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
@@ -80,30 +78,21 @@ where
                 call: Some(call),
             },
         };
-        ResponseFuture {
-            state,
-            _local: PhantomData,
-        }
+        ResponseFuture { state }
     }
 
     /// A refused call.
-    pub(crate) fn refused(grpc: bool, open: CircuitOpen, config: Local<Config>) -> Self {
+    pub(crate) fn refused(open: CircuitOpen) -> Self {
         ResponseFuture {
-            state: State::Refused {
-                grpc,
-                open: Some(open),
-                config,
-            },
-            _local: PhantomData,
+            state: State::Refused { open: Some(open) },
         }
     }
 }
 
-impl<S, ReqB, M, ResB> Future for ResponseFuture<S, ReqB, M>
+impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Output = Result<Response<ResponseBody<ResB>>, BoxError>;
 
@@ -131,9 +120,7 @@ where
                     let result = ready!(future.poll(cx));
                     responded(result, call.take())
                 }
-                StateProj::Refused { grpc, open, config } => {
-                    refused::<ResB, M>(*grpc, open, config)
-                }
+                StateProj::Refused { open } => Err(refused(open)),
                 StateProj::Done => {
                     return Poll::Ready(Err(
                         "breaker response future polled after completion".into()
@@ -204,20 +191,15 @@ fn responded<ResB, E: Into<BoxError>>(
     }
 }
 
-/// `Refused`: the refusal, answered as `M` says.
-fn refused<ResB, M: LocalFailure<ResB>>(
-    grpc: bool,
-    open: &mut Option<CircuitOpen>,
-    config: &Local<Config>,
-) -> Result<Response<ResponseBody<ResB>>, BoxError> {
-    let open = open
-        .take()
-        .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO));
-    M::answer(grpc, Box::new(open), &config.convention)
-        .map(|response| response.map(ResponseBody::plain))
+/// `Refused`: the refusal, [`CircuitOpen`].
+fn refused(open: &mut Option<CircuitOpen>) -> BoxError {
+    Box::new(
+        open.take()
+            .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO)),
+    )
 }
 
-impl<S, ReqB, M> fmt::Debug for ResponseFuture<S, ReqB, M>
+impl<S, ReqB> fmt::Debug for ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {

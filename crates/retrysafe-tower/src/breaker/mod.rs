@@ -7,10 +7,10 @@
 //! - [`poll_ready`](tower_service::Service::poll_ready) is always ready and never polls
 //!   the inner service; [`call`](tower_service::Service::call) decides. A refused call
 //!   is answered at once with the error [`CircuitOpen`], carrying the time until the
-//!   next probe (or, with [`grpc_statuses`](CircuitBreakerLayer::grpc_statuses), a
-//!   synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either way it is never
-//!   retried: the error is a local failure to a `RetryLayer`, the status carries
-//!   `do-not-retry: 1`. An admitted call returns a future that drives the readiness of
+//!   next probe (a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack
+//!   turns it into a synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either
+//!   way it is never retried: the error is a local failure to a `RetryLayer`, the status
+//!   carries `do-not-retry: 1`. An admitted call returns a future that drives the readiness of
 //!   a *clone* of the inner service and then calls it — so a full `Buffer` (such as a
 //!   tonic `Channel`) behind an open breaker still fails fast.
 //! - The closed path is lock-free (one atomic load to admit, one compare-and-swap to

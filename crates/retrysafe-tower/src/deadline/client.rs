@@ -9,10 +9,8 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use retrysafe_core::classify::is_grpc;
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::stripe::{Local, Striped};
-use retrysafe_core::wire::{Convention, MAX_TIMEOUT};
+use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
@@ -20,24 +18,18 @@ use tower_service::Service;
 
 use super::body::{BoundBody, Unbounded, WrapBody};
 use super::server::ServerDeadlineLayer;
-use crate::local::{AsError, AsGrpcStatus, BoxError, LocalFailure};
-
-#[derive(Debug)]
-struct Config {
-    timeout: Duration,
-    convention: Convention,
-}
+use crate::local::BoxError;
 
 /// Bounds a whole call by a deadline; see the [module docs](super).
 ///
-/// `M` says how the deadline running out is answered ([`AsError`]: the error
-/// [`DeadlineExceeded`]; [`AsGrpcStatus`]: a synthesised `DEADLINE_EXCEEDED` for gRPC
-/// requests), `W` whether the response body is bounded too ([`Unbounded`],
-/// [`BoundBody`]).
+/// The deadline running out is the error [`DeadlineExceeded`] (for gRPC, a
+/// [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+/// `DEADLINE_EXCEEDED`). `W` says whether the response body is bounded too
+/// ([`Unbounded`], [`BoundBody`]).
 #[must_use]
-pub struct DeadlineLayer<M = AsError, W = Unbounded> {
-    config: Striped<Config>,
-    _marker: PhantomData<fn() -> (M, W)>,
+pub struct DeadlineLayer<W = Unbounded> {
+    timeout: Duration,
+    _marker: PhantomData<fn() -> W>,
 }
 
 impl DeadlineLayer {
@@ -51,10 +43,7 @@ impl DeadlineLayer {
             ));
         }
         Ok(DeadlineLayer {
-            config: Striped::new(Config {
-                timeout,
-                convention: Convention::default(),
-            }),
+            timeout,
             _marker: PhantomData,
         })
     }
@@ -66,65 +55,43 @@ impl DeadlineLayer {
     }
 }
 
-impl<M, W> DeadlineLayer<M, W> {
-    /// The header names (`do-not-retry` on synthesised statuses).
-    pub fn convention(self, convention: Convention) -> Self {
-        DeadlineLayer {
-            config: Striped::new(Config {
-                timeout: self.config.timeout,
-                convention,
-            }),
-            _marker: PhantomData,
-        }
-    }
-
-    /// The deadline running out on a gRPC request becomes a synthesised Trailers-Only
-    /// `DEADLINE_EXCEEDED` (4) with `do-not-retry: 1` (needs a response body with
-    /// `Default`, like tonic's).
-    pub fn grpc_statuses(self) -> DeadlineLayer<AsGrpcStatus, W> {
-        DeadlineLayer {
-            config: self.config,
-            _marker: PhantomData,
-        }
-    }
-
+impl<W> DeadlineLayer<W> {
     /// The deadline also bounds the response body: a body still streaming at the
     /// deadline ends with a [`DeadlineExceeded`] error (see
     /// [`DeadlineBody`](super::DeadlineBody)).
-    pub fn bound_body(self) -> DeadlineLayer<M, BoundBody> {
+    pub fn bound_body(self) -> DeadlineLayer<BoundBody> {
         DeadlineLayer {
-            config: self.config,
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<M, W> Clone for DeadlineLayer<M, W> {
+impl<W> Clone for DeadlineLayer<W> {
     fn clone(&self) -> Self {
         DeadlineLayer {
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<M, W> fmt::Debug for DeadlineLayer<M, W> {
+impl<W> fmt::Debug for DeadlineLayer<W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadlineLayer")
-            .field("timeout", &self.config.timeout)
-            .field("local", &std::any::type_name::<M>())
+            .field("timeout", &self.timeout)
             .field("body", &std::any::type_name::<W>())
             .finish()
     }
 }
 
-impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
-    type Service = DeadlineService<S, M, W>;
+impl<S, W> Layer<S> for DeadlineLayer<W> {
+    type Service = DeadlineService<S, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
         DeadlineService {
             inner,
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
@@ -134,42 +101,40 @@ impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
 ///
 /// Its `poll_ready` is always ready: the inner service's readiness is awaited inside the
 /// response future, so that time waiting for it counts against the deadline.
-pub struct DeadlineService<S, M = AsError, W = Unbounded> {
+pub struct DeadlineService<S, W = Unbounded> {
     inner: S,
-    // Striped: every call's future holds a reference to it (see `Striped`).
-    config: Striped<Config>,
-    _marker: PhantomData<fn() -> (M, W)>,
+    timeout: Duration,
+    _marker: PhantomData<fn() -> W>,
 }
 
-impl<S: Clone, M, W> Clone for DeadlineService<S, M, W> {
+impl<S: Clone, W> Clone for DeadlineService<S, W> {
     fn clone(&self) -> Self {
         DeadlineService {
             inner: self.inner.clone(),
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M, W> fmt::Debug for DeadlineService<S, M, W> {
+impl<S: fmt::Debug, W> fmt::Debug for DeadlineService<S, W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadlineService")
             .field("inner", &self.inner)
-            .field("timeout", &self.config.timeout)
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
 
-impl<S, M, W, ReqB, ResB> Service<Request<ReqB>> for DeadlineService<S, M, W>
+impl<S, W, ReqB, ResB> Service<Request<ReqB>> for DeadlineService<S, W>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
     W: WrapBody<ResB>,
-    M: LocalFailure<W::Body>,
 {
     type Response = Response<W::Body>;
     type Error = BoxError;
-    type Future = ResponseFuture<S, ReqB, M, W>;
+    type Future = ResponseFuture<S, ReqB, W>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // Readiness is awaited in the future, against the deadline.
@@ -185,7 +150,7 @@ where
         // One clock read for ours and the expiry check (the timeout is at most 30 days,
         // checked by `new`, so the sum cannot overflow in practice; saturate anyway).
         let now = Instant::now();
-        let ours = Deadline(now.checked_add(self.config.timeout).unwrap_or(now));
+        let ours = Deadline(now.checked_add(self.timeout).unwrap_or(now));
         let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
         if let Some(inherited) =
             CallContext::inherited(request.extensions()).and_then(|c| c.deadline())
@@ -194,7 +159,6 @@ where
         }
         request.extensions_mut().insert(deadline);
 
-        let grpc = is_grpc(request.headers());
         let state = if deadline.instant() <= now {
             // No attempt starts that cannot finish in time.
             State::Expired
@@ -219,8 +183,6 @@ where
             state,
             sleep: None,
             deadline,
-            grpc,
-            config: self.config.local(),
             _marker: PhantomData,
         }
     }
@@ -229,7 +191,7 @@ where
 pin_project! {
     /// The response future of [`DeadlineService`]: awaits the inner service's readiness,
     /// then its response head, both bounded by the deadline.
-    pub struct ResponseFuture<S, ReqB, M, W>
+    pub struct ResponseFuture<S, ReqB, W>
     where
         S: Service<Request<ReqB>>,
     {
@@ -240,9 +202,7 @@ pin_project! {
         #[pin]
         sleep: Option<Sleep>,
         deadline: Deadline,
-        grpc: bool,
-        config: Local<Config>,
-        _marker: PhantomData<fn() -> (M, W)>,
+        _marker: PhantomData<fn() -> W>,
     }
 }
 
@@ -258,12 +218,11 @@ pin_project! {
     }
 }
 
-impl<S, M, W, ReqB, ResB> Future for ResponseFuture<S, ReqB, M, W>
+impl<S, W, ReqB, ResB> Future for ResponseFuture<S, ReqB, W>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
     W: WrapBody<ResB>,
-    M: LocalFailure<W::Body>,
 {
     type Output = Result<Response<W::Body>, BoxError>;
 
@@ -310,13 +269,7 @@ where
             };
             // Drops the inner future (or the unready service) at once.
             this.state.set(State::Done);
-            return Poll::Ready(answer.unwrap_or_else(|| {
-                M::answer(
-                    *this.grpc,
-                    Box::new(DeadlineExceeded::new()),
-                    &this.config.convention,
-                )
-            }));
+            return Poll::Ready(answer.unwrap_or_else(|| Err(Box::new(DeadlineExceeded::new()))));
         }
     }
 }
@@ -341,14 +294,13 @@ fn polled_after_completion() -> BoxError {
     "deadline ResponseFuture polled after completion".into()
 }
 
-impl<S, ReqB, M, W> fmt::Debug for ResponseFuture<S, ReqB, M, W>
+impl<S, ReqB, W> fmt::Debug for ResponseFuture<S, ReqB, W>
 where
     S: Service<Request<ReqB>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("deadline", &self.deadline.remaining())
-            .field("grpc", &self.grpc)
             .finish_non_exhaustive()
     }
 }

@@ -15,9 +15,9 @@
 //!   readiness is awaited inside the response future, so time spent waiting for a
 //!   connection, a concurrency permit or a breaker counts against the deadline.
 //! - When the deadline passes before the response head, the inner future is dropped and
-//!   the call fails with [`DeadlineExceeded`] (with
-//!   [`grpc_statuses`](DeadlineLayer::grpc_statuses): a synthesised Trailers-Only
-//!   `DEADLINE_EXCEEDED`, code 4, marked `do-not-retry: 1`). A response that is ready is
+//!   the call fails with [`DeadlineExceeded`] (a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+//!   Trailers-Only `DEADLINE_EXCEEDED`, code 4, marked `do-not-retry: 1`). A response that is ready is
 //!   never dropped for the timer: the inner future is polled first.
 //! - With [`bound_body`](DeadlineLayer::bound_body), the deadline also bounds the
 //!   response body: a stream still running at the deadline ends with a
@@ -130,7 +130,7 @@
 //! `grpc-timeout` it carries (and `Endpoint::timeout`): its `TimeoutExpired` error can
 //! come at the very instant of the client deadline. An error that comes once the
 //! deadline has passed is the deadline's: the client layer answers it as
-//! [`DeadlineExceeded`] (a synthesised `DEADLINE_EXCEEDED` with `grpc_statuses`), and a
+//! [`DeadlineExceeded`] (a synthesised `DEADLINE_EXCEEDED` under a `GrpcStatusLayer`), and a
 //! breaker counts it as neutral.
 //!
 //! [`CallContext`]: retrysafe_core::CallContext

@@ -19,7 +19,7 @@ use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsProblem, LocalBody, LocalFailure, grpc_status_response};
+use crate::local::{LocalBody, grpc_status_response, problem};
 use crate::propagate::{self, Inbound};
 
 /// The server form of the [`DeadlineLayer`](super::DeadlineLayer), made by
@@ -211,13 +211,11 @@ impl<F, B> fmt::Debug for ServerResponseFuture<F, B> {
 /// 504 problem+json `deadline-exceeded` (gRPC: `DEADLINE_EXCEEDED`), `do-not-retry: 1`,
 /// with the [`DeadlineExceeded`] error in the extensions.
 fn deadline_exceeded<B: Default + From<Bytes>>(grpc: bool, convention: &Convention) -> Response<B> {
-    let mut response =
-        <AsProblem as LocalFailure<B>>::answer(grpc, Box::new(DeadlineExceeded::new()), convention)
-            .unwrap_or_else(|_| {
-                let mut r = Response::new(B::default());
-                *r.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-                r
-            });
+    let mut response = problem(grpc, &DeadlineExceeded::new(), convention).unwrap_or_else(|| {
+        let mut r = Response::new(B::default());
+        *r.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+        r
+    });
     response.extensions_mut().insert(DeadlineExceeded::new());
     response
 }

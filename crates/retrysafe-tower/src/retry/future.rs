@@ -1,6 +1,5 @@
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
@@ -8,7 +7,6 @@ use std::time::Duration;
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use retrysafe_core::classify::Failure;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{Decision, Outcome as Seen, RetryCall};
 use retrysafe_core::strategy::{GiveUp, RetryToken};
@@ -17,12 +15,12 @@ use tower_service::Service;
 
 use super::body::ReplayBody;
 use super::transport::failure_of;
-use crate::local::{BoxError, LocalAnswer, LocalFailure};
+use crate::local::BoxError;
 
 pin_project! {
     /// The response future of [`RetryService`](super::RetryService).
     #[project = ResponseFutureProj]
-    pub struct ResponseFuture<S, B, M>
+    pub struct ResponseFuture<S, B>
     where
         S: Service<Request<ReplayBody<B>>>,
     {
@@ -42,7 +40,6 @@ pin_project! {
         retry: Option<Box<Retrying<S::Response>>>,
         // The planner's state of this call (retrysafe-core).
         call: RetryCall,
-        _local: PhantomData<fn() -> M>,
     }
 }
 
@@ -67,13 +64,11 @@ struct Retrying<Res> {
 
 enum Outcome<R> {
     Response(Response<R>),
-    /// A response a layer below synthesised for its own failure ([`LocalAnswer`]).
-    Local(Response<R>),
     Error(BoxError),
     TimedOut,
 }
 
-impl<S, B, M> ResponseFuture<S, B, M>
+impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>>,
 {
@@ -109,7 +104,6 @@ where
             token: Some(token),
             retry: None,
             call,
-            _local: PhantomData,
         }
     }
 }
@@ -121,12 +115,11 @@ fn arm(mut timer: Pin<&mut Option<Sleep>>, at: Instant) {
     }
 }
 
-impl<S, B, M, R> Future for ResponseFuture<S, B, M>
+impl<S, B, R> Future for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
     S::Error: Into<BoxError>,
     B: Body,
-    M: LocalFailure<R>,
 {
     type Output = Result<Response<R>, BoxError>;
 
@@ -163,12 +156,11 @@ where
 
 type Answer<R> = Result<Response<R>, BoxError>;
 
-impl<S, B, M, R> ResponseFutureProj<'_, S, B, M>
+impl<S, B, R> ResponseFutureProj<'_, S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
     S::Error: Into<BoxError>,
     B: Body,
-    M: LocalFailure<R>,
 {
     /// `Calling`: what the attempt produced, once it produced something or its timer
     /// (the attempt timeout) fired.
@@ -178,9 +170,6 @@ where
         cx: &mut Context<'_>,
     ) -> Poll<Outcome<R>> {
         let outcome = match polled {
-            Poll::Ready(Ok(response)) if response.extensions().get::<LocalAnswer>().is_some() => {
-                Outcome::Local(response)
-            }
             Poll::Ready(Ok(response)) => Outcome::Response(response),
             // An error once the deadline is spent is the deadline's: a transport that
             // times the call from its timeout header (a tonic `Channel`) may fire at the
@@ -225,7 +214,6 @@ where
         let last = self.retry.as_ref().and_then(|r| r.last.as_ref());
         let seen = match &outcome {
             Outcome::Response(r) => Seen::response(r.status(), r.headers()),
-            Outcome::Local(_) => Seen::Failure(Failure::Local),
             Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
             Outcome::TimedOut => Seen::TimedOut,
         };
@@ -241,10 +229,7 @@ where
                 None
             }
             Decision::Success => Some(self.finish(outcome.into_answer())),
-            Decision::Final => {
-                let answer = outcome.into_answer();
-                Some(self.finish(answer.or_else(|e| answer_local::<R, M>(self.call, e))))
-            }
+            Decision::Final => Some(self.finish(outcome.into_answer())),
             Decision::GiveUp(_) => Some(self.gave_up(outcome)),
         }
     }
@@ -262,16 +247,10 @@ where
         let last = self.retry.as_mut().and_then(|r| r.last.take());
         let (last, error): (_, BoxError) = match outcome {
             Outcome::Response(r) => (Some(r), Box::new(DeadlineExceeded::new())),
-            // The real response before the refusal; or, with none, the refusal's own
-            // answer.
-            Outcome::Local(r) => match last {
-                Some(last) => (Some(last), Box::new(DeadlineExceeded::new())),
-                None => return Ok(r),
-            },
             Outcome::Error(e) => (last, e),
             Outcome::TimedOut => (last, Box::new(DeadlineExceeded::new())),
         };
-        given_up::<R, M>(self.call, last, error)
+        given_up(self.call, last, error)
     }
 
     /// `Calling`, to retry: keeps the last real response and the attempt's span, then
@@ -281,7 +260,7 @@ where
         let span = RetryCall::attempt_span(&next);
         let last = match outcome {
             Outcome::Response(r) => Some(r),
-            Outcome::Local(_) | Outcome::Error(_) | Outcome::TimedOut => {
+            Outcome::Error(_) | Outcome::TimedOut => {
                 self.retry.as_mut().and_then(|r| r.last.take())
             }
         };
@@ -349,7 +328,7 @@ where
             last.as_ref().map(Response::status),
         );
         self.state.set(State::Failed { error: None });
-        given_up::<R, M>(self.call, last, Box::new(DeadlineExceeded::new()))
+        given_up(self.call, last, Box::new(DeadlineExceeded::new()))
     }
 
     /// `Readying`, the inner service ready: makes the attempt of the current token with
@@ -375,7 +354,7 @@ where
     /// `Failed`: answers `error` (a failure before the first attempt), once.
     fn failed(&mut self, error: Option<BoxError>) -> Answer<R> {
         match error {
-            Some(error) => answer_local::<R, M>(self.call, error),
+            Some(error) => Err(error),
             None => Err(polled_after_completion()),
         }
     }
@@ -386,7 +365,7 @@ impl<R> Outcome<R> {
     /// [`DeadlineExceeded`].
     fn into_answer(self) -> Answer<R> {
         match self {
-            Outcome::Response(r) | Outcome::Local(r) => Ok(r),
+            Outcome::Response(r) => Ok(r),
             Outcome::Error(e) => Err(e),
             Outcome::TimedOut => Err(Box::new(DeadlineExceeded::new())),
         }
@@ -397,17 +376,9 @@ fn polled_after_completion() -> BoxError {
     "retry future polled after completion".into()
 }
 
-/// A local failure (or an error passed on), answered as `M` says.
-fn answer_local<R, M: LocalFailure<R>>(
-    call: &RetryCall,
-    error: BoxError,
-) -> Result<Response<R>, BoxError> {
-    M::answer(call.is_grpc(), error, call.policy().convention())
-}
-
 /// The answer of a give-up: the last real response marked `do-not-retry`, or, with
 /// none, `error`.
-fn given_up<R, M: LocalFailure<R>>(
+fn given_up<R>(
     call: &RetryCall,
     last: Option<Response<R>>,
     error: BoxError,
@@ -417,11 +388,11 @@ fn given_up<R, M: LocalFailure<R>>(
             call.mark_given_up(response.headers_mut());
             Ok(response)
         }
-        None => answer_local::<R, M>(call, error),
+        None => Err(error),
     }
 }
 
-impl<S, B, M> fmt::Debug for ResponseFuture<S, B, M>
+impl<S, B> fmt::Debug for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>> + fmt::Debug,
 {

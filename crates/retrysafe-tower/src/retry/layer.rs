@@ -1,5 +1,4 @@
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
 use retrysafe_core::ConfigError;
@@ -11,7 +10,6 @@ use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
 use super::RetryService;
-use crate::local::{AsError, AsGrpcStatus};
 
 /// The default cap of the request-body copy kept for replay: 64 KiB.
 pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
@@ -25,13 +23,9 @@ pub(crate) struct Config {
 }
 
 /// Retries failed requests that are safe to retry; see the [module docs](super).
-///
-/// `M` chooses how failures generated locally are answered: [`AsError`] (the default)
-/// or [`AsGrpcStatus`] ([`grpc_statuses`](RetryLayer::grpc_statuses)).
 #[must_use]
-pub struct RetryLayer<M = AsError> {
+pub struct RetryLayer {
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
 impl RetryLayer {
@@ -46,7 +40,6 @@ impl RetryLayer {
                 policy: Striped::new(RetryPolicy::new()),
                 replay_cap: DEFAULT_REPLAY_CAP,
             }),
-            _local: PhantomData,
         }
     }
 }
@@ -57,7 +50,7 @@ impl Default for RetryLayer {
     }
 }
 
-impl<M> RetryLayer<M> {
+impl RetryLayer {
     /// Changes the policy (the builder methods of `RetryPolicy` hold the semantics,
     /// shared with the reqwest middleware).
     fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
@@ -128,37 +121,25 @@ impl<M> RetryLayer<M> {
     pub fn on_give_up(self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
         self.map(|p| p.with_on_give_up(f))
     }
-
-    /// Answers local failures of gRPC requests (the deadline running out, a budget or
-    /// breaker refusal below this layer) with synthesised Trailers-Only statuses
-    /// instead of errors. Needs a response body with `Default`, such as
-    /// `tonic::body::Body`.
-    pub fn grpc_statuses(self) -> RetryLayer<AsGrpcStatus> {
-        RetryLayer {
-            config: self.config,
-            _local: PhantomData,
-        }
-    }
 }
 
-impl<M> Clone for RetryLayer<M> {
+impl Clone for RetryLayer {
     fn clone(&self) -> Self {
         RetryLayer {
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S, M> Layer<S> for RetryLayer<M> {
-    type Service = RetryService<S, M>;
+impl<S> Layer<S> for RetryLayer {
+    type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RetryService::from_config(inner, self.config.clone())
     }
 }
 
-impl<M> fmt::Debug for RetryLayer<M> {
+impl fmt::Debug for RetryLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
             .field("config", &self.config)

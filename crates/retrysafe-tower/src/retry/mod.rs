@@ -41,8 +41,10 @@
 //!   enough time), returns the last real response marked `do-not-retry: 1` and records
 //!   `downstream_gave_up` in the inherited context, so the layers above do not retry
 //!   again;
-//! - with [`grpc_statuses`](RetryLayer::grpc_statuses), answers local failures of gRPC
-//!   requests as synthesised Trailers-Only statuses (see [`local`](crate::local));
+//! - fails with the typed errors of local failures (its deadline, and a budget or
+//!   breaker below that refused before any real response); a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack answers them
+//!   for gRPC requests as synthesised Trailers-Only statuses;
 //! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
 //!   emits `tracing` events, and runs retried attempts in a span carrying
 //!   `http.request.resend_count`.

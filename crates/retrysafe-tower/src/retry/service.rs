@@ -1,5 +1,4 @@
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -11,22 +10,17 @@ use tower_service::Service;
 use super::body::ReplayBody;
 use super::future::ResponseFuture;
 use super::layer::Config;
-use crate::local::{BoxError, LocalFailure};
+use crate::local::BoxError;
 
 /// The service of a [`RetryLayer`](super::RetryLayer).
-pub struct RetryService<S, M> {
+pub struct RetryService<S> {
     inner: S,
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> RetryService<S, M> {
+impl<S> RetryService<S> {
     pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
-        RetryService {
-            inner,
-            config,
-            _local: PhantomData,
-        }
+        RetryService { inner, config }
     }
 
     /// The inner service.
@@ -35,17 +29,16 @@ impl<S, M> RetryService<S, M> {
     }
 }
 
-impl<S: Clone, M> Clone for RetryService<S, M> {
+impl<S: Clone> Clone for RetryService<S> {
     fn clone(&self) -> Self {
         RetryService {
             inner: self.inner.clone(),
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for RetryService<S, M> {
+impl<S: fmt::Debug> fmt::Debug for RetryService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryService")
             .field("inner", &self.inner)
@@ -54,16 +47,15 @@ impl<S: fmt::Debug, M> fmt::Debug for RetryService<S, M> {
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for RetryService<S, M>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for RetryService<S>
 where
     S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
     ReqB: Body,
-    M: LocalFailure<ResB>,
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<S, ReqB, M>;
+    type Future = ResponseFuture<S, ReqB>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
