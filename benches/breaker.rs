@@ -357,9 +357,7 @@ fn cases() -> Cases {
         Box::new(
             named(
                 "deadline_client",
-                DeadlineLayer::new(Duration::from_secs(10))
-                    .unwrap()
-                    .layer(inner()),
+                DeadlineLayer::new(Duration::from_secs(10)).layer(inner()),
             )
             .checked(),
         ),

@@ -201,9 +201,7 @@ fn case(name: &str) -> Option<Runner> {
     Some(match base {
         "bare" => runner(inner::<Empty<Bytes>>(fail), fail),
         "deadline" => runner(
-            DeadlineLayer::new(Duration::from_secs(10))
-                .unwrap()
-                .layer(inner(fail)),
+            DeadlineLayer::new(Duration::from_secs(10)).layer(inner(fail)),
             fail,
         ),
         "retrysafe" => runner(
@@ -230,7 +228,7 @@ fn case(name: &str) -> Option<Runner> {
             let budget = RetryBudget::ratio();
             runner(
                 tower::ServiceBuilder::new()
-                    .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+                    .layer(DeadlineLayer::new(Duration::from_secs(10)))
                     .layer(RetryLayer::new().strategy(strategy(Some(budget.clone()))))
                     .layer(RetryBudgetLayer::new(budget))
                     .layer(CircuitBreakerLayer::default())

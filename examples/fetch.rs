@@ -242,7 +242,9 @@ fn client(options: &Options, sent: &Sent) -> Result<ClientWithMiddleware, String
     }
     let mut builder = ClientBuilder::new(reqwest::Client::new());
     if let Some(deadline) = options.deadline {
-        let deadline = DeadlineMiddleware::new(deadline).map_err(|e| e.to_string())?;
+        let deadline = DeadlineMiddleware::new(deadline)
+            .build()
+            .map_err(|e| e.to_string())?;
         builder = builder.with(deadline.bound_body());
     }
     Ok(builder

@@ -153,7 +153,7 @@ async fn probe(args: Args) -> Result<Outcome, retrysafe::ConfigError> {
     let budget = RetryBudget::ratio();
     let stack = ServiceBuilder::new()
         .layer(GrpcStatusLayer::new())
-        .layer(DeadlineLayer::new(args.deadline)?)
+        .layer(DeadlineLayer::new(args.deadline).build()?)
         .layer(RetryLayer::new().strategy(strategy.budget(budget.clone())))
         .layer(RetryBudgetLayer::new(budget))
         .layer(CircuitBreakerLayer::default())

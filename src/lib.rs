@@ -144,7 +144,7 @@
 //! let breaker = CircuitBreaker::new(config).unwrap();
 //! let budget = RetryBudget::ratio();
 //! let client = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::new(Duration::from_secs(2)).unwrap())
+//!     .layer(DeadlineLayer::new(Duration::from_secs(2)))
 //!     .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
 //!     .layer(RetryBudgetLayer::new(budget))
 //!     .layer(CircuitBreakerLayer::new(breaker.clone()))
@@ -201,7 +201,7 @@
 //! let stack = ServiceBuilder::new()
 //!     .map_err(Status::from_error)
 //!     .layer(GrpcStatusLayer::new())
-//!     .layer(DeadlineLayer::new(Duration::from_secs(5)).unwrap())
+//!     .layer(DeadlineLayer::new(Duration::from_secs(5)))
 //!     .layer(RetryLayer::new().idempotent_if(|head| head.uri.path().starts_with("/grpc.health.v1.")))
 //!     .layer(RetryBudgetLayer::new(RetryBudget::ratio()))
 //!     .layer(CircuitBreakerLayer::default())

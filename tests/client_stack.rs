@@ -94,7 +94,7 @@ where
         .backoff(backoff)
         .budget(budget.clone());
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(timeout).unwrap())
+        .layer(DeadlineLayer::new(timeout))
         .layer(RetryLayer::new().strategy(strategy))
         .layer(RetryBudgetLayer::new(budget))
         .layer(CircuitBreakerLayer::new(breaker))

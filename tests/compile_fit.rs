@@ -123,7 +123,7 @@ async fn server_layers_fit_router_layer_and_route_layer() {
 #[tokio::test]
 async fn the_client_stack_over_hyper_is_send_and_clone() {
     let breaker = CircuitBreaker::new(BreakerConfig::default()).unwrap();
-    let deadline = DeadlineLayer::new(Duration::from_secs(2)).unwrap();
+    let deadline = DeadlineLayer::new(Duration::from_secs(2));
     let retry = RetryLayer::new().generate_idempotency_keys();
     let budget = RetryBudgetLayer::new(RetryBudget::default());
     let breaker_layer = CircuitBreakerLayer::new(breaker);

@@ -971,9 +971,7 @@ async fn an_edge_neutralises_forged_convention_headers() {
 
     // Behind the edge (clamp to 2 s): deadlines kept, at most 2 s; the rest stripped.
     let budget = empty_budget();
-    let edge = EdgeLayer::new()
-        .clamp_deadlines(Duration::from_secs(2))
-        .unwrap();
+    let edge = EdgeLayer::new().clamp_deadlines(Duration::from_secs(2));
     let (addr, state) = tier(Some(edge), &budget).await;
     let a = forged_get(&client, addr, &forged[1]).await;
     assert_eq!(a.status, 200, "{}", a.text());

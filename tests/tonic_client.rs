@@ -274,7 +274,7 @@ fn stack(channel: Channel, config: &Config) -> Stack {
         .map_err(Status::from_error)
         // The one place local failures become gRPC statuses.
         .layer(GrpcStatusLayer::new())
-        .layer(DeadlineLayer::new(config.deadline).unwrap())
+        .layer(DeadlineLayer::new(config.deadline))
         .layer(retry)
         .layer(RetryBudgetLayer::new(config.layer_budget.clone()))
         .layer(CircuitBreakerLayer::new(config.breaker.clone()))

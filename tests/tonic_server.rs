@@ -276,7 +276,7 @@ fn outbound(addr: SocketAddr) -> Outbound {
     let svc = ServiceBuilder::new()
         .map_err(Status::from_error)
         .layer(GrpcStatusLayer::new())
-        .layer(DeadlineLayer::new(Duration::from_secs(5)).unwrap())
+        .layer(DeadlineLayer::new(Duration::from_secs(5)))
         .layer(
             RetryLayer::new()
                 .strategy(strategy)

@@ -85,7 +85,7 @@ pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
         (Arc::clone(counts), Arc::clone(counts), Arc::clone(counts));
     let http = Client::builder(TokioExecutor::new()).build_http();
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(DEADLINE).unwrap())
+        .layer(DeadlineLayer::new(DEADLINE))
         .layer(
             RetryLayer::new()
                 .generate_idempotency_keys()

@@ -928,7 +928,7 @@ async fn each_attempt_starts_from_the_callers_extensions_and_nothing_leaks_back(
     let (url, script) = serve(vec![s(503), s(200), s(503), s(200)]).await;
     let scribble = Scribble::default();
     let client = ClientBuilder::new(reqwest::Client::new())
-        .with(DeadlineMiddleware::new(Duration::from_millis(500)).unwrap())
+        .with(DeadlineMiddleware::new(Duration::from_millis(500)))
         .with(middleware())
         .with(scribble.clone())
         .build();

@@ -68,6 +68,7 @@ use std::time::Duration;
 use http::{HeaderMap, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::classify::is_grpc;
 use retrysafe_core::wire::{
     Convention, DO_NOT_RETRY_VALUE, MAX_TIMEOUT, RetryPoint, TimeoutError, parse_grpc_timeout,
@@ -98,6 +99,20 @@ impl Default for Inbound {
 }
 
 impl Inbound {
+    /// Checks the margin and the maximum.
+    pub(crate) fn validate(&self, v: &mut Validate) {
+        v.check(
+            !self.max_timeout.is_zero() && self.max_timeout <= MAX_TIMEOUT,
+            "max timeout",
+            "must be greater than zero and at most 30 days",
+        );
+        v.check(
+            self.margin <= Duration::from_secs(60),
+            "margin",
+            "must be at most 1 minute",
+        );
+    }
+
     /// The inbound timeout header, clamped to the maximum: `Ok(None)` when absent.
     pub(crate) fn timeout(&self, headers: &HeaderMap) -> Result<Option<Duration>, TimeoutError> {
         let parsed = if is_grpc(headers) {
@@ -173,24 +188,22 @@ impl PropagateLayer {
 
     /// What outbound calls leave for the way back: they get the inbound time less this
     /// (default 10 ms; at most 1 minute).
-    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
-        if margin > Duration::from_secs(60) {
-            return Err(ConfigError::new("margin", "must be at most 1 minute"));
-        }
+    pub fn margin(mut self, margin: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).margin = margin;
-        Ok(self)
+        self
     }
 
     /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days).
-    pub fn max_timeout(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() || max > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "max timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
+    pub fn max_timeout(mut self, max: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).max_timeout = max;
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.inbound.validate(&mut v);
+        v.finish(self)
     }
 }
 

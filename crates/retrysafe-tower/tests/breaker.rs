@@ -575,12 +575,15 @@ fn invalid_configuration_is_refused() {
     assert_eq!(error.field(), "half_open_probes");
 
     let keyed = KeyedBreakers::new(BreakerConfig::default(), |p| p.uri.path().to_owned()).unwrap();
-    assert_eq!(keyed.clone().max_keys(0).unwrap_err().field(), "max_keys");
     assert_eq!(
-        keyed.clone().max_keys(1 << 21).unwrap_err().field(),
+        keyed.clone().max_keys(0).build().unwrap_err().field(),
         "max_keys"
     );
-    assert!(keyed.max_keys(16).is_ok());
+    assert_eq!(
+        keyed.clone().max_keys(1 << 21).build().unwrap_err().field(),
+        "max_keys"
+    );
+    assert!(keyed.max_keys(16).build().is_ok());
 }
 
 /// The layer wraps a plain `service_fn`, whose future is not `Unpin`.

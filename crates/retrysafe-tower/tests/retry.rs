@@ -1367,7 +1367,7 @@ async fn a_body_under_the_cap_is_replayed_byte_for_byte() {
         .body("12345678".to_owned())
         .unwrap();
     let (_, seen) = run(
-        layer().max_replay_body(8).unwrap(),
+        layer().max_replay_body(8),
         req,
         vec![Ok(status(503)), Ok(status(201))],
     )
@@ -1384,7 +1384,7 @@ async fn a_body_over_the_cap_is_sent_once() {
         .body("123456789".to_owned())
         .unwrap();
     let (res, seen) = run(
-        layer().max_replay_body(8).unwrap(),
+        layer().max_replay_body(8),
         with(req, ctx.clone()),
         vec![Ok(status(503))],
     )
@@ -1393,7 +1393,7 @@ async fn a_body_over_the_cap_is_sent_once() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].body, "123456789");
     assert!(!ctx.downstream_gave_up());
-    assert!(layer().max_replay_body((1 << 30) + 1).is_err());
+    assert!(layer().max_replay_body((1 << 30) + 1).build().is_err());
 }
 
 // ---------------------------------------------------------------------------------------

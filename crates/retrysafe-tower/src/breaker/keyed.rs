@@ -8,6 +8,7 @@ use http::request::Parts;
 use http::uri::Authority;
 use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, StateChange};
 
@@ -100,16 +101,24 @@ where
         })
     }
 
-    /// Bounds the map to `max_keys` breakers (default 1024; from 1 to 1 048 576).
+    /// Bounds the map to `max_keys` breakers (default 1024; from 1 to 1 048 576, checked
+    /// by [`build`](Self::build); a bound out of range is used as the nearest one).
     /// Returns a new, empty map.
-    pub fn max_keys(self, max_keys: u64) -> Result<Self, ConfigError> {
-        if max_keys == 0 {
-            return Err(ConfigError::new("max_keys", "must be greater than zero"));
-        }
-        if max_keys > MAX_MAX_KEYS {
-            return Err(ConfigError::new("max_keys", "must be at most 1048576"));
-        }
-        Ok(self.rebuild(|inner| inner.max_keys = max_keys))
+    pub fn max_keys(self, max_keys: u64) -> Self {
+        self.rebuild(|inner| inner.max_keys = max_keys)
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        let max_keys = self.inner.max_keys;
+        v.check(max_keys > 0, "max_keys", "must be greater than zero");
+        v.check(
+            max_keys <= MAX_MAX_KEYS,
+            "max_keys",
+            "must be at most 1048576",
+        );
+        v.finish(self)
     }
 
     /// Calls `f` with the key after every change of state of one of the map's
@@ -182,7 +191,7 @@ where
     V: Clone + Send + Sync + 'static,
 {
     Cache::builder()
-        .max_capacity(max_keys)
+        .max_capacity(max_keys.clamp(1, MAX_MAX_KEYS))
         .eviction_policy(EvictionPolicy::lru())
         .build()
 }

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
@@ -34,18 +35,13 @@ pub struct DeadlineLayer<W = Unbounded> {
 
 impl DeadlineLayer {
     /// A client-side layer giving each call at most `timeout` (greater than zero, at most
-    /// 30 days), or less when the request or the inherited context has a sooner deadline.
-    pub fn new(timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout.is_zero() || timeout > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
-        Ok(DeadlineLayer {
+    /// 30 days, checked by [`build`](Self::build); a longer one is used as 30 days), or
+    /// less when the request or the inherited context has a sooner deadline.
+    pub fn new(timeout: Duration) -> Self {
+        DeadlineLayer {
             timeout,
             _marker: PhantomData,
-        })
+        }
     }
 
     /// The server form: enforces the inbound deadline and hands what is left of it to
@@ -56,6 +52,17 @@ impl DeadlineLayer {
 }
 
 impl<W> DeadlineLayer<W> {
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            !self.timeout.is_zero() && self.timeout <= MAX_TIMEOUT,
+            "timeout",
+            "must be greater than zero and at most 30 days",
+        );
+        v.finish(self)
+    }
+
     /// The deadline also bounds the response body: a body still streaming at the
     /// deadline ends with a [`DeadlineExceeded`] error (see
     /// [`DeadlineBody`](super::DeadlineBody)).
@@ -147,10 +154,11 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
 
         // The soonest of: ours, the request's own, the inherited one.
-        // One clock read for ours and the expiry check (the timeout is at most 30 days,
-        // checked by `new`, so the sum cannot overflow in practice; saturate anyway).
+        // One clock read for ours and the expiry check (the timeout is used as at most 30
+        // days, so the sum cannot overflow in practice; saturate anyway).
         let now = Instant::now();
-        let ours = Deadline(now.checked_add(self.timeout).unwrap_or(now));
+        let timeout = self.timeout.min(MAX_TIMEOUT);
+        let ours = Deadline(now.checked_add(timeout).unwrap_or(now));
         let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
         if let Some(inherited) =
             CallContext::inherited(request.extensions()).and_then(|c| c.deadline())

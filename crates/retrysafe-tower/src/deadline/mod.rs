@@ -35,7 +35,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::new(Duration::from_millis(100)).unwrap())
+//!     .layer(DeadlineLayer::new(Duration::from_millis(100)))
 //!     .service(tower::service_fn(|req: Request<()>| async move {
 //!         // The layers below (and the transport) see the deadline.
 //!         let deadline = *req.extensions().get::<Deadline>().unwrap();
@@ -85,7 +85,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::server().max_timeout(Duration::from_secs(5)).unwrap())
+//!     .layer(DeadlineLayer::server().max_timeout(Duration::from_secs(5)))
 //!     .service(tower::service_fn(|_req: Request<()>| async {
 //!         // What outbound calls inherit: the inbound 300 ms less the 10 ms margin.
 //!         let left = CallContext::current().unwrap().deadline().unwrap().remaining();

@@ -11,10 +11,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::is_grpc;
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::wire::{Convention, MAX_TIMEOUT, TimeoutError};
+use retrysafe_core::wire::{Convention, TimeoutError};
 use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
@@ -38,25 +39,23 @@ pub struct ServerDeadlineLayer {
 impl ServerDeadlineLayer {
     /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days; the
     /// default is 30 days).
-    pub fn max_timeout(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() || max > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "max timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
+    pub fn max_timeout(mut self, max: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).max_timeout = max;
-        Ok(self)
+        self
     }
 
     /// What is kept for the way back (default 10 ms; at most 1 minute): the handler, and
     /// its outbound calls, get the inbound time less this.
-    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
-        if margin > Duration::from_secs(60) {
-            return Err(ConfigError::new("margin", "must be at most 1 minute"));
-        }
+    pub fn margin(mut self, margin: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).margin = margin;
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.inbound.validate(&mut v);
+        v.finish(self)
     }
 
     /// The header names.

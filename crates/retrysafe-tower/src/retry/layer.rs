@@ -1,6 +1,7 @@
 use std::fmt;
 use std::sync::Arc;
 
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::Classifier;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent, RetryPolicy};
@@ -13,7 +14,7 @@ use super::RetryService;
 
 /// The default cap of the request-body copy kept for replay: 64 KiB.
 pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
-const MAX_REPLAY_CAP: usize = 1 << 30;
+pub(crate) const MAX_REPLAY_CAP: usize = 1 << 30;
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -77,14 +78,23 @@ impl RetryLayer {
     }
 
     /// The cap of the request-body copy kept for replay (default 64 KiB; at most
-    /// 1 GiB). A larger body is sent once and not retried.
-    pub fn max_replay_body(self, bytes: usize) -> Result<Self, ConfigError> {
-        if bytes > MAX_REPLAY_CAP {
-            return Err(ConfigError::new("max replay body", "must be at most 1 GiB"));
-        }
+    /// 1 GiB, checked by [`build`](Self::build); a larger cap is used as 1 GiB). A larger
+    /// body is sent once and not retried.
+    pub fn max_replay_body(self, bytes: usize) -> Self {
         let mut layer = self;
         Arc::make_mut(&mut layer.config).replay_cap = bytes;
-        Ok(layer)
+        layer
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            self.config.replay_cap <= MAX_REPLAY_CAP,
+            "max replay body",
+            "must be at most 1 GiB",
+        );
+        v.finish(self)
     }
 
     /// Adds an `Idempotency-Key` to POST and PATCH requests that have none, the same

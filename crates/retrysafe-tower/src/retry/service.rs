@@ -9,7 +9,7 @@ use tower_service::Service;
 
 use super::body::ReplayBody;
 use super::future::ResponseFuture;
-use super::layer::Config;
+use super::layer::{Config, MAX_REPLAY_CAP};
 use crate::local::BoxError;
 
 /// The service of a [`RetryLayer`](super::RetryLayer).
@@ -66,7 +66,7 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
         let (mut parts, body) = request.into_parts();
         let (call, token) = RetryPolicy::begin(&self.config.policy, &mut parts);
-        let body = ReplayBody::new(body, self.config.replay_cap);
+        let body = ReplayBody::new(body, self.config.replay_cap.min(MAX_REPLAY_CAP));
         ResponseFuture::start(service, parts, body, token, call)
     }
 }
