@@ -166,7 +166,7 @@ fn call<S: Service<Req>>(svc: &mut S) -> Option<S::Response> {
 
 /// Zero backoff: base 0, cap 1 ms, no jitter.
 fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
-    let backoff = Backoff::new(Duration::ZERO, Duration::from_millis(1), Jitter::None).unwrap();
+    let backoff = Backoff::new(Duration::ZERO, Duration::from_millis(1), Jitter::None);
     let strategy = StandardRetryStrategy::new().backoff(backoff);
     match budget {
         Some(budget) => strategy.budget(budget),

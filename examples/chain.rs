@@ -407,7 +407,6 @@ fn fast_backoff() -> Backoff {
         Duration::from_millis(50),
         Jitter::Full,
     )
-    .unwrap()
 }
 
 fn timeout_ms(headers: &HeaderMap) -> Option<u64> {

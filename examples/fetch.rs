@@ -235,6 +235,7 @@ where
 fn client(options: &Options, sent: &Sent) -> Result<ClientWithMiddleware, String> {
     let strategy = StandardRetryStrategy::new()
         .max_attempts(options.max_attempts)
+        .build()
         .map_err(|e| e.to_string())?;
     let mut retry = RetryMiddleware::new().strategy(strategy);
     if options.key == KeyChoice::Auto {

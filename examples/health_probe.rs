@@ -149,7 +149,9 @@ async fn probe(args: Args) -> Result<Outcome, retrysafe::ConfigError> {
     // Attempts handed to the transport: counted below every layer that may refuse one.
     let sent = Arc::new(AtomicU32::new(0));
     let counter = sent.clone();
-    let strategy = StandardRetryStrategy::new().max_attempts(args.max_attempts)?;
+    let strategy = StandardRetryStrategy::new()
+        .max_attempts(args.max_attempts)
+        .build()?;
     let budget = RetryBudget::ratio();
     let stack = ServiceBuilder::new()
         .layer(GrpcStatusLayer::new())

@@ -87,8 +87,7 @@ where
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)

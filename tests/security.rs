@@ -876,8 +876,7 @@ async fn tier(edge: Option<EdgeLayer>, budget: &RetryBudget) -> (SocketAddr, Tie
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let retry = RetryLayer::new().strategy(StandardRetryStrategy::new().backoff(backoff));
     let state = Tier {
         client: retry.layer(Client::builder(TokioExecutor::new()).build_http()),

@@ -257,8 +257,7 @@ fn stack(channel: Channel, config: &Config) -> Stack {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)
         .budget(config.strategy_budget.clone())

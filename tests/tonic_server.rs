@@ -266,8 +266,7 @@ fn outbound(addr: SocketAddr) -> Outbound {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)

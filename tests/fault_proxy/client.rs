@@ -59,12 +59,10 @@ pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
         Duration::from_millis(5),
         Duration::from_millis(200),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .max_attempts(4)
-        .unwrap()
         .backoff(backoff)
         .budget(budget.clone())
         .seed(seed);

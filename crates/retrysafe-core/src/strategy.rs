@@ -42,6 +42,7 @@ use crate::ConfigError;
 use crate::backoff::{Backoff, RetryRng, RngSource};
 use crate::budget::{BudgetId, RetryBudget, RetryCost};
 use crate::classify::{Classification, DelayHint, RequestFacts};
+use crate::config::Validate;
 use crate::wire::MAX_TIMEOUT;
 
 /// The least time an attempt is started with: 1 ms, the smallest `request-timeout-ms`.
@@ -197,16 +198,12 @@ impl StandardRetryStrategy {
         Self::default()
     }
 
-    /// At most `n` attempts, counting the first (1 to 100).
-    pub fn max_attempts(mut self, n: u32) -> Result<Self, ConfigError> {
-        if !(1..=100).contains(&n) {
-            return Err(ConfigError::new(
-                "max attempts",
-                "must be between 1 and 100",
-            ));
-        }
+    /// At most `n` attempts, counting the first (1 to 100, checked by
+    /// [`build`](Self::build); out of range, the nearest bound is used).
+    #[must_use]
+    pub fn max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n;
-        Ok(self)
+        self
     }
 
     /// The backoff.
@@ -236,21 +233,61 @@ impl StandardRetryStrategy {
     /// deadline that may be retried (a safe request, not limited to one attempt): the
     /// sooner of the two, so that an attempt lost in a black hole leaves time for a
     /// retry; the time-left header of such an attempt carries the shorter bound.
-    pub fn attempt_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout < MIN_ATTEMPT_TIME {
-            // Shorter would send a time-left header of 0: "already expired".
-            return Err(ConfigError::new("attempt timeout", "must be at least 1 ms"));
-        }
-        self.attempt_timeout = Some(checked_timeout("attempt timeout", timeout)?);
+    ///
+    /// From 1 ms to 30 days, checked by [`build`](Self::build) (out of range, the nearest
+    /// bound is used).
+    #[must_use]
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
         self.attempt_timeout_set = true;
-        Ok(self)
+        self
     }
 
     /// The timeout of the whole call, retries included, when the request has no
-    /// deadline (default 30 s).
-    pub fn overall_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        self.overall_timeout = Some(checked_timeout("overall timeout", timeout)?);
-        Ok(self)
+    /// deadline (default 30 s; greater than zero and at most 30 days, checked by
+    /// [`build`](Self::build)).
+    #[must_use]
+    pub fn overall_timeout(mut self, timeout: Duration) -> Self {
+        self.overall_timeout = Some(timeout);
+        self
+    }
+
+    /// Checks the settings, the backoff's included: the error names every one out of
+    /// range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            (1..=100).contains(&self.max_attempts),
+            "max attempts",
+            "must be between 1 and 100",
+        );
+        if let Some(timeout) = self.attempt_timeout.filter(|_| self.attempt_timeout_set) {
+            // Shorter would send a time-left header of 0: "already expired".
+            v.check(
+                timeout >= MIN_ATTEMPT_TIME,
+                "attempt timeout",
+                "must be at least 1 ms",
+            );
+            v.check(
+                timeout <= MAX_TIMEOUT,
+                "attempt timeout",
+                "must be at most 30 days",
+            );
+        }
+        if let Some(timeout) = self.overall_timeout {
+            v.check(
+                !timeout.is_zero(),
+                "overall timeout",
+                "must be greater than zero",
+            );
+            v.check(
+                timeout <= MAX_TIMEOUT,
+                "overall timeout",
+                "must be at most 30 days",
+            );
+        }
+        self.backoff.validate(&mut v);
+        v.finish(self)
     }
 
     /// No default timeouts: without a deadline an attempt may take forever.
@@ -275,14 +312,9 @@ impl StandardRetryStrategy {
     }
 }
 
-fn checked_timeout(field: &'static str, timeout: Duration) -> Result<Duration, ConfigError> {
-    if timeout.is_zero() {
-        return Err(ConfigError::new(field, "must be greater than zero"));
-    }
-    if timeout > MAX_TIMEOUT {
-        return Err(ConfigError::new(field, "must be at most 30 days"));
-    }
-    Ok(timeout)
+/// An attempt timeout as used: from [`MIN_ATTEMPT_TIME`] to 30 days.
+fn attempt_bound(timeout: Duration) -> Duration {
+    timeout.clamp(MIN_ATTEMPT_TIME, MAX_TIMEOUT)
 }
 
 impl RetryStrategy for StandardRetryStrategy {
@@ -293,7 +325,7 @@ impl RetryStrategy for StandardRetryStrategy {
         });
         RetryToken {
             attempt: 1,
-            max_attempts: self.max_attempts,
+            max_attempts: self.max_attempts.clamp(1, 100),
             delay: Duration::ZERO,
             last_cost: None,
             rng: None,
@@ -361,11 +393,16 @@ impl RetryStrategy for StandardRetryStrategy {
     }
 
     fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>) {
-        (self.attempt_timeout, self.overall_timeout)
+        (
+            self.attempt_timeout.map(attempt_bound),
+            self.overall_timeout.map(|t| t.min(MAX_TIMEOUT)),
+        )
     }
 
     fn attempt_timeout_under_deadline(&self) -> Option<Duration> {
-        self.attempt_timeout.filter(|_| self.attempt_timeout_set)
+        self.attempt_timeout
+            .filter(|_| self.attempt_timeout_set)
+            .map(attempt_bound)
     }
 }
 

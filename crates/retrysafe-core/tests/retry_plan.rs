@@ -406,9 +406,7 @@ async fn attempt_and_overall_bounds_follow_the_deadline_or_the_default_timeouts(
 
 #[tokio::test(start_paused = true)]
 async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
-    let strategy = StandardRetryStrategy::new()
-        .attempt_timeout(Duration::from_secs(1))
-        .unwrap();
+    let strategy = StandardRetryStrategy::new().attempt_timeout(Duration::from_secs(1));
     assert_eq!(
         strategy.attempt_timeout_under_deadline(),
         Some(Duration::from_secs(1))
@@ -432,11 +430,8 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
 
     // A request that can never be repeated (a POST without a key) is not cut short:
     // that would only turn a slow answer into an unknown outcome.
-    let bounded = RetryPolicy::new().with_strategy(
-        StandardRetryStrategy::new()
-            .attempt_timeout(Duration::from_secs(1))
-            .unwrap(),
-    );
+    let bounded = RetryPolicy::new()
+        .with_strategy(StandardRetryStrategy::new().attempt_timeout(Duration::from_secs(1)));
     let (mut call, token) = begin(bounded, &mut with(post(), deadline));
     assert_eq!(call.attempt_until(), Some(deadline.instant()));
     call.prepare_attempt(&mut headers, &mut extensions, &token);
@@ -445,6 +440,7 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
     assert!(
         StandardRetryStrategy::new()
             .attempt_timeout(Duration::from_micros(999))
+            .build()
             .is_err()
     );
 
@@ -460,7 +456,6 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
     assert_eq!(
         StandardRetryStrategy::new()
             .attempt_timeout(Duration::from_secs(1))
-            .unwrap()
             .no_timeout()
             .attempt_timeout_under_deadline(),
         None

@@ -615,11 +615,8 @@ async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
-    let bounded = RetryMiddleware::new().strategy(
-        strategy()
-            .attempt_timeout(Duration::from_millis(300))
-            .unwrap(),
-    );
+    let bounded =
+        RetryMiddleware::new().strategy(strategy().attempt_timeout(Duration::from_millis(300)));
     let response = client(bounded)
         .get(format!("http://{addr}/items"))
         .with_extension(Deadline::after(Duration::from_secs(30)))

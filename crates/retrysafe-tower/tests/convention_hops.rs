@@ -80,8 +80,7 @@ fn retry_layer() -> RetryLayer {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     RetryLayer::new().strategy(StandardRetryStrategy::new().backoff(backoff))
 }
 

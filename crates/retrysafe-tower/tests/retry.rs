@@ -418,7 +418,7 @@ async fn a_delay_longer_than_the_time_left_gives_up_at_once() {
 /// is the attempt's bound. Without one, the attempt may use the whole deadline.
 #[tokio::test(start_paused = true)]
 async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
-    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)).unwrap());
+    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)));
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = bounded.layer(mock);
     let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
