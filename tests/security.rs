@@ -846,9 +846,9 @@ async fn middle(State(tier): State<Tier>, headers: HeaderMap) -> AxumResponse {
 /// A budget that affords no retry at all: any request charged as a retry is refused.
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 fn withdrawals(budget: &RetryBudget) -> u64 {

@@ -242,9 +242,9 @@ fn breaker(minimum_calls: u32) -> CircuitBreaker {
 /// A budget that never affords a retry.
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 fn is_health_method(parts: &http::request::Parts) -> bool {

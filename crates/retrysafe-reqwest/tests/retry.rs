@@ -171,9 +171,9 @@ fn marked(response: &Response) -> bool {
 
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 /// Counts the attempts that pass it, below the retry middleware.

@@ -24,9 +24,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A budget with no floor and no deposits yet: no retry is affordable.
-//! let mut config = RatioConfig::default();
-//! config.min_per_sec = 0;
-//! let budget = RetryBudget::ratio_with(config).unwrap();
+//! let budget = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0));
 //! let svc = ServiceBuilder::new()
 //!     .layer(RetryBudgetLayer::new(budget))
 //!     .service(tower::service_fn(|_req: Request<()>| async {

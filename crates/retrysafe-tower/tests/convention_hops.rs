@@ -313,9 +313,9 @@ async fn an_edge_drops_forged_convention_headers() {
     );
     // No floor and no share: any retry this budget is asked to pay for is refused.
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    let budget = RetryBudget::ratio_with(config).unwrap();
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    let budget = RetryBudget::ratio_with(config);
     // The edge outermost, then the budget (`Router::layer` wraps what is there).
     let app = router
         .layer(RetryBudgetLayer::new(budget).server())

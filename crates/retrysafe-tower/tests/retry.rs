@@ -267,9 +267,9 @@ fn events<E: Clone>(events: &Events<E>) -> Vec<E> {
 
 fn ratio(min_per_sec: u32, retry_ratio: f64) -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = min_per_sec;
-    config.retry_ratio = retry_ratio;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(min_per_sec);
+    config = config.with_retry_ratio(retry_ratio);
+    RetryBudget::ratio_with(config)
 }
 
 fn ratio_counts(budget: &RetryBudget) -> (u64, u64) {
