@@ -138,10 +138,10 @@
 //!     }
 //! });
 //!
-//! let mut config = BreakerConfig::default();
-//! config.window = SlidingWindow::count(10, 10);
-//! config.minimum_calls = 4; // opens at 50 % failures of at least 4 attempts
-//! let breaker = CircuitBreaker::new(config).unwrap();
+//! let config = BreakerConfig::default()
+//!     .with_window(SlidingWindow::count(10, 10))
+//!     .with_minimum_calls(4); // opens at 50 % failures of at least 4 attempts
+//! let breaker = CircuitBreaker::new(config);
 //! let budget = RetryBudget::ratio();
 //! let client = ServiceBuilder::new()
 //!     .layer(DeadlineLayer::new(Duration::from_secs(2)))

@@ -232,11 +232,11 @@ impl Default for Config {
 /// open for a minute (no half-open probe during a test).
 fn breaker(minimum_calls: u32) -> CircuitBreaker {
     let mut config = BreakerConfig::default();
-    config.window = SlidingWindow::count(10, 10);
-    config.minimum_calls = minimum_calls;
-    config.open_duration = Duration::from_secs(60);
-    config.max_open_duration = Duration::from_secs(60);
-    CircuitBreaker::new(config).unwrap()
+    config = config.with_window(SlidingWindow::count(10, 10));
+    config = config.with_minimum_calls(minimum_calls);
+    config = config.with_open_duration(Duration::from_secs(60));
+    config = config.with_max_open_duration(Duration::from_secs(60));
+    CircuitBreaker::new(config)
 }
 
 /// A budget that never affords a retry.

@@ -1716,8 +1716,8 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
     }
     for synthesised in [false, true] {
         let mut config = BreakerConfig::default();
-        config.minimum_calls = 1; // the first failure opens it
-        let breaker = CircuitBreaker::new(config).unwrap();
+        config = config.with_minimum_calls(1); // the first failure opens it
+        let breaker = CircuitBreaker::new(config);
         let calls = Arc::new(Mutex::new(0u32));
         let count = Arc::clone(&calls);
         let inner = tower::service_fn(move |_r: Request<ReplayBody<String>>| {

@@ -3,7 +3,6 @@
 use std::fmt;
 use std::sync::Arc;
 
-use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::stripe::Striped;
@@ -47,10 +46,10 @@ impl CircuitBreakerLayer {
         Self::from_breakers(Breakers::One(breaker))
     }
 
-    /// A layer with a breaker of its own, configured by `config` (refused, naming the
-    /// field, when a field is out of range). Clones of the layer share the breaker.
-    pub fn with_config(config: BreakerConfig) -> Result<Self, ConfigError> {
-        Ok(Self::new(CircuitBreaker::new(config)?))
+    /// A layer with a breaker of its own, configured by `config` (checked by
+    /// [`BreakerConfig::build`]). Clones of the layer share the breaker.
+    pub fn with_config(config: BreakerConfig) -> Self {
+        Self::new(CircuitBreaker::new(config))
     }
 
     /// A layer keeping one breaker per key of the request (per authority with

@@ -47,9 +47,9 @@
 //! use retrysafe_tower::breaker::CircuitBreakerLayer;
 //! use tower::{Service, ServiceBuilder, ServiceExt};
 //!
-//! let mut config = BreakerConfig::default();
-//! config.minimum_calls = 4; // opens at 50 % failures of at least 4 calls
-//! let breaker = CircuitBreaker::new(config).unwrap();
+//! // Opens at 50 % failures of at least 4 calls.
+//! let config = BreakerConfig::default().with_minimum_calls(4).build().unwrap();
+//! let breaker = CircuitBreaker::new(config);
 //! let mut svc = ServiceBuilder::new()
 //!     .layer(CircuitBreakerLayer::new(breaker.clone()))
 //!     .service(tower::service_fn(|_req: Request<()>| async {

@@ -72,7 +72,7 @@ where
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
-        let timed = |b: &CircuitBreaker| b.config().slow_call_duration.is_some();
+        let timed = |b: &CircuitBreaker| b.config().slow_call_duration().is_some();
         // A breaker in the request's extensions overrides the layer's (per request).
         let chosen = request.extensions().get::<CircuitBreaker>();
         let (acquired, timed, request) = match (chosen, &config.breakers) {
