@@ -43,6 +43,7 @@ use crate::wire::MAX_TIMEOUT;
 
 /// How a delay is randomised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Jitter {
     /// Exponential without jitter: every client waits the same.
     None,
@@ -233,6 +234,7 @@ impl fmt::Debug for RetryRng {
 /// Where a strategy takes each request's [`RetryRng`]: request `n` (counting the
 /// requests that retried) gets a generator seeded with `splitmix(seed + n)`. The seed
 /// comes from the OS by default, or is fixed, so tests are deterministic.
+#[doc(hidden)]
 #[derive(Debug)]
 pub struct RngSource {
     seed: u64,

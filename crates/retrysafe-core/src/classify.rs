@@ -59,6 +59,7 @@ use crate::wire::{
 
 /// Whether an outcome may be retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RetrySafety {
     /// Retryable whatever the request: provably nothing was processed.
     Yes,
@@ -70,6 +71,7 @@ pub enum RetrySafety {
 
 /// Whose fault a failure was; breakers count only [`FaultSide::Server`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FaultSide {
     /// The request was wrong (most 4xx).
     Client,
@@ -87,6 +89,7 @@ pub enum FaultSide {
 
 /// A delay the callee asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum DelayHint {
     /// None: the strategy's backoff decides.
     #[default]
@@ -99,6 +102,7 @@ pub enum DelayHint {
 
 /// What a breaker makes of an outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum BreakerOutcome {
     /// The callee answered as it should.
     Success,
@@ -297,6 +301,7 @@ impl RequestFacts {
 /// assert!(!facts.after(Some(Duration::from_millis(100))).deadline_spent);
 /// assert!(facts.after(Some(Duration::from_millis(950))).deadline_spent);
 /// ```
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerFacts {
     facts: RequestFacts,
@@ -377,6 +382,7 @@ pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
 }
 
 /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
+#[doc(hidden)]
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
@@ -409,6 +415,7 @@ impl Failure {
     /// transport adapter recognises, such as hyper-util's connect errors or h2's
     /// `REFUSED_STREAM`. A refused connection counts as "nothing sent" only when it is
     /// `error` itself or `extra` says so: deeper in a chain it may be a dependency's.
+    #[doc(hidden)]
     pub fn of(
         error: &(dyn StdError + 'static),
         extra: impl Fn(&(dyn StdError + 'static)) -> Option<Failure>,

@@ -1,67 +1,9 @@
-//! The retry planner: everything a retrying client decides for one logical request,
-//! sans IO, so the tower `RetryLayer` and the reqwest `RetryMiddleware` drive the same
-//! code and differ only in how they send, wait and answer.
+//! What the hooks of a retrying client see: a [`RetryEvent`] before each retry, a
+//! [`GiveUpEvent`] when it gives up on a retryable failure.
 //!
-//! A [`RetryPolicy`] is the configuration (strategy, classifier, header convention, key
-//! generation, retry point, what counts as idempotent, hooks), shared behind an `Arc`.
-//! [`RetryPolicy::begin`] starts a [`RetryCall`] for one request: it reads the
-//! [`RequestHead`] (method, headers, extensions), adds an `Idempotency-Key` and
-//! `retry-point: caller` where configured, settles the deadline (the soonest of the
-//! [`Deadline`] extension, the inherited [`CallContext`] and a timeout header already on
-//! the request) and acquires the first [`RetryToken`] from the strategy. Then, for each
-//! attempt, the adapter:
-//!
-//! 1. refuses to start it when [`too_late`](RetryCall::too_late) (less than
-//!    [`MIN_ATTEMPT_TIME`] left);
-//! 2. sets the per-attempt headers with [`prepare_attempt`](RetryCall::prepare_attempt)
-//!    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
-//!    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
-//! 3. bounds it by [`attempt_until`](RetryCall::attempt_until);
-//! 4. hands what came back to [`decide`](RetryCall::decide), which classifies it,
-//!    records a success, refreshes the token, calls the hooks, and answers with a
-//!    [`Decision`];
-//! 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
-//!    again at 1; when the wait leaves too little time, it calls
-//!    [`give_up`](RetryCall::give_up) with [`GiveUp::NotEnoughTime`].
-//!
-//! Giving up on a retryable failure answers with the last real response marked
-//! `do-not-retry: 1` ([`mark_given_up`](RetryCall::mark_given_up)) and records
-//! `downstream_gave_up` in the inherited context, so no layer above retries again.
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
-//! # async fn main() {
-//! use http::{HeaderMap, Request, StatusCode};
-//! use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
-//! use retrysafe_core::strategy::StandardRetryStrategy;
-//! use retrysafe_core::stripe::Striped;
-//!
-//! let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
-//! let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
-//! let (mut call, mut token) = RetryPolicy::begin(&policy, &mut head);
-//!
-//! // An "inner service" that answers 503 twice, then 200.
-//! let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
-//! let mut sent = Vec::new();
-//! let status = loop {
-//!     assert!(!call.too_late());
-//!     let mut attempt = head.clone();
-//!     call.prepare_attempt(&mut attempt.headers, &mut attempt.extensions, &token);
-//!     sent.push(attempt.headers.get("retry-attempt").cloned());
-//!     let status = answers[sent.len() - 1];
-//!     let headers = HeaderMap::new();
-//!     match call.decide(Outcome::response(status, &headers), token, true, None) {
-//!         Decision::Retry(next) => {
-//!             tokio::time::sleep(next.delay()).await;
-//!             token = next;
-//!         }
-//!         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
-//!     }
-//! };
-//! assert_eq!(status, StatusCode::OK);
-//! assert_eq!(sent, [None, Some("2".parse().unwrap()), Some("3".parse().unwrap())]);
-//! # }
-//! ```
+//! The retry planner — everything a retrying client decides for one logical request,
+//! sans IO, driven alike by the tower `RetryLayer` and the reqwest `RetryMiddleware` —
+//! lives here too, as plumbing for those crates rather than API.
 
 use std::fmt;
 use std::sync::Arc;
@@ -114,12 +56,14 @@ pub struct GiveUpEvent {
 
 /// A predicate declaring requests idempotent whatever their method
 /// ([`RetryPolicy::with_idempotent_if`]).
+#[doc(hidden)]
 pub type IdempotentIf = dyn Fn(&http::request::Parts) -> bool + Send + Sync;
 
 type Hook<E> = Arc<dyn Fn(&E) + Send + Sync>;
 
 /// The head of an outbound request as the planner reads and edits it: implemented for
 /// [`http::request::Parts`] here, and by each adapter for its own request type.
+#[doc(hidden)]
 pub trait RequestHead {
     /// The method.
     fn method(&self) -> &Method;
@@ -177,11 +121,12 @@ impl RequestHead for http::request::Parts {
 /// use retrysafe_core::retry::child_key_label;
 /// assert_eq!(child_key_label(&Method::POST, "api:80", "/pay"), "POST api:80/pay");
 /// ```
+#[doc(hidden)]
 pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
     format!("{method} {authority}{path}")
 }
 
-/// The configuration of retries, shared by every call (see the [module docs](self)).
+/// The configuration of retries, shared by every call (see [`RetryCall`]).
 ///
 /// A cheap `Clone` (reference-counted parts). Adapters keep one behind an `Arc` and
 /// start each call with [`RetryPolicy::begin`].
@@ -199,6 +144,7 @@ pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
 /// assert_eq!(policy.convention().idempotency_key(), "idempotency-key");
 /// ```
 #[derive(Clone)]
+#[doc(hidden)]
 pub struct RetryPolicy {
     strategy: Arc<dyn RetryStrategy>,
     classifier: Arc<dyn Classifier>,
@@ -468,6 +414,7 @@ fn header_deadline(headers: &HeaderMap, grpc: bool, convention: &Convention) -> 
 
 /// What one attempt produced, as [`RetryCall::decide`] reads it.
 #[derive(Debug, Clone, Copy)]
+#[doc(hidden)]
 pub enum Outcome<'a> {
     /// A response head (for gRPC, with a Trailers-Only status when there is one).
     Response {
@@ -503,6 +450,7 @@ impl<'a> Outcome<'a> {
 /// a [`DeadlineExceeded`](crate::error::DeadlineExceeded).
 #[derive(Debug)]
 #[must_use]
+#[doc(hidden)]
 pub enum Decision {
     /// A success (recorded with the strategy): answer with the outcome as it is.
     Success,
@@ -518,7 +466,73 @@ pub enum Decision {
     GiveUp(GiveUp),
 }
 
-/// The state of one logical request across its attempts (see the [module docs](self)).
+/// The state of one logical request across its attempts.
+///
+/// The retry planner: everything a retrying client decides for one logical request,
+/// sans IO, so the tower `RetryLayer` and the reqwest `RetryMiddleware` drive the same
+/// code and differ only in how they send, wait and answer.
+///
+/// A [`RetryPolicy`] is the configuration (strategy, classifier, header convention, key
+/// generation, retry point, what counts as idempotent, hooks), shared behind an `Arc`.
+/// [`RetryPolicy::begin`] starts a [`RetryCall`] for one request: it reads the
+/// [`RequestHead`] (method, headers, extensions), adds an `Idempotency-Key` and
+/// `retry-point: caller` where configured, settles the deadline (the soonest of the
+/// [`Deadline`] extension, the inherited [`CallContext`] and a timeout header already on
+/// the request) and acquires the first [`RetryToken`] from the strategy. Then, for each
+/// attempt, the adapter:
+///
+/// 1. refuses to start it when [`too_late`](Self::too_late) (less than
+///    [`MIN_ATTEMPT_TIME`] left);
+/// 2. sets the per-attempt headers with [`prepare_attempt`](Self::prepare_attempt)
+///    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
+///    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
+/// 3. bounds it by [`attempt_until`](Self::attempt_until);
+/// 4. hands what came back to [`decide`](Self::decide), which classifies it,
+///    records a success, refreshes the token, calls the hooks, and answers with a
+///    [`Decision`];
+/// 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
+///    again at 1; when the wait leaves too little time, it calls
+///    [`give_up`](Self::give_up) with [`GiveUp::NotEnoughTime`].
+///
+/// Giving up on a retryable failure answers with the last real response marked
+/// `do-not-retry: 1` ([`mark_given_up`](Self::mark_given_up)) and records
+/// `downstream_gave_up` in the inherited context, so no layer above retries again.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// use http::{HeaderMap, Request, StatusCode};
+/// use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
+/// use retrysafe_core::strategy::StandardRetryStrategy;
+/// use retrysafe_core::stripe::Striped;
+///
+/// let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
+/// let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
+/// let (mut call, mut token) = RetryPolicy::begin(&policy, &mut head);
+///
+/// // An "inner service" that answers 503 twice, then 200.
+/// let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
+/// let mut sent = Vec::new();
+/// let status = loop {
+///     assert!(!call.too_late());
+///     let mut attempt = head.clone();
+///     call.prepare_attempt(&mut attempt.headers, &mut attempt.extensions, &token);
+///     sent.push(attempt.headers.get("retry-attempt").cloned());
+///     let status = answers[sent.len() - 1];
+///     let headers = HeaderMap::new();
+///     match call.decide(Outcome::response(status, &headers), token, true, None) {
+///         Decision::Retry(next) => {
+///             tokio::time::sleep(next.delay()).await;
+///             token = next;
+///         }
+///         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
+///     }
+/// };
+/// assert_eq!(status, StatusCode::OK);
+/// assert_eq!(sent, [None, Some("2".parse().unwrap()), Some("3".parse().unwrap())]);
+/// # }
+/// ```
+#[doc(hidden)]
 pub struct RetryCall {
     policy: Local<RetryPolicy>,
     facts: RequestFacts,

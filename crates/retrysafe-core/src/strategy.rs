@@ -110,22 +110,26 @@ impl RetryToken {
 
     /// Limits this request to `max` attempts (for example one, when the caller is the
     /// retry point). Never raises the strategy's limit.
+    #[doc(hidden)]
     pub fn limit_attempts(&mut self, max: u32) {
         self.max_attempts = self.max_attempts.min(max.max(1));
     }
 
     /// Whether this request is accounted for in a budget (its deposit was made, and
     /// its retries are withdrawn): then a budget layer below must not count it again.
+    #[doc(hidden)]
     pub fn is_budgeted(&self) -> bool {
         self.budget_id.is_some()
     }
 
     /// The budget this request is accounted for in, if any.
+    #[doc(hidden)]
     pub fn budget_id(&self) -> Option<BudgetId> {
         self.budget_id
     }
 
     /// The cost of the retry charged for this attempt, if it was a retry.
+    #[doc(hidden)]
     pub fn charged(&self) -> Option<RetryCost> {
         self.last_cost
     }
@@ -425,7 +429,9 @@ pub struct Idempotent;
 /// It travels with the request, so any layer in between — a `Buffer` that hands the
 /// request to another task, a spawn — keeps it, and the budget layer reads it with
 /// [`RetryCharged::covers`].
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryCharged {
     /// The 1-based attempt number.
     pub attempt: u32,
@@ -434,6 +440,11 @@ pub struct RetryCharged {
 }
 
 impl RetryCharged {
+    /// The mark of attempt `attempt`, counted by the budget `budget`.
+    pub fn new(attempt: u32, budget: BudgetId) -> Self {
+        RetryCharged { attempt, budget }
+    }
+
     /// Whether a request with these extensions was already accounted for in `budget`
     /// by a `RetryLayer` above.
     pub fn covers(budget: &RetryBudget, extensions: &http::Extensions) -> bool {

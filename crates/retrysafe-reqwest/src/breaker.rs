@@ -77,8 +77,9 @@ use std::time::Duration;
 use http::Extensions;
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
+use retrysafe_core::__private::BreakerFacts;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
-use retrysafe_core::classify::{BreakerFacts, Classifier, DefaultClassifier};
+use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::wire::Convention;
 use tokio::time::Instant;
 

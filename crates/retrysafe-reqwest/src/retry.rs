@@ -86,14 +86,14 @@ use std::fmt;
 use http::{Extensions, HeaderMap, Method};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Error, Middleware, Next, Result};
-use retrysafe_core::classify::{Classifier, Failure};
-use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::retry::{
-    Decision, GiveUpEvent, IdempotentIf, Outcome, RequestHead, RetryCall, RetryEvent, RetryPolicy,
+use retrysafe_core::__private::{
+    Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped,
     child_key_label,
 };
-use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryStrategy, RetryToken};
-use retrysafe_core::stripe::Striped;
+use retrysafe_core::classify::{Classifier, Failure};
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
+use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
 use tracing::Instrument;
 

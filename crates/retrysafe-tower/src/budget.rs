@@ -2,7 +2,8 @@
 //! made it.
 //!
 //! A [`RetryLayer`](crate::retry::RetryLayer) charges its own retries to its strategy's
-//! budget and tags its attempts ([`RetryCharged`]); a [`RetryBudgetLayer`] below it skips
+//! budget and tags its attempts with a request extension (which travels through a
+//! `Buffer` or a spawn); a [`RetryBudgetLayer`] below it that holds the same budget skips
 //! those. Every other request that passes it counts: a first attempt deposits once, and
 //! a request marked as a retry — by a `retry-attempt` header of 2 or more, as sent by
 //! code that is not ours or by a caller on another host — withdraws one retry, or is
@@ -19,8 +20,7 @@
 //! # async fn main() {
 //! use http::{Request, Response};
 //! use retrysafe_core::budget::{RatioConfig, RetryBudget};
-//! use retrysafe_core::error::BudgetExhausted;
-//! use retrysafe_tower::budget::RetryBudgetLayer;
+//! //! use retrysafe_tower::budget::RetryBudgetLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A budget with no floor and no deposits yet: no retry is affordable.
@@ -37,6 +37,11 @@
 //! # }
 //! ```
 
+pub use retrysafe_core::budget::{
+    BudgetSnapshot, RatioConfig, RetryBudget, RetryCost, TokenBucketConfig,
+};
+pub use retrysafe_core::error::BudgetExhausted;
+
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
@@ -45,10 +50,7 @@ use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use retrysafe_core::budget::{RetryBudget, RetryCost};
-use retrysafe_core::classify::is_grpc;
-use retrysafe_core::error::BudgetExhausted;
-use retrysafe_core::strategy::RetryCharged;
+use retrysafe_core::__private::{RetryCharged, is_grpc};
 use retrysafe_core::wire::{Convention, parse_retry_attempt};
 use tower_layer::Layer;
 use tower_service::Service;

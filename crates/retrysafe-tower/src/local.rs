@@ -46,7 +46,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use http::{HeaderValue, Request, Response, StatusCode};
-use retrysafe_core::classify::is_grpc;
+use retrysafe_core::__private::is_grpc;
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
 use tower_layer::Layer;

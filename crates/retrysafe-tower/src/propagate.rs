@@ -69,7 +69,7 @@ use http::{HeaderMap, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 use retrysafe_core::__private::Validate;
-use retrysafe_core::classify::is_grpc;
+use retrysafe_core::__private::is_grpc;
 use retrysafe_core::wire::{
     Convention, DO_NOT_RETRY_VALUE, MAX_TIMEOUT, RetryPoint, TimeoutError, parse_grpc_timeout,
     parse_request_timeout_ms, parse_retry_point,

@@ -21,12 +21,13 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use retrysafe_core::__private::RetryCharged;
 use retrysafe_core::backoff::{Backoff, RngSource};
 use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
 use retrysafe_core::classify::FaultSide;
 use retrysafe_core::error::{BudgetExhausted, DeadlineExceeded, find};
 use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
-use retrysafe_core::strategy::{GiveUp, Idempotent, NoRetry, RetryCharged, StandardRetryStrategy};
+use retrysafe_core::strategy::{GiveUp, Idempotent, NoRetry, StandardRetryStrategy};
 use retrysafe_core::wire::{Convention, IdempotencyKey, encode_grpc_timeout};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
@@ -1513,13 +1514,7 @@ async fn the_budget_layer_charges_foreign_retries() {
     reply.send_response(status(200));
     fut.await.unwrap();
     assert_eq!(ratio_counts(&budget), (3, 1));
-    let charged = with(
-        retry(),
-        RetryCharged {
-            attempt: 2,
-            budget: budget.id(),
-        },
-    );
+    let charged = with(retry(), RetryCharged::new(2, budget.id()));
     let fut = svc.ready().await.unwrap().call(charged);
     let (_, reply) = handle.next_request().await.unwrap();
     reply.send_response(status(200));
@@ -1527,13 +1522,7 @@ async fn the_budget_layer_charges_foreign_retries() {
     assert_eq!(ratio_counts(&budget), (3, 1));
     // Charged to another budget: this one still counts it.
     let other = ratio(0, 0.0);
-    let charged_elsewhere = with(
-        retry(),
-        RetryCharged {
-            attempt: 2,
-            budget: other.id(),
-        },
-    );
+    let charged_elsewhere = with(retry(), RetryCharged::new(2, other.id()));
     // (3 deposits at 50 % afford one retry, already taken: refused, not skipped.)
     let err = svc
         .ready()

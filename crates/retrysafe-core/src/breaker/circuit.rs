@@ -24,7 +24,7 @@ const RATE_SCALE: u128 = 1_000_000;
 
 /// A circuit breaker: a cheap `Clone` handle (one `Arc`) on state shared by every
 /// clone. Its permits count their references to that state per thread
-/// ([`Striped`]), so threads sharing one breaker do not contend on a reference count.
+/// (a striped count), so threads sharing one breaker do not contend on a reference count.
 ///
 /// Ask for a [`Permit`] before every call with [`try_acquire`](Self::try_acquire) and
 /// [`record`](Permit::record) the call's outcome on it; see the

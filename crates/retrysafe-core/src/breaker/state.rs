@@ -16,6 +16,7 @@ use tokio::time::Instant;
 /// assert_eq!(State::HalfOpen.to_string(), "half-open");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum State {
     /// Calls go through and are counted.
     Closed,

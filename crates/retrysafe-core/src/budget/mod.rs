@@ -112,6 +112,7 @@ use self::ratio::Ratio;
 
 /// What a retry costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RetryCost {
     /// A retry after an ordinary failure.
     Failure,
@@ -539,12 +540,14 @@ impl RetryBudget {
 
     /// The identity of this budget, shared by its clones (for marks that say which
     /// budget already counted a request).
+    #[doc(hidden)]
     pub fn id(&self) -> BudgetId {
         BudgetId(Arc::as_ptr(&self.inner) as usize)
     }
 }
 
 /// The identity of a [`RetryBudget`]: equal for clones of one handle. Never zero.
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BudgetId(usize);
 

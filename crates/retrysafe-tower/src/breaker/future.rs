@@ -10,10 +10,10 @@ use std::time::Duration;
 
 use http::{HeaderMap, Request, Response};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::{BreakerFacts, Local};
 use retrysafe_core::breaker::Permit;
-use retrysafe_core::classify::{BreakerFacts, BreakerOutcome, Failure, RequestFacts};
+use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts};
 use retrysafe_core::error::CircuitOpen;
-use retrysafe_core::stripe::Local;
 use tokio::time::Instant;
 use tower_service::Service;
 

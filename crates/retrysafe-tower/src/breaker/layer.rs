@@ -3,9 +3,9 @@
 use std::fmt;
 use std::sync::Arc;
 
+use retrysafe_core::__private::Striped;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 

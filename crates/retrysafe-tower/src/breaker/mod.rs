@@ -27,7 +27,7 @@
 //!   wrapped in [`ResponseBody`], which passes every frame, `size_hint` and
 //!   `is_end_stream` through unchanged (see its docs for a body dropped early).
 //! - [`KeyedBreakers`] keeps one breaker per authority (or per route, or any key) in a
-//!   bounded map. A [`CircuitBreaker`](retrysafe_core::breaker::CircuitBreaker) in a
+//!   bounded map. A [`CircuitBreaker`] in a
 //!   request's extensions overrides the layer's choice for that request.
 //! - State changes call [`BreakerConfig::on_state_change`](retrysafe_core::breaker::BreakerConfig::on_state_change)
 //!   (and [`KeyedBreakers::on_state_change`], with the key) and emit `tracing` events
@@ -84,3 +84,7 @@ pub use self::future::ResponseFuture;
 pub use self::keyed::{DEFAULT_MAX_KEYS, KeyedBreakers};
 pub use self::layer::CircuitBreakerLayer;
 pub use self::service::CircuitBreakerService;
+pub use retrysafe_core::breaker::{
+    BreakerConfig, CircuitBreaker, SlidingWindow, State, StateChange,
+};
+pub use retrysafe_core::error::CircuitOpen;

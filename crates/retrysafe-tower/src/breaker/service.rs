@@ -4,9 +4,8 @@ use std::fmt;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
+use retrysafe_core::__private::{BreakerFacts, Striped};
 use retrysafe_core::breaker::CircuitBreaker;
-use retrysafe_core::classify::BreakerFacts;
-use retrysafe_core::stripe::Striped;
 use tower_service::Service;
 
 use super::body::ResponseBody;

@@ -158,7 +158,7 @@ where
         // days, so the sum cannot overflow in practice; saturate anyway).
         let now = Instant::now();
         let timeout = self.timeout.min(MAX_TIMEOUT);
-        let ours = Deadline(now.checked_add(timeout).unwrap_or(now));
+        let ours = Deadline::at(now.checked_add(timeout).unwrap_or(now));
         let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
         if let Some(inherited) =
             CallContext::inherited(request.extensions()).and_then(|c| c.deadline())

@@ -5,7 +5,7 @@
 //!
 //! Put it outermost in a client stack (`DeadlineLayer` → `RetryLayer` →
 //! `RetryBudgetLayer` → `CircuitBreakerLayer` → transport). For each call it sets the
-//! [`Deadline`](retrysafe_core::Deadline) request extension to the soonest of: now plus
+//! [`Deadline`] request extension to the soonest of: now plus
 //! its timeout, the request's own `Deadline` extension, and the deadline inherited from
 //! the inbound request being served ([`CallContext::inherited`]); deadlines only shrink.
 //! The layers below read it (a `RetryLayer` never starts an attempt it cannot cover, and
@@ -143,4 +143,6 @@ mod server;
 
 pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
 pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
+pub use retrysafe_core::Deadline;
+pub use retrysafe_core::error::DeadlineExceeded;
 pub use server::{ServerDeadlineLayer, ServerDeadlineService, ServerResponseFuture};

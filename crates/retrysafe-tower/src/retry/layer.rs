@@ -2,11 +2,11 @@ use std::fmt;
 use std::sync::Arc;
 
 use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{RetryPolicy, Striped};
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::Classifier;
-use retrysafe_core::retry::{GiveUpEvent, RetryEvent, RetryPolicy};
+use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::RetryStrategy;
-use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 

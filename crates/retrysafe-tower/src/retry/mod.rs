@@ -1,8 +1,8 @@
 //! Middleware that retries failed requests that are safe to retry, within a budget and
 //! a deadline.
 //!
-//! [`RetryLayer`] is driven by a [`RetryStrategy`](retrysafe_core::strategy::RetryStrategy)
-//! from core (default: the [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy))
+//! [`RetryLayer`] is driven by a [`RetryStrategy`]
+//! from core (default: the [`StandardRetryStrategy`])
 //! and classifies each attempt with a [`Classifier`](retrysafe_core::classify::Classifier).
 //! Its per-call decisions are those of the sans-IO planner in
 //! [`retrysafe_core::retry`], which the reqwest `RetryMiddleware` drives too; this
@@ -11,7 +11,7 @@
 //!
 //! - retries **safe requests only**: RFC 9110 idempotent methods, requests with an
 //!   `Idempotency-Key`, and requests declared idempotent (the
-//!   [`Idempotent`](retrysafe_core::strategy::Idempotent) extension or
+//!   [`Idempotent`] extension or
 //!   [`RetryLayer::idempotent_if`]); a POST without a key is sent once, unless nothing
 //!   was sent at all (a failed connect, h2 `REFUSED_STREAM`).
 //!   [`generate_idempotency_keys`](RetryLayer::generate_idempotency_keys) adds a key to
@@ -36,7 +36,7 @@
 //!   `RetryBudgetLayer` below — even behind a `Buffer` — does not charge it twice;
 //! - makes one attempt when the caller is the retry point (`retry-point: caller`
 //!   inherited; the header is passed on, so no hop below retries either), or for a
-//!   request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
+//!   request carrying [`NoRetry`];
 //! - when it **gives up on a retryable failure** (attempts exhausted, budget refused, not
 //!   enough time), returns the last real response marked `do-not-retry: 1` and records
 //!   `downstream_gave_up` in the inherited context, so the layers above do not retry
@@ -88,6 +88,10 @@ mod transport;
 pub use body::ReplayBody;
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
+pub use retrysafe_core::backoff::{Backoff, Jitter};
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
+pub use retrysafe_core::strategy::{
+    GiveUp, Idempotent, NoRetry, RetryStrategy, StandardRetryStrategy,
+};
 pub use service::RetryService;
 pub use transport::failure_of;

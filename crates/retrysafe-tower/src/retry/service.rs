@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 
 use http::{Request, Response};
 use http_body::Body;
-use retrysafe_core::retry::RetryPolicy;
+use retrysafe_core::__private::RetryPolicy;
 use tower_service::Service;
 
 use super::body::ReplayBody;
