@@ -105,7 +105,7 @@
 //! # }
 //! ```
 //!
-//! The whole §6 stack, assembled with `ServiceBuilder`: the deadline covers the call, the
+//! The whole recommended stack, assembled with `ServiceBuilder`: the deadline covers the call, the
 //! retry layer and the budget layer share one budget, and every attempt passes the
 //! breaker.
 //!

@@ -66,7 +66,7 @@ pub struct Backoff {
 }
 
 impl Default for Backoff {
-    /// Base 50 ms, 1 s after a throttle, cap 20 s, full jitter (DESIGN §6).
+    /// Base 50 ms, 1 s after a throttle, cap 20 s, full jitter.
     fn default() -> Self {
         Backoff {
             base: Duration::from_millis(50),

@@ -6,7 +6,7 @@
 //! [`Classification`]: whether a retry is safe, whether the callee throttled or timed
 //! out, whose fault it was, and any delay the callee asked for.
 //!
-//! The [`DefaultClassifier`] follows DESIGN §6:
+//! The [`DefaultClassifier`] follows these rules:
 //!
 //! | outcome | retry | notes |
 //! |---|---|---|
@@ -477,7 +477,7 @@ pub trait Classifier: fmt::Debug + Send + Sync + 'static {
     fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification;
 }
 
-/// The rules of DESIGN §6 (see the [module docs](self)).
+/// The default rules (see the [module docs](self)).
 #[derive(Debug, Clone, Default)]
 pub struct DefaultClassifier {
     convention: Convention,

@@ -2,7 +2,7 @@
 //! refresh it after each retryable failure (which yields the delay, or a reason to
 //! give up), record a success.
 //!
-//! [`StandardRetryStrategy`] has the defaults of DESIGN §6: 3 attempts counting the
+//! [`StandardRetryStrategy`] has these defaults: 3 attempts counting the
 //! first, full-jitter exponential backoff (base 50 ms, 1 s after a throttle, cap 20 s),
 //! the default [ratio budget](crate::budget), and — when the request has no deadline —
 //! a 10 s timeout per attempt and 30 s overall (or [`no_timeout`]).

@@ -8,7 +8,7 @@
 //! `retry-point: caller`. With [`clamp_deadlines`](EdgeLayer::clamp_deadlines), deadline
 //! headers are kept but clamped to a maximum (a malformed one is removed).
 //!
-//! Order: `TraceLayer` → `EdgeLayer` → authentication → `PropagateLayer` → … (DESIGN §4).
+//! Order: `TraceLayer` → `EdgeLayer` → authentication → `PropagateLayer` → ….
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
