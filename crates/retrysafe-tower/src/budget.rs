@@ -20,7 +20,8 @@
 //! # async fn main() {
 //! use http::{Request, Response};
 //! use retrysafe_core::budget::{RatioConfig, RetryBudget};
-//! //! use retrysafe_tower::budget::RetryBudgetLayer;
+//! use retrysafe_core::error::BudgetExhausted;
+//! use retrysafe_tower::budget::RetryBudgetLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A budget with no floor and no deposits yet: no retry is affordable.
