@@ -308,11 +308,10 @@ fn cases() -> Cases {
 
     let count_window = {
         let mut config = BreakerConfig::default();
-        config.window = SlidingWindow::count(100, 10);
-        CircuitBreakerLayer::with_config(config).unwrap()
+        config = config.with_window(SlidingWindow::count(100, 10));
+        CircuitBreakerLayer::with_config(config)
     };
-    let keyed =
-        CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(BreakerConfig::default()).unwrap());
+    let keyed = CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(BreakerConfig::default()));
     let tower_resilience = tower_resilience::circuitbreaker::CircuitBreakerLayer::builder()
         .build()
         .unwrap();
@@ -357,9 +356,7 @@ fn cases() -> Cases {
         Box::new(
             named(
                 "deadline_client",
-                DeadlineLayer::new(Duration::from_secs(10))
-                    .unwrap()
-                    .layer(inner()),
+                DeadlineLayer::new(Duration::from_secs(10)).layer(inner()),
             )
             .checked(),
         ),

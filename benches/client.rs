@@ -166,7 +166,7 @@ fn call<S: Service<Req>>(svc: &mut S) -> Option<S::Response> {
 
 /// Zero backoff: base 0, cap 1 ms, no jitter.
 fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
-    let backoff = Backoff::new(Duration::ZERO, Duration::from_millis(1), Jitter::None).unwrap();
+    let backoff = Backoff::new(Duration::ZERO, Duration::from_millis(1), Jitter::None);
     let strategy = StandardRetryStrategy::new().backoff(backoff);
     match budget {
         Some(budget) => strategy.budget(budget),
@@ -201,9 +201,7 @@ fn case(name: &str) -> Option<Runner> {
     Some(match base {
         "bare" => runner(inner::<Empty<Bytes>>(fail), fail),
         "deadline" => runner(
-            DeadlineLayer::new(Duration::from_secs(10))
-                .unwrap()
-                .layer(inner(fail)),
+            DeadlineLayer::new(Duration::from_secs(10)).layer(inner(fail)),
             fail,
         ),
         "retrysafe" => runner(
@@ -230,7 +228,7 @@ fn case(name: &str) -> Option<Runner> {
             let budget = RetryBudget::ratio();
             runner(
                 tower::ServiceBuilder::new()
-                    .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+                    .layer(DeadlineLayer::new(Duration::from_secs(10)))
                     .layer(RetryLayer::new().strategy(strategy(Some(budget.clone()))))
                     .layer(RetryBudgetLayer::new(budget))
                     .layer(CircuitBreakerLayer::default())

@@ -199,7 +199,7 @@ fn hyper_case(name: &str, conns: usize) -> HyperSvc {
             let budget = RetryBudget::ratio();
             BoxCloneService::new(
                 ServiceBuilder::new()
-                    .layer(DeadlineLayer::new(Duration::from_secs(10)).unwrap())
+                    .layer(DeadlineLayer::new(Duration::from_secs(10)))
                     .layer(
                         RetryLayer::new()
                             .strategy(StandardRetryStrategy::new().budget(budget.clone())),
@@ -248,7 +248,7 @@ fn reqwest_case(name: &str, conns: usize) -> ClientWithMiddleware {
             .build(),
         "reqwest_floor" => ClientBuilder::new(client).with(ReqwestFloor::new()).build(),
         "reqwest_retrysafe" => ClientBuilder::new(client)
-            .with(DeadlineMiddleware::new(Duration::from_secs(10)).unwrap())
+            .with(DeadlineMiddleware::new(Duration::from_secs(10)))
             .with(RetryMiddleware::new())
             .with(CircuitBreakerMiddleware::default())
             .build(),

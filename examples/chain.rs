@@ -46,6 +46,7 @@ use http::Request;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::idempotency::{IdempotencyLayer, NoEffect};
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
@@ -159,15 +160,15 @@ fn client_to_c(addr: SocketAddr) -> ToC {
     let strategy = StandardRetryStrategy::new().backoff(fast_backoff()).seed(7);
     let stack = ServiceBuilder::new()
         .map_err(Status::from_error)
+        .layer(GrpcStatusLayer::new())
         .layer(
             RetryLayer::new()
                 .strategy(strategy)
                 // gRPC calls are POSTs: a key (the child of B's record) makes them safe.
-                .generate_idempotency_keys()
-                .grpc_statuses(),
+                .generate_idempotency_keys(),
         )
-        .layer(RetryBudgetLayer::new(RetryBudget::default()).grpc_statuses())
-        .layer(CircuitBreakerLayer::default().grpc_statuses())
+        .layer(RetryBudgetLayer::new(RetryBudget::default()))
+        .layer(CircuitBreakerLayer::default())
         .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
             r.map(GrpcBody::new)
         }))
@@ -406,7 +407,6 @@ fn fast_backoff() -> Backoff {
         Duration::from_millis(50),
         Jitter::Full,
     )
-    .unwrap()
 }
 
 fn timeout_ms(headers: &HeaderMap) -> Option<u64> {

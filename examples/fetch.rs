@@ -235,6 +235,7 @@ where
 fn client(options: &Options, sent: &Sent) -> Result<ClientWithMiddleware, String> {
     let strategy = StandardRetryStrategy::new()
         .max_attempts(options.max_attempts)
+        .build()
         .map_err(|e| e.to_string())?;
     let mut retry = RetryMiddleware::new().strategy(strategy);
     if options.key == KeyChoice::Auto {
@@ -242,7 +243,9 @@ fn client(options: &Options, sent: &Sent) -> Result<ClientWithMiddleware, String
     }
     let mut builder = ClientBuilder::new(reqwest::Client::new());
     if let Some(deadline) = options.deadline {
-        let deadline = DeadlineMiddleware::new(deadline).map_err(|e| e.to_string())?;
+        let deadline = DeadlineMiddleware::new(deadline)
+            .build()
+            .map_err(|e| e.to_string())?;
         builder = builder.with(deadline.bound_body());
     }
     Ok(builder

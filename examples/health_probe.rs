@@ -43,6 +43,7 @@ use std::time::Duration;
 
 use http::Request;
 use retrysafe::core::strategy::Idempotent;
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
@@ -148,17 +149,16 @@ async fn probe(args: Args) -> Result<Outcome, retrysafe::ConfigError> {
     // Attempts handed to the transport: counted below every layer that may refuse one.
     let sent = Arc::new(AtomicU32::new(0));
     let counter = sent.clone();
-    let strategy = StandardRetryStrategy::new().max_attempts(args.max_attempts)?;
+    let strategy = StandardRetryStrategy::new()
+        .max_attempts(args.max_attempts)
+        .build()?;
     let budget = RetryBudget::ratio();
     let stack = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(args.deadline)?.grpc_statuses())
-        .layer(
-            RetryLayer::new()
-                .strategy(strategy.budget(budget.clone()))
-                .grpc_statuses(),
-        )
-        .layer(RetryBudgetLayer::new(budget).grpc_statuses())
-        .layer(CircuitBreakerLayer::default().grpc_statuses())
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(args.deadline).build()?)
+        .layer(RetryLayer::new().strategy(strategy.budget(budget.clone())))
+        .layer(RetryBudgetLayer::new(budget))
+        .layer(CircuitBreakerLayer::default())
         .layer(MapRequestLayer::new(
             move |r: Request<ReplayBody<GrpcBody>>| {
                 counter.fetch_add(1, Ordering::Relaxed);

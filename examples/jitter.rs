@@ -138,7 +138,7 @@ impl Network {
 fn backoff_of(strategy: Strategy) -> Result<Option<Backoff>, ConfigError> {
     match strategy {
         Strategy::NoBackoff => Ok(None),
-        Strategy::Backoff(jitter) => Backoff::new(BASE, CAP, jitter).map(Some),
+        Strategy::Backoff(jitter) => Backoff::new(BASE, CAP, jitter).build().map(Some),
     }
 }
 

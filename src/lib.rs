@@ -105,7 +105,7 @@
 //! # }
 //! ```
 //!
-//! The whole §6 stack, assembled with `ServiceBuilder`: the deadline covers the call, the
+//! The whole recommended stack, assembled with `ServiceBuilder`: the deadline covers the call, the
 //! retry layer and the budget layer share one budget, and every attempt passes the
 //! breaker.
 //!
@@ -138,13 +138,13 @@
 //!     }
 //! });
 //!
-//! let mut config = BreakerConfig::default();
-//! config.window = SlidingWindow::count(10, 10);
-//! config.minimum_calls = 4; // opens at 50 % failures of at least 4 attempts
-//! let breaker = CircuitBreaker::new(config).unwrap();
+//! let config = BreakerConfig::default()
+//!     .with_window(SlidingWindow::count(10, 10))
+//!     .with_minimum_calls(4); // opens at 50 % failures of at least 4 attempts
+//! let breaker = CircuitBreaker::new(config);
 //! let budget = RetryBudget::ratio();
 //! let client = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::new(Duration::from_secs(2)).unwrap())
+//!     .layer(DeadlineLayer::new(Duration::from_secs(2)))
 //!     .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
 //!     .layer(RetryBudgetLayer::new(budget))
 //!     .layer(CircuitBreakerLayer::new(breaker.clone()))
@@ -172,8 +172,9 @@
 //!
 //! # gRPC (tonic)
 //!
-//! The same stack wraps a tonic `Channel` and a generated client: `.grpc_statuses()`
-//! makes each layer answer its own failures as synthesised Trailers-Only statuses, and
+//! The same stack wraps a tonic `Channel` and a generated client: one
+//! [`GrpcStatusLayer`](local::GrpcStatusLayer) on top answers the layers' own failures
+//! as synthesised Trailers-Only statuses, and
 //! one adapter line maps the `ReplayBody` into `tonic::body::Body` (the only body a
 //! `Channel` takes). Map the error to `tonic::Status` at the top when the stack is boxed,
 //! so a generated client's call stays `Send`. Here nothing listens on the port: the
@@ -184,6 +185,7 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::Request;
+//! use retrysafe::local::GrpcStatusLayer;
 //! use retrysafe::{
 //!     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
 //! };
@@ -198,14 +200,11 @@
 //! let channel = Channel::from_static("http://127.0.0.1:1").connect_lazy();
 //! let stack = ServiceBuilder::new()
 //!     .map_err(Status::from_error)
-//!     .layer(DeadlineLayer::new(Duration::from_secs(5)).unwrap().grpc_statuses())
-//!     .layer(
-//!         RetryLayer::new()
-//!             .idempotent_if(|head| head.uri.path().starts_with("/grpc.health.v1."))
-//!             .grpc_statuses(),
-//!     )
-//!     .layer(RetryBudgetLayer::new(RetryBudget::ratio()).grpc_statuses())
-//!     .layer(CircuitBreakerLayer::default().grpc_statuses())
+//!     .layer(GrpcStatusLayer::new())
+//!     .layer(DeadlineLayer::new(Duration::from_secs(5)))
+//!     .layer(RetryLayer::new().idempotent_if(|head| head.uri.path().starts_with("/grpc.health.v1.")))
+//!     .layer(RetryBudgetLayer::new(RetryBudget::ratio()))
+//!     .layer(CircuitBreakerLayer::default())
 //!     .layer(MapRequestLayer::new(|r: Request<ReplayBody<Body>>| r.map(Body::new)))
 //!     .service(channel);
 //! let mut client = HealthClient::new(BoxCloneSyncService::new(stack));

@@ -59,16 +59,16 @@ fn breaker(open_duration: Duration) -> CircuitBreaker {
 
 fn breaker_with(open_duration: Duration, changes: Option<Changes>) -> CircuitBreaker {
     let mut config = BreakerConfig::default();
-    config.window = SlidingWindow::count(10, 10);
-    config.minimum_calls = 5;
-    config.open_duration = open_duration;
-    config.max_open_duration = open_duration * 4;
+    config = config.with_window(SlidingWindow::count(10, 10));
+    config = config.with_minimum_calls(5);
+    config = config.with_open_duration(open_duration);
+    config = config.with_max_open_duration(open_duration * 4);
     if let Some(changes) = changes {
-        config.on_state_change = Some(Arc::new(move |change| {
+        config = config.with_on_state_change(move |change| {
             changes.lock().unwrap().push((change.from, change.to));
-        }));
+        });
     }
-    CircuitBreaker::new(config).unwrap()
+    CircuitBreaker::new(config)
 }
 
 /// The §6 stack over `transport`: deadline `timeout`, 3 attempts with a 1–5 ms backoff,
@@ -87,14 +87,13 @@ where
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)
         .budget(budget.clone());
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(timeout).unwrap())
+        .layer(DeadlineLayer::new(timeout))
         .layer(RetryLayer::new().strategy(strategy))
         .layer(RetryBudgetLayer::new(budget))
         .layer(CircuitBreakerLayer::new(breaker))

@@ -122,8 +122,8 @@ async fn server_layers_fit_router_layer_and_route_layer() {
 /// the stack are `Clone`, so one stack serves many tasks.
 #[tokio::test]
 async fn the_client_stack_over_hyper_is_send_and_clone() {
-    let breaker = CircuitBreaker::new(BreakerConfig::default()).unwrap();
-    let deadline = DeadlineLayer::new(Duration::from_secs(2)).unwrap();
+    let breaker = CircuitBreaker::new(BreakerConfig::default());
+    let deadline = DeadlineLayer::new(Duration::from_secs(2));
     let retry = RetryLayer::new().generate_idempotency_keys();
     let budget = RetryBudgetLayer::new(RetryBudget::default());
     let breaker_layer = CircuitBreakerLayer::new(breaker);

@@ -49,9 +49,8 @@ use retrysafe_core::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal, ProblemKind};
-use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
-use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
+use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tower::{Layer, ServiceExt};
@@ -807,7 +806,7 @@ async fn a_full_in_flight_map_never_fails_open() {
 // Forged convention headers and the EdgeLayer
 // ---------------------------------------------------------------------------------
 
-type Outbound = Retry<Client<HttpConnector, ReplayBody<Full<Bytes>>>, AsError>;
+type Outbound = RetryService<Client<HttpConnector, ReplayBody<Full<Bytes>>>>;
 
 /// What the middle tier's handler saw.
 #[derive(Debug, Clone)]
@@ -849,9 +848,9 @@ async fn middle(State(tier): State<Tier>, headers: HeaderMap) -> AxumResponse {
 /// A budget that affords no retry at all: any request charged as a retry is refused.
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 fn withdrawals(budget: &RetryBudget) -> u64 {
@@ -879,8 +878,7 @@ async fn tier(edge: Option<EdgeLayer>, budget: &RetryBudget) -> (SocketAddr, Tie
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let retry = RetryLayer::new().strategy(StandardRetryStrategy::new().backoff(backoff));
     let state = Tier {
         client: retry.layer(Client::builder(TokioExecutor::new()).build_http()),
@@ -974,9 +972,7 @@ async fn an_edge_neutralises_forged_convention_headers() {
 
     // Behind the edge (clamp to 2 s): deadlines kept, at most 2 s; the rest stripped.
     let budget = empty_budget();
-    let edge = EdgeLayer::new()
-        .clamp_deadlines(Duration::from_secs(2))
-        .unwrap();
+    let edge = EdgeLayer::new().clamp_deadlines(Duration::from_secs(2));
     let (addr, state) = tier(Some(edge), &budget).await;
     let a = forged_get(&client, addr, &forged[1]).await;
     assert_eq!(a.status, 200, "{}", a.text());

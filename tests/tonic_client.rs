@@ -34,6 +34,7 @@ use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
 use retrysafe::core::budget::RatioConfig;
 use retrysafe::core::strategy::Idempotent;
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
@@ -231,19 +232,19 @@ impl Default for Config {
 /// open for a minute (no half-open probe during a test).
 fn breaker(minimum_calls: u32) -> CircuitBreaker {
     let mut config = BreakerConfig::default();
-    config.window = SlidingWindow::count(10, 10);
-    config.minimum_calls = minimum_calls;
-    config.open_duration = Duration::from_secs(60);
-    config.max_open_duration = Duration::from_secs(60);
-    CircuitBreaker::new(config).unwrap()
+    config = config.with_window(SlidingWindow::count(10, 10));
+    config = config.with_minimum_calls(minimum_calls);
+    config = config.with_open_duration(Duration::from_secs(60));
+    config = config.with_max_open_duration(Duration::from_secs(60));
+    CircuitBreaker::new(config)
 }
 
 /// A budget that never affords a retry.
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 fn is_health_method(parts: &http::request::Parts) -> bool {
@@ -256,8 +257,7 @@ fn stack(channel: Channel, config: &Config) -> Stack {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)
         .budget(config.strategy_budget.clone())
@@ -271,10 +271,12 @@ fn stack(channel: Channel, config: &Config) -> Stack {
     }
     let svc = ServiceBuilder::new()
         .map_err(Status::from_error)
-        .layer(DeadlineLayer::new(config.deadline).unwrap().grpc_statuses())
-        .layer(retry.grpc_statuses())
-        .layer(RetryBudgetLayer::new(config.layer_budget.clone()).grpc_statuses())
-        .layer(CircuitBreakerLayer::new(config.breaker.clone()).grpc_statuses())
+        // The one place local failures become gRPC statuses.
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(config.deadline))
+        .layer(retry)
+        .layer(RetryBudgetLayer::new(config.layer_budget.clone()))
+        .layer(CircuitBreakerLayer::new(config.breaker.clone()))
         // The one adapter line: `Channel` takes only `tonic::body::Body`.
         .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
             r.map(GrpcBody::new)

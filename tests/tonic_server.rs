@@ -37,6 +37,7 @@ use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::breaker::ResponseBody;
 use retrysafe::core::backoff::{Backoff, Jitter};
+use retrysafe::local::GrpcStatusLayer;
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
     CallContext, CircuitBreakerLayer, DeadlineLayer, PropagateLayer, ReplayBody, RetryBudget,
@@ -265,8 +266,7 @@ fn outbound(addr: SocketAddr) -> Outbound {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)
@@ -274,19 +274,15 @@ fn outbound(addr: SocketAddr) -> Outbound {
         .seed(3);
     let svc = ServiceBuilder::new()
         .map_err(Status::from_error)
-        .layer(
-            DeadlineLayer::new(Duration::from_secs(5))
-                .unwrap()
-                .grpc_statuses(),
-        )
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(Duration::from_secs(5)))
         .layer(
             RetryLayer::new()
                 .strategy(strategy)
-                .idempotent_if(|parts| parts.uri.path().starts_with("/grpc.health.v1.Health/"))
-                .grpc_statuses(),
+                .idempotent_if(|parts| parts.uri.path().starts_with("/grpc.health.v1.Health/")),
         )
-        .layer(RetryBudgetLayer::new(budget).grpc_statuses())
-        .layer(CircuitBreakerLayer::default().grpc_statuses())
+        .layer(RetryBudgetLayer::new(budget))
+        .layer(CircuitBreakerLayer::default())
         .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
             r.map(GrpcBody::new)
         }))

@@ -59,12 +59,10 @@ pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
         Duration::from_millis(5),
         Duration::from_millis(200),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     let budget = RetryBudget::ratio();
     let strategy = StandardRetryStrategy::new()
         .max_attempts(4)
-        .unwrap()
         .backoff(backoff)
         .budget(budget.clone())
         .seed(seed);
@@ -73,19 +71,19 @@ pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
     // of attempt timeouts while pools connect) opened it once, and a driver that does
     // not pace then had every remaining request refused at once.
     let mut config = BreakerConfig::default();
-    config.minimum_calls = 100;
+    config = config.with_minimum_calls(100);
     let c = Arc::clone(counts);
-    config.on_state_change = Some(Arc::new(move |change| {
+    config = config.with_on_state_change(move |change| {
         if change.to == BreakerState::Open {
             c.breaker_opened.fetch_add(1, Ordering::Relaxed);
         }
-    }));
-    let breaker = CircuitBreaker::new(config).unwrap();
+    });
+    let breaker = CircuitBreaker::new(config);
     let (on_retry, on_give_up, counted) =
         (Arc::clone(counts), Arc::clone(counts), Arc::clone(counts));
     let http = Client::builder(TokioExecutor::new()).build_http();
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(DEADLINE).unwrap())
+        .layer(DeadlineLayer::new(DEADLINE))
         .layer(
             RetryLayer::new()
                 .generate_idempotency_keys()

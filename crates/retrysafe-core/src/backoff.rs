@@ -18,14 +18,14 @@
 //! use std::time::Duration;
 //! use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
 //!
-//! let backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::Full)?;
+//! let backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::Full).build()?;
 //! let mut rng = RetryRng::seeded(7);
 //! let d = backoff.delay(2, Duration::ZERO, false, &mut rng);
 //! assert!(d <= Duration::from_millis(200));
 //! // The same seed gives the same delays.
 //! assert_eq!(d, backoff.delay(2, Duration::ZERO, false, &mut RetryRng::seeded(7)));
 //!
-//! let exact = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::None)?;
+//! let exact = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::None);
 //! assert_eq!(exact.delay(3, Duration::ZERO, false, &mut rng), Duration::from_millis(400));
 //! # Ok::<(), retrysafe_core::ConfigError>(())
 //! ```
@@ -38,10 +38,12 @@ use rand::rngs::SmallRng;
 use rand::{Rng, SeedableRng};
 
 use crate::ConfigError;
+use crate::config::Validate;
 use crate::wire::MAX_TIMEOUT;
 
 /// How a delay is randomised.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Jitter {
     /// Exponential without jitter: every client waits the same.
     None,
@@ -64,7 +66,7 @@ pub struct Backoff {
 }
 
 impl Default for Backoff {
-    /// Base 50 ms, 1 s after a throttle, cap 20 s, full jitter (DESIGN §6).
+    /// Base 50 ms, 1 s after a throttle, cap 20 s, full jitter.
     fn default() -> Self {
         Backoff {
             base: Duration::from_millis(50),
@@ -77,32 +79,54 @@ impl Default for Backoff {
 
 impl Backoff {
     /// A backoff from `base`, capped at `cap`; the throttle base is `max(base, 1 s)`
-    /// capped at `cap`. Refuses a zero cap, a base over the cap, or more than 30 days.
-    pub fn new(base: Duration, cap: Duration, jitter: Jitter) -> Result<Self, ConfigError> {
-        if cap.is_zero() {
-            return Err(ConfigError::new("backoff cap", "must be greater than zero"));
-        }
-        if cap > MAX_TIMEOUT {
-            return Err(ConfigError::new("backoff cap", "must be at most 30 days"));
-        }
-        if base > cap {
-            return Err(ConfigError::new("backoff base", "must not exceed the cap"));
-        }
-        Ok(Backoff {
+    /// capped at `cap`. [`build`](Self::build) refuses a zero cap, a base over the cap,
+    /// or more than 30 days; delays never exceed the cap in any case.
+    pub fn new(base: Duration, cap: Duration, jitter: Jitter) -> Self {
+        Backoff {
             base,
             throttle_base: base.max(Duration::from_secs(1)).min(cap),
             cap,
             jitter,
-        })
+        }
     }
 
-    /// The base used after a throttle. Refused when over the cap.
-    pub fn with_throttle_base(mut self, base: Duration) -> Result<Self, ConfigError> {
-        if base > self.cap {
-            return Err(ConfigError::new("throttle base", "must not exceed the cap"));
-        }
+    /// The base used after a throttle (at most the cap, checked by
+    /// [`build`](Self::build)).
+    #[must_use]
+    pub fn with_throttle_base(mut self, base: Duration) -> Self {
         self.throttle_base = base;
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.validate(&mut v);
+        v.finish(self)
+    }
+
+    /// Checks every field into `v`.
+    pub(crate) fn validate(&self, v: &mut Validate) {
+        v.check(
+            !self.cap.is_zero(),
+            "backoff cap",
+            "must be greater than zero",
+        );
+        v.check(
+            self.cap <= MAX_TIMEOUT,
+            "backoff cap",
+            "must be at most 30 days",
+        );
+        v.check(
+            self.base <= self.cap,
+            "backoff base",
+            "must not exceed the cap",
+        );
+        v.check(
+            self.throttle_base <= self.cap,
+            "throttle base",
+            "must not exceed the cap",
+        );
     }
 
     /// The base.
@@ -210,6 +234,7 @@ impl fmt::Debug for RetryRng {
 /// Where a strategy takes each request's [`RetryRng`]: request `n` (counting the
 /// requests that retried) gets a generator seeded with `splitmix(seed + n)`. The seed
 /// comes from the OS by default, or is fixed, so tests are deterministic.
+#[doc(hidden)]
 #[derive(Debug)]
 pub struct RngSource {
     seed: u64,

@@ -6,7 +6,7 @@
 //! [`Classification`]: whether a retry is safe, whether the callee throttled or timed
 //! out, whose fault it was, and any delay the callee asked for.
 //!
-//! The [`DefaultClassifier`] follows DESIGN §6:
+//! The [`DefaultClassifier`] follows these rules:
 //!
 //! | outcome | retry | notes |
 //! |---|---|---|
@@ -59,6 +59,7 @@ use crate::wire::{
 
 /// Whether an outcome may be retried.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RetrySafety {
     /// Retryable whatever the request: provably nothing was processed.
     Yes,
@@ -70,6 +71,7 @@ pub enum RetrySafety {
 
 /// Whose fault a failure was; breakers count only [`FaultSide::Server`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum FaultSide {
     /// The request was wrong (most 4xx).
     Client,
@@ -87,6 +89,7 @@ pub enum FaultSide {
 
 /// A delay the callee asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum DelayHint {
     /// None: the strategy's backoff decides.
     #[default]
@@ -99,6 +102,7 @@ pub enum DelayHint {
 
 /// What a breaker makes of an outcome.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum BreakerOutcome {
     /// The callee answered as it should.
     Success,
@@ -297,6 +301,7 @@ impl RequestFacts {
 /// assert!(!facts.after(Some(Duration::from_millis(100))).deadline_spent);
 /// assert!(facts.after(Some(Duration::from_millis(950))).deadline_spent);
 /// ```
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct BreakerFacts {
     facts: RequestFacts,
@@ -377,6 +382,7 @@ pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
 }
 
 /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
+#[doc(hidden)]
 pub fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
@@ -409,6 +415,7 @@ impl Failure {
     /// transport adapter recognises, such as hyper-util's connect errors or h2's
     /// `REFUSED_STREAM`. A refused connection counts as "nothing sent" only when it is
     /// `error` itself or `extra` says so: deeper in a chain it may be a dependency's.
+    #[doc(hidden)]
     pub fn of(
         error: &(dyn StdError + 'static),
         extra: impl Fn(&(dyn StdError + 'static)) -> Option<Failure>,
@@ -470,7 +477,7 @@ pub trait Classifier: fmt::Debug + Send + Sync + 'static {
     fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification;
 }
 
-/// The rules of DESIGN §6 (see the [module docs](self)).
+/// The default rules (see the [module docs](self)).
 #[derive(Debug, Clone, Default)]
 pub struct DefaultClassifier {
     convention: Convention,

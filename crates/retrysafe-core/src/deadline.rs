@@ -25,9 +25,14 @@ use crate::wire::MAX_TIMEOUT;
 /// # }
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Deadline(pub Instant);
+pub struct Deadline(Instant);
 
 impl Deadline {
+    /// The deadline at `instant`.
+    pub fn at(instant: Instant) -> Self {
+        Deadline(instant)
+    }
+
     /// A deadline `timeout` from now (saturating: at most [`MAX_TIMEOUT`] ahead).
     pub fn after(timeout: Duration) -> Self {
         let now = Instant::now();

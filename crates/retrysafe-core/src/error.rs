@@ -15,6 +15,7 @@ pub struct BudgetExhausted {}
 
 impl BudgetExhausted {
     /// The error (for layers and adapters).
+    #[doc(hidden)]
     pub fn new() -> Self {
         BudgetExhausted {}
     }
@@ -41,6 +42,7 @@ pub struct DeadlineExceeded {}
 
 impl DeadlineExceeded {
     /// The error (for layers and adapters).
+    #[doc(hidden)]
     pub fn new() -> Self {
         DeadlineExceeded {}
     }
@@ -69,6 +71,7 @@ pub struct CircuitOpen {
 
 impl CircuitOpen {
     /// The error; the breaker lets a probe through after `retry_in`.
+    #[doc(hidden)]
     pub fn new(retry_in: Duration) -> Self {
         CircuitOpen { retry_in }
     }

@@ -16,12 +16,11 @@
 //!   fault side, requested delay), shared by retry, budget and breaker;
 //! - [`backoff`], [`budget`] and [`strategy`]: delays with jitter, retry budgets, and
 //!   the Smithy-shaped retry strategy; [`error`]: the client layers' typed errors;
-//! - [`retry`]: the retry planner — everything a retrying client decides for one
-//!   request (keys, retry point, deadline, per-attempt headers, classify, retry or give
-//!   up, hooks) — that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
+//! - [`retry`]: what the hooks of a retrying client see; and, for the adapters only,
+//!   the retry planner — everything a retrying client decides for one request (keys,
+//!   retry point, deadline, per-attempt headers, classify, retry or give up, hooks) —
+//!   that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
-//! - [`stripe`]: [`Striped`](stripe::Striped), shared state whose per-call references
-//!   do not contend between threads;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
 //!   suite every backend passes.
@@ -40,6 +39,7 @@ pub mod problem;
 pub mod retry;
 pub mod store;
 pub mod strategy;
+#[doc(hidden)]
 pub mod stripe;
 mod sync;
 pub mod wire;
@@ -50,7 +50,15 @@ pub use config::ConfigError;
 /// adapters). Not part of the public API: it may change in any release.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::backoff::RngSource;
+    pub use crate::budget::BudgetId;
+    pub use crate::classify::{BreakerFacts, is_grpc};
     pub use crate::config::Validate;
+    pub use crate::retry::{
+        Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryPolicy, child_key_label,
+    };
+    pub use crate::strategy::RetryCharged;
+    pub use crate::stripe::{Local, MAX_ANCHORS, Striped};
 }
 pub use context::{CallContext, Scoped};
 pub use deadline::Deadline;

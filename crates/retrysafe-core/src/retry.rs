@@ -1,67 +1,9 @@
-//! The retry planner: everything a retrying client decides for one logical request,
-//! sans IO, so the tower `RetryLayer` and the reqwest `RetryMiddleware` drive the same
-//! code and differ only in how they send, wait and answer.
+//! What the hooks of a retrying client see: a [`RetryEvent`] before each retry, a
+//! [`GiveUpEvent`] when it gives up on a retryable failure.
 //!
-//! A [`RetryPolicy`] is the configuration (strategy, classifier, header convention, key
-//! generation, retry point, what counts as idempotent, hooks), shared behind an `Arc`.
-//! [`RetryPolicy::begin`] starts a [`RetryCall`] for one request: it reads the
-//! [`RequestHead`] (method, headers, extensions), adds an `Idempotency-Key` and
-//! `retry-point: caller` where configured, settles the deadline (the soonest of the
-//! [`Deadline`] extension, the inherited [`CallContext`] and a timeout header already on
-//! the request) and acquires the first [`RetryToken`] from the strategy. Then, for each
-//! attempt, the adapter:
-//!
-//! 1. refuses to start it when [`too_late`](RetryCall::too_late) (less than
-//!    [`MIN_ATTEMPT_TIME`] left);
-//! 2. sets the per-attempt headers with [`prepare_attempt`](RetryCall::prepare_attempt)
-//!    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
-//!    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
-//! 3. bounds it by [`attempt_until`](RetryCall::attempt_until);
-//! 4. hands what came back to [`decide`](RetryCall::decide), which classifies it,
-//!    records a success, refreshes the token, calls the hooks, and answers with a
-//!    [`Decision`];
-//! 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
-//!    again at 1; when the wait leaves too little time, it calls
-//!    [`give_up`](RetryCall::give_up) with [`GiveUp::NotEnoughTime`].
-//!
-//! Giving up on a retryable failure answers with the last real response marked
-//! `do-not-retry: 1` ([`mark_given_up`](RetryCall::mark_given_up)) and records
-//! `downstream_gave_up` in the inherited context, so no layer above retries again.
-//!
-//! ```
-//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
-//! # async fn main() {
-//! use http::{HeaderMap, Request, StatusCode};
-//! use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
-//! use retrysafe_core::strategy::StandardRetryStrategy;
-//! use retrysafe_core::stripe::Striped;
-//!
-//! let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
-//! let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
-//! let (mut call, mut token) = RetryPolicy::begin(&policy, &mut head);
-//!
-//! // An "inner service" that answers 503 twice, then 200.
-//! let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
-//! let mut sent = Vec::new();
-//! let status = loop {
-//!     assert!(!call.too_late());
-//!     let mut attempt = head.clone();
-//!     call.prepare_attempt(&mut attempt.headers, &mut attempt.extensions, &token);
-//!     sent.push(attempt.headers.get("retry-attempt").cloned());
-//!     let status = answers[sent.len() - 1];
-//!     let headers = HeaderMap::new();
-//!     match call.decide(Outcome::response(status, &headers), token, true, None) {
-//!         Decision::Retry(next) => {
-//!             tokio::time::sleep(next.delay()).await;
-//!             token = next;
-//!         }
-//!         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
-//!     }
-//! };
-//! assert_eq!(status, StatusCode::OK);
-//! assert_eq!(sent, [None, Some("2".parse().unwrap()), Some("3".parse().unwrap())]);
-//! # }
-//! ```
+//! The retry planner — everything a retrying client decides for one logical request,
+//! sans IO, driven alike by the tower `RetryLayer` and the reqwest `RetryMiddleware` —
+//! lives here too, as plumbing for those crates rather than API.
 
 use std::fmt;
 use std::sync::Arc;
@@ -114,12 +56,14 @@ pub struct GiveUpEvent {
 
 /// A predicate declaring requests idempotent whatever their method
 /// ([`RetryPolicy::with_idempotent_if`]).
+#[doc(hidden)]
 pub type IdempotentIf = dyn Fn(&http::request::Parts) -> bool + Send + Sync;
 
 type Hook<E> = Arc<dyn Fn(&E) + Send + Sync>;
 
 /// The head of an outbound request as the planner reads and edits it: implemented for
 /// [`http::request::Parts`] here, and by each adapter for its own request type.
+#[doc(hidden)]
 pub trait RequestHead {
     /// The method.
     fn method(&self) -> &Method;
@@ -177,11 +121,12 @@ impl RequestHead for http::request::Parts {
 /// use retrysafe_core::retry::child_key_label;
 /// assert_eq!(child_key_label(&Method::POST, "api:80", "/pay"), "POST api:80/pay");
 /// ```
+#[doc(hidden)]
 pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
     format!("{method} {authority}{path}")
 }
 
-/// The configuration of retries, shared by every call (see the [module docs](self)).
+/// The configuration of retries, shared by every call (see [`RetryCall`]).
 ///
 /// A cheap `Clone` (reference-counted parts). Adapters keep one behind an `Arc` and
 /// start each call with [`RetryPolicy::begin`].
@@ -199,6 +144,7 @@ pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
 /// assert_eq!(policy.convention().idempotency_key(), "idempotency-key");
 /// ```
 #[derive(Clone)]
+#[doc(hidden)]
 pub struct RetryPolicy {
     strategy: Arc<dyn RetryStrategy>,
     classifier: Arc<dyn Classifier>,
@@ -334,38 +280,11 @@ impl RetryPolicy {
         head: &mut H,
     ) -> (RetryCall, RetryToken) {
         let this: &Self = policy;
-        let convention = &this.convention;
         let context = CallContext::inherited(head.extensions());
-        // (Not `RequestFacts::of`: the deadline headers are read once, below.)
-        let mut facts = RequestFacts::UNSAFE;
-        facts.has_key = head.headers().contains_key(convention.idempotency_key());
-        facts.safe = head.method().is_idempotent() || facts.has_key;
-        facts.grpc = is_grpc(head.headers());
-        if head.extensions().get::<Idempotent>().is_some()
-            || this
-                .idempotent_if
-                .as_ref()
-                .is_some_and(|f| head.satisfies(&**f))
-        {
-            facts.safe = true;
-        }
+        let mut facts = this.facts_of(head);
         let no_retry = head.extensions().get::<NoRetry>().is_some();
-
-        if this.generate_keys
-            && !facts.has_key
-            && !no_retry
-            && (head.method() == Method::POST || head.method() == Method::PATCH)
-        {
-            let key = match context.as_ref().and_then(CallContext::idempotency) {
-                Some(idem) => Some(idem.next_child_key(&head.child_key_label())),
-                None => random_key(),
-            };
-            if let Some(key) = key {
-                head.headers_mut()
-                    .insert(convention.idempotency_key().clone(), key.to_header_value());
-                facts.has_key = true;
-                facts.safe = true;
-            }
+        if !no_retry {
+            this.add_key(head, context.as_ref(), &mut facts);
         }
         let caller_is_retry_point = context
             .as_ref()
@@ -374,18 +293,9 @@ impl RetryPolicy {
         // below may retry this request's calls.
         if this.retry_point || caller_is_retry_point {
             head.headers_mut()
-                .insert(convention.retry_point().clone(), RETRY_POINT_CALLER);
+                .insert(this.convention.retry_point().clone(), RETRY_POINT_CALLER);
         }
-
-        // The deadline: the request's, the inherited one, and a timeout header the
-        // caller already set, whichever is soonest.
-        let mut deadline = head.extensions().get::<Deadline>().copied();
-        if let Some(inherited) = context.as_ref().and_then(CallContext::deadline) {
-            deadline = Some(inherited.tighten(deadline));
-        }
-        if let Some(d) = header_deadline(head.headers(), facts.grpc, convention) {
-            deadline = Some(d.tighten(deadline));
-        }
+        let deadline = this.deadline_of(head, context.as_ref(), facts.grpc);
         // Every attempt carries the deadline header when there is a deadline.
         facts.deadline_sent = deadline.is_some();
 
@@ -404,6 +314,72 @@ impl RetryPolicy {
             started: None,
         };
         (call, token)
+    }
+
+    /// What the classifier is told about the request (but its deadline).
+    fn facts_of<H: RequestHead + ?Sized>(&self, head: &mut H) -> RequestFacts {
+        // (Not `RequestFacts::of`: the deadline headers are read once, by `deadline_of`.)
+        let mut facts = RequestFacts::UNSAFE;
+        facts.has_key = head
+            .headers()
+            .contains_key(self.convention.idempotency_key());
+        facts.safe = head.method().is_idempotent() || facts.has_key;
+        facts.grpc = is_grpc(head.headers());
+        if head.extensions().get::<Idempotent>().is_some()
+            || self
+                .idempotent_if
+                .as_ref()
+                .is_some_and(|f| head.satisfies(&**f))
+        {
+            facts.safe = true;
+        }
+        facts
+    }
+
+    /// Adds a generated `Idempotency-Key` to a POST or PATCH that has none, when
+    /// configured to.
+    fn add_key<H: RequestHead + ?Sized>(
+        &self,
+        head: &mut H,
+        context: Option<&CallContext>,
+        facts: &mut RequestFacts,
+    ) {
+        if !self.generate_keys
+            || facts.has_key
+            || (head.method() != Method::POST && head.method() != Method::PATCH)
+        {
+            return;
+        }
+        let key = match context.and_then(CallContext::idempotency) {
+            Some(idem) => Some(idem.next_child_key(&head.child_key_label())),
+            None => random_key(),
+        };
+        if let Some(key) = key {
+            head.headers_mut().insert(
+                self.convention.idempotency_key().clone(),
+                key.to_header_value(),
+            );
+            facts.has_key = true;
+            facts.safe = true;
+        }
+    }
+
+    /// The deadline: the request's, the inherited one, and a timeout header the caller
+    /// already set, whichever is soonest.
+    fn deadline_of<H: RequestHead + ?Sized>(
+        &self,
+        head: &H,
+        context: Option<&CallContext>,
+        grpc: bool,
+    ) -> Option<Deadline> {
+        let mut deadline = head.extensions().get::<Deadline>().copied();
+        if let Some(inherited) = context.and_then(CallContext::deadline) {
+            deadline = Some(inherited.tighten(deadline));
+        }
+        if let Some(d) = header_deadline(head.headers(), grpc, &self.convention) {
+            deadline = Some(d.tighten(deadline));
+        }
+        deadline
     }
 }
 
@@ -438,6 +414,7 @@ fn header_deadline(headers: &HeaderMap, grpc: bool, convention: &Convention) -> 
 
 /// What one attempt produced, as [`RetryCall::decide`] reads it.
 #[derive(Debug, Clone, Copy)]
+#[doc(hidden)]
 pub enum Outcome<'a> {
     /// A response head (for gRPC, with a Trailers-Only status when there is one).
     Response {
@@ -473,6 +450,7 @@ impl<'a> Outcome<'a> {
 /// a [`DeadlineExceeded`](crate::error::DeadlineExceeded).
 #[derive(Debug)]
 #[must_use]
+#[doc(hidden)]
 pub enum Decision {
     /// A success (recorded with the strategy): answer with the outcome as it is.
     Success,
@@ -488,7 +466,73 @@ pub enum Decision {
     GiveUp(GiveUp),
 }
 
-/// The state of one logical request across its attempts (see the [module docs](self)).
+/// The state of one logical request across its attempts.
+///
+/// The retry planner: everything a retrying client decides for one logical request,
+/// sans IO, so the tower `RetryLayer` and the reqwest `RetryMiddleware` drive the same
+/// code and differ only in how they send, wait and answer.
+///
+/// A [`RetryPolicy`] is the configuration (strategy, classifier, header convention, key
+/// generation, retry point, what counts as idempotent, hooks), shared behind an `Arc`.
+/// [`RetryPolicy::begin`] starts a [`RetryCall`] for one request: it reads the
+/// [`RequestHead`] (method, headers, extensions), adds an `Idempotency-Key` and
+/// `retry-point: caller` where configured, settles the deadline (the soonest of the
+/// [`Deadline`] extension, the inherited [`CallContext`] and a timeout header already on
+/// the request) and acquires the first [`RetryToken`] from the strategy. Then, for each
+/// attempt, the adapter:
+///
+/// 1. refuses to start it when [`too_late`](Self::too_late) (less than
+///    [`MIN_ATTEMPT_TIME`] left);
+/// 2. sets the per-attempt headers with [`prepare_attempt`](Self::prepare_attempt)
+///    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
+///    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
+/// 3. bounds it by [`attempt_until`](Self::attempt_until);
+/// 4. hands what came back to [`decide`](Self::decide), which classifies it,
+///    records a success, refreshes the token, calls the hooks, and answers with a
+///    [`Decision`];
+/// 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
+///    again at 1; when the wait leaves too little time, it calls
+///    [`give_up`](Self::give_up) with [`GiveUp::NotEnoughTime`].
+///
+/// Giving up on a retryable failure answers with the last real response marked
+/// `do-not-retry: 1` ([`mark_given_up`](Self::mark_given_up)) and records
+/// `downstream_gave_up` in the inherited context, so no layer above retries again.
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// use http::{HeaderMap, Request, StatusCode};
+/// use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
+/// use retrysafe_core::strategy::StandardRetryStrategy;
+/// use retrysafe_core::stripe::Striped;
+///
+/// let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
+/// let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
+/// let (mut call, mut token) = RetryPolicy::begin(&policy, &mut head);
+///
+/// // An "inner service" that answers 503 twice, then 200.
+/// let answers = [StatusCode::SERVICE_UNAVAILABLE, StatusCode::SERVICE_UNAVAILABLE, StatusCode::OK];
+/// let mut sent = Vec::new();
+/// let status = loop {
+///     assert!(!call.too_late());
+///     let mut attempt = head.clone();
+///     call.prepare_attempt(&mut attempt.headers, &mut attempt.extensions, &token);
+///     sent.push(attempt.headers.get("retry-attempt").cloned());
+///     let status = answers[sent.len() - 1];
+///     let headers = HeaderMap::new();
+///     match call.decide(Outcome::response(status, &headers), token, true, None) {
+///         Decision::Retry(next) => {
+///             tokio::time::sleep(next.delay()).await;
+///             token = next;
+///         }
+///         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
+///     }
+/// };
+/// assert_eq!(status, StatusCode::OK);
+/// assert_eq!(sent, [None, Some("2".parse().unwrap()), Some("3".parse().unwrap())]);
+/// # }
+/// ```
+#[doc(hidden)]
 pub struct RetryCall {
     policy: Local<RetryPolicy>,
     facts: RequestFacts,
@@ -547,8 +591,8 @@ impl RetryCall {
     }
 
     /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
-    /// `retry-attempt` (and `grpc-previous-rpc-attempts`) and, when the token is
-    /// budgeted, the [`RetryCharged`] extension; with a deadline, the time left (or the
+    /// `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt of a budgeted
+    /// token, the [`RetryCharged`] extension; with a deadline, the time left (or the
     /// strategy's attempt bound under a deadline, if shorter) as `request-timeout-ms`
     /// (or `grpc-timeout`), rounded down.
     pub fn prepare_attempt(
@@ -582,9 +626,9 @@ impl RetryCall {
                     HeaderValue::from(attempt - 1),
                 );
             }
-            if let Some(budget) = token.budget_id() {
-                extensions.insert(RetryCharged { attempt, budget });
-            }
+        }
+        if let Some(budget) = token.budget_id() {
+            extensions.insert(RetryCharged { attempt, budget });
         }
         // An attempt bounded more tightly than the deadline says so downstream.
         let cap = self.attempt_cap();
@@ -651,21 +695,7 @@ impl RetryCall {
         replayable: bool,
         last: Option<StatusCode>,
     ) -> Decision {
-        let classification = match outcome {
-            Outcome::Response { status, headers } => {
-                self.policy
-                    .classifier
-                    .classify_response(status, headers, &self.facts)
-            }
-            Outcome::Failure(failure) => self
-                .policy
-                .classifier
-                .classify_failure(failure, &self.facts),
-            Outcome::TimedOut => self
-                .policy
-                .classifier
-                .classify_failure(Failure::Timeout, &self.facts),
-        };
+        let classification = self.classify(outcome);
         if classification.is_success() {
             self.policy.strategy.record_success(&token);
             return Decision::Success;
@@ -678,51 +708,81 @@ impl RetryCall {
         }
         let attempts = token.attempt();
         let status = outcome.status();
-        let refreshed = if self.passthrough || !replayable {
-            // One attempt only; or a body that cannot be sent again.
-            Err(GiveUp::NotRetryable)
-        } else {
-            let time_left = self
-                .overall_until()
-                .map(|at| at.saturating_duration_since(Instant::now()));
-            self.policy
-                .strategy
-                .refresh_retry_token(token, &classification, &self.facts, time_left)
-        };
-        match refreshed {
+        match self.refresh(token, &classification, replayable) {
             Ok(next) => {
                 self.retrying(&next, status, &classification);
                 Decision::Retry(next)
             }
-            Err(GiveUp::NotRetryable) => match outcome {
-                // A local refusal (a budget or breaker below refused a retry) after a
-                // real response: that response, marked, is the answer.
-                Outcome::Failure(Failure::Local) if last.is_some() => {
-                    self.give_up(GiveUp::RefusedBelow, attempts, last);
-                    Decision::GiveUp(GiveUp::RefusedBelow)
-                }
-                _ => {
-                    // Retried, then a failure that is not retryable: this layer gave up
-                    // after retrying all the same, so the server above marks its own
-                    // failure and its caller does not retry again. (A client error is
-                    // an answer, not a give-up.)
-                    if attempts >= 2
-                        && matches!(
-                            classification.fault,
-                            Some(FaultSide::Server | FaultSide::CallerDeadline)
-                        )
-                        && let Some(context) = &self.context
-                    {
-                        context.mark_downstream_gave_up();
-                    }
-                    Decision::Final
-                }
-            },
+            Err(GiveUp::NotRetryable) => {
+                self.not_retryable(outcome, &classification, attempts, last)
+            }
             Err(reason) => {
                 self.give_up(reason, attempts, status.or(last));
                 Decision::GiveUp(reason)
             }
         }
+    }
+
+    /// What the classifier makes of `outcome`.
+    fn classify(&self, outcome: Outcome<'_>) -> Classification {
+        let classifier = &self.policy.classifier;
+        match outcome {
+            Outcome::Response { status, headers } => {
+                classifier.classify_response(status, headers, &self.facts)
+            }
+            Outcome::Failure(failure) => classifier.classify_failure(failure, &self.facts),
+            Outcome::TimedOut => classifier.classify_failure(Failure::Timeout, &self.facts),
+        }
+    }
+
+    /// The token of the next attempt, or why there is none.
+    fn refresh(
+        &mut self,
+        token: RetryToken,
+        classification: &Classification,
+        replayable: bool,
+    ) -> Result<RetryToken, GiveUp> {
+        if self.passthrough || !replayable {
+            // One attempt only; or a body that cannot be sent again.
+            return Err(GiveUp::NotRetryable);
+        }
+        let time_left = self
+            .overall_until()
+            .map(|at| at.saturating_duration_since(Instant::now()));
+        self.policy
+            .strategy
+            .refresh_retry_token(token, classification, &self.facts, time_left)
+    }
+
+    /// A failure that is not retried, after `attempts` attempts.
+    fn not_retryable(
+        &self,
+        outcome: Outcome<'_>,
+        classification: &Classification,
+        attempts: u32,
+        last: Option<StatusCode>,
+    ) -> Decision {
+        if let Outcome::Failure(Failure::Local) = outcome
+            && last.is_some()
+        {
+            // A local refusal (a budget or breaker below refused a retry) after a real
+            // response: that response, marked, is the answer.
+            self.give_up(GiveUp::RefusedBelow, attempts, last);
+            return Decision::GiveUp(GiveUp::RefusedBelow);
+        }
+        // Retried, then a failure that is not retryable: this layer gave up after
+        // retrying all the same, so the server above marks its own failure and its
+        // caller does not retry again. (A client error is an answer, not a give-up.)
+        if attempts >= 2
+            && matches!(
+                classification.fault,
+                Some(FaultSide::Server | FaultSide::CallerDeadline)
+            )
+            && let Some(context) = &self.context
+        {
+            context.mark_downstream_gave_up();
+        }
+        Decision::Final
     }
 
     /// Gives up on a retryable failure after `attempts` attempts: records

@@ -2,7 +2,7 @@
 //! refresh it after each retryable failure (which yields the delay, or a reason to
 //! give up), record a success.
 //!
-//! [`StandardRetryStrategy`] has the defaults of DESIGN §6: 3 attempts counting the
+//! [`StandardRetryStrategy`] has these defaults: 3 attempts counting the
 //! first, full-jitter exponential backoff (base 50 ms, 1 s after a throttle, cap 20 s),
 //! the default [ratio budget](crate::budget), and — when the request has no deadline —
 //! a 10 s timeout per attempt and 30 s overall (or [`no_timeout`]).
@@ -42,6 +42,7 @@ use crate::ConfigError;
 use crate::backoff::{Backoff, RetryRng, RngSource};
 use crate::budget::{BudgetId, RetryBudget, RetryCost};
 use crate::classify::{Classification, DelayHint, RequestFacts};
+use crate::config::Validate;
 use crate::wire::MAX_TIMEOUT;
 
 /// The least time an attempt is started with: 1 ms, the smallest `request-timeout-ms`.
@@ -109,22 +110,26 @@ impl RetryToken {
 
     /// Limits this request to `max` attempts (for example one, when the caller is the
     /// retry point). Never raises the strategy's limit.
+    #[doc(hidden)]
     pub fn limit_attempts(&mut self, max: u32) {
         self.max_attempts = self.max_attempts.min(max.max(1));
     }
 
     /// Whether this request is accounted for in a budget (its deposit was made, and
     /// its retries are withdrawn): then a budget layer below must not count it again.
+    #[doc(hidden)]
     pub fn is_budgeted(&self) -> bool {
         self.budget_id.is_some()
     }
 
     /// The budget this request is accounted for in, if any.
+    #[doc(hidden)]
     pub fn budget_id(&self) -> Option<BudgetId> {
         self.budget_id
     }
 
     /// The cost of the retry charged for this attempt, if it was a retry.
+    #[doc(hidden)]
     pub fn charged(&self) -> Option<RetryCost> {
         self.last_cost
     }
@@ -197,16 +202,12 @@ impl StandardRetryStrategy {
         Self::default()
     }
 
-    /// At most `n` attempts, counting the first (1 to 100).
-    pub fn max_attempts(mut self, n: u32) -> Result<Self, ConfigError> {
-        if !(1..=100).contains(&n) {
-            return Err(ConfigError::new(
-                "max attempts",
-                "must be between 1 and 100",
-            ));
-        }
+    /// At most `n` attempts, counting the first (1 to 100, checked by
+    /// [`build`](Self::build); out of range, the nearest bound is used).
+    #[must_use]
+    pub fn max_attempts(mut self, n: u32) -> Self {
         self.max_attempts = n;
-        Ok(self)
+        self
     }
 
     /// The backoff.
@@ -236,21 +237,61 @@ impl StandardRetryStrategy {
     /// deadline that may be retried (a safe request, not limited to one attempt): the
     /// sooner of the two, so that an attempt lost in a black hole leaves time for a
     /// retry; the time-left header of such an attempt carries the shorter bound.
-    pub fn attempt_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout < MIN_ATTEMPT_TIME {
-            // Shorter would send a time-left header of 0: "already expired".
-            return Err(ConfigError::new("attempt timeout", "must be at least 1 ms"));
-        }
-        self.attempt_timeout = Some(checked_timeout("attempt timeout", timeout)?);
+    ///
+    /// From 1 ms to 30 days, checked by [`build`](Self::build) (out of range, the nearest
+    /// bound is used).
+    #[must_use]
+    pub fn attempt_timeout(mut self, timeout: Duration) -> Self {
+        self.attempt_timeout = Some(timeout);
         self.attempt_timeout_set = true;
-        Ok(self)
+        self
     }
 
     /// The timeout of the whole call, retries included, when the request has no
-    /// deadline (default 30 s).
-    pub fn overall_timeout(mut self, timeout: Duration) -> Result<Self, ConfigError> {
-        self.overall_timeout = Some(checked_timeout("overall timeout", timeout)?);
-        Ok(self)
+    /// deadline (default 30 s; greater than zero and at most 30 days, checked by
+    /// [`build`](Self::build)).
+    #[must_use]
+    pub fn overall_timeout(mut self, timeout: Duration) -> Self {
+        self.overall_timeout = Some(timeout);
+        self
+    }
+
+    /// Checks the settings, the backoff's included: the error names every one out of
+    /// range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            (1..=100).contains(&self.max_attempts),
+            "max attempts",
+            "must be between 1 and 100",
+        );
+        if let Some(timeout) = self.attempt_timeout.filter(|_| self.attempt_timeout_set) {
+            // Shorter would send a time-left header of 0: "already expired".
+            v.check(
+                timeout >= MIN_ATTEMPT_TIME,
+                "attempt timeout",
+                "must be at least 1 ms",
+            );
+            v.check(
+                timeout <= MAX_TIMEOUT,
+                "attempt timeout",
+                "must be at most 30 days",
+            );
+        }
+        if let Some(timeout) = self.overall_timeout {
+            v.check(
+                !timeout.is_zero(),
+                "overall timeout",
+                "must be greater than zero",
+            );
+            v.check(
+                timeout <= MAX_TIMEOUT,
+                "overall timeout",
+                "must be at most 30 days",
+            );
+        }
+        self.backoff.validate(&mut v);
+        v.finish(self)
     }
 
     /// No default timeouts: without a deadline an attempt may take forever.
@@ -275,14 +316,9 @@ impl StandardRetryStrategy {
     }
 }
 
-fn checked_timeout(field: &'static str, timeout: Duration) -> Result<Duration, ConfigError> {
-    if timeout.is_zero() {
-        return Err(ConfigError::new(field, "must be greater than zero"));
-    }
-    if timeout > MAX_TIMEOUT {
-        return Err(ConfigError::new(field, "must be at most 30 days"));
-    }
-    Ok(timeout)
+/// An attempt timeout as used: from [`MIN_ATTEMPT_TIME`] to 30 days.
+fn attempt_bound(timeout: Duration) -> Duration {
+    timeout.clamp(MIN_ATTEMPT_TIME, MAX_TIMEOUT)
 }
 
 impl RetryStrategy for StandardRetryStrategy {
@@ -293,7 +329,7 @@ impl RetryStrategy for StandardRetryStrategy {
         });
         RetryToken {
             attempt: 1,
-            max_attempts: self.max_attempts,
+            max_attempts: self.max_attempts.clamp(1, 100),
             delay: Duration::ZERO,
             last_cost: None,
             rng: None,
@@ -361,11 +397,16 @@ impl RetryStrategy for StandardRetryStrategy {
     }
 
     fn default_timeouts(&self) -> (Option<Duration>, Option<Duration>) {
-        (self.attempt_timeout, self.overall_timeout)
+        (
+            self.attempt_timeout.map(attempt_bound),
+            self.overall_timeout.map(|t| t.min(MAX_TIMEOUT)),
+        )
     }
 
     fn attempt_timeout_under_deadline(&self) -> Option<Duration> {
-        self.attempt_timeout.filter(|_| self.attempt_timeout_set)
+        self.attempt_timeout
+            .filter(|_| self.attempt_timeout_set)
+            .map(attempt_bound)
     }
 }
 
@@ -383,13 +424,14 @@ pub struct Idempotent;
 /// logical request, one withdrawal per retry), so a budget layer below it that holds
 /// *the same* budget does not count it again (one holding another budget counts it).
 ///
-/// Two marks, both set by the `RetryLayer`: this request extension on attempts 2 and
-/// later (it travels through a `Buffer`), and, around the synchronous `call` of every
-/// attempt, a thread-local mark ([`RetryCharged::mark`]) that a layer directly below
-/// reads with [`RetryCharged::covers`] — which keeps the first attempt, the common
-/// case, free of an extension allocation. Through a `Buffer`, a first attempt is
-/// therefore counted again by a budget layer holding the same budget.
+/// The `RetryLayer` puts it in the extensions of every attempt it makes of a budgeted
+/// request, the first included ([`RetryCall::prepare_attempt`](crate::retry::RetryCall::prepare_attempt)).
+/// It travels with the request, so any layer in between — a `Buffer` that hands the
+/// request to another task, a spawn — keeps it, and the budget layer reads it with
+/// [`RetryCharged::covers`].
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct RetryCharged {
     /// The 1-based attempt number.
     pub attempt: u32,
@@ -397,40 +439,17 @@ pub struct RetryCharged {
     pub budget: BudgetId,
 }
 
-/// The guard of [`RetryCharged::mark`]: restores the thread-local mark when dropped.
-#[derive(Debug)]
-#[must_use = "the mark lasts until the guard is dropped"]
-pub struct ChargeMark {
-    previous: usize,
-}
-
-impl Drop for ChargeMark {
-    fn drop(&mut self) {
-        CHARGED.with(|c| c.set(self.previous));
-    }
-}
-
-thread_local! {
-    /// The `BudgetId` of the call being made on this thread, 0 for none.
-    static CHARGED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
 impl RetryCharged {
-    /// Marks the calls made on this thread until the guard is dropped as counted by
-    /// `budget`.
-    pub fn mark(budget: BudgetId) -> ChargeMark {
-        ChargeMark {
-            previous: CHARGED.with(|c| c.replace(budget.get())),
-        }
+    /// The mark of attempt `attempt`, counted by the budget `budget`.
+    pub fn new(attempt: u32, budget: BudgetId) -> Self {
+        RetryCharged { attempt, budget }
     }
 
-    /// Whether a request with these extensions, being called now, was already
-    /// accounted for in `budget` by a `RetryLayer` above.
+    /// Whether a request with these extensions was already accounted for in `budget`
+    /// by a `RetryLayer` above.
     pub fn covers(budget: &RetryBudget, extensions: &http::Extensions) -> bool {
-        let id = budget.id();
-        CHARGED.with(std::cell::Cell::get) == id.get()
-            || extensions
-                .get::<RetryCharged>()
-                .is_some_and(|c| c.budget == id)
+        extensions
+            .get::<RetryCharged>()
+            .is_some_and(|c| c.budget == budget.id())
     }
 }

@@ -21,10 +21,8 @@ use tokio::time::{Instant, advance};
 const FAST: Duration = Duration::from_millis(1);
 const SECOND: Duration = Duration::from_secs(1);
 
-fn breaker_with(change: impl FnOnce(&mut BreakerConfig)) -> CircuitBreaker {
-    let mut config = BreakerConfig::default();
-    change(&mut config);
-    CircuitBreaker::new(config).unwrap()
+fn breaker_with(change: impl FnOnce(BreakerConfig) -> BreakerConfig) -> CircuitBreaker {
+    CircuitBreaker::new(change(BreakerConfig::default()))
 }
 
 /// Makes `n` calls with `outcome`, each taking `elapsed`; every one must be let through.
@@ -67,7 +65,9 @@ fn counts(breaker: &CircuitBreaker) -> (u64, u64, u64) {
 fn logged(config: &mut BreakerConfig) -> Arc<Mutex<Vec<StateChange>>> {
     let log: Arc<Mutex<Vec<StateChange>>> = Arc::default();
     let sink = Arc::clone(&log);
-    config.on_state_change = Some(Arc::new(move |change| sink.lock().unwrap().push(change)));
+    *config = config
+        .clone()
+        .with_on_state_change(move |change| sink.lock().unwrap().push(change));
     log
 }
 
@@ -132,10 +132,7 @@ async fn exactly_at_the_threshold_opens_and_just_below_does_not() {
     failures(&below, 1);
     assert_eq!(below.state(), State::Open, "11 of 22 is 50 %");
 
-    let custom = breaker_with(|c| {
-        c.failure_rate_threshold = 25.0;
-        c.minimum_calls = 4;
-    });
+    let custom = breaker_with(|c| c.with_failure_rate_threshold(25.0).with_minimum_calls(4));
     successes(&custom, 4);
     failures(&custom, 1);
     assert_eq!(custom.state(), State::Closed, "1 of 5 is 20 %");
@@ -240,8 +237,8 @@ async fn calls_leave_the_time_window_with_their_bucket() {
 #[tokio::test(start_paused = true)]
 async fn a_count_window_holds_the_last_calls() {
     let exact = breaker_with(|c| {
-        c.window = SlidingWindow::count(10, 10);
-        c.minimum_calls = 10;
+        c.with_window(SlidingWindow::count(10, 10))
+            .with_minimum_calls(10)
     });
     successes(&exact, 10);
     failures(&exact, 4);
@@ -252,8 +249,8 @@ async fn a_count_window_holds_the_last_calls() {
 
     // 20 calls in 4 buckets of 5: the current bucket and the 3 before it.
     let bucketed = breaker_with(|c| {
-        c.window = SlidingWindow::count(20, 4);
-        c.minimum_calls = 1;
+        c.with_window(SlidingWindow::count(20, 4))
+            .with_minimum_calls(1)
     });
     successes(&bucketed, 20);
     assert_eq!(bucketed.window().calls(), 20);
@@ -268,7 +265,7 @@ async fn a_count_window_holds_the_last_calls() {
 
 #[tokio::test(start_paused = true)]
 async fn a_very_busy_bucket_halves_its_counts_and_keeps_its_rates() {
-    let breaker = breaker_with(|c| c.slow_call_duration = Some(SECOND));
+    let breaker = breaker_with(|c| c.with_slow_call_duration(SECOND));
     // 60 000 calls in one bucket of one thread: a third failures, a third slow.
     for _ in 0..20_000 {
         calls(&breaker, 1, BreakerOutcome::Success, FAST);
@@ -302,8 +299,8 @@ async fn a_very_busy_bucket_halves_its_counts_and_keeps_its_rates() {
 #[tokio::test(start_paused = true)]
 async fn slow_calls_open_the_breaker_at_their_rate() {
     let breaker = breaker_with(|c| {
-        c.slow_call_duration = Some(SECOND);
-        c.slow_call_rate_threshold = 50.0;
+        c.with_slow_call_duration(SECOND)
+            .with_slow_call_rate_threshold(50.0)
     });
     successes(&breaker, 10);
     calls(&breaker, 9, BreakerOutcome::Success, Duration::from_secs(5));
@@ -314,7 +311,7 @@ async fn slow_calls_open_the_breaker_at_their_rate() {
     assert_eq!(breaker.state(), State::Open, "10 slow calls of 20");
 
     // A slow failure counts as both.
-    let both = breaker_with(|c| c.slow_call_duration = Some(SECOND));
+    let both = breaker_with(|c| c.with_slow_call_duration(SECOND));
     calls(&both, 3, BreakerOutcome::Failure, SECOND);
     calls(
         &both,
@@ -367,7 +364,7 @@ async fn open_duration_doubles_up_to_the_maximum_and_resets_after_closing() {
 async fn every_transition_is_reported_with_its_time() {
     let mut config = BreakerConfig::default();
     let log = logged(&mut config);
-    let breaker = CircuitBreaker::new(config).unwrap();
+    let breaker = CircuitBreaker::new(config);
     let t0 = Instant::now();
     trip(&breaker);
     advance(Duration::from_secs(5)).await;
@@ -445,7 +442,7 @@ async fn half_open_hands_exactly_the_probes_to_racing_threads() {
 
 #[tokio::test(start_paused = true)]
 async fn half_open_hands_exactly_the_probes_to_racing_tasks() {
-    let breaker = breaker_with(|c| c.half_open_probes = 5);
+    let breaker = breaker_with(|c| c.with_half_open_probes(5));
     trip(&breaker);
     advance(Duration::from_secs(5)).await;
     let tasks: Vec<_> = (0..64)
@@ -487,7 +484,7 @@ async fn a_probe_failure_reopens_and_a_dropped_probe_counts_as_one() {
 
 #[tokio::test(start_paused = true)]
 async fn a_slow_probe_is_a_failure_and_a_neutral_one_gives_its_turn_back() {
-    let breaker = breaker_with(|c| c.slow_call_duration = Some(SECOND));
+    let breaker = breaker_with(|c| c.with_slow_call_duration(SECOND));
     calls(&breaker, 20, BreakerOutcome::Failure, FAST);
     advance(Duration::from_secs(5)).await;
     let mut taken = probes(&breaker, 3);
@@ -626,10 +623,7 @@ async fn concurrent_records_from_threads_count_exactly() {
         SlidingWindow::count(10_000, 10),
         SlidingWindow::count(10_000, 1_000),
     ] {
-        let breaker = breaker_with(|c| {
-            c.window = window;
-            c.slow_call_duration = Some(SECOND);
-        });
+        let breaker = breaker_with(|c| c.with_window(window).with_slow_call_duration(SECOND));
         let handle = tokio::runtime::Handle::current();
         std::thread::scope(|s| {
             for _ in 0..THREADS {
@@ -659,7 +653,7 @@ async fn concurrent_records_from_threads_count_exactly() {
 async fn concurrent_failures_open_the_breaker_once() {
     let mut config = BreakerConfig::default();
     let log = logged(&mut config);
-    let breaker = CircuitBreaker::new(config).unwrap();
+    let breaker = CircuitBreaker::new(config);
     let handle = tokio::runtime::Handle::current();
     std::thread::scope(|s| {
         for _ in 0..4 {
@@ -682,148 +676,189 @@ async fn concurrent_failures_open_the_breaker_once() {
 
 #[tokio::test(start_paused = true)]
 async fn configuration_is_validated() {
-    type Change = fn(&mut BreakerConfig);
+    type Change = fn(BreakerConfig) -> BreakerConfig;
     let cases: &[(Change, &str)] = &[
         (
-            |c| c.window = SlidingWindow::time(Duration::ZERO, 10),
+            |c| c.with_window(SlidingWindow::time(Duration::ZERO, 10)),
             "window.length",
         ),
         (
-            |c| c.window = SlidingWindow::time(Duration::from_millis(999), 1),
+            |c| c.with_window(SlidingWindow::time(Duration::from_millis(999), 1)),
             "window.length",
         ),
         (
-            |c| c.window = SlidingWindow::time(Duration::from_secs(31 * 86_400), 10),
+            |c| c.with_window(SlidingWindow::time(Duration::from_secs(31 * 86_400), 10)),
             "window.length",
         ),
         (
-            |c| c.window = SlidingWindow::time(Duration::from_secs(1), 101),
+            |c| c.with_window(SlidingWindow::time(Duration::from_secs(1), 101)),
             "window.buckets",
         ),
         (
-            |c| c.window = SlidingWindow::time(Duration::from_secs(30), 0),
+            |c| c.with_window(SlidingWindow::time(Duration::from_secs(30), 0)),
             "window.buckets",
         ),
-        (|c| c.window = SlidingWindow::count(0, 1), "window.calls"),
         (
-            |c| c.window = SlidingWindow::count(10_001, 1),
+            |c| c.with_window(SlidingWindow::count(0, 1)),
             "window.calls",
         ),
         (
-            |c| c.window = SlidingWindow::count(100, 0),
+            |c| c.with_window(SlidingWindow::count(10_001, 1)),
+            "window.calls",
+        ),
+        (
+            |c| c.with_window(SlidingWindow::count(100, 0)),
             "window.buckets",
         ),
-        (|c| c.window = SlidingWindow::count(100, 7), "window.calls"),
         (
-            |c| c.window = SlidingWindow::count(10_000, 2_000),
+            |c| c.with_window(SlidingWindow::count(100, 7)),
+            "window.calls",
+        ),
+        (
+            |c| c.with_window(SlidingWindow::count(10_000, 2_000)),
             "window.buckets",
         ),
-        (|c| c.window = SlidingWindow::count(10, 10), "minimum_calls"), // 20 > 10
-        (|c| c.failure_rate_threshold = 0.0, "failure_rate_threshold"),
         (
-            |c| c.failure_rate_threshold = 100.5,
+            |c| c.with_window(SlidingWindow::count(10, 10)),
+            "minimum_calls",
+        ), // 20 > 10
+        (
+            |c| c.with_failure_rate_threshold(0.0),
             "failure_rate_threshold",
         ),
         (
-            |c| c.failure_rate_threshold = f64::NAN,
+            |c| c.with_failure_rate_threshold(100.5),
             "failure_rate_threshold",
         ),
         (
-            |c| c.failure_rate_threshold = -1.0,
+            |c| c.with_failure_rate_threshold(f64::NAN),
             "failure_rate_threshold",
         ),
-        (|c| c.minimum_calls = 0, "minimum_calls"),
-        (|c| c.minimum_calls = 8_001, "minimum_calls"),
         (
-            |c| c.slow_call_duration = Some(Duration::ZERO),
+            |c| c.with_failure_rate_threshold(-1.0),
+            "failure_rate_threshold",
+        ),
+        (|c| c.with_minimum_calls(0), "minimum_calls"),
+        (|c| c.with_minimum_calls(8_001), "minimum_calls"),
+        (
+            |c| c.with_slow_call_duration(Duration::ZERO),
             "slow_call_duration",
         ),
         (
-            |c| c.slow_call_duration = Some(Duration::from_secs(31 * 86_400)),
+            |c| c.with_slow_call_duration(Duration::from_secs(31 * 86_400)),
             "slow_call_duration",
         ),
         (
-            |c| c.slow_call_rate_threshold = 0.0,
+            |c| c.with_slow_call_rate_threshold(0.0),
             "slow_call_rate_threshold",
         ),
         (
-            |c| c.slow_call_rate_threshold = f64::INFINITY,
+            |c| c.with_slow_call_rate_threshold(f64::INFINITY),
             "slow_call_rate_threshold",
         ),
-        (|c| c.open_duration = Duration::ZERO, "open_duration"),
+        (|c| c.with_open_duration(Duration::ZERO), "open_duration"),
         (
-            |c| c.open_duration = Duration::from_secs(61),
+            |c| c.with_open_duration(Duration::from_secs(61)),
             "max_open_duration",
         ),
         (
-            |c| c.max_open_duration = Duration::from_secs(4),
+            |c| c.with_max_open_duration(Duration::from_secs(4)),
             "max_open_duration",
         ),
         (
-            |c| c.max_open_duration = Duration::from_secs(31 * 86_400),
+            |c| c.with_max_open_duration(Duration::from_secs(31 * 86_400)),
             "max_open_duration",
         ),
-        (|c| c.half_open_probes = 0, "half_open_probes"),
-        (|c| c.half_open_probes = 1_001, "half_open_probes"),
+        (|c| c.with_half_open_probes(0), "half_open_probes"),
+        (|c| c.with_half_open_probes(1_001), "half_open_probes"),
         (
-            |c| c.half_open_timeout = Duration::ZERO,
+            |c| c.with_half_open_timeout(Duration::ZERO),
             "half_open_timeout",
         ),
         (
-            |c| c.half_open_timeout = Duration::from_secs(31 * 86_400),
+            |c| c.with_half_open_timeout(Duration::from_secs(31 * 86_400)),
             "half_open_timeout",
         ),
     ];
     for (i, (change, field)) in cases.iter().enumerate() {
-        let mut config = BreakerConfig::default();
-        change(&mut config);
-        let error = CircuitBreaker::new(config).unwrap_err();
+        let error = change(BreakerConfig::default()).build().unwrap_err();
         assert_eq!(error.field(), *field, "case {i}: {error}");
     }
 
     // The limits themselves are accepted.
     let ok: &[Change] = &[
-        |c| c.window = SlidingWindow::time(Duration::from_secs(1), 100),
-        |c| c.window = SlidingWindow::time(Duration::from_secs(30 * 86_400), 1),
+        |c| c.with_window(SlidingWindow::time(Duration::from_secs(1), 100)),
+        |c| c.with_window(SlidingWindow::time(Duration::from_secs(30 * 86_400), 1)),
         |c| {
-            c.window = SlidingWindow::count(10_000, 1_000);
-            c.minimum_calls = 8_000;
+            c.with_window(SlidingWindow::count(10_000, 1_000))
+                .with_minimum_calls(8_000)
         },
         |c| {
-            c.window = SlidingWindow::count(1, 1);
-            c.minimum_calls = 1;
+            c.with_window(SlidingWindow::count(1, 1))
+                .with_minimum_calls(1)
         },
-        |c| c.failure_rate_threshold = 100.0,
-        |c| c.failure_rate_threshold = 0.0001,
-        |c| c.slow_call_rate_threshold = 100.0,
-        |c| c.slow_call_duration = Some(Duration::from_nanos(1)),
+        |c| c.with_failure_rate_threshold(100.0),
+        |c| c.with_failure_rate_threshold(0.0001),
+        |c| c.with_slow_call_rate_threshold(100.0),
+        |c| c.with_slow_call_duration(Duration::from_nanos(1)),
         |c| {
-            c.open_duration = Duration::from_secs(30 * 86_400);
-            c.max_open_duration = Duration::from_secs(30 * 86_400);
+            c.with_open_duration(Duration::from_secs(30 * 86_400))
+                .with_max_open_duration(Duration::from_secs(30 * 86_400))
         },
-        |c| c.half_open_probes = 1_000,
+        |c| c.with_half_open_probes(1_000),
     ];
     for (i, change) in ok.iter().enumerate() {
-        let mut config = BreakerConfig::default();
-        change(&mut config);
-        assert!(CircuitBreaker::new(config).is_ok(), "case {i}");
+        assert!(change(BreakerConfig::default()).build().is_ok(), "case {i}");
     }
-    let breaker = CircuitBreaker::new(BreakerConfig::default()).unwrap();
-    assert_eq!(breaker.config().minimum_calls, 20);
+    let breaker = CircuitBreaker::new(BreakerConfig::default());
+    assert_eq!(breaker.config().minimum_calls(), 20);
     assert_eq!(
-        breaker.config().window,
+        breaker.config().window(),
         SlidingWindow::time(Duration::from_secs(30), 10)
     );
+}
+
+#[test]
+fn every_bad_breaker_setting_is_named() {
+    let error = BreakerConfig::default()
+        .with_window(SlidingWindow::time(Duration::from_millis(10), 10))
+        .with_minimum_calls(0)
+        .with_half_open_timeout(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        error.fields().collect::<Vec<_>>(),
+        ["window.length", "minimum_calls", "half_open_timeout"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unbuilt_configuration_is_clamped_into_range() {
+    // Never built: every field out of range is used as the nearest valid value, and
+    // nothing panics.
+    let breaker = CircuitBreaker::new(
+        BreakerConfig::default()
+            .with_window(SlidingWindow::count(0, 0))
+            .with_failure_rate_threshold(f64::NAN)
+            .with_minimum_calls(0)
+            .with_half_open_probes(0)
+            .with_open_duration(Duration::ZERO),
+    );
+    assert_eq!(breaker.config().window(), SlidingWindow::count(1, 1));
+    assert_eq!(breaker.config().minimum_calls(), 1);
+    assert_eq!(breaker.config().half_open_probes(), 1);
+    failures(&breaker, 1);
+    assert_eq!(breaker.state(), State::Open);
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_single_probe_with_a_long_open_duration_closes_and_reopens() {
     let breaker = breaker_with(|c| {
-        c.half_open_probes = 1;
-        c.minimum_calls = 1;
-        c.failure_rate_threshold = 100.0;
-        c.open_duration = Duration::from_secs(30 * 86_400);
-        c.max_open_duration = Duration::from_secs(30 * 86_400);
+        c.with_half_open_probes(1)
+            .with_minimum_calls(1)
+            .with_failure_rate_threshold(100.0)
+            .with_open_duration(Duration::from_secs(30 * 86_400))
+            .with_max_open_duration(Duration::from_secs(30 * 86_400))
     });
     successes(&breaker, 1);
     failures(&breaker, 1);
@@ -843,7 +878,7 @@ async fn a_single_probe_with_a_long_open_duration_closes_and_reopens() {
 async fn debug_shows_the_state_and_hides_the_hook() {
     let mut config = BreakerConfig::default();
     let _log = logged(&mut config);
-    let breaker = CircuitBreaker::new(config).unwrap();
+    let breaker = CircuitBreaker::new(config);
     failures(&breaker, 2);
     let text = format!("{breaker:?}");
     assert!(text.contains("state: Closed"), "{text}");

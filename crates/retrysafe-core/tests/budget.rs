@@ -26,10 +26,10 @@ fn drain(budget: &RetryBudget, cost: RetryCost, limit: u64) -> u64 {
 
 fn ratio(ttl_secs: u64, min_per_sec: u32, retry_ratio: f64) -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.ttl = Duration::from_secs(ttl_secs);
-    config.min_per_sec = min_per_sec;
-    config.retry_ratio = retry_ratio;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_ttl(Duration::from_secs(ttl_secs));
+    config = config.with_min_per_sec(min_per_sec);
+    config = config.with_retry_ratio(retry_ratio);
+    RetryBudget::ratio_with(config)
 }
 
 fn ratio_counts(budget: &RetryBudget) -> (u64, u64, u64) {
@@ -297,11 +297,11 @@ async fn token_bucket_costs_timeouts_refunds_and_cap() {
 #[tokio::test(start_paused = true)]
 async fn token_bucket_custom_costs() {
     let mut config = TokenBucketConfig::default();
-    config.capacity = 20;
-    config.retry_cost = 3;
-    config.timeout_cost = 20;
-    config.success_refund = 0;
-    let bucket = RetryBudget::token_bucket_with(config).unwrap();
+    config = config.with_capacity(20);
+    config = config.with_retry_cost(3);
+    config = config.with_timeout_cost(20);
+    config = config.with_success_refund(0);
+    let bucket = RetryBudget::token_bucket_with(config);
     assert_eq!(bucket.available_retries(), 6);
     assert!(bucket.withdraw(RetryCost::Timeout));
     assert!(!bucket.withdraw(RetryCost::Failure));
@@ -398,8 +398,8 @@ async fn concurrent_withdrawals_within_the_ratio_are_never_refused() {
 #[tokio::test(start_paused = true)]
 async fn concurrent_token_bucket_conserves_tokens() {
     let mut config = TokenBucketConfig::default();
-    config.capacity = 100_000;
-    let bucket = RetryBudget::token_bucket_with(config).unwrap();
+    config = config.with_capacity(100_000);
+    let bucket = RetryBudget::token_bucket_with(config);
     // Phase 1: four threads drain the bucket together; it empties exactly.
     let on_threads = |work: fn(&RetryBudget) -> u64| -> u64 {
         std::thread::scope(|s| {
@@ -457,28 +457,26 @@ async fn clones_share_state() {
 
 #[tokio::test(start_paused = true)]
 async fn ratio_config_validation() {
-    let err = |edit: fn(&mut RatioConfig)| {
-        let mut config = RatioConfig::default();
-        edit(&mut config);
-        let e = RetryBudget::ratio_with(config).unwrap_err();
+    let err = |edit: fn(RatioConfig) -> RatioConfig| {
+        let e = edit(RatioConfig::default()).build().unwrap_err();
         (e.field(), e.reason())
     };
     assert_eq!(
-        err(|c| c.ttl = Duration::ZERO),
+        err(|c| c.with_ttl(Duration::ZERO)),
         ("ttl", "must be greater than zero")
     );
     assert_eq!(
-        err(|c| c.ttl = Duration::from_millis(999)),
+        err(|c| c.with_ttl(Duration::from_millis(999))),
         ("ttl", "must be at least 1 s")
     );
     assert_eq!(
-        err(|c| c.ttl = Duration::from_secs(30 * 86_400) + Duration::from_nanos(1)),
+        err(|c| c.with_ttl(Duration::from_secs(30 * 86_400) + Duration::from_nanos(1))),
         ("ttl", "must be at most 30 days")
     );
     for bad in [f64::NAN, -0.1, 1000.001, f64::INFINITY, f64::NEG_INFINITY] {
         let mut config = RatioConfig::default();
-        config.retry_ratio = bad;
-        let e = RetryBudget::ratio_with(config).unwrap_err();
+        config = config.with_retry_ratio(bad);
+        let e = config.build().unwrap_err();
         assert_eq!(e.field(), "retry_ratio", "{bad}");
         assert_eq!(
             e.to_string(),
@@ -488,16 +486,16 @@ async fn ratio_config_validation() {
 
     // The bounds themselves are valid.
     let mut config = RatioConfig::default();
-    config.ttl = Duration::from_secs(1);
-    config.retry_ratio = 0.0;
-    config.min_per_sec = u32::MAX;
-    let budget = RetryBudget::ratio_with(config).unwrap();
+    config = config.with_ttl(Duration::from_secs(1));
+    config = config.with_retry_ratio(0.0);
+    config = config.with_min_per_sec(u32::MAX);
+    let budget = RetryBudget::ratio_with(config);
     assert_eq!(budget.available_retries(), u64::from(u32::MAX));
     assert_eq!(budget.ratio_config(), Some(&config));
     assert_eq!(budget.token_bucket_config(), None);
-    config.ttl = Duration::from_secs(30 * 86_400);
-    config.retry_ratio = 1000.0;
-    assert!(RetryBudget::ratio_with(config).is_ok());
+    config = config.with_ttl(Duration::from_secs(30 * 86_400));
+    config = config.with_retry_ratio(1000.0);
+    assert!(config.build().is_ok());
     assert_eq!(
         RetryBudget::default().ratio_config(),
         Some(&RatioConfig::default())
@@ -506,50 +504,87 @@ async fn ratio_config_validation() {
 
 #[tokio::test(start_paused = true)]
 async fn token_bucket_config_validation() {
-    let err = |edit: fn(&mut TokenBucketConfig)| {
-        let mut config = TokenBucketConfig::default();
-        edit(&mut config);
-        let e = RetryBudget::token_bucket_with(config).unwrap_err();
+    let err = |edit: fn(TokenBucketConfig) -> TokenBucketConfig| {
+        let e = edit(TokenBucketConfig::default()).build().unwrap_err();
         (e.field(), e.reason())
     };
     assert_eq!(
-        err(|c| c.capacity = 0),
+        err(|c| c.with_capacity(0)),
         ("capacity", "must be greater than zero")
     );
     assert_eq!(
-        err(|c| c.retry_cost = 0),
+        err(|c| c.with_retry_cost(0)),
         ("retry_cost", "must be greater than zero")
     );
     assert_eq!(
-        err(|c| c.timeout_cost = 0),
+        err(|c| c.with_timeout_cost(0)),
         ("timeout_cost", "must be greater than zero")
     );
     assert_eq!(
-        err(|c| c.retry_cost = 501),
+        err(|c| c.with_retry_cost(501)),
         ("retry_cost", "must not exceed the capacity")
     );
     assert_eq!(
-        err(|c| c.timeout_cost = 501),
+        err(|c| c.with_timeout_cost(501)),
         ("timeout_cost", "must not exceed the capacity")
     );
     assert_eq!(
-        err(|c| c.success_refund = 501),
+        err(|c| c.with_success_refund(501)),
         ("success_refund", "must not exceed the capacity")
     );
 
     // Costs and refund equal to the capacity are valid; a refund of 0 too.
     let mut config = TokenBucketConfig::default();
-    config.capacity = 1;
-    config.retry_cost = 1;
-    config.timeout_cost = 1;
-    config.success_refund = 0;
-    let bucket = RetryBudget::token_bucket_with(config).unwrap();
+    config = config.with_capacity(1);
+    config = config.with_retry_cost(1);
+    config = config.with_timeout_cost(1);
+    config = config.with_success_refund(0);
+    let bucket = RetryBudget::token_bucket_with(config);
     assert!(bucket.withdraw(RetryCost::Timeout));
     assert!(!bucket.withdraw(RetryCost::Failure));
     assert_eq!(
         RetryBudget::token_bucket().token_bucket_config(),
         Some(&TokenBucketConfig::default())
     );
+}
+
+#[test]
+fn every_bad_budget_setting_is_named() {
+    let ratio = RatioConfig::default()
+        .with_ttl(Duration::ZERO)
+        .with_retry_ratio(-1.0);
+    assert_eq!(
+        ratio.build().unwrap_err().fields().collect::<Vec<_>>(),
+        ["ttl", "retry_ratio"]
+    );
+    let bucket = TokenBucketConfig::default()
+        .with_retry_cost(0)
+        .with_timeout_cost(501)
+        .with_success_refund(501);
+    assert_eq!(
+        bucket.build().unwrap_err().fields().collect::<Vec<_>>(),
+        ["retry_cost", "timeout_cost", "success_refund"]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unvalidated_budget_settings_are_clamped() {
+    // Never built: a zero window and costs out of range are used as the nearest valid
+    // values, and nothing panics.
+    let ratio = RetryBudget::ratio_with(
+        RatioConfig::default()
+            .with_ttl(Duration::ZERO)
+            .with_retry_ratio(f64::NAN),
+    );
+    ratio.deposit();
+    assert_eq!(ratio.ratio_config().unwrap().ttl(), Duration::from_secs(1));
+    let bucket = RetryBudget::token_bucket_with(
+        TokenBucketConfig::default()
+            .with_capacity(0)
+            .with_retry_cost(0),
+    );
+    assert!(bucket.withdraw(RetryCost::Failure));
+    assert!(!bucket.withdraw(RetryCost::Failure));
 }
 
 #[tokio::test(start_paused = true)]

@@ -539,7 +539,7 @@ fn failure_of_our_errors_and_extra() {
 
 #[test]
 fn no_jitter_is_exact_and_capped() {
-    let b = Backoff::new(ms(50), Duration::from_secs(20), Jitter::None).unwrap();
+    let b = Backoff::new(ms(50), Duration::from_secs(20), Jitter::None);
     let mut rng = RetryRng::seeded(1);
     let expected = [
         50, 100, 200, 400, 800, 1600, 3200, 6400, 12_800, 20_000, 20_000,
@@ -576,11 +576,15 @@ fn no_jitter_is_exact_and_capped() {
         b.delay(5, Duration::ZERO, true, &mut rng),
         Duration::from_secs(20)
     );
-    let small_cap = Backoff::new(ms(10), ms(300), Jitter::None).unwrap();
+    let small_cap = Backoff::new(ms(10), ms(300), Jitter::None);
     assert_eq!(small_cap.throttle_base(), ms(300));
-    let b = b.with_throttle_base(ms(250)).unwrap();
+    let b = b.with_throttle_base(ms(250));
     assert_eq!(b.delay(1, Duration::ZERO, true, &mut rng), ms(500));
-    assert!(b.with_throttle_base(Duration::from_secs(21)).is_err());
+    assert!(
+        b.with_throttle_base(Duration::from_secs(21))
+            .build()
+            .is_err()
+    );
 }
 
 #[test]
@@ -596,23 +600,33 @@ fn the_defaults() {
 fn backoff_configuration_is_validated() {
     assert_eq!(
         Backoff::new(ms(1), Duration::ZERO, Jitter::Full)
+            .build()
             .unwrap_err()
             .field(),
         "backoff cap"
     );
     assert_eq!(
         Backoff::new(ms(10), ms(5), Jitter::Full)
+            .build()
             .unwrap_err()
             .field(),
         "backoff base"
     );
-    assert!(Backoff::new(ms(1), Duration::from_secs(31 * 24 * 3600), Jitter::Full).is_err());
-    assert!(Backoff::new(Duration::ZERO, ms(5), Jitter::Full).is_ok());
+    assert!(
+        Backoff::new(ms(1), Duration::from_secs(31 * 24 * 3600), Jitter::Full)
+            .build()
+            .is_err()
+    );
+    assert!(
+        Backoff::new(Duration::ZERO, ms(5), Jitter::Full)
+            .build()
+            .is_ok()
+    );
 }
 
 #[test]
 fn full_jitter_stays_within_zero_and_the_exponential() {
-    let b = Backoff::new(ms(50), Duration::from_secs(2), Jitter::Full).unwrap();
+    let b = Backoff::new(ms(50), Duration::from_secs(2), Jitter::Full);
     for seed in 0..50 {
         let mut rng = RetryRng::seeded(seed);
         for n in 0..8 {
@@ -633,7 +647,7 @@ fn full_jitter_stays_within_zero_and_the_exponential() {
 
 #[test]
 fn equal_jitter_stays_within_half_and_the_exponential() {
-    let b = Backoff::new(ms(50), Duration::from_secs(2), Jitter::Equal).unwrap();
+    let b = Backoff::new(ms(50), Duration::from_secs(2), Jitter::Equal);
     for seed in 0..50 {
         let mut rng = RetryRng::seeded(seed);
         for n in 0..8 {
@@ -651,7 +665,7 @@ fn equal_jitter_stays_within_half_and_the_exponential() {
 fn decorrelated_jitter_stays_between_base_and_three_times_the_previous_capped() {
     let base = ms(50);
     let cap = Duration::from_secs(2);
-    let b = Backoff::new(base, cap, Jitter::Decorrelated).unwrap();
+    let b = Backoff::new(base, cap, Jitter::Decorrelated);
     for seed in 0..50 {
         let mut rng = RetryRng::seeded(seed);
         let mut previous = Duration::ZERO;
@@ -677,7 +691,7 @@ fn decorrelated_jitter_stays_between_base_and_three_times_the_previous_capped() 
 #[test]
 fn the_same_seed_gives_the_same_sequence() {
     for jitter in [Jitter::Full, Jitter::Equal, Jitter::Decorrelated] {
-        let b = Backoff::new(ms(50), Duration::from_secs(20), jitter).unwrap();
+        let b = Backoff::new(ms(50), Duration::from_secs(20), jitter);
         let run = |seed| {
             let mut rng = RetryRng::seeded(seed);
             let mut previous = Duration::ZERO;
@@ -718,9 +732,9 @@ fn unavailable() -> Classification {
 
 fn ratio(min_per_sec: u32, retry_ratio: f64) -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = min_per_sec;
-    config.retry_ratio = retry_ratio;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(min_per_sec);
+    config = config.with_retry_ratio(retry_ratio);
+    RetryBudget::ratio_with(config)
 }
 
 fn ratio_counts(budget: &RetryBudget) -> (u64, u64) {
@@ -778,10 +792,7 @@ async fn three_attempts_by_default_with_seeded_full_jitter() {
 
 #[tokio::test(start_paused = true)]
 async fn max_attempts_and_limits() {
-    let s = StandardRetryStrategy::new()
-        .max_attempts(5)
-        .unwrap()
-        .no_budget();
+    let s = StandardRetryStrategy::new().max_attempts(5).no_budget();
     let mut t = s.acquire_initial_retry_token(None);
     for n in 2..=5 {
         t = s
@@ -820,26 +831,62 @@ async fn max_attempts_and_limits() {
     assert_eq!(
         StandardRetryStrategy::new()
             .max_attempts(0)
+            .build()
             .unwrap_err()
             .field(),
         "max attempts"
     );
-    assert!(StandardRetryStrategy::new().max_attempts(101).is_err());
-    assert!(StandardRetryStrategy::new().max_attempts(1).is_ok());
+    assert!(
+        StandardRetryStrategy::new()
+            .max_attempts(101)
+            .build()
+            .is_err()
+    );
+    assert!(StandardRetryStrategy::new().max_attempts(1).build().is_ok());
     assert!(
         StandardRetryStrategy::new()
             .attempt_timeout(Duration::ZERO)
+            .build()
             .is_err()
     );
     assert!(
         StandardRetryStrategy::new()
             .overall_timeout(Duration::ZERO)
+            .build()
             .is_err()
     );
     assert!(
         StandardRetryStrategy::new()
             .overall_timeout(Duration::from_secs(31 * 24 * 3600))
+            .build()
             .is_err()
+    );
+}
+
+#[test]
+fn every_bad_strategy_and_backoff_setting_is_named() {
+    let error = Backoff::new(ms(10), ms(5), Jitter::Full)
+        .with_throttle_base(ms(6))
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        error.fields().collect::<Vec<_>>(),
+        ["backoff base", "throttle base"]
+    );
+    let error = StandardRetryStrategy::new()
+        .max_attempts(0)
+        .overall_timeout(Duration::ZERO)
+        .backoff(Backoff::new(ms(1), Duration::ZERO, Jitter::Full))
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        error.fields().collect::<Vec<_>>(),
+        [
+            "max attempts",
+            "overall timeout",
+            "backoff cap",
+            "backoff base"
+        ]
     );
 }
 
@@ -867,7 +914,7 @@ async fn not_enough_time_when_the_delay_is_at_least_the_time_left() {
     let budget = RetryBudget::token_bucket();
     let s = StandardRetryStrategy::new()
         .budget(budget.clone())
-        .backoff(Backoff::new(ms(100), Duration::from_secs(20), Jitter::None).unwrap());
+        .backoff(Backoff::new(ms(100), Duration::from_secs(20), Jitter::None));
     let t = s.acquire_initial_retry_token(None);
     assert_eq!(
         s.refresh_retry_token(t, &unavailable(), &GET, Some(ms(100)))
@@ -939,7 +986,7 @@ async fn pushback_is_the_delay_and_retry_after_a_minimum() {
     // retry-after 0 under a backoff: the backoff wins.
     let exact = StandardRetryStrategy::new()
         .no_budget()
-        .backoff(Backoff::new(ms(300), Duration::from_secs(20), Jitter::None).unwrap());
+        .backoff(Backoff::new(ms(300), Duration::from_secs(20), Jitter::None));
     let c = classify(429, &[("retry-after", "0")], &GET);
     let t = exact.acquire_initial_retry_token(None);
     let t = exact.refresh_retry_token(t, &c, &GET, None).unwrap();
@@ -1058,9 +1105,7 @@ fn default_timeouts() {
     );
     let s = StandardRetryStrategy::new()
         .attempt_timeout(ms(200))
-        .unwrap()
-        .overall_timeout(Duration::from_secs(1))
-        .unwrap();
+        .overall_timeout(Duration::from_secs(1));
     assert_eq!(
         s.default_timeouts(),
         (Some(ms(200)), Some(Duration::from_secs(1)))

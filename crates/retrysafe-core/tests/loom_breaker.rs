@@ -65,18 +65,18 @@ impl Log {
 fn breaker(probes: u32, minimum_calls: u32, window: SlidingWindow) -> (CircuitBreaker, Log) {
     let log = Log::default();
     let mut config = BreakerConfig::default();
-    config.window = window;
-    config.failure_rate_threshold = 50.0;
-    config.minimum_calls = minimum_calls;
-    config.open_duration = SECOND;
-    config.max_open_duration = 60 * SECOND;
-    config.half_open_probes = probes;
-    config.half_open_timeout = 10 * SECOND;
+    config = config.with_window(window);
+    config = config.with_failure_rate_threshold(50.0);
+    config = config.with_minimum_calls(minimum_calls);
+    config = config.with_open_duration(SECOND);
+    config = config.with_max_open_duration(60 * SECOND);
+    config = config.with_half_open_probes(probes);
+    config = config.with_half_open_timeout(10 * SECOND);
     let hook = log.clone();
-    config.on_state_change = Some(std::sync::Arc::new(move |change| {
+    config = config.with_on_state_change(move |change| {
         hook.0.lock().unwrap().push((change.from, change.to));
-    }));
-    (CircuitBreaker::new(config).unwrap(), log)
+    });
+    (CircuitBreaker::new(config), log)
 }
 
 /// One call with `outcome`, which must be let through.

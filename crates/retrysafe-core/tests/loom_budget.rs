@@ -36,10 +36,10 @@ use retrysafe_core::loom_clock;
 /// A ratio budget of `ratio` with no floor, over the shortest window (1 s in 10 buckets).
 fn ratio(ratio: f64) -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.ttl = Duration::from_secs(1);
-    config.min_per_sec = 0;
-    config.retry_ratio = ratio;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_ttl(Duration::from_secs(1));
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(ratio);
+    RetryBudget::ratio_with(config)
 }
 
 /// (deposits, withdrawals, allowed) of a ratio budget's current window.
@@ -163,11 +163,11 @@ fn ratio_rotation_loses_no_deposit_of_the_new_lap() {
 /// A token bucket config: capacity 10, a retry costs 5, a timeout 10, success refunds 1.
 fn bucket() -> RetryBudget {
     let mut config = TokenBucketConfig::default();
-    config.capacity = 10;
-    config.retry_cost = 5;
-    config.timeout_cost = 10;
-    config.success_refund = 1;
-    RetryBudget::token_bucket_with(config).unwrap()
+    config = config.with_capacity(10);
+    config = config.with_retry_cost(5);
+    config = config.with_timeout_cost(10);
+    config = config.with_success_refund(1);
+    RetryBudget::token_bucket_with(config)
 }
 
 /// Tokens left in a token bucket.

@@ -129,9 +129,9 @@ fn hooked(policy: RetryPolicy) -> (RetryPolicy, Events<RetryEvent>, Events<GiveU
 
 fn empty_budget() -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    RetryBudget::ratio_with(config)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -328,7 +328,14 @@ async fn per_attempt_headers_number_attempts_and_shrink_the_time_left() {
     let first = attempt(&call, &parts, &token);
     assert_eq!(header(&first, "retry-attempt"), None);
     assert_eq!(header(&first, "request-timeout-ms"), Some("1000"));
-    assert!(first.extensions.get::<RetryCharged>().is_none());
+    // The first attempt is tagged too: the budget that counted it is named.
+    assert_eq!(
+        first
+            .extensions
+            .get::<RetryCharged>()
+            .map(|c| (c.attempt, c.budget)),
+        Some((1, budget.id()))
+    );
 
     let next = retry(respond(&mut call, token, 503, &[]));
     assert!(next.delay() <= ms(50));
@@ -399,9 +406,7 @@ async fn attempt_and_overall_bounds_follow_the_deadline_or_the_default_timeouts(
 
 #[tokio::test(start_paused = true)]
 async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
-    let strategy = StandardRetryStrategy::new()
-        .attempt_timeout(Duration::from_secs(1))
-        .unwrap();
+    let strategy = StandardRetryStrategy::new().attempt_timeout(Duration::from_secs(1));
     assert_eq!(
         strategy.attempt_timeout_under_deadline(),
         Some(Duration::from_secs(1))
@@ -425,11 +430,8 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
 
     // A request that can never be repeated (a POST without a key) is not cut short:
     // that would only turn a slow answer into an unknown outcome.
-    let bounded = RetryPolicy::new().with_strategy(
-        StandardRetryStrategy::new()
-            .attempt_timeout(Duration::from_secs(1))
-            .unwrap(),
-    );
+    let bounded = RetryPolicy::new()
+        .with_strategy(StandardRetryStrategy::new().attempt_timeout(Duration::from_secs(1)));
     let (mut call, token) = begin(bounded, &mut with(post(), deadline));
     assert_eq!(call.attempt_until(), Some(deadline.instant()));
     call.prepare_attempt(&mut headers, &mut extensions, &token);
@@ -438,6 +440,7 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
     assert!(
         StandardRetryStrategy::new()
             .attempt_timeout(Duration::from_micros(999))
+            .build()
             .is_err()
     );
 
@@ -453,7 +456,6 @@ async fn an_explicit_attempt_timeout_also_bounds_attempts_under_a_deadline() {
     assert_eq!(
         StandardRetryStrategy::new()
             .attempt_timeout(Duration::from_secs(1))
-            .unwrap()
             .no_timeout()
             .attempt_timeout_under_deadline(),
         None

@@ -48,9 +48,9 @@
 //! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
 //! let url = format!("http://127.0.0.1:{port}/");
 //!
-//! let mut config = BreakerConfig::default();
-//! config.minimum_calls = 2; // opens at 50 % failures of at least 2 calls
-//! let breaker = CircuitBreaker::new(config).unwrap();
+//! // Opens at 50 % failures of at least 2 calls.
+//! let config = BreakerConfig::default().with_minimum_calls(2).build().unwrap();
+//! let breaker = CircuitBreaker::new(config);
 //! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
 //!     .with(CircuitBreakerMiddleware::new(breaker.clone()))
 //!     .build();
@@ -77,9 +77,9 @@ use std::time::Duration;
 use http::Extensions;
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
-use retrysafe_core::ConfigError;
+use retrysafe_core::__private::BreakerFacts;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
-use retrysafe_core::classify::{BreakerFacts, Classifier, DefaultClassifier};
+use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::wire::Convention;
 use tokio::time::Instant;
 
@@ -116,10 +116,10 @@ impl CircuitBreakerMiddleware {
         }
     }
 
-    /// A middleware with a breaker of its own, configured by `config` (refused, naming
-    /// the field, when a field is out of range). Clones of the middleware share it.
-    pub fn with_config(config: BreakerConfig) -> Result<Self, ConfigError> {
-        Ok(Self::new(CircuitBreaker::new(config)?))
+    /// A middleware with a breaker of its own, configured by `config` (checked by
+    /// [`BreakerConfig::build`]). Clones of the middleware share it.
+    pub fn with_config(config: BreakerConfig) -> Self {
+        Self::new(CircuitBreaker::new(config))
     }
 
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
@@ -191,7 +191,7 @@ impl Middleware for CircuitBreakerMiddleware {
             }
         };
         let facts = BreakerFacts::of(request.headers(), &config.convention);
-        let timed = breaker.config().slow_call_duration.is_some();
+        let timed = breaker.config().slow_call_duration().is_some();
         let started = (timed || facts.carries_deadline()).then(Instant::now);
 
         let result = next.run(request, extensions).await;

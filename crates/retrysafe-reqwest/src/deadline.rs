@@ -56,7 +56,7 @@
 //! }
 //!
 //! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
-//!     .with(DeadlineMiddleware::new(Duration::from_millis(100)).unwrap())
+//!     .with(DeadlineMiddleware::new(Duration::from_millis(100)))
 //!     .with(Slow)
 //!     .build();
 //! let error = client.get("http://127.0.0.1:9/").send().await.unwrap_err();
@@ -72,6 +72,7 @@ use std::time::Duration;
 use http::Extensions;
 use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
+use retrysafe_core::__private::Validate;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
@@ -90,19 +91,24 @@ pub struct DeadlineMiddleware {
 
 impl DeadlineMiddleware {
     /// A middleware giving each call at most `timeout` (greater than zero, at most 30
-    /// days), or less when the extensions or the inherited context have a sooner
-    /// deadline.
-    pub fn new(timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout.is_zero() || timeout > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
-        Ok(DeadlineMiddleware {
+    /// days, checked by [`build`](Self::build); a longer one is used as 30 days), or less
+    /// when the extensions or the inherited context have a sooner deadline.
+    pub fn new(timeout: Duration) -> Self {
+        DeadlineMiddleware {
             timeout,
             bound_body: false,
-        })
+        }
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            !self.timeout.is_zero() && self.timeout <= MAX_TIMEOUT,
+            "timeout",
+            "must be greater than zero and at most 30 days",
+        );
+        v.finish(self)
     }
 
     /// The deadline also bounds the response body: a body still streaming when it

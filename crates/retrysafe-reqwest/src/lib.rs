@@ -58,7 +58,7 @@
 //! // One breaker per downstream, shared by every client of it.
 //! let breaker = CircuitBreaker::default();
 //! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
-//!     .with(DeadlineMiddleware::new(Duration::from_secs(2)).unwrap())
+//!     .with(DeadlineMiddleware::new(Duration::from_secs(2)))
 //!     .with(RetryMiddleware::new())
 //!     .with(CircuitBreakerMiddleware::new(breaker.clone()))
 //!     .build();

@@ -86,14 +86,14 @@ use std::fmt;
 use http::{Extensions, HeaderMap, Method};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Error, Middleware, Next, Result};
-use retrysafe_core::classify::{Classifier, Failure};
-use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::retry::{
-    Decision, GiveUpEvent, IdempotentIf, Outcome, RequestHead, RetryCall, RetryEvent, RetryPolicy,
+use retrysafe_core::__private::{
+    Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped,
     child_key_label,
 };
-use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryStrategy};
-use retrysafe_core::stripe::Striped;
+use retrysafe_core::classify::{Classifier, Failure};
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
+use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
 use tracing::Instrument;
 
@@ -209,65 +209,21 @@ impl Middleware for RetryMiddleware {
         if call.too_late() {
             return Err(deadline_exceeded());
         }
-        // What every retry starts from; `None` for a body that cannot be cloned (a
-        // stream), which is then sent once.
-        let template = request.try_clone();
-        let replayable = template.is_some();
-        let mut first = Some(request);
-        // The last real response while a retry is pending.
-        let mut last: Option<Response> = None;
-        // Every attempt starts from the caller's extensions as they were: what one
-        // attempt's middleware add (and the retry mark) must not leak into the next, nor
-        // into the caller's (they may be reused for another call).
-        let base = extensions.clone();
+        let mut attempts = Attempts::new(request, extensions);
         loop {
-            let Some(mut attempt) = first
-                .take()
-                .or_else(|| template.as_ref().and_then(Request::try_clone))
-            else {
-                // (Unreachable: a retry needs a template.)
-                return Err(deadline_exceeded());
-            };
-            if token.attempt() >= 2 {
-                extensions.clone_from(&base);
-            }
-            call.prepare_attempt(attempt.headers_mut(), extensions, &token);
-            let span = if token.attempt() >= 2 {
-                RetryCall::attempt_span(&token)
-            } else {
-                tracing::Span::none()
-            };
-            let sent = next.clone().run(attempt, extensions).instrument(span);
-            let result = match call.attempt_until() {
-                Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
-                None => Some(sent.await),
-            };
-            extensions.remove::<RetryCharged>();
+            let result = attempts.send(&mut call, &token, next.clone()).await;
+            let last = attempts.last.as_ref().map(Response::status);
             let outcome = match &result {
                 Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
                 Some(Err(error)) => Outcome::Failure(failure_of(error)),
                 None => Outcome::TimedOut,
             };
-            let decision = call.decide(
-                outcome,
-                token,
-                replayable,
-                last.as_ref().map(Response::status),
-            );
-            match decision {
+            match call.decide(outcome, token, attempts.replayable(), last) {
                 Decision::Success | Decision::Final => return as_is(result),
-                Decision::GiveUp(_) => {
-                    return match result {
-                        Some(Ok(response)) => Ok(given_up(&call, response)),
-                        other => match last {
-                            Some(response) => Ok(given_up(&call, response)),
-                            None => as_is(other),
-                        },
-                    };
-                }
+                Decision::GiveUp(_) => return attempts.given_up(&call, result),
                 Decision::Retry(next_token) => {
                     if let Some(Ok(response)) = result {
-                        last = Some(response);
+                        attempts.last = Some(response);
                     }
                     token = next_token;
                 }
@@ -276,17 +232,101 @@ impl Middleware for RetryMiddleware {
                 tokio::time::sleep(token.delay()).await;
             }
             if call.too_late() {
-                let attempts = token.attempt() - 1;
-                call.give_up(
-                    GiveUp::NotEnoughTime,
-                    attempts,
-                    last.as_ref().map(Response::status),
-                );
-                return match last {
-                    Some(response) => Ok(given_up(&call, response)),
-                    None => Err(deadline_exceeded()),
-                };
+                return attempts.out_of_time(&call, &token);
             }
+        }
+    }
+}
+
+/// The attempts of one call: what each is made from, and the last real response.
+struct Attempts<'a> {
+    /// The first attempt's request, until it is sent.
+    first: Option<Request>,
+    /// What every retry starts from; `None` for a body that cannot be cloned (a
+    /// stream), which is then sent once.
+    template: Option<Request>,
+    /// The last real response while a retry is pending.
+    last: Option<Response>,
+    extensions: &'a mut Extensions,
+    /// Every attempt starts from the caller's extensions as they were: what one
+    /// attempt's middleware add (and the retry mark) must not leak into the next, nor
+    /// into the caller's (they may be reused for another call).
+    base: Extensions,
+}
+
+impl<'a> Attempts<'a> {
+    fn new(request: Request, extensions: &'a mut Extensions) -> Self {
+        let base = extensions.clone();
+        Attempts {
+            template: request.try_clone(),
+            first: Some(request),
+            last: None,
+            extensions,
+            base,
+        }
+    }
+
+    /// Whether the request can be sent again.
+    fn replayable(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Makes the attempt of `token`, bounded by the call: `None` when it timed out.
+    async fn send(
+        &mut self,
+        call: &mut RetryCall,
+        token: &RetryToken,
+        next: Next<'_>,
+    ) -> Option<Result<Response>> {
+        let Some(mut attempt) = self
+            .first
+            .take()
+            .or_else(|| self.template.as_ref().and_then(Request::try_clone))
+        else {
+            // (Unreachable: a retry needs a template.)
+            return Some(Err(deadline_exceeded()));
+        };
+        if token.attempt() >= 2 {
+            self.extensions.clone_from(&self.base);
+        }
+        call.prepare_attempt(attempt.headers_mut(), self.extensions, token);
+        let span = if token.attempt() >= 2 {
+            RetryCall::attempt_span(token)
+        } else {
+            tracing::Span::none()
+        };
+        let sent = next.run(attempt, self.extensions).instrument(span);
+        let result = match call.attempt_until() {
+            Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
+            None => Some(sent.await),
+        };
+        self.extensions.remove::<RetryCharged>();
+        result
+    }
+
+    /// Given up on a retryable failure: the last real response (this attempt's, or the
+    /// one kept), marked; with none, the outcome as it is.
+    fn given_up(self, call: &RetryCall, result: Option<Result<Response>>) -> Result<Response> {
+        match result {
+            Some(Ok(response)) => Ok(given_up(call, response)),
+            other => match self.last {
+                Some(response) => Ok(given_up(call, response)),
+                None => as_is(other),
+            },
+        }
+    }
+
+    /// Too little time left after the wait for the attempt of `token`: gives up.
+    fn out_of_time(self, call: &RetryCall, token: &RetryToken) -> Result<Response> {
+        let attempts = token.attempt() - 1;
+        call.give_up(
+            GiveUp::NotEnoughTime,
+            attempts,
+            self.last.as_ref().map(Response::status),
+        );
+        match self.last {
+            Some(response) => Ok(given_up(call, response)),
+            None => Err(deadline_exceeded()),
         }
     }
 }

@@ -83,11 +83,11 @@ async fn serve() -> (Arc<Server>, String) {
 /// open for `open` (then doubling), with `probes` half-open probes.
 fn config(open: Duration, probes: u32) -> BreakerConfig {
     let mut config = BreakerConfig::default();
-    config.window = SlidingWindow::count(10, 10);
-    config.minimum_calls = 4;
-    config.open_duration = open;
-    config.max_open_duration = open * 8;
-    config.half_open_probes = probes;
+    config = config.with_window(SlidingWindow::count(10, 10));
+    config = config.with_minimum_calls(4);
+    config = config.with_open_duration(open);
+    config = config.with_max_open_duration(open * 8);
+    config = config.with_half_open_probes(probes);
     config
 }
 
@@ -101,7 +101,7 @@ fn client(breaker: &CircuitBreaker) -> ClientWithMiddleware {
 async fn opens_after_failures_then_fails_fast_without_reaching_the_server() {
     let (server, url) = serve().await;
     server.answer(503);
-    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = client(&breaker);
 
     for n in 1..=4 {
@@ -130,7 +130,7 @@ async fn half_open_probes_reopen_on_failure_and_close_on_recovery() {
     let (server, url) = serve().await;
     server.answer(502);
     let open = Duration::from_millis(50);
-    let breaker = CircuitBreaker::new(config(open, 2)).unwrap();
+    let breaker = CircuitBreaker::new(config(open, 2));
     let client = client(&breaker);
 
     for _ in 0..4 {
@@ -164,7 +164,7 @@ async fn half_open_probes_reopen_on_failure_and_close_on_recovery() {
 #[tokio::test]
 async fn only_the_callees_own_faults_count() {
     let (server, url) = serve().await;
-    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = client(&breaker);
 
     // A dependency of the server failed (it marked its 503s `do-not-retry`): neutral.
@@ -192,7 +192,7 @@ async fn only_the_callees_own_faults_count() {
 async fn a_504_is_neutral_only_when_the_deadline_sent_was_spent() {
     let (server, url) = serve().await;
     server.answer(504);
-    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = client(&breaker);
 
     // The server gave up on the 100 ms it was given (it answers after 100 ms): the
@@ -233,7 +233,7 @@ async fn refused_connections_count_as_failures() {
         .unwrap()
         .port();
     let url = format!("http://127.0.0.1:{port}/");
-    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = client(&breaker);
 
     for _ in 0..4 {
@@ -252,7 +252,7 @@ async fn a_dropped_probe_counts_as_a_failure() {
     let (server, url) = serve().await;
     server.answer(500);
     let open = Duration::from_millis(50);
-    let breaker = CircuitBreaker::new(config(open, 1)).unwrap();
+    let breaker = CircuitBreaker::new(config(open, 1));
     let client = client(&breaker);
     for _ in 0..4 {
         assert_eq!(client.get(&url).send().await.unwrap().status(), 500);
@@ -284,9 +284,9 @@ async fn slow_calls_are_timed_to_the_response_head() {
     // Every answer takes at least 50 ms: slower than the 5 ms slow-call duration.
     server.delay_ms.store(50, Ordering::SeqCst);
     let mut config = config(Duration::from_secs(600), 3);
-    config.slow_call_duration = Some(Duration::from_millis(5));
-    config.slow_call_rate_threshold = 50.0;
-    let breaker = CircuitBreaker::new(config).unwrap();
+    config = config.with_slow_call_duration(Duration::from_millis(5));
+    config = config.with_slow_call_rate_threshold(50.0);
+    let breaker = CircuitBreaker::new(config);
     let client = client(&breaker);
 
     for _ in 0..4 {
@@ -304,10 +304,10 @@ async fn state_changes_reach_the_configured_hook() {
     let seen: Arc<Mutex<Vec<(State, State)>>> = Arc::default();
     let mut config = config(Duration::from_secs(600), 3);
     let log = seen.clone();
-    config.on_state_change = Some(Arc::new(move |change: StateChange| {
+    config = config.with_on_state_change(move |change: StateChange| {
         log.lock().unwrap().push((change.from, change.to));
-    }));
-    let middleware = CircuitBreakerMiddleware::with_config(config).unwrap();
+    });
+    let middleware = CircuitBreakerMiddleware::with_config(config);
     let breaker = middleware.breaker().clone();
     let client = ClientBuilder::new(reqwest::Client::new())
         .with(middleware.clone())
@@ -329,8 +329,8 @@ async fn state_changes_reach_the_configured_hook() {
 #[test]
 fn configuration_errors_name_the_field() {
     let mut config = BreakerConfig::default();
-    config.minimum_calls = 0;
-    let error = CircuitBreakerMiddleware::with_config(config).unwrap_err();
+    config = config.with_minimum_calls(0);
+    let error = config.build().unwrap_err();
     assert_eq!(error.field(), "minimum_calls");
 }
 
@@ -355,7 +355,7 @@ fn fits_client_builder_and_is_send_and_sync() {
 async fn below_the_retry_middleware_every_attempt_passes_the_breaker_and_open_stops_retries() {
     let (server, url) = serve().await;
     server.answer(503);
-    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = ClientBuilder::new(reqwest::Client::new())
         .with(retrysafe_reqwest::RetryMiddleware::new())
         .with(CircuitBreakerMiddleware::new(breaker.clone()))
@@ -387,8 +387,8 @@ async fn below_the_retry_middleware_every_attempt_passes_the_breaker_and_open_st
 async fn a_breaker_in_the_request_extensions_overrides_the_middlewares() {
     let (server, url) = serve().await;
     server.answer(503);
-    let own = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
-    let chosen = CircuitBreaker::new(config(Duration::from_secs(600), 3)).unwrap();
+    let own = CircuitBreaker::new(config(Duration::from_secs(600), 3));
+    let chosen = CircuitBreaker::new(config(Duration::from_secs(600), 3));
     let client = client(&own);
     for _ in 0..4 {
         let response = client

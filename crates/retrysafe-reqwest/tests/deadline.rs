@@ -129,10 +129,7 @@ fn client(deadline: DeadlineMiddleware, probe: &Probe) -> reqwest_middleware::Cl
 async fn a_slow_server_fails_the_call_with_deadline_exceeded() {
     let (server, base) = serve().await;
     let probe = Probe::default();
-    let client = client(
-        DeadlineMiddleware::new(Duration::from_millis(200)).unwrap(),
-        &probe,
-    );
+    let client = client(DeadlineMiddleware::new(Duration::from_millis(200)), &probe);
 
     let error = client.get(format!("{base}/slow")).send().await.unwrap_err();
     assert!(is_deadline_exceeded(&error), "{error:?}");
@@ -152,7 +149,7 @@ async fn the_middleware_below_sees_the_soonest_deadline() {
     let (_server, base) = serve().await;
     let probe = Probe::default();
     let timeout = Duration::from_secs(60);
-    let client = client(DeadlineMiddleware::new(timeout).unwrap(), &probe);
+    let client = client(DeadlineMiddleware::new(timeout), &probe);
     let url = format!("{base}/fast");
 
     // Its own.
@@ -196,7 +193,7 @@ async fn with_the_retry_middleware_every_attempt_tells_the_server_the_time_left(
     let (server, base) = serve().await;
     let probe = Probe::default();
     let client = ClientBuilder::new(reqwest::Client::new())
-        .with(DeadlineMiddleware::new(Duration::from_millis(5_000)).unwrap())
+        .with(DeadlineMiddleware::new(Duration::from_millis(5_000)))
         .with(RetryMiddleware::new())
         .with(probe.clone())
         .build();
@@ -227,10 +224,7 @@ async fn with_the_retry_middleware_every_attempt_tells_the_server_the_time_left(
 async fn no_time_left_fails_at_once_without_calling_below() {
     let (server, base) = serve().await;
     let probe = Probe::default();
-    let client = client(
-        DeadlineMiddleware::new(Duration::from_secs(60)).unwrap(),
-        &probe,
-    );
+    let client = client(DeadlineMiddleware::new(Duration::from_secs(60)), &probe);
 
     let spent = Deadline::after(Duration::ZERO);
     let error = client
@@ -259,9 +253,7 @@ async fn bound_body_ends_a_stalled_body_with_deadline_exceeded() {
     let url = format!("{base}/stall");
 
     let bounded = client(
-        DeadlineMiddleware::new(Duration::from_millis(300))
-            .unwrap()
-            .bound_body(),
+        DeadlineMiddleware::new(Duration::from_millis(300)).bound_body(),
         &probe,
     );
     let response = bounded.get(&url).send().await.unwrap();
@@ -278,10 +270,7 @@ async fn bound_body_ends_a_stalled_body_with_deadline_exceeded() {
     assert_eq!(response.text().await.unwrap(), "fast");
 
     // Without `bound_body` the deadline stops at the head: the body is the caller's.
-    let unbounded = client(
-        DeadlineMiddleware::new(Duration::from_millis(300)).unwrap(),
-        &probe,
-    );
+    let unbounded = client(DeadlineMiddleware::new(Duration::from_millis(300)), &probe);
     let response = unbounded.get(&url).send().await.unwrap();
     let read = tokio::time::timeout(Duration::from_secs(1), response.bytes()).await;
     assert!(read.is_err(), "the stalled body ended: {read:?}");
@@ -290,25 +279,27 @@ async fn bound_body_ends_a_stalled_body_with_deadline_exceeded() {
 #[test]
 fn configuration_is_validated() {
     assert_eq!(
-        DeadlineMiddleware::new(Duration::ZERO).unwrap_err().field(),
-        "timeout"
-    );
-    assert_eq!(
-        DeadlineMiddleware::new(Duration::from_secs(31 * 24 * 3600))
+        DeadlineMiddleware::new(Duration::ZERO)
+            .build()
             .unwrap_err()
             .field(),
         "timeout"
     );
-    let middleware = DeadlineMiddleware::new(Duration::from_secs(2)).unwrap();
+    assert_eq!(
+        DeadlineMiddleware::new(Duration::from_secs(31 * 24 * 3600))
+            .build()
+            .unwrap_err()
+            .field(),
+        "timeout"
+    );
+    let middleware = DeadlineMiddleware::new(Duration::from_secs(2));
     assert_eq!(middleware.timeout(), Duration::from_secs(2));
 }
 
 #[test]
 fn fits_client_builder_and_is_send_and_sync() {
     fn send_sync<T: Send + Sync + 'static>(_: &T) {}
-    let middleware = DeadlineMiddleware::new(Duration::from_secs(1))
-        .unwrap()
-        .bound_body();
+    let middleware = DeadlineMiddleware::new(Duration::from_secs(1)).bound_body();
     send_sync(&middleware);
     let client = ClientBuilder::new(reqwest::Client::new())
         .with(middleware)

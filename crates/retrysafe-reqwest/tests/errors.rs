@@ -164,7 +164,7 @@ async fn errors_of_the_middleware_against_a_real_server_are_found() {
 
     let breaker = CircuitBreaker::default();
     let client = ClientBuilder::new(reqwest::Client::new())
-        .with(DeadlineMiddleware::new(Duration::from_millis(100)).unwrap())
+        .with(DeadlineMiddleware::new(Duration::from_millis(100)))
         .with(CircuitBreakerMiddleware::new(breaker.clone()))
         .build();
 

@@ -2,14 +2,16 @@
 //! made it.
 //!
 //! A [`RetryLayer`](crate::retry::RetryLayer) charges its own retries to its strategy's
-//! budget and tags its attempts ([`RetryCharged`]); a [`RetryBudgetLayer`] below it skips
+//! budget and tags its attempts with a request extension (which travels through a
+//! `Buffer` or a spawn); a [`RetryBudgetLayer`] below it that holds the same budget skips
 //! those. Every other request that passes it counts: a first attempt deposits once, and
 //! a request marked as a retry — by a `retry-attempt` header of 2 or more, as sent by
 //! code that is not ours or by a caller on another host — withdraws one retry, or is
 //! refused:
 //!
-//! - on a client ([`RetryBudgetLayer::new`]): the error [`BudgetExhausted`] (or a
-//!   synthesised gRPC `UNAVAILABLE` with [`grpc_statuses`](RetryBudgetLayer::grpc_statuses));
+//! - on a client ([`RetryBudgetLayer::new`]): the error [`BudgetExhausted`] (for gRPC, a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it into a
+//!   synthesised `UNAVAILABLE`);
 //! - on a server's inbound path ([`RetryBudgetLayer::server`]): a 503 problem+json (or
 //!   gRPC `UNAVAILABLE`) with `do-not-retry: 1`, so callers' retries cannot overload it.
 //!
@@ -23,9 +25,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A budget with no floor and no deposits yet: no retry is affordable.
-//! let mut config = RatioConfig::default();
-//! config.min_per_sec = 0;
-//! let budget = RetryBudget::ratio_with(config).unwrap();
+//! let budget = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0));
 //! let svc = ServiceBuilder::new()
 //!     .layer(RetryBudgetLayer::new(budget))
 //!     .service(tower::service_fn(|_req: Request<()>| async {
@@ -38,24 +38,25 @@
 //! # }
 //! ```
 
+pub use retrysafe_core::budget::{
+    BudgetSnapshot, RatioConfig, RetryBudget, RetryCost, TokenBucketConfig,
+};
+pub use retrysafe_core::error::BudgetExhausted;
+
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use retrysafe_core::budget::{RetryBudget, RetryCost};
-use retrysafe_core::classify::is_grpc;
-use retrysafe_core::error::BudgetExhausted;
-use retrysafe_core::strategy::RetryCharged;
+use retrysafe_core::__private::{RetryCharged, is_grpc};
 use retrysafe_core::wire::{Convention, parse_retry_attempt};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsError, AsGrpcStatus, AsProblem, BoxError, LocalBody, LocalFailure};
+use crate::local::{BoxError, LocalBody, problem};
 
 #[derive(Debug)]
 struct Config {
@@ -66,9 +67,8 @@ struct Config {
 /// Enforces a [`RetryBudget`] on attempts marked as retries; see the [module
 /// docs](self).
 #[must_use]
-pub struct RetryBudgetLayer<M = AsError> {
+pub struct RetryBudgetLayer {
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
 impl RetryBudgetLayer {
@@ -79,12 +79,11 @@ impl RetryBudgetLayer {
                 budget,
                 convention: Convention::default(),
             }),
-            _local: PhantomData,
         }
     }
 }
 
-impl<M> RetryBudgetLayer<M> {
+impl RetryBudgetLayer {
     /// The header names.
     pub fn convention(self, convention: Convention) -> Self {
         RetryBudgetLayer {
@@ -92,39 +91,56 @@ impl<M> RetryBudgetLayer<M> {
                 budget: self.config.budget.clone(),
                 convention,
             }),
-            _local: PhantomData,
-        }
-    }
-
-    /// Refusals of gRPC requests become synthesised `UNAVAILABLE` statuses with
-    /// `do-not-retry: 1` (needs a response body with `Default`).
-    pub fn grpc_statuses(self) -> RetryBudgetLayer<AsGrpcStatus> {
-        RetryBudgetLayer {
-            config: self.config,
-            _local: PhantomData,
         }
     }
 
     /// For a server's inbound path: refusals are 503 problem+json responses (gRPC:
-    /// `UNAVAILABLE`) with `do-not-retry: 1`.
-    pub fn server(self) -> RetryBudgetLayer<AsProblem> {
-        RetryBudgetLayer {
+    /// `UNAVAILABLE`) with `do-not-retry: 1`; see [`ServerRetryBudgetLayer`].
+    pub fn server(self) -> ServerRetryBudgetLayer {
+        ServerRetryBudgetLayer {
             config: self.config,
-            _local: PhantomData,
         }
     }
 }
 
-impl<M> Clone for RetryBudgetLayer<M> {
+/// The server form of the [`RetryBudgetLayer`], made by [`RetryBudgetLayer::server`]:
+/// enforces the budget on a server's inbound path, answering refusals with a 503
+/// problem+json (gRPC: `UNAVAILABLE`) marked `do-not-retry: 1`.
+#[derive(Clone)]
+#[must_use]
+pub struct ServerRetryBudgetLayer {
+    config: Arc<Config>,
+}
+
+impl ServerRetryBudgetLayer {
+    /// The header names.
+    pub fn convention(self, convention: Convention) -> Self {
+        ServerRetryBudgetLayer {
+            config: Arc::new(Config {
+                budget: self.config.budget.clone(),
+                convention,
+            }),
+        }
+    }
+}
+
+impl fmt::Debug for ServerRetryBudgetLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ServerRetryBudgetLayer")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl Clone for RetryBudgetLayer {
     fn clone(&self) -> Self {
         RetryBudgetLayer {
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<M> fmt::Debug for RetryBudgetLayer<M> {
+impl fmt::Debug for RetryBudgetLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryBudgetLayer")
             .field("config", &self.config)
@@ -132,27 +148,19 @@ impl<M> fmt::Debug for RetryBudgetLayer<M> {
     }
 }
 
-impl<S> Layer<S> for RetryBudgetLayer<AsError> {
-    type Service = EnforceBudget<S, AsError>;
+impl<S> Layer<S> for RetryBudgetLayer {
+    type Service = RetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceBudget::new(inner, &self.config)
+        RetryBudgetService::new(inner, &self.config)
     }
 }
 
-impl<S> Layer<S> for RetryBudgetLayer<AsGrpcStatus> {
-    type Service = EnforceBudget<S, AsGrpcStatus>;
+impl<S> Layer<S> for ServerRetryBudgetLayer {
+    type Service = ServerRetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceBudget::new(inner, &self.config)
-    }
-}
-
-impl<S> Layer<S> for RetryBudgetLayer<AsProblem> {
-    type Service = ServerBudget<S>;
-
-    fn layer(&self, inner: S) -> Self::Service {
-        ServerBudget {
+        ServerRetryBudgetService {
             inner,
             config: self.config.clone(),
         }
@@ -181,52 +189,48 @@ fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
     }
 }
 
-/// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure
-/// (the error [`BudgetExhausted`], or with `M` = [`AsGrpcStatus`] a synthesised status).
-pub struct EnforceBudget<S, M> {
+/// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure, the
+/// error [`BudgetExhausted`].
+pub struct RetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> EnforceBudget<S, M> {
+impl<S> RetryBudgetService<S> {
     fn new(inner: S, config: &Arc<Config>) -> Self {
-        EnforceBudget {
+        RetryBudgetService {
             inner,
             config: config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: Clone, M> Clone for EnforceBudget<S, M> {
+impl<S: Clone> Clone for RetryBudgetService<S> {
     fn clone(&self) -> Self {
-        EnforceBudget {
+        RetryBudgetService {
             inner: self.inner.clone(),
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for EnforceBudget<S, M> {
+impl<S: fmt::Debug> fmt::Debug for RetryBudgetService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EnforceBudget")
+        f.debug_struct("RetryBudgetService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for EnforceBudget<S, M>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for RetryBudgetService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Response = Response<ResB>;
     type Error = BoxError;
-    type Future = ResponseFuture<S::Future, M>;
+    type Future = ResponseFuture<S::Future>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -242,20 +246,16 @@ where
                 config: self.config.clone(),
             },
         };
-        ResponseFuture {
-            kind,
-            _local: PhantomData,
-        }
+        ResponseFuture { kind }
     }
 }
 
 pin_project! {
-    /// The response future of [`EnforceBudget`].
-    pub struct ResponseFuture<F, M> {
+    /// The response future of [`RetryBudgetService`].
+    pub struct ResponseFuture<F> {
         #[pin]
         kind: Kind<F>,
-        _local: PhantomData<fn() -> M>,
-    }
+        }
 }
 
 pin_project! {
@@ -269,11 +269,10 @@ pin_project! {
     }
 }
 
-impl<F, M, ResB, E> Future for ResponseFuture<F, M>
+impl<F, ResB, E> Future for ResponseFuture<F>
 where
     F: Future<Output = Result<Response<ResB>, E>>,
     E: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Output = Result<Response<ResB>, BoxError>;
 
@@ -281,9 +280,7 @@ where
         let mut kind = self.project().kind;
         let output = match kind.as_mut().project() {
             KindProj::Inner { future } => ready!(future.poll(cx)).map_err(Into::into),
-            KindProj::Refused { grpc, config } => {
-                M::answer(*grpc, Box::new(BudgetExhausted::new()), &config.convention)
-            }
+            KindProj::Refused { .. } => Err(Box::new(BudgetExhausted::new()) as BoxError),
             KindProj::Done => return Poll::Pending,
         };
         kind.set(Kind::Done);
@@ -291,41 +288,41 @@ where
     }
 }
 
-impl<F, M> fmt::Debug for ResponseFuture<F, M> {
+impl<F> fmt::Debug for ResponseFuture<F> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture").finish_non_exhaustive()
     }
 }
 
-/// The service of a server-side [`RetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
+/// The service of a [`ServerRetryBudgetLayer`] ([`RetryBudgetLayer::server`]): a
 /// refusal is a 503 problem+json (gRPC: `UNAVAILABLE`) with `do-not-retry: 1`. The inner
 /// service's error type is kept and its body wrapped in a [`LocalBody`], so it fits
 /// axum's `Router::layer` and `route_layer` (which need `Infallible`) and tonic's
 /// `Server::layer` alike.
-pub struct ServerBudget<S> {
+pub struct ServerRetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S: Clone> Clone for ServerBudget<S> {
+impl<S: Clone> Clone for ServerRetryBudgetService<S> {
     fn clone(&self) -> Self {
-        ServerBudget {
+        ServerRetryBudgetService {
             inner: self.inner.clone(),
             config: self.config.clone(),
         }
     }
 }
 
-impl<S: fmt::Debug> fmt::Debug for ServerBudget<S> {
+impl<S: fmt::Debug> fmt::Debug for ServerRetryBudgetService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ServerBudget")
+        f.debug_struct("ServerRetryBudgetService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerBudget<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerRetryBudgetService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -352,7 +349,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`ServerBudget`].
+    /// The response future of [`ServerRetryBudgetService`].
     pub struct ServerResponseFuture<F> {
         #[pin]
         kind: Kind<F>,
@@ -372,13 +369,9 @@ where
                 ready!(future.poll(cx)).map(|response| response.map(LocalBody::inner))
             }
             KindProj::Refused { grpc, config } => {
-                let answer = <AsProblem as LocalFailure<LocalBody<ResB>>>::answer(
-                    *grpc,
-                    Box::new(BudgetExhausted::new()),
-                    &config.convention,
-                );
-                // `AsProblem` answers a `BudgetExhausted` with a response, always.
-                Ok(answer.unwrap_or_else(|_| {
+                let answer = problem(*grpc, &BudgetExhausted::new(), &config.convention);
+                // A `BudgetExhausted` is answered with a response, always.
+                Ok(answer.unwrap_or_else(|| {
                     let mut response = Response::new(LocalBody::default());
                     *response.status_mut() = http::StatusCode::SERVICE_UNAVAILABLE;
                     response

@@ -8,7 +8,7 @@
 //! `retry-point: caller`. With [`clamp_deadlines`](EdgeLayer::clamp_deadlines), deadline
 //! headers are kept but clamped to a maximum (a malformed one is removed).
 //!
-//! Order: `TraceLayer` → `EdgeLayer` → authentication → `PropagateLayer` → … (DESIGN §4).
+//! Order: `TraceLayer` → `EdgeLayer` → authentication → `PropagateLayer` → ….
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -19,7 +19,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(EdgeLayer::new().clamp_deadlines(Duration::from_secs(5)).unwrap())
+//!     .layer(EdgeLayer::new().clamp_deadlines(Duration::from_secs(5)))
 //!     .service(tower::service_fn(|req: Request<()>| async move {
 //!         Ok::<_, std::convert::Infallible>(req.headers().clone())
 //!     }));
@@ -42,6 +42,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{HeaderMap, Request};
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::wire::{
     Convention, MAX_TIMEOUT, encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout,
@@ -77,23 +78,30 @@ impl EdgeLayer {
 
     /// Keeps deadline headers, clamped to `max` (greater than zero, at most 30 days);
     /// a malformed one is removed. The other headers are still removed.
-    pub fn clamp_deadlines(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() || max > MAX_TIMEOUT {
-            return Err(ConfigError::new(
+    pub fn clamp_deadlines(mut self, max: Duration) -> Self {
+        Arc::make_mut(&mut self.config).clamp = Some(max);
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        if let Some(max) = self.config.clamp {
+            v.check(
+                !max.is_zero() && max <= MAX_TIMEOUT,
                 "deadline clamp",
                 "must be greater than zero and at most 30 days",
-            ));
+            );
         }
-        Arc::make_mut(&mut self.config).clamp = Some(max);
-        Ok(self)
+        v.finish(self)
     }
 }
 
 impl<S> Layer<S> for EdgeLayer {
-    type Service = Edge<S>;
+    type Service = EdgeService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Edge {
+        EdgeService {
             inner,
             config: self.config.clone(),
         }
@@ -102,12 +110,12 @@ impl<S> Layer<S> for EdgeLayer {
 
 /// The service of an [`EdgeLayer`].
 #[derive(Debug, Clone)]
-pub struct Edge<S> {
+pub struct EdgeService<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S, B> Service<Request<B>> for Edge<S>
+impl<S, B> Service<Request<B>> for EdgeService<S>
 where
     S: Service<Request<B>>,
 {

@@ -1,98 +1,185 @@
-//! How a client layer answers a failure it generated itself (a deadline, an open
-//! breaker, an exhausted budget): as an error, or — for gRPC requests — as a
-//! synthesised Trailers-Only response, so tonic's generated clients report the right
-//! code instead of `Unknown`.
+//! How the failures client layers generate themselves (a deadline, an open breaker, an
+//! exhausted budget) are answered.
 //!
-//! The choice is a type parameter of the layer, because only a response body that can
-//! be empty (`Default`, like `tonic::body::Body`) can carry a synthesised status:
-//! [`AsError`] (the default) works with any body, [`AsGrpcStatus`] with such bodies.
+//! The client layers always fail with their typed errors, boxed: [`DeadlineExceeded`],
+//! [`CircuitOpen`], [`BudgetExhausted`] (and a `RetryLayer` recognises a refusal from
+//! below by its type). For gRPC, one adapter placed outermost, [`GrpcStatusLayer`],
+//! turns them into synthesised Trailers-Only responses, so tonic's generated clients
+//! report the right code instead of `Unknown`:
 //!
-//! | local failure | gRPC status | HTTP (and [`AsError`]) |
+//! | local failure | gRPC status (with [`GrpcStatusLayer`]) | HTTP |
 //! |---|---|---|
 //! | [`DeadlineExceeded`] | 4 `DEADLINE_EXCEEDED` | the error |
 //! | [`BudgetExhausted`], [`CircuitOpen`] | 14 `UNAVAILABLE` | the error |
 //!
-//! Every synthesised status carries `do-not-retry: 1`.
+//! Every synthesised status carries `do-not-retry: 1`. Only a response body that can be
+//! empty (`Default`, like `tonic::body::Body`) can carry one.
 //!
 //! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use http::{Request, Response};
 //! use retrysafe_core::error::DeadlineExceeded;
-//! use retrysafe_core::wire::Convention;
-//! use retrysafe_tower::local::{AsGrpcStatus, LocalFailure};
+//! use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
+//! use tower::{ServiceBuilder, ServiceExt};
 //!
-//! let answer = <AsGrpcStatus as LocalFailure<String>>::answer(
-//!     true,
-//!     Box::new(DeadlineExceeded::new()),
-//!     &Convention::default(),
-//! );
-//! let response = answer.unwrap();
+//! let svc = ServiceBuilder::new()
+//!     .layer(GrpcStatusLayer::new())
+//!     .service(tower::service_fn(|_req: Request<()>| async {
+//!         Err::<Response<String>, BoxError>(Box::new(DeadlineExceeded::new()))
+//!     }));
+//!
+//! let call = Request::post("/grpc.health.v1.Health/Check")
+//!     .header("content-type", "application/grpc")
+//!     .body(())
+//!     .unwrap();
+//! let response = svc.oneshot(call).await.unwrap();
 //! assert_eq!(response.headers()["grpc-status"], "4");
 //! assert_eq!(response.headers()["do-not-retry"], "1");
+//! # }
 //! ```
 
 use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
 
-use http::{HeaderValue, Response, StatusCode};
+use http::{HeaderValue, Request, Response, StatusCode};
+use retrysafe_core::__private::is_grpc;
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
+use tower_layer::Layer;
+use tower_service::Service;
 
 /// A boxed error, as the client layers return.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
-/// How a layer answers a failure it generated locally.
-pub trait LocalFailure<B>: Send + Sync + 'static {
-    /// The answer to `error` for a request that is gRPC (`grpc`) or not.
-    fn answer(
-        grpc: bool,
-        error: BoxError,
-        convention: &Convention,
-    ) -> Result<Response<B>, BoxError>;
+/// Answers the local failures of the client layers below it, for gRPC requests, with
+/// synthesised Trailers-Only statuses (see the [module docs](self)). Put it outermost
+/// in a gRPC client stack, once; other requests and other errors pass through.
+#[derive(Debug, Clone, Default)]
+#[must_use]
+pub struct GrpcStatusLayer {
+    convention: Arc<Convention>,
 }
 
-/// Local failures are errors (works with any response body).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AsError;
-
-/// Local failures of gRPC requests are synthesised Trailers-Only responses; other
-/// requests get the error.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AsGrpcStatus;
-
-impl<B> LocalFailure<B> for AsError {
-    fn answer(_: bool, error: BoxError, _: &Convention) -> Result<Response<B>, BoxError> {
-        Err(error)
+impl GrpcStatusLayer {
+    /// The adapter with the default [`Convention`].
+    pub fn new() -> Self {
+        Self::default()
     }
-}
 
-impl<B: Default> LocalFailure<B> for AsGrpcStatus {
-    fn answer(
-        grpc: bool,
-        error: BoxError,
-        convention: &Convention,
-    ) -> Result<Response<B>, BoxError> {
-        if !grpc {
-            return Err(error);
+    /// The header names (`do-not-retry` on synthesised statuses).
+    pub fn convention(self, convention: Convention) -> Self {
+        GrpcStatusLayer {
+            convention: Arc::new(convention),
         }
-        let code = if find::<DeadlineExceeded>(&*error).is_some() {
-            4
-        } else if find::<BudgetExhausted>(&*error).is_some()
-            || find::<CircuitOpen>(&*error).is_some()
-        {
-            14
-        } else {
-            return Err(error);
-        };
-        let mut response = grpc_status_response(code, &error.to_string(), convention);
-        response.extensions_mut().insert(LocalAnswer);
-        Ok(response)
     }
 }
 
-/// Marks a response a client layer synthesised for its own failure
-/// ([`AsGrpcStatus`]), so that a `RetryLayer` above tells it from a real response: a
-/// refusal by a budget or breaker below after a real response gives up with that real
-/// response, as the error form does.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct LocalAnswer;
+impl<S> Layer<S> for GrpcStatusLayer {
+    type Service = GrpcStatusService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        GrpcStatusService {
+            inner,
+            convention: self.convention.clone(),
+        }
+    }
+}
+
+/// The service of a [`GrpcStatusLayer`].
+#[derive(Debug, Clone)]
+pub struct GrpcStatusService<S> {
+    inner: S,
+    convention: Arc<Convention>,
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for GrpcStatusService<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+    ResB: Default,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        // Only gRPC requests get a status: the convention is needed for them alone.
+        let convention = is_grpc(request.headers()).then(|| self.convention.clone());
+        ResponseFuture {
+            inner: self.inner.call(request),
+            convention,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// The response future of [`GrpcStatusService`].
+    pub struct ResponseFuture<F> {
+        #[pin]
+        inner: F,
+        // `Some` for a gRPC request.
+        convention: Option<Arc<Convention>>,
+    }
+}
+
+impl<F, ResB, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    E: Into<BoxError>,
+    ResB: Default,
+{
+    type Output = Result<Response<ResB>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let error = match ready!(this.inner.poll(cx)) {
+            Ok(response) => return Poll::Ready(Ok(response)),
+            Err(error) => error.into(),
+        };
+        Poll::Ready(match this.convention.as_deref() {
+            Some(convention) => grpc_answer(error, convention),
+            None => Err(error),
+        })
+    }
+}
+
+impl<F> fmt::Debug for ResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture")
+            .field("grpc", &self.convention.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The gRPC status of a local failure: 4 for a deadline, 14 for a breaker or budget.
+fn grpc_code(error: &(dyn std::error::Error + 'static)) -> Option<u8> {
+    if find::<DeadlineExceeded>(error).is_some() {
+        Some(4)
+    } else if find::<BudgetExhausted>(error).is_some() || find::<CircuitOpen>(error).is_some() {
+        Some(14)
+    } else {
+        None
+    }
+}
+
+/// A local failure of a gRPC request as a synthesised status; any other error as it is.
+fn grpc_answer<B: Default>(
+    error: BoxError,
+    convention: &Convention,
+) -> Result<Response<B>, BoxError> {
+    match grpc_code(&*error) {
+        Some(code) => Ok(grpc_status_response(code, &error.to_string(), convention)),
+        None => Err(error),
+    }
+}
 
 /// A Trailers-Only gRPC response with `code`, `message` (percent-encoded as gRPC
 /// requires) and `do-not-retry: 1`.
@@ -129,54 +216,50 @@ fn percent_encode(message: &str) -> String {
     out
 }
 
-/// Local failures on a server's inbound path: gRPC requests get a synthesised status,
+/// A local failure on a server's inbound path: gRPC requests get a synthesised status,
 /// others an RFC 9457 `application/problem+json` 503 with `do-not-retry: 1` (type
 /// `urn:retrysafe:problem:<slug>`: `retry-budget-exhausted`, `deadline-exceeded` (504),
-/// `circuit-open`).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct AsProblem;
-
-impl<B: Default + From<bytes::Bytes>> LocalFailure<B> for AsProblem {
-    fn answer(
-        grpc: bool,
-        error: BoxError,
-        convention: &Convention,
-    ) -> Result<Response<B>, BoxError> {
-        if grpc {
-            return AsGrpcStatus::answer(grpc, error, convention);
-        }
-        let (status, slug, title) = if find::<DeadlineExceeded>(&*error).is_some() {
-            (
-                StatusCode::GATEWAY_TIMEOUT,
-                "deadline-exceeded",
-                "Deadline exceeded",
-            )
-        } else if find::<BudgetExhausted>(&*error).is_some() {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "retry-budget-exhausted",
-                "Retry budget exhausted",
-            )
-        } else if find::<CircuitOpen>(&*error).is_some() {
-            (
-                StatusCode::SERVICE_UNAVAILABLE,
-                "circuit-open",
-                "Circuit open",
-            )
-        } else {
-            return Err(error);
-        };
-        let body = serde_json_free_problem(status, slug, title, &error.to_string());
-        let mut response = Response::new(B::from(bytes::Bytes::from(body)));
-        *response.status_mut() = status;
-        let headers = response.headers_mut();
-        headers.insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
-        headers.insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
-        Ok(response)
+/// `circuit-open`). `None` for an error that is not a local failure.
+pub(crate) fn problem<B: Default + From<bytes::Bytes>>(
+    grpc: bool,
+    error: &(dyn std::error::Error + 'static),
+    convention: &Convention,
+) -> Option<Response<B>> {
+    if grpc {
+        let code = grpc_code(error)?;
+        return Some(grpc_status_response(code, &error.to_string(), convention));
     }
+    let (status, slug, title) = if find::<DeadlineExceeded>(error).is_some() {
+        (
+            StatusCode::GATEWAY_TIMEOUT,
+            "deadline-exceeded",
+            "Deadline exceeded",
+        )
+    } else if find::<BudgetExhausted>(error).is_some() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "retry-budget-exhausted",
+            "Retry budget exhausted",
+        )
+    } else if find::<CircuitOpen>(error).is_some() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            "circuit-open",
+            "Circuit open",
+        )
+    } else {
+        return None;
+    };
+    let body = serde_json_free_problem(status, slug, title, &error.to_string());
+    let mut response = Response::new(B::from(bytes::Bytes::from(body)));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        HeaderValue::from_static("application/problem+json"),
+    );
+    headers.insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
+    Some(response)
 }
 
 /// A problem+json document; `detail` is escaped as a JSON string.

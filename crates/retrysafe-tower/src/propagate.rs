@@ -68,7 +68,8 @@ use std::time::Duration;
 use http::{HeaderMap, Request, Response};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
-use retrysafe_core::classify::is_grpc;
+use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::is_grpc;
 use retrysafe_core::wire::{
     Convention, DO_NOT_RETRY_VALUE, MAX_TIMEOUT, RetryPoint, TimeoutError, parse_grpc_timeout,
     parse_request_timeout_ms, parse_retry_point,
@@ -98,6 +99,20 @@ impl Default for Inbound {
 }
 
 impl Inbound {
+    /// Checks the margin and the maximum.
+    pub(crate) fn validate(&self, v: &mut Validate) {
+        v.check(
+            !self.max_timeout.is_zero() && self.max_timeout <= MAX_TIMEOUT,
+            "max timeout",
+            "must be greater than zero and at most 30 days",
+        );
+        v.check(
+            self.margin <= Duration::from_secs(60),
+            "margin",
+            "must be at most 1 minute",
+        );
+    }
+
     /// The inbound timeout header, clamped to the maximum: `Ok(None)` when absent.
     pub(crate) fn timeout(&self, headers: &HeaderMap) -> Result<Option<Duration>, TimeoutError> {
         let parsed = if is_grpc(headers) {
@@ -173,32 +188,30 @@ impl PropagateLayer {
 
     /// What outbound calls leave for the way back: they get the inbound time less this
     /// (default 10 ms; at most 1 minute).
-    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
-        if margin > Duration::from_secs(60) {
-            return Err(ConfigError::new("margin", "must be at most 1 minute"));
-        }
+    pub fn margin(mut self, margin: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).margin = margin;
-        Ok(self)
+        self
     }
 
     /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days).
-    pub fn max_timeout(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() || max > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "max timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
+    pub fn max_timeout(mut self, max: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).max_timeout = max;
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.inbound.validate(&mut v);
+        v.finish(self)
     }
 }
 
 impl<S> Layer<S> for PropagateLayer {
-    type Service = Propagate<S>;
+    type Service = PropagateService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Propagate {
+        PropagateService {
             inner,
             inbound: self.inbound.clone(),
         }
@@ -207,12 +220,12 @@ impl<S> Layer<S> for PropagateLayer {
 
 /// The service of a [`PropagateLayer`].
 #[derive(Debug, Clone)]
-pub struct Propagate<S> {
+pub struct PropagateService<S> {
     inner: S,
     inbound: Arc<Inbound>,
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for Propagate<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for PropagateService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -236,7 +249,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`Propagate`]: the inner future with the context current,
+    /// The response future of [`PropagateService`]: the inner future with the context current,
     /// marking a failure `do-not-retry: 1` when downstream gave up — in the head, and in
     /// the trailers of a gRPC stream (see [`ResponseBody`]).
     pub struct ResponseFuture<F> {
@@ -336,7 +349,7 @@ struct Watch {
 }
 
 pin_project! {
-    /// The response body of [`Propagate`]: the inner body, with every frame, `size_hint`
+    /// The response body of [`PropagateService`]: the inner body, with every frame, `size_hint`
     /// and `is_end_stream` passed through.
     ///
     /// For a gRPC response whose head carries no status (a streaming call: headers

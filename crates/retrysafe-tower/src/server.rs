@@ -23,8 +23,7 @@
 //! });
 //! let layers = ServerLayers::new(IdempotencyLayer::in_memory())
 //!     .authentication(auth)
-//!     .concurrency_limit(64)
-//!     .unwrap();
+//!     .concurrency_limit(64);
 //! let app = Router::new()
 //!     .route("/orders", post(|| async { StatusCode::CREATED }))
 //!     .layer(layers);
@@ -35,6 +34,7 @@
 //! # }
 //! ```
 
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use tower::limit::{ConcurrencyLimit, ConcurrencyLimitLayer};
 use tower::util::Either;
@@ -77,16 +77,22 @@ impl<A> ServerLayers<A> {
     }
 
     /// Limits concurrent handler executions, inside the idempotency layer (so replays
-    /// and conflicts are answered without taking a slot).
-    pub fn concurrency_limit(mut self, max: usize) -> Result<Self, ConfigError> {
-        if max == 0 {
-            return Err(ConfigError::new(
-                "concurrency_limit",
-                "must be greater than zero",
-            ));
-        }
+    /// and conflicts are answered without taking a slot). Greater than zero, checked by
+    /// [`build`](Self::build) (zero is used as one).
+    pub fn concurrency_limit(mut self, max: usize) -> Self {
         self.concurrency_limit = Some(max);
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            self.concurrency_limit != Some(0),
+            "concurrency_limit",
+            "must be greater than zero",
+        );
+        v.finish(self)
     }
 }
 
@@ -98,7 +104,7 @@ where
 
     fn layer(&self, inner: S) -> Self::Service {
         let limited = match self.concurrency_limit {
-            Some(n) => Either::Left(ConcurrencyLimitLayer::new(n).layer(inner)),
+            Some(n) => Either::Left(ConcurrencyLimitLayer::new(n.max(1)).layer(inner)),
             None => Either::Right(inner),
         };
         self.authentication.layer(self.idempotency.layer(limited))

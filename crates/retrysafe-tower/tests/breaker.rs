@@ -21,7 +21,7 @@ use http_body_util::BodyExt;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
 use retrysafe_core::error::{CircuitOpen, find};
 use retrysafe_tower::breaker::{CircuitBreakerLayer, KeyedBreakers, ResponseBody};
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock::{self, Handle};
 
@@ -68,8 +68,8 @@ type Out = Result<Response<ResponseBody<TestBody>>, BoxError>;
 
 fn config(minimum_calls: u32, probes: u32) -> BreakerConfig {
     let mut config = BreakerConfig::default();
-    config.minimum_calls = minimum_calls;
-    config.half_open_probes = probes;
+    config = config.with_minimum_calls(minimum_calls);
+    config = config.with_half_open_probes(probes);
     config
 }
 
@@ -143,7 +143,7 @@ where
 #[tokio::test(start_paused = true)]
 async fn closed_drives_readiness_in_the_future_and_open_fails_fast() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
 
     // The inner service is not ready: the breaker still is, and a closed breaker's
@@ -181,7 +181,7 @@ async fn closed_drives_readiness_in_the_future_and_open_fails_fast() {
 #[tokio::test(start_paused = true)]
 async fn half_open_admits_exactly_the_probes() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
@@ -221,7 +221,7 @@ async fn half_open_admits_exactly_the_probes() {
 #[tokio::test(start_paused = true)]
 async fn a_dropped_probe_reopens_the_breaker() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(2, 1)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 1));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
@@ -254,8 +254,8 @@ async fn a_dropped_probe_reopens_the_breaker() {
 async fn half_open_times_out_when_probes_never_report() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut config = config(2, 1);
-    config.half_open_timeout = Duration::from_secs(2);
-    let breaker = CircuitBreaker::new(config).unwrap();
+    config = config.with_half_open_timeout(Duration::from_secs(2));
+    let breaker = CircuitBreaker::new(config);
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
@@ -277,7 +277,7 @@ async fn half_open_times_out_when_probes_never_report() {
 #[tokio::test(start_paused = true)]
 async fn dependency_and_caller_deadline_failures_are_neutral() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
 
     for _ in 0..10 {
@@ -349,7 +349,7 @@ where
 #[tokio::test(start_paused = true)]
 async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
 
     // 1 s given, answered 504 after 100 ms: the callee's own timeout, a failure.
@@ -379,7 +379,7 @@ async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
     assert_eq!(breaker.state(), State::Open);
 
     // The same answers when the deadline is spent are neutral.
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
     for _ in 0..5 {
@@ -397,7 +397,7 @@ async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
 #[tokio::test(start_paused = true)]
 async fn grpc_status_in_trailers_counts_at_end_of_stream() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let breaker = CircuitBreaker::new(config(4, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(4, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
 
     // INTERNAL in the trailers: nothing recorded at the head, a failure at the end.
@@ -453,9 +453,8 @@ async fn grpc_status_in_trailers_counts_at_end_of_stream() {
 async fn grpc_statuses_synthesise_unavailable() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let breaker = CircuitBreaker::default();
-    let mut svc = CircuitBreakerLayer::new(breaker.clone())
-        .grpc_statuses()
-        .layer(mock);
+    let mut svc =
+        GrpcStatusLayer::new().layer(CircuitBreakerLayer::new(breaker.clone()).layer(mock));
     breaker.force_open();
 
     let response = svc.call(grpc()).now_or_never().unwrap().unwrap();
@@ -474,13 +473,13 @@ async fn keyed_breakers_are_independent_per_authority() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let changes = Arc::new(Mutex::new(Vec::new()));
     let seen = changes.clone();
-    let breakers = KeyedBreakers::per_authority(config(2, 3))
-        .unwrap()
-        .on_state_change(move |key: &Option<Authority>, change| {
+    let breakers = KeyedBreakers::per_authority(config(2, 3)).on_state_change(
+        move |key: &Option<Authority>, change| {
             seen.lock()
                 .unwrap()
                 .push((key.clone(), change.from, change.to));
-        });
+        },
+    );
     let mut svc = CircuitBreakerLayer::keyed(breakers.clone()).layer(mock);
 
     for _ in 0..2 {
@@ -540,12 +539,10 @@ async fn on_state_change_reports_every_transition() {
     let changes = Arc::new(Mutex::new(Vec::new()));
     let seen = changes.clone();
     let mut config = config(2, 1);
-    config.on_state_change = Some(Arc::new(move |change| {
+    config = config.with_on_state_change(move |change| {
         seen.lock().unwrap().push((change.from, change.to));
-    }));
-    let mut svc = CircuitBreakerLayer::with_config(config)
-        .unwrap()
-        .layer(mock);
+    });
+    let mut svc = CircuitBreakerLayer::with_config(config).layer(mock);
 
     for _ in 0..2 {
         let out = exchange(&mut svc, &mut handle, get("http://a.example/"), status(503)).await;
@@ -569,19 +566,22 @@ async fn on_state_change_reports_every_transition() {
 #[test]
 fn invalid_configuration_is_refused() {
     let mut bad = BreakerConfig::default();
-    bad.half_open_probes = 0;
-    let error = CircuitBreakerLayer::with_config(bad.clone()).unwrap_err();
+    bad = bad.with_half_open_probes(0);
+    let error = bad.clone().build().unwrap_err();
     assert_eq!(error.field(), "half_open_probes");
-    let error = KeyedBreakers::per_authority(bad).unwrap_err();
+    let error = KeyedBreakers::per_authority(bad).build().unwrap_err();
     assert_eq!(error.field(), "half_open_probes");
 
-    let keyed = KeyedBreakers::new(BreakerConfig::default(), |p| p.uri.path().to_owned()).unwrap();
-    assert_eq!(keyed.clone().max_keys(0).unwrap_err().field(), "max_keys");
+    let keyed = KeyedBreakers::new(BreakerConfig::default(), |p| p.uri.path().to_owned());
     assert_eq!(
-        keyed.clone().max_keys(1 << 21).unwrap_err().field(),
+        keyed.clone().max_keys(0).build().unwrap_err().field(),
         "max_keys"
     );
-    assert!(keyed.max_keys(16).is_ok());
+    assert_eq!(
+        keyed.clone().max_keys(1 << 21).build().unwrap_err().field(),
+        "max_keys"
+    );
+    assert!(keyed.max_keys(16).build().is_ok());
 }
 
 /// The layer wraps a plain `service_fn`, whose future is not `Unpin`.
@@ -599,8 +599,7 @@ async fn wraps_a_plain_service_fn() {
 #[test]
 fn futures_and_bodies_are_send() {
     fn send<T: Send + 'static>() {}
-    type Svc =
-        retrysafe_tower::breaker::Breaker<mock::Mock<Req, Res>, retrysafe_tower::local::AsError>;
+    type Svc = retrysafe_tower::breaker::CircuitBreakerService<mock::Mock<Req, Res>>;
     send::<Svc>();
     send::<<Svc as Service<Req>>::Future>();
     send::<ResponseBody<TestBody>>();
@@ -613,7 +612,7 @@ async fn behind_a_full_buffer_an_open_breaker_still_fails_fast() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     handle.allow(0);
     let buffered = tower::buffer::Buffer::new(mock, 1);
-    let breaker = CircuitBreaker::new(config(2, 3)).unwrap();
+    let breaker = CircuitBreaker::new(config(2, 3));
     let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(buffered);
 
     // Two closed calls queue: one in the buffer's channel, one waiting for a slot.
@@ -653,8 +652,8 @@ async fn behind_a_full_buffer_an_open_breaker_still_fails_fast() {
 async fn a_breaker_in_the_request_extensions_overrides_the_layers() {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc =
-        CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(config(2, 3)).unwrap()).layer(mock);
-    let chosen = CircuitBreaker::new(config(2, 3)).unwrap();
+        CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(config(2, 3))).layer(mock);
+    let chosen = CircuitBreaker::new(config(2, 3));
 
     // Counted on the chosen breaker, not the layer's map.
     for _ in 0..2 {

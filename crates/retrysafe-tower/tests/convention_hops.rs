@@ -41,14 +41,13 @@ use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
 use retrysafe_tower::idempotency::IdempotencyLayer;
-use retrysafe_tower::local::AsError;
 use retrysafe_tower::propagate::PropagateLayer;
-use retrysafe_tower::retry::{ReplayBody, Retry, RetryLayer};
+use retrysafe_tower::retry::{ReplayBody, RetryLayer, RetryService};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceExt};
 
 type Http = Client<HttpConnector, ReplayBody<Full<Bytes>>>;
-type Outbound = Retry<Http, AsError>;
+type Outbound = RetryService<Http>;
 
 /// A classifier that ignores `do-not-retry`: what a stack without the convention does.
 #[derive(Debug, Default)]
@@ -81,8 +80,7 @@ fn retry_layer() -> RetryLayer {
         Duration::from_millis(1),
         Duration::from_millis(5),
         Jitter::Full,
-    )
-    .unwrap();
+    );
     RetryLayer::new().strategy(StandardRetryStrategy::new().backoff(backoff))
 }
 
@@ -315,9 +313,9 @@ async fn an_edge_drops_forged_convention_headers() {
     );
     // No floor and no share: any retry this budget is asked to pay for is refused.
     let mut config = RatioConfig::default();
-    config.min_per_sec = 0;
-    config.retry_ratio = 0.0;
-    let budget = RetryBudget::ratio_with(config).unwrap();
+    config = config.with_min_per_sec(0);
+    config = config.with_retry_ratio(0.0);
+    let budget = RetryBudget::ratio_with(config);
     // The edge outermost, then the budget (`Router::layer` wraps what is there).
     let app = router
         .layer(RetryBudgetLayer::new(budget).server())

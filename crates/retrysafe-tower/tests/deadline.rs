@@ -27,7 +27,7 @@ use retrysafe_core::error::{DeadlineExceeded, find};
 use retrysafe_core::wire::{MAX_TIMEOUT, TimeoutError};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::deadline::DeadlineLayer;
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use retrysafe_tower::retry::RetryLayer;
 use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
@@ -65,8 +65,7 @@ where
 
 #[tokio::test(start_paused = true)]
 async fn client_sets_the_deadline_extension() {
-    let (svc, mut handle) =
-        mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)).unwrap());
+    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
     let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
 
@@ -82,8 +81,7 @@ async fn client_sets_the_deadline_extension() {
 
 #[tokio::test(start_paused = true)]
 async fn an_inherited_sooner_deadline_wins() {
-    let (svc, mut handle) =
-        mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)).unwrap());
+    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
 
     // Inside a handler whose caller has 40 ms left.
@@ -133,8 +131,7 @@ async fn an_inherited_sooner_deadline_wins() {
 
 #[tokio::test(start_paused = true)]
 async fn an_expired_call_is_deadline_exceeded() {
-    let (svc, mut handle) =
-        mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)).unwrap());
+    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
     let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
     // The callee got the request and never answers.
@@ -149,7 +146,7 @@ async fn an_error_at_the_deadline_is_deadline_exceeded() {
     // A transport that times the call itself from the timeout header (a tonic
     // `Channel`) fails at the same instant as the deadline: that is the deadline.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)).unwrap())
+        .layer(DeadlineLayer::new(ms(50)))
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(50)).await;
             Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
@@ -159,7 +156,8 @@ async fn an_error_at_the_deadline_is_deadline_exceeded() {
 
     // gRPC: the synthesised DEADLINE_EXCEEDED.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)).unwrap().grpc_statuses())
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(ms(50)))
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(50)).await;
             Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
@@ -169,7 +167,7 @@ async fn an_error_at_the_deadline_is_deadline_exceeded() {
 
     // An error before the deadline is passed through as it is.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)).unwrap())
+        .layer(DeadlineLayer::new(ms(50)))
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(49)).await;
             Err::<Response<Full<Bytes>>, BoxError>("connection reset".into())
@@ -182,7 +180,7 @@ async fn an_error_at_the_deadline_is_deadline_exceeded() {
 #[tokio::test(start_paused = true)]
 async fn a_response_ready_at_the_deadline_is_not_dropped() {
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)).unwrap())
+        .layer(DeadlineLayer::new(ms(50)))
         .service(tower::service_fn(|_req: Request<()>| async {
             // Answers exactly at the deadline: polled before the timer, it wins.
             tokio::time::sleep(ms(50)).await;
@@ -195,7 +193,9 @@ async fn a_response_ready_at_the_deadline_is_not_dropped() {
 #[tokio::test(start_paused = true)]
 async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded() {
     let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(
-        DeadlineLayer::new(ms(100)).unwrap().grpc_statuses(),
+        ServiceBuilder::new()
+            .layer(GrpcStatusLayer::new())
+            .layer(DeadlineLayer::new(ms(100))),
     );
     let mut svc = svc.into_inner();
     let call = tokio::spawn(svc.ready().await.unwrap().call(grpc_req()));
@@ -214,8 +214,7 @@ async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded() {
 
 #[tokio::test(start_paused = true)]
 async fn waiting_for_readiness_counts() {
-    let (svc, mut handle) =
-        mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)).unwrap());
+    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
 
     // Never ready: the deadline passes while waiting, and the request is never sent.
@@ -244,8 +243,7 @@ async fn waiting_for_readiness_counts() {
 
 #[tokio::test(start_paused = true)]
 async fn a_readiness_error_is_returned() {
-    let (svc, mut handle) =
-        mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)).unwrap());
+    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
     handle.send_error("connection pool closed");
     let err = svc
@@ -269,7 +267,7 @@ fn stalling_body() -> Stalling {
 #[tokio::test(start_paused = true)]
 async fn the_body_can_be_bounded_too() {
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(100)).unwrap().bound_body())
+        .layer(DeadlineLayer::new(ms(100)).bound_body())
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(30)).await;
             Ok::<_, Infallible>(Response::new(stalling_body()))
@@ -289,7 +287,7 @@ async fn the_body_can_be_bounded_too() {
 #[tokio::test(start_paused = true)]
 async fn a_bounded_body_forwards_hints_and_completes_in_time() {
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(100)).unwrap().bound_body())
+        .layer(DeadlineLayer::new(ms(100)).bound_body())
         .service(tower::service_fn(|_req: Request<()>| async {
             Ok::<_, Infallible>(Response::new(Full::<Bytes>::from("twelve bytes")))
         }));
@@ -301,7 +299,7 @@ async fn a_bounded_body_forwards_hints_and_completes_in_time() {
 
     // An empty body is at its end from the start.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(100)).unwrap().bound_body())
+        .layer(DeadlineLayer::new(ms(100)).bound_body())
         .service(tower::service_fn(|_req: Request<()>| async {
             Ok::<_, Infallible>(Response::new(Full::<Bytes>::default()))
         }));
@@ -313,12 +311,8 @@ async fn a_bounded_body_forwards_hints_and_completes_in_time() {
 #[tokio::test(start_paused = true)]
 async fn grpc_statuses_and_a_bounded_body_combine() {
     let svc = ServiceBuilder::new()
-        .layer(
-            DeadlineLayer::new(ms(100))
-                .unwrap()
-                .grpc_statuses()
-                .bound_body(),
-        )
+        .layer(GrpcStatusLayer::new())
+        .layer(DeadlineLayer::new(ms(100)).bound_body())
         .service(tower::service_fn(|_req: Request<()>| async {
             tokio::time::sleep(ms(500)).await;
             Ok::<_, Infallible>(Response::new(Full::<Bytes>::from("too late")))
@@ -330,16 +324,38 @@ async fn grpc_statuses_and_a_bounded_body_combine() {
 
 #[test]
 fn client_configuration_is_validated() {
-    let err = DeadlineLayer::new(Duration::ZERO).unwrap_err();
+    let err = DeadlineLayer::new(Duration::ZERO).build().unwrap_err();
     assert!(err.to_string().contains("timeout"), "{err}");
-    assert!(DeadlineLayer::new(MAX_TIMEOUT + ms(1)).is_err());
-    assert!(DeadlineLayer::new(MAX_TIMEOUT).is_ok());
-    assert!(DeadlineLayer::server().max(Duration::ZERO).is_err());
+    assert!(DeadlineLayer::new(MAX_TIMEOUT + ms(1)).build().is_err());
+    assert!(DeadlineLayer::new(MAX_TIMEOUT).build().is_ok());
+    assert!(
+        DeadlineLayer::server()
+            .max_timeout(Duration::ZERO)
+            .build()
+            .is_err()
+    );
     assert!(
         DeadlineLayer::server()
             .margin(Duration::from_secs(61))
+            .build()
             .is_err()
     );
+}
+
+#[test]
+fn every_bad_server_setting_is_named() {
+    let err = DeadlineLayer::server()
+        .max_timeout(Duration::ZERO)
+        .margin(Duration::from_secs(61))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.fields().collect::<Vec<_>>(), ["max timeout", "margin"]);
+    let err = retrysafe_tower::propagate::PropagateLayer::new()
+        .margin(Duration::from_secs(61))
+        .max_timeout(MAX_TIMEOUT + ms(1))
+        .build()
+        .unwrap_err();
+    assert_eq!(err.fields().collect::<Vec<_>>(), ["max timeout", "margin"]);
 }
 
 // ---------------------------------------------------------------- server, poll level
@@ -406,8 +422,7 @@ async fn malformed_inbound_timeouts_answer_400() {
 #[tokio::test(start_paused = true)]
 async fn an_overflowing_inbound_timeout_is_clamped_not_refused() {
     let svc = DeadlineLayer::server()
-        .max(Duration::from_secs(2))
-        .unwrap()
+        .max_timeout(Duration::from_secs(2))
         .layer(reporting(Duration::ZERO));
     for value in ["9".repeat(40), u64::MAX.to_string()] {
         let req = Request::get("/")
@@ -445,8 +460,7 @@ async fn malformed_grpc_timeouts_answer_invalid_argument() {
 #[tokio::test(start_paused = true)]
 async fn inbound_timeouts_are_clamped_to_the_maximum() {
     let svc = DeadlineLayer::server()
-        .max(Duration::from_secs(1))
-        .unwrap()
+        .max_timeout(Duration::from_secs(1))
         .layer(reporting(Duration::ZERO));
     let req = Request::get("/")
         .header("request-timeout-ms", "60000")
@@ -466,7 +480,6 @@ async fn inbound_timeouts_are_clamped_to_the_maximum() {
 async fn the_handler_inherits_the_deadline_less_the_margin() {
     let svc = DeadlineLayer::server()
         .margin(ms(20))
-        .unwrap()
         .layer(reporting(ms(50)));
     let req = Request::get("/")
         .header("request-timeout-ms", "200")
@@ -554,19 +567,18 @@ async fn server_readiness_is_the_inner_services() {
 
 // ---------------------------------------------------------------- two real hops
 
-type Outbound = retrysafe_tower::deadline::EnforceDeadline<
-    retrysafe_tower::retry::Retry<
+type Outbound = retrysafe_tower::deadline::DeadlineService<
+    retrysafe_tower::retry::RetryService<
         Client<
             hyper_util::client::legacy::connect::HttpConnector,
             retrysafe_tower::retry::ReplayBody<Full<Bytes>>,
         >,
-        retrysafe_tower::local::AsError,
     >,
 >;
 
 fn outbound(timeout: Duration) -> Outbound {
     ServiceBuilder::new()
-        .layer(DeadlineLayer::new(timeout).unwrap())
+        .layer(DeadlineLayer::new(timeout))
         .layer(RetryLayer::new())
         .service(Client::builder(TokioExecutor::new()).build_http())
 }

@@ -21,21 +21,23 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
+use retrysafe_core::__private::RetryCharged;
 use retrysafe_core::backoff::{Backoff, RngSource};
 use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
 use retrysafe_core::classify::FaultSide;
 use retrysafe_core::error::{BudgetExhausted, DeadlineExceeded, find};
 use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
-use retrysafe_core::strategy::{GiveUp, Idempotent, NoRetry, RetryCharged, StandardRetryStrategy};
+use retrysafe_core::strategy::{GiveUp, Idempotent, NoRetry, StandardRetryStrategy};
 use retrysafe_core::wire::{Convention, IdempotencyKey, encode_grpc_timeout};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::budget::RetryBudgetLayer;
 use retrysafe_tower::edge::EdgeLayer;
-use retrysafe_tower::local::BoxError;
+use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
 use retrysafe_tower::retry::{GiveUpEvent, ReplayBody, RetryEvent, RetryLayer};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tower::{Layer, Service, ServiceExt};
+use tower::layer::util::{Identity, Stack};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
 type Req = Request<ReplayBody<String>>;
@@ -210,17 +212,15 @@ async fn answer(handle: &mut Handle, replies: Vec<Result<Res, BoxError>>) -> Vec
 
 /// Runs `req` through `layer` over a mock answering `replies`; returns the result and
 /// the attempts, after checking that no other attempt came.
-async fn run<M>(
-    layer: RetryLayer<M>,
+async fn run<L>(
+    layer: L,
     req: Request<String>,
     replies: Vec<Result<Res, BoxError>>,
 ) -> (Result<Res, BoxError>, Vec<Seen>)
 where
-    RetryLayer<M>: Layer<mock::Mock<Req, Res>>,
-    <RetryLayer<M> as Layer<mock::Mock<Req, Res>>>::Service:
-        Service<Request<String>, Response = Res, Error = BoxError>,
-    <<RetryLayer<M> as Layer<mock::Mock<Req, Res>>>::Service as Service<Request<String>>>::Future:
-        Send + 'static,
+    L: Layer<mock::Mock<Req, Res>>,
+    L::Service: Service<Request<String>, Response = Res, Error = BoxError>,
+    <L::Service as Service<Request<String>>>::Future: Send + 'static,
 {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = layer.layer(mock);
@@ -229,6 +229,15 @@ where
     let result = join.await.unwrap();
     no_more_attempts(&mut handle).await;
     (result, seen)
+}
+
+/// `layer` under the one `GrpcStatusLayer` of a gRPC client stack.
+fn grpc_statuses(
+    layer: RetryLayer,
+) -> ServiceBuilder<Stack<RetryLayer, Stack<GrpcStatusLayer, Identity>>> {
+    ServiceBuilder::new()
+        .layer(GrpcStatusLayer::new())
+        .layer(layer)
 }
 
 fn io_error(kind: io::ErrorKind) -> Result<Res, BoxError> {
@@ -259,9 +268,9 @@ fn events<E: Clone>(events: &Events<E>) -> Vec<E> {
 
 fn ratio(min_per_sec: u32, retry_ratio: f64) -> RetryBudget {
     let mut config = RatioConfig::default();
-    config.min_per_sec = min_per_sec;
-    config.retry_ratio = retry_ratio;
-    RetryBudget::ratio_with(config).unwrap()
+    config = config.with_min_per_sec(min_per_sec);
+    config = config.with_retry_ratio(retry_ratio);
+    RetryBudget::ratio_with(config)
 }
 
 fn ratio_counts(budget: &RetryBudget) -> (u64, u64) {
@@ -410,7 +419,7 @@ async fn a_delay_longer_than_the_time_left_gives_up_at_once() {
 /// is the attempt's bound. Without one, the attempt may use the whole deadline.
 #[tokio::test(start_paused = true)]
 async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
-    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)).unwrap());
+    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)));
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = bounded.layer(mock);
     let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
@@ -686,7 +695,7 @@ async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
-async fn attempts_two_and_later_are_numbered_and_tagged() {
+async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
     let (res, seen) = run(
         layer(),
         with(grpc_call(), Idempotent),
@@ -709,9 +718,10 @@ async fn attempts_two_and_later_are_numbered_and_tagged() {
         seen.iter().map(previous).collect::<Vec<_>>(),
         [None, Some("1".to_owned()), Some("2".to_owned())]
     );
+    // Every attempt of a budgeted request is tagged, the first included.
     assert_eq!(
         seen.iter().map(charged).collect::<Vec<_>>(),
-        [None, Some(2), Some(3)]
+        [Some(1), Some(2), Some(3)]
     );
 
     // Plain HTTP: no grpc-previous-rpc-attempts.
@@ -1181,7 +1191,7 @@ async fn a_replayed_response_is_not_retried() {
 async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
     // An expired deadline: nothing is sent.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let deadline = Deadline::after(ms(10));
     tokio::time::advance(ms(10)).await;
     let join = call(&mut svc, with(grpc_call(), deadline)).await;
@@ -1195,7 +1205,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // A budget refusal from below: UNAVAILABLE, not retried.
     let (res, seen) = run(
-        layer().grpc_statuses(),
+        grpc_statuses(layer()),
         with(grpc_call(), Idempotent),
         vec![Err(Box::new(BudgetExhausted::new()))],
     )
@@ -1207,7 +1217,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // The deadline running out during an attempt: DEADLINE_EXCEEDED.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let join = call(
         &mut svc,
         with(with(grpc_call(), Idempotent), Deadline::after(ms(300))),
@@ -1223,7 +1233,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // Other (non-gRPC) requests still get errors in this mode.
     let (mock, _handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().grpc_statuses().layer(mock);
+    let mut svc = grpc_statuses(layer()).service(mock);
     let deadline = Deadline::after(ms(1));
     tokio::time::advance(ms(1)).await;
     let err = call(&mut svc, with(get("http://api.local/x"), deadline))
@@ -1358,7 +1368,7 @@ async fn a_body_under_the_cap_is_replayed_byte_for_byte() {
         .body("12345678".to_owned())
         .unwrap();
     let (_, seen) = run(
-        layer().max_replay_body(8).unwrap(),
+        layer().max_replay_body(8),
         req,
         vec![Ok(status(503)), Ok(status(201))],
     )
@@ -1375,7 +1385,7 @@ async fn a_body_over_the_cap_is_sent_once() {
         .body("123456789".to_owned())
         .unwrap();
     let (res, seen) = run(
-        layer().max_replay_body(8).unwrap(),
+        layer().max_replay_body(8),
         with(req, ctx.clone()),
         vec![Ok(status(503))],
     )
@@ -1384,7 +1394,7 @@ async fn a_body_over_the_cap_is_sent_once() {
     assert_eq!(seen.len(), 1);
     assert_eq!(seen[0].body, "123456789");
     assert!(!ctx.downstream_gave_up());
-    assert!(layer().max_replay_body((1 << 30) + 1).is_err());
+    assert!(layer().max_replay_body((1 << 30) + 1).build().is_err());
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1406,6 +1416,41 @@ async fn the_budget_layer_skips_attempts_the_retry_layer_charged() {
     assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(seen[1].header("retry-attempt"), Some("2"));
     assert_eq!(ratio_counts(&budget), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_buffer_between_the_retry_and_budget_layers_keeps_one_deposit_per_request() {
+    // The "already counted" mark travels in the request's extensions, so a `Buffer`
+    // (which calls the layers below on another task) keeps it: one deposit per logical
+    // request and one withdrawal per retry, however many attempts pass the budget layer.
+    let budget = ratio(0, 1.0);
+    let calls = Arc::new(Mutex::new(0u32));
+    let count = calls.clone();
+    // Fails every first attempt with 503, then succeeds.
+    let flaky = tower::service_fn(move |req: Req| {
+        let retry = req.headers().contains_key("retry-attempt");
+        *count.lock().unwrap() += 1;
+        async move { Ok::<_, Infallible>(if retry { status(200) } else { status(503) }) }
+    });
+    let below = tower::ServiceBuilder::new()
+        .layer(RetryBudgetLayer::new(budget.clone()))
+        .service(flaky);
+    let buffered = tower::buffer::Buffer::new(below, 8);
+    let mut svc = RetryLayer::new()
+        .strategy(strategy().budget(budget.clone()))
+        .layer(buffered);
+    for n in 1..=3u64 {
+        let response = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(get("http://api.local/x"))
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        assert_eq!(ratio_counts(&budget), (n, n));
+    }
+    assert_eq!(*calls.lock().unwrap(), 6);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1469,13 +1514,7 @@ async fn the_budget_layer_charges_foreign_retries() {
     reply.send_response(status(200));
     fut.await.unwrap();
     assert_eq!(ratio_counts(&budget), (3, 1));
-    let charged = with(
-        retry(),
-        RetryCharged {
-            attempt: 2,
-            budget: budget.id(),
-        },
-    );
+    let charged = with(retry(), RetryCharged::new(2, budget.id()));
     let fut = svc.ready().await.unwrap().call(charged);
     let (_, reply) = handle.next_request().await.unwrap();
     reply.send_response(status(200));
@@ -1483,13 +1522,7 @@ async fn the_budget_layer_charges_foreign_retries() {
     assert_eq!(ratio_counts(&budget), (3, 1));
     // Charged to another budget: this one still counts it.
     let other = ratio(0, 0.0);
-    let charged_elsewhere = with(
-        retry(),
-        RetryCharged {
-            attempt: 2,
-            budget: other.id(),
-        },
-    );
+    let charged_elsewhere = with(retry(), RetryCharged::new(2, other.id()));
     // (3 deposits at 50 % afford one retry, already taken: refused, not skipped.)
     let err = svc
         .ready()
@@ -1501,11 +1534,9 @@ async fn the_budget_layer_charges_foreign_retries() {
     assert!(err.is::<BudgetExhausted>());
     assert_eq!(ratio_counts(&budget), (3, 1));
 
-    // With grpc_statuses, a refused gRPC retry is UNAVAILABLE.
+    // Under a GrpcStatusLayer, a refused gRPC retry is UNAVAILABLE.
     let (mock, _handle) = mock::pair::<Request<String>, Response<String>>();
-    let mut svc = RetryBudgetLayer::new(ratio(0, 0.0))
-        .grpc_statuses()
-        .layer(mock);
+    let mut svc = GrpcStatusLayer::new().layer(RetryBudgetLayer::new(ratio(0, 0.0)).layer(mock));
     let mut req = grpc_call();
     req.headers_mut()
         .insert("retry-attempt", "3".parse().unwrap());
@@ -1656,9 +1687,9 @@ async fn a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts() {
     no_more_attempts(&mut handle).await;
 }
 
-/// A layer below that refuses as a synthesised gRPC status (`grpc_statuses`), after a
-/// real response: the retry layer gives up with that real response, marked, exactly as
-/// when the refusal is an error.
+/// A layer below that refuses after a real response: the retry layer gives up with that
+/// real response, marked — also under the `GrpcStatusLayer` of a gRPC stack, which
+/// synthesises statuses only for refusals that reach it.
 #[tokio::test(start_paused = true)]
 async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one() {
     use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
@@ -1674,8 +1705,8 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
     }
     for synthesised in [false, true] {
         let mut config = BreakerConfig::default();
-        config.minimum_calls = 1; // the first failure opens it
-        let breaker = CircuitBreaker::new(config).unwrap();
+        config = config.with_minimum_calls(1); // the first failure opens it
+        let breaker = CircuitBreaker::new(config);
         let calls = Arc::new(Mutex::new(0u32));
         let count = Arc::clone(&calls);
         let inner = tower::service_fn(move |_r: Request<ReplayBody<String>>| {
@@ -1686,17 +1717,16 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
         let seen = Arc::clone(&gave_up);
         let retry = RetryLayer::new()
             .strategy(StandardRetryStrategy::new().seed(1).no_budget())
-            .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason))
-            .grpc_statuses();
+            .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason));
         let mut req = Request::post("http://svc/pkg.Svc/Get")
             .header("content-type", "application/grpc")
             .body(String::new())
             .unwrap();
         req.extensions_mut().insert(Idempotent);
         let res = if synthesised {
-            let breaker = CircuitBreakerLayer::new(breaker).grpc_statuses();
-            retry
-                .layer(breaker.layer(inner))
+            let breaker = CircuitBreakerLayer::new(breaker);
+            grpc_statuses(retry)
+                .service(breaker.layer(inner))
                 .oneshot(req)
                 .await
                 .unwrap()

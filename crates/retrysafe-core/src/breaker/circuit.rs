@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::ConfigError;
 use crate::classify::BreakerOutcome;
 use crate::error::CircuitOpen;
 
@@ -25,7 +24,7 @@ const RATE_SCALE: u128 = 1_000_000;
 
 /// A circuit breaker: a cheap `Clone` handle (one `Arc`) on state shared by every
 /// clone. Its permits count their references to that state per thread
-/// ([`Striped`]), so threads sharing one breaker do not contend on a reference count.
+/// (a striped count), so threads sharing one breaker do not contend on a reference count.
 ///
 /// Ask for a [`Permit`] before every call with [`try_acquire`](Self::try_acquire) and
 /// [`record`](Permit::record) the call's outcome on it; see the
@@ -107,13 +106,12 @@ pub struct Permit {
 }
 
 impl CircuitBreaker {
-    /// A breaker with `config`, closed; refuses a configuration with a field out of its
-    /// documented range (the error names the field).
-    pub fn new(config: BreakerConfig) -> Result<Self, ConfigError> {
-        config.validate()?;
-        Ok(CircuitBreaker {
-            shared: Striped::new(Shared::new(config)),
-        })
+    /// A breaker with `config`, closed. [`BreakerConfig::build`] checks a configuration;
+    /// one that was never built is used with each field brought into its range.
+    pub fn new(config: BreakerConfig) -> Self {
+        CircuitBreaker {
+            shared: Striped::new(Shared::new(config.clamped())),
+        }
     }
 
     /// Asks to make one call.
@@ -134,7 +132,7 @@ impl CircuitBreaker {
             match word.state() {
                 State::Closed | State::Disabled => return Ok(self.permit(word)),
                 State::ForcedOpen => {
-                    return Err(CircuitOpen::new(shared.config.max_open_duration));
+                    return Err(CircuitOpen::new(shared.config.max_open_duration()));
                 }
                 State::Open => {
                     let now = shared.now();
@@ -219,7 +217,7 @@ impl CircuitBreaker {
         self.shared.transition(None, State::Closed);
     }
 
-    /// The configuration.
+    /// The configuration, as used (each field in its range).
     pub fn config(&self) -> &BreakerConfig {
         &self.shared.config
     }
@@ -298,13 +296,13 @@ impl fmt::Debug for Permit {
 }
 
 impl Shared {
-    /// The state of a breaker with `config`, which [`BreakerConfig::validate`] accepted.
+    /// The state of a breaker with `config`, every field in range ([`BreakerConfig::clamped`]).
     fn new(config: BreakerConfig) -> Self {
         let rate = |percent: f64| {
             #[allow(
                 clippy::cast_possible_truncation,
                 clippy::cast_sign_loss,
-                reason = "validated to (0, 100], so the product is at most one million"
+                reason = "clamped to (0, 100], so the product is at most one million"
             )]
             let scaled = (percent * 10_000.0).round() as u64;
             u128::from(scaled.max(1))
@@ -318,14 +316,14 @@ impl Shared {
             open_until: AtomicU64::new(0),
             last_probe_at: AtomicU64::new(0),
             transitions: Mutex::new(0),
-            window: Window::new(config.window),
-            failure_threshold: rate(config.failure_rate_threshold),
-            slow_threshold: rate(config.slow_call_rate_threshold),
-            minimum_calls: u64::from(config.minimum_calls),
-            probes: u64::from(config.half_open_probes),
-            open_nanos: nanos(config.open_duration),
-            max_open_nanos: nanos(config.max_open_duration),
-            half_open_timeout_nanos: nanos(config.half_open_timeout),
+            window: Window::new(config.window()),
+            failure_threshold: rate(config.failure_rate_threshold()),
+            slow_threshold: rate(config.slow_call_rate_threshold()),
+            minimum_calls: u64::from(config.minimum_calls()),
+            probes: u64::from(config.half_open_probes()),
+            open_nanos: nanos(config.open_duration()),
+            max_open_nanos: nanos(config.max_open_duration()),
+            half_open_timeout_nanos: nanos(config.half_open_timeout()),
             config,
         }
     }
@@ -338,7 +336,7 @@ impl Shared {
     /// Whether a call that took `elapsed` is slow.
     fn is_slow(&self, elapsed: Duration) -> bool {
         self.config
-            .slow_call_duration
+            .slow_call_duration()
             .is_some_and(|slow| elapsed >= slow)
     }
 
@@ -388,7 +386,7 @@ impl Shared {
                 calls > 0 && u128::from(count) * RATE_SCALE >= threshold * calls
             };
             let failing = over(counts.failures, self.failure_threshold)
-                || (self.config.slow_call_duration.is_some()
+                || (self.config.slow_call_duration().is_some()
                     && over(counts.slow_calls, self.slow_threshold));
             if failing && counts.calls() >= self.minimum_calls {
                 self.transition(Some(word), State::Open);
@@ -513,7 +511,7 @@ impl Shared {
                 "circuit breaker state changed"
             ),
         }
-        if let Some(hook) = &self.config.on_state_change {
+        if let Some(hook) = self.config.on_state_change() {
             hook(change);
         }
     }

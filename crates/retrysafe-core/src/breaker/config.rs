@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::ConfigError;
+use crate::config::Validate;
 
 use super::StateChange;
 
@@ -84,50 +85,69 @@ impl SlidingWindow {
         SlidingWindow::Count { calls, buckets }
     }
 
-    /// Checks the window's own fields.
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// Checks the window's own fields into `v`.
+    fn validate(&self, v: &mut Validate) {
         match *self {
             SlidingWindow::Time { length, buckets } => {
                 number(
+                    v,
                     "window.buckets",
                     buckets,
                     MAX_TIME_BUCKETS,
                     "must be at most 100 for a time window",
-                )?;
+                );
                 if length < MIN_TIME_WINDOW {
-                    return Err(ConfigError::new("window.length", "must be at least 1 s"));
-                }
-                if length > MAX_DURATION {
-                    return Err(ConfigError::new("window.length", "must be at most 30 days"));
-                }
-                if length / buckets < MIN_BUCKET_WIDTH {
-                    return Err(ConfigError::new(
+                    v.refuse(ConfigError::new("window.length", "must be at least 1 s"));
+                } else if length > MAX_DURATION {
+                    v.refuse(ConfigError::new("window.length", "must be at most 30 days"));
+                } else if buckets > 0 && length / buckets < MIN_BUCKET_WIDTH {
+                    v.refuse(ConfigError::new(
                         "window.length",
                         "must be at least 10 ms per bucket",
                     ));
                 }
-                Ok(())
             }
             SlidingWindow::Count { calls, buckets } => {
                 number(
+                    v,
                     "window.calls",
                     calls,
                     MAX_COUNT_CALLS,
                     "must be at most 10000",
-                )?;
+                );
                 number(
+                    v,
                     "window.buckets",
                     buckets,
                     MAX_COUNT_BUCKETS,
                     "must be at most 1000 for a count window",
-                )?;
-                if calls % buckets != 0 {
-                    return Err(ConfigError::new(
+                );
+                if buckets > 0 && calls % buckets != 0 {
+                    v.refuse(ConfigError::new(
                         "window.calls",
                         "must be a multiple of window.buckets",
                     ));
                 }
-                Ok(())
+            }
+        }
+    }
+
+    /// The window as used: every field brought into its range (a count window's calls
+    /// rounded down to a multiple of its buckets).
+    fn clamped(self) -> Self {
+        match self {
+            // At least 1 s in at most 100 buckets: every bucket is at least 10 ms.
+            SlidingWindow::Time { length, buckets } => SlidingWindow::Time {
+                length: length.clamp(MIN_TIME_WINDOW, MAX_DURATION),
+                buckets: buckets.clamp(1, MAX_TIME_BUCKETS),
+            },
+            SlidingWindow::Count { calls, buckets } => {
+                let calls = calls.clamp(1, MAX_COUNT_CALLS);
+                let buckets = buckets.clamp(1, MAX_COUNT_BUCKETS).min(calls);
+                SlidingWindow::Count {
+                    calls: calls - calls % buckets,
+                    buckets,
+                }
             }
         }
     }
@@ -142,63 +162,46 @@ impl Default for SlidingWindow {
 
 /// Configuration of a [`CircuitBreaker`](super::CircuitBreaker).
 ///
-/// Start from [`BreakerConfig::default`] and change fields;
-/// [`CircuitBreaker::new`](super::CircuitBreaker::new) checks every one.
+/// Start from [`BreakerConfig::default`] and change what you need with the `with_*`
+/// setters; [`build`](BreakerConfig::build) checks every field and names each one out of
+/// range. A configuration that was never built still works: a breaker uses each field
+/// brought into its range.
 ///
 /// ```
-/// use std::sync::Arc;
 /// use std::time::Duration;
 /// use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow};
 ///
-/// let mut config = BreakerConfig::default();
-/// config.window = SlidingWindow::count(50, 5);
-/// config.minimum_calls = 10;
-/// config.slow_call_duration = Some(Duration::from_secs(2));
-/// config.slow_call_rate_threshold = 80.0;
-/// config.on_state_change = Some(Arc::new(|change| assert_ne!(change.from, change.to)));
-/// assert!(CircuitBreaker::new(config.clone()).is_ok());
+/// let config = BreakerConfig::default()
+///     .with_window(SlidingWindow::count(50, 5))
+///     .with_minimum_calls(10)
+///     .with_slow_call_duration(Duration::from_secs(2))
+///     .with_slow_call_rate_threshold(80.0)
+///     .with_on_state_change(|change| assert_ne!(change.from, change.to));
+/// assert!(config.clone().build().is_ok());
+/// let breaker = CircuitBreaker::new(config.clone());
 ///
-/// config.failure_rate_threshold = 0.0;
-/// let error = CircuitBreaker::new(config).unwrap_err();
-/// assert_eq!(error.field(), "failure_rate_threshold");
+/// let error = config
+///     .with_failure_rate_threshold(0.0)
+///     .with_half_open_probes(0)
+///     .build()
+///     .unwrap_err();
+/// assert_eq!(
+///     error.fields().collect::<Vec<_>>(),
+///     ["failure_rate_threshold", "half_open_probes"]
+/// );
 /// ```
 #[derive(Clone)]
-#[non_exhaustive]
 pub struct BreakerConfig {
-    /// The window the rates are computed over (default: 30 s in 10 buckets).
-    pub window: SlidingWindow,
-    /// The failure rate, in percent, at or above which a closed breaker opens: greater
-    /// than 0, at most 100 (default 50).
-    pub failure_rate_threshold: f64,
-    /// The fewest non-neutral calls the window must hold before a rate can open the
-    /// breaker: from 1 to 8000, and at most the calls of a count window (default 20).
-    pub minimum_calls: u32,
-    /// A call that takes at least this long is slow (`None`, the default: slow calls are
-    /// not tracked). From 1 ns to 30 days.
-    pub slow_call_duration: Option<Duration>,
-    /// The slow-call rate, in percent, at or above which a closed breaker opens, when
-    /// `slow_call_duration` is set: greater than 0, at most 100 (default 100).
-    pub slow_call_rate_threshold: f64,
-    /// How long the breaker stays open the first time (default 5 s); each consecutive
-    /// re-opening (a failed half-open trial) doubles it, up to `max_open_duration`.
-    /// From 1 ns to 30 days.
-    pub open_duration: Duration,
-    /// The longest open duration: at least `open_duration`, at most 30 days (default
-    /// 60 s).
-    pub max_open_duration: Duration,
-    /// How many trial calls a half-open breaker lets through; all must succeed for it
-    /// to close. From 1 to 1000 (default 3).
-    pub half_open_probes: u32,
-    /// How long a half-open breaker waits for its probes' results, counted from the last
-    /// probe let through: once every probe is out and this has passed without a
-    /// decision, the next caller reopens the breaker (as if a probe had failed), so a
-    /// probe that never reports cannot keep it half-open. From 1 ns to 30 days
-    /// (default 10 s, the default per-attempt timeout of the retry layer).
-    pub half_open_timeout: Duration,
-    /// Called after every change of state, on the thread that made it, outside any lock
-    /// (default `None`). Changes made at nearly the same time on different threads may
-    /// be reported concurrently; [`StateChange::at`] orders them.
-    pub on_state_change: Option<StateChangeHook>,
+    window: SlidingWindow,
+    failure_rate_threshold: f64,
+    minimum_calls: u32,
+    slow_call_duration: Option<Duration>,
+    slow_call_rate_threshold: f64,
+    open_duration: Duration,
+    max_open_duration: Duration,
+    half_open_probes: u32,
+    half_open_timeout: Duration,
+    on_state_change: Option<StateChangeHook>,
 }
 
 impl Default for BreakerConfig {
@@ -241,82 +244,266 @@ impl fmt::Debug for BreakerConfig {
 }
 
 impl BreakerConfig {
-    /// Checks every field.
-    pub(super) fn validate(&self) -> Result<(), ConfigError> {
-        self.window.validate()?;
-        rate("failure_rate_threshold", self.failure_rate_threshold)?;
-        number(
+    /// The window the rates are computed over (default: 30 s in 10 buckets).
+    #[must_use]
+    pub fn with_window(mut self, window: SlidingWindow) -> Self {
+        self.window = window;
+        self
+    }
+
+    /// The failure rate, in percent, at or above which a closed breaker opens: greater
+    /// than 0, at most 100 (default 50).
+    #[must_use]
+    pub fn with_failure_rate_threshold(mut self, percent: f64) -> Self {
+        self.failure_rate_threshold = percent;
+        self
+    }
+
+    /// The fewest non-neutral calls the window must hold before a rate can open the
+    /// breaker: from 1 to 8000, and at most the calls of a count window (default 20).
+    #[must_use]
+    pub fn with_minimum_calls(mut self, calls: u32) -> Self {
+        self.minimum_calls = calls;
+        self
+    }
+
+    /// A call that takes at least this long is slow (by default slow calls are not
+    /// tracked). From 1 ns to 30 days.
+    #[must_use]
+    pub fn with_slow_call_duration(mut self, duration: Duration) -> Self {
+        self.slow_call_duration = Some(duration);
+        self
+    }
+
+    /// The slow-call rate, in percent, at or above which a closed breaker opens, when a
+    /// slow-call duration is set: greater than 0, at most 100 (default 100).
+    #[must_use]
+    pub fn with_slow_call_rate_threshold(mut self, percent: f64) -> Self {
+        self.slow_call_rate_threshold = percent;
+        self
+    }
+
+    /// How long the breaker stays open the first time (default 5 s); each consecutive
+    /// re-opening (a failed half-open trial) doubles it, up to the maximum open
+    /// duration. From 1 ns to 30 days.
+    #[must_use]
+    pub fn with_open_duration(mut self, duration: Duration) -> Self {
+        self.open_duration = duration;
+        self
+    }
+
+    /// The longest open duration: at least the open duration, at most 30 days (default
+    /// 60 s).
+    #[must_use]
+    pub fn with_max_open_duration(mut self, duration: Duration) -> Self {
+        self.max_open_duration = duration;
+        self
+    }
+
+    /// How many trial calls a half-open breaker lets through; all must succeed for it
+    /// to close. From 1 to 1000 (default 3).
+    #[must_use]
+    pub fn with_half_open_probes(mut self, probes: u32) -> Self {
+        self.half_open_probes = probes;
+        self
+    }
+
+    /// How long a half-open breaker waits for its probes' results, counted from the last
+    /// probe let through: once every probe is out and this has passed without a
+    /// decision, the next caller reopens the breaker (as if a probe had failed), so a
+    /// probe that never reports cannot keep it half-open. From 1 ns to 30 days
+    /// (default 10 s, the default per-attempt timeout of the retry layer).
+    #[must_use]
+    pub fn with_half_open_timeout(mut self, timeout: Duration) -> Self {
+        self.half_open_timeout = timeout;
+        self
+    }
+
+    /// Called after every change of state, on the thread that made it, outside any lock
+    /// (default: none). Changes made at nearly the same time on different threads may
+    /// be reported concurrently; [`StateChange::at`] orders them.
+    #[must_use]
+    pub fn with_on_state_change(
+        mut self,
+        hook: impl Fn(StateChange) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_state_change = Some(Arc::new(hook));
+        self
+    }
+
+    /// The sliding window.
+    pub fn window(&self) -> SlidingWindow {
+        self.window
+    }
+
+    /// The failure-rate threshold, in percent.
+    pub fn failure_rate_threshold(&self) -> f64 {
+        self.failure_rate_threshold
+    }
+
+    /// The fewest counted calls before a rate can open the breaker.
+    pub fn minimum_calls(&self) -> u32 {
+        self.minimum_calls
+    }
+
+    /// The duration from which a call is slow, if slow calls are tracked.
+    pub fn slow_call_duration(&self) -> Option<Duration> {
+        self.slow_call_duration
+    }
+
+    /// The slow-call-rate threshold, in percent.
+    pub fn slow_call_rate_threshold(&self) -> f64 {
+        self.slow_call_rate_threshold
+    }
+
+    /// The first open duration.
+    pub fn open_duration(&self) -> Duration {
+        self.open_duration
+    }
+
+    /// The longest open duration.
+    pub fn max_open_duration(&self) -> Duration {
+        self.max_open_duration
+    }
+
+    /// The half-open probes.
+    pub fn half_open_probes(&self) -> u32 {
+        self.half_open_probes
+    }
+
+    /// The half-open timeout.
+    pub fn half_open_timeout(&self) -> Duration {
+        self.half_open_timeout
+    }
+
+    /// The state-change hook, if any.
+    pub fn on_state_change(&self) -> Option<&StateChangeHook> {
+        self.on_state_change.as_ref()
+    }
+
+    /// Checks every field: the error names each one out of its documented range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.window.validate(&mut v);
+        rate(
+            &mut v,
+            "failure_rate_threshold",
+            self.failure_rate_threshold,
+        );
+        let minimum_ok = number(
+            &mut v,
             "minimum_calls",
             self.minimum_calls,
             MAX_MINIMUM_CALLS,
             "must be at most 8000",
-        )?;
+        );
         if let SlidingWindow::Count { calls, .. } = self.window
+            && minimum_ok
             && self.minimum_calls > calls
         {
-            return Err(ConfigError::new(
+            v.refuse(ConfigError::new(
                 "minimum_calls",
                 "must not exceed the calls of a count window",
             ));
         }
         if let Some(slow) = self.slow_call_duration {
-            duration("slow_call_duration", slow)?;
+            duration(&mut v, "slow_call_duration", slow);
         }
-        rate("slow_call_rate_threshold", self.slow_call_rate_threshold)?;
-        duration("open_duration", self.open_duration)?;
-        duration("max_open_duration", self.max_open_duration)?;
-        if self.max_open_duration < self.open_duration {
-            return Err(ConfigError::new(
+        rate(
+            &mut v,
+            "slow_call_rate_threshold",
+            self.slow_call_rate_threshold,
+        );
+        duration(&mut v, "open_duration", self.open_duration);
+        if duration(&mut v, "max_open_duration", self.max_open_duration)
+            && self.max_open_duration < self.open_duration
+        {
+            v.refuse(ConfigError::new(
                 "max_open_duration",
                 "must be at least open_duration",
             ));
         }
         number(
+            &mut v,
             "half_open_probes",
             self.half_open_probes,
             MAX_PROBES,
             "must be at most 1000",
-        )?;
-        duration("half_open_timeout", self.half_open_timeout)?;
-        Ok(())
+        );
+        duration(&mut v, "half_open_timeout", self.half_open_timeout);
+        v.finish(self)
+    }
+
+    /// The configuration as a breaker uses it: every field brought into its range (a
+    /// NaN threshold is 100 %).
+    pub(super) fn clamped(mut self) -> Self {
+        let percent = |p: f64| {
+            if p.is_nan() {
+                100.0
+            } else {
+                p.clamp(0.0001, 100.0)
+            }
+        };
+        let one_ns = Duration::from_nanos(1);
+        self.window = self.window.clamped();
+        self.failure_rate_threshold = percent(self.failure_rate_threshold);
+        let most_calls = match self.window {
+            SlidingWindow::Count { calls, .. } => calls.min(MAX_MINIMUM_CALLS),
+            SlidingWindow::Time { .. } => MAX_MINIMUM_CALLS,
+        };
+        self.minimum_calls = self.minimum_calls.clamp(1, most_calls);
+        self.slow_call_duration = self
+            .slow_call_duration
+            .map(|d| d.clamp(one_ns, MAX_DURATION));
+        self.slow_call_rate_threshold = percent(self.slow_call_rate_threshold);
+        self.open_duration = self.open_duration.clamp(one_ns, MAX_DURATION);
+        self.max_open_duration = self
+            .max_open_duration
+            .clamp(self.open_duration, MAX_DURATION);
+        self.half_open_probes = self.half_open_probes.clamp(1, MAX_PROBES);
+        self.half_open_timeout = self.half_open_timeout.clamp(one_ns, MAX_DURATION);
+        self
     }
 }
 
 /// Checks a rate in percent: in (0, 100], not NaN.
-fn rate(field: &'static str, value: f64) -> Result<(), ConfigError> {
-    if value > 0.0 && value <= 100.0 {
-        Ok(())
-    } else {
-        Err(ConfigError::new(
-            field,
-            "must be a percentage greater than 0 and at most 100",
-        ))
-    }
+fn rate(v: &mut Validate, field: &'static str, value: f64) {
+    v.check(
+        value > 0.0 && value <= 100.0,
+        field,
+        "must be a percentage greater than 0 and at most 100",
+    );
 }
 
 /// Checks a number: greater than zero, at most `max` (refused with `too_large`).
+/// Whether it was accepted.
 fn number(
+    v: &mut Validate,
     field: &'static str,
     value: u32,
     max: u32,
     too_large: &'static str,
-) -> Result<(), ConfigError> {
+) -> bool {
     if value == 0 {
-        Err(ConfigError::new(field, "must be greater than zero"))
+        v.refuse(ConfigError::new(field, "must be greater than zero"));
+        false
     } else if value > max {
-        Err(ConfigError::new(field, too_large))
+        v.refuse(ConfigError::new(field, too_large));
+        false
     } else {
-        Ok(())
+        true
     }
 }
 
-/// Checks a duration: greater than zero, at most 30 days.
-fn duration(field: &'static str, value: Duration) -> Result<(), ConfigError> {
+/// Checks a duration: greater than zero, at most 30 days. Whether it was accepted.
+fn duration(v: &mut Validate, field: &'static str, value: Duration) -> bool {
     if value.is_zero() {
-        Err(ConfigError::new(field, "must be greater than zero"))
+        v.refuse(ConfigError::new(field, "must be greater than zero"));
+        false
     } else if value > MAX_DURATION {
-        Err(ConfigError::new(field, "must be at most 30 days"))
+        v.refuse(ConfigError::new(field, "must be at most 30 days"));
+        false
     } else {
-        Ok(())
+        true
     }
 }

@@ -16,6 +16,7 @@ use tokio::time::Instant;
 /// assert_eq!(State::HalfOpen.to_string(), "half-open");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum State {
     /// Calls go through and are counted.
     Closed,
@@ -79,10 +80,10 @@ impl fmt::Display for State {
 /// use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State, StateChange};
 ///
 /// let seen: Arc<Mutex<Vec<StateChange>>> = Arc::default();
-/// let mut config = BreakerConfig::default();
 /// let log = Arc::clone(&seen);
-/// config.on_state_change = Some(Arc::new(move |change| log.lock().unwrap().push(change)));
-/// let breaker = CircuitBreaker::new(config).unwrap();
+/// let config =
+///     BreakerConfig::default().with_on_state_change(move |change| log.lock().unwrap().push(change));
+/// let breaker = CircuitBreaker::new(config);
 /// breaker.disable();
 /// let seen = seen.lock().unwrap();
 /// assert_eq!((seen[0].from, seen[0].to), (State::Closed, State::Disabled));

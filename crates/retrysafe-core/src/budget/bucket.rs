@@ -19,7 +19,7 @@ pub(super) struct TokenBucket {
 }
 
 impl TokenBucket {
-    /// A full bucket for a configuration that [`TokenBucketConfig::validate`] accepted.
+    /// A full bucket for a configuration in range ([`TokenBucketConfig::clamped`]).
     pub(super) fn new(config: TokenBucketConfig) -> Self {
         TokenBucket {
             config,

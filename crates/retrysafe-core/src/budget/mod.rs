@@ -105,12 +105,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::ConfigError;
+use crate::config::Validate;
 
 use self::bucket::TokenBucket;
 use self::ratio::Ratio;
 
 /// What a retry costs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum RetryCost {
     /// A retry after an ordinary failure.
     Failure,
@@ -151,28 +153,23 @@ enum Inner {
 /// use std::time::Duration;
 /// use retrysafe_core::budget::{RatioConfig, RetryBudget};
 ///
-/// let mut config = RatioConfig::default();
-/// config.ttl = Duration::from_secs(30);
-/// config.min_per_sec = 1;
-/// config.retry_ratio = 0.1;
-/// let budget = RetryBudget::ratio_with(config).unwrap();
+/// let config = RatioConfig::default()
+///     .with_ttl(Duration::from_secs(30))
+///     .with_min_per_sec(1)
+///     .with_retry_ratio(0.1)
+///     .build()
+///     .unwrap();
+/// let budget = RetryBudget::ratio_with(config);
 /// assert_eq!(budget.available_retries(), 30); // 1/s × 30 s
 ///
-/// config.retry_ratio = f64::NAN;
-/// assert_eq!(RetryBudget::ratio_with(config).unwrap_err().field(), "retry_ratio");
+/// let bad = config.with_retry_ratio(f64::NAN).with_ttl(Duration::ZERO);
+/// assert_eq!(bad.build().unwrap_err().fields().collect::<Vec<_>>(), ["ttl", "retry_ratio"]);
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq)]
-#[non_exhaustive]
 pub struct RatioConfig {
-    /// How long a deposit counts: the length of the sliding window, from 1 s to 30 days
-    /// (default 10 s). A deposit counts for between 9/10 of it and all of it.
-    pub ttl: Duration,
-    /// Retries always allowed per second, whatever the traffic (per process; default
-    /// 10): a reserve of `min_per_sec × ttl` retries per window, rounded down.
-    pub min_per_sec: u32,
-    /// Share of requests that may be retried, from 0 to 1000 (default 0.2); 2.0 allows
-    /// two retries per request. Kept to 6 decimal places.
-    pub retry_ratio: f64,
+    ttl: Duration,
+    min_per_sec: u32,
+    retry_ratio: f64,
 }
 
 /// Configuration of a token bucket.
@@ -180,25 +177,19 @@ pub struct RatioConfig {
 /// ```
 /// use retrysafe_core::budget::{RetryBudget, TokenBucketConfig};
 ///
-/// let mut config = TokenBucketConfig::default();
-/// config.capacity = 50;
-/// let bucket = RetryBudget::token_bucket_with(config).unwrap();
+/// let config = TokenBucketConfig::default().with_capacity(50).build().unwrap();
+/// let bucket = RetryBudget::token_bucket_with(config);
 /// assert_eq!(bucket.available_retries(), 10); // 50 tokens / 5
 ///
-/// config.timeout_cost = 51;
-/// assert_eq!(RetryBudget::token_bucket_with(config).unwrap_err().field(), "timeout_cost");
+/// let bad = config.with_timeout_cost(51);
+/// assert_eq!(bad.build().unwrap_err().field(), "timeout_cost");
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[non_exhaustive]
 pub struct TokenBucketConfig {
-    /// Capacity (and initial level); at least 1 (default 500).
-    pub capacity: u32,
-    /// Tokens a retry after a failure costs; 1 to `capacity` (default 5).
-    pub retry_cost: u32,
-    /// Tokens a retry after a timeout costs; 1 to `capacity` (default 10).
-    pub timeout_cost: u32,
-    /// Tokens returned by a success that needed no retry; 0 to `capacity` (default 1).
-    pub success_refund: u32,
+    capacity: u32,
+    retry_cost: u32,
+    timeout_cost: u32,
+    success_refund: u32,
 }
 
 /// What a budget holds at one instant, for tests and observability.
@@ -244,51 +235,160 @@ const MAX_TTL: Duration = Duration::from_secs(30 * 24 * 60 * 60);
 const MIN_TTL: Duration = Duration::from_secs(1);
 
 impl RatioConfig {
-    /// Checks every field.
-    fn validate(&self) -> Result<(), ConfigError> {
+    /// How long a deposit counts: the length of the sliding window, from 1 s to 30 days
+    /// (default 10 s). A deposit counts for between 9/10 of it and all of it.
+    #[must_use]
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Retries always allowed per second, whatever the traffic (per process; default
+    /// 10): a reserve of `min_per_sec × ttl` retries per window, rounded down.
+    #[must_use]
+    pub fn with_min_per_sec(mut self, min_per_sec: u32) -> Self {
+        self.min_per_sec = min_per_sec;
+        self
+    }
+
+    /// Share of requests that may be retried, from 0 to 1000 (default 0.2); 2.0 allows
+    /// two retries per request. Kept to 6 decimal places.
+    #[must_use]
+    pub fn with_retry_ratio(mut self, retry_ratio: f64) -> Self {
+        self.retry_ratio = retry_ratio;
+        self
+    }
+
+    /// The window length.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The retries always allowed per second.
+    pub fn min_per_sec(&self) -> u32 {
+        self.min_per_sec
+    }
+
+    /// The share of requests that may be retried.
+    pub fn retry_ratio(&self) -> f64 {
+        self.retry_ratio
+    }
+
+    /// Checks every field: the error names each one out of range (a `ttl` outside 1 s
+    /// to 30 days, a `retry_ratio` outside 0 to 1000 or NaN).
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
         if self.ttl.is_zero() {
-            return Err(ConfigError::new("ttl", "must be greater than zero"));
+            v.refuse(ConfigError::new("ttl", "must be greater than zero"));
+        } else if self.ttl < MIN_TTL {
+            v.refuse(ConfigError::new("ttl", "must be at least 1 s"));
+        } else if self.ttl > MAX_TTL {
+            v.refuse(ConfigError::new("ttl", "must be at most 30 days"));
         }
-        if self.ttl < MIN_TTL {
-            return Err(ConfigError::new("ttl", "must be at least 1 s"));
+        v.check(
+            (0.0..=1000.0).contains(&self.retry_ratio),
+            "retry_ratio",
+            "must be a number from 0 to 1000",
+        );
+        v.finish(self)
+    }
+
+    /// The configuration as used: every field brought into its range (a NaN ratio is 0).
+    pub(crate) fn clamped(self) -> Self {
+        let retry_ratio = if self.retry_ratio.is_nan() {
+            0.0
+        } else {
+            self.retry_ratio.clamp(0.0, 1000.0)
+        };
+        RatioConfig {
+            ttl: self.ttl.clamp(MIN_TTL, MAX_TTL),
+            min_per_sec: self.min_per_sec,
+            retry_ratio,
         }
-        if self.ttl > MAX_TTL {
-            return Err(ConfigError::new("ttl", "must be at most 30 days"));
-        }
-        if !(0.0..=1000.0).contains(&self.retry_ratio) {
-            return Err(ConfigError::new(
-                "retry_ratio",
-                "must be a number from 0 to 1000",
-            ));
-        }
-        Ok(())
     }
 }
 
 impl TokenBucketConfig {
-    /// Checks every field.
-    fn validate(&self) -> Result<(), ConfigError> {
-        if self.capacity == 0 {
-            return Err(ConfigError::new("capacity", "must be greater than zero"));
-        }
-        let cost = |field, value: u32| {
+    /// Capacity (and initial level); at least 1 (default 500).
+    #[must_use]
+    pub fn with_capacity(mut self, capacity: u32) -> Self {
+        self.capacity = capacity;
+        self
+    }
+
+    /// Tokens a retry after a failure costs; 1 to the capacity (default 5).
+    #[must_use]
+    pub fn with_retry_cost(mut self, cost: u32) -> Self {
+        self.retry_cost = cost;
+        self
+    }
+
+    /// Tokens a retry after a timeout costs; 1 to the capacity (default 10).
+    #[must_use]
+    pub fn with_timeout_cost(mut self, cost: u32) -> Self {
+        self.timeout_cost = cost;
+        self
+    }
+
+    /// Tokens returned by a success that needed no retry; 0 to the capacity (default 1).
+    #[must_use]
+    pub fn with_success_refund(mut self, refund: u32) -> Self {
+        self.success_refund = refund;
+        self
+    }
+
+    /// The capacity.
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    /// What a retry after a failure costs.
+    pub fn retry_cost(&self) -> u32 {
+        self.retry_cost
+    }
+
+    /// What a retry after a timeout costs.
+    pub fn timeout_cost(&self) -> u32 {
+        self.timeout_cost
+    }
+
+    /// What a success that needed no retry refunds.
+    pub fn success_refund(&self) -> u32 {
+        self.success_refund
+    }
+
+    /// Checks every field: the error names each one out of range (a zero capacity, a
+    /// zero cost, a cost or refund greater than the capacity).
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(self.capacity > 0, "capacity", "must be greater than zero");
+        for (field, value) in [
+            ("retry_cost", self.retry_cost),
+            ("timeout_cost", self.timeout_cost),
+        ] {
             if value == 0 {
-                Err(ConfigError::new(field, "must be greater than zero"))
-            } else if value > self.capacity {
-                Err(ConfigError::new(field, "must not exceed the capacity"))
-            } else {
-                Ok(())
+                v.refuse(ConfigError::new(field, "must be greater than zero"));
+            } else if self.capacity > 0 && value > self.capacity {
+                v.refuse(ConfigError::new(field, "must not exceed the capacity"));
             }
-        };
-        cost("retry_cost", self.retry_cost)?;
-        cost("timeout_cost", self.timeout_cost)?;
-        if self.success_refund > self.capacity {
-            return Err(ConfigError::new(
-                "success_refund",
-                "must not exceed the capacity",
-            ));
         }
-        Ok(())
+        v.check(
+            self.success_refund <= self.capacity,
+            "success_refund",
+            "must not exceed the capacity",
+        );
+        v.finish(self)
+    }
+
+    /// The configuration as used: every field brought into its range.
+    pub(crate) fn clamped(self) -> Self {
+        let capacity = self.capacity.max(1);
+        TokenBucketConfig {
+            capacity,
+            retry_cost: self.retry_cost.clamp(1, capacity),
+            timeout_cost: self.timeout_cost.clamp(1, capacity),
+            success_refund: self.success_refund.min(capacity),
+        }
     }
 }
 
@@ -332,11 +432,11 @@ impl RetryBudget {
         Self::from_inner(Inner::Ratio(Ratio::new(RatioConfig::default())))
     }
 
-    /// A ratio budget; refuses a `ttl` outside 1 s to 30 days and a `retry_ratio`
-    /// outside 0 to 1000 (or NaN).
-    pub fn ratio_with(config: RatioConfig) -> Result<Self, ConfigError> {
-        config.validate()?;
-        Ok(Self::from_inner(Inner::Ratio(Ratio::new(config))))
+    /// A ratio budget configured by `config` ([`RatioConfig::build`] checks it; a field
+    /// out of range is used as the nearest valid value).
+    #[must_use]
+    pub fn ratio_with(config: RatioConfig) -> Self {
+        Self::from_inner(Inner::Ratio(Ratio::new(config.clamped())))
     }
 
     /// The default token bucket: the AWS SDKs' standard retry mode (capacity 500, retry
@@ -348,13 +448,11 @@ impl RetryBudget {
         )))
     }
 
-    /// A token bucket; refuses a zero capacity, a zero cost, and a cost or refund
-    /// greater than the capacity.
-    pub fn token_bucket_with(config: TokenBucketConfig) -> Result<Self, ConfigError> {
-        config.validate()?;
-        Ok(Self::from_inner(Inner::TokenBucket(TokenBucket::new(
-            config,
-        ))))
+    /// A token bucket configured by `config` ([`TokenBucketConfig::build`] checks it; a
+    /// field out of range is used as the nearest valid value).
+    #[must_use]
+    pub fn token_bucket_with(config: TokenBucketConfig) -> Self {
+        Self::from_inner(Inner::TokenBucket(TokenBucket::new(config.clamped())))
     }
 
     /// Wraps a state.
@@ -442,12 +540,14 @@ impl RetryBudget {
 
     /// The identity of this budget, shared by its clones (for marks that say which
     /// budget already counted a request).
+    #[doc(hidden)]
     pub fn id(&self) -> BudgetId {
         BudgetId(Arc::as_ptr(&self.inner) as usize)
     }
 }
 
 /// The identity of a [`RetryBudget`]: equal for clones of one handle. Never zero.
+#[doc(hidden)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct BudgetId(usize);
 

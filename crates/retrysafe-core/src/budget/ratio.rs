@@ -77,7 +77,7 @@ pub(super) struct Ratio {
 }
 
 impl Ratio {
-    /// A budget for a configuration that [`RatioConfig::validate`] accepted.
+    /// A budget for a configuration in range ([`RatioConfig::clamped`]).
     pub(super) fn new(config: RatioConfig) -> Self {
         let ttl_nanos = nanos(config.ttl);
         let clock = CachePadded(EpochClock::new(config.ttl, BUCKETS_NONZERO));

@@ -3,8 +3,8 @@ use http::header::{HeaderName, RETRY_AFTER};
 
 /// The header names of the retrysafe wire convention.
 ///
-/// Every layer takes the same `Convention`; the defaults are the names of the
-/// DESIGN table. A deployment can rename a header, for example to interoperate with
+/// Every layer takes the same `Convention`; the defaults are the names listed in the
+/// [module docs](super). A deployment can rename a header, for example to interoperate with
 /// `x-envoy-expected-rq-timeout-ms`.
 ///
 /// ```

@@ -43,6 +43,7 @@ pub fn parse_flag(value: Option<&[u8]>) -> bool {
 
 /// A parsed `retry-point` value.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RetryPoint {
     /// `caller`: the caller is the retry point; the callee must not retry.
     Caller,
@@ -85,6 +86,7 @@ pub fn encode_retry_attempt(attempt: u32) -> HeaderValue {
 
 /// A parsed `grpc-retry-pushback-ms` value (gRFC A6).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Pushback {
     /// A non-negative integer: retry after exactly this delay (clamped to
     /// [`MAX_RETRY_AFTER`](super::MAX_RETRY_AFTER)).

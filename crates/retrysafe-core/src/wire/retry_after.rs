@@ -10,6 +10,7 @@ pub const MAX_RETRY_AFTER: Duration = Duration::from_secs(24 * 60 * 60);
 
 /// A parsed `retry-after` value (RFC 9110 §10.2.3): a minimum delay, never shorter.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum RetryAfter {
     /// `delay-seconds`, clamped to [`MAX_RETRY_AFTER`].
     Delay(Duration),

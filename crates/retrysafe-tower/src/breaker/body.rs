@@ -12,7 +12,7 @@ use retrysafe_core::classify::BreakerOutcome;
 use super::future::Call;
 
 pin_project! {
-    /// The response body of [`Breaker`](super::Breaker): the inner body, unchanged.
+    /// The response body of [`CircuitBreakerService`](super::CircuitBreakerService): the inner body, unchanged.
     ///
     /// For a gRPC response whose head carries no status (headers first), the call's
     /// outcome is recorded when the stream ends: from the `grpc-status` of its

@@ -4,36 +4,34 @@
 use std::error::Error as StdError;
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{HeaderMap, Request, Response};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::{BreakerFacts, Local};
 use retrysafe_core::breaker::Permit;
-use retrysafe_core::classify::{BreakerFacts, BreakerOutcome, Failure, RequestFacts};
+use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts};
 use retrysafe_core::error::CircuitOpen;
-use retrysafe_core::stripe::Local;
 use tokio::time::Instant;
 use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::layer::Config;
-use crate::local::{BoxError, LocalFailure};
+use crate::local::BoxError;
 
 pin_project! {
-    /// The response future of [`Breaker`](super::Breaker).
+    /// The response future of [`CircuitBreakerService`](super::CircuitBreakerService).
     ///
     /// Dropping it before the response arrives drops its permit: a half-open probe
     /// dropped this way counts as a failure, a call of a closed breaker as nothing.
-    pub struct ResponseFuture<S, ReqB, M>
+    pub struct ResponseFuture<S, ReqB>
     where
         S: Service<Request<ReqB>>,
     {
         #[pin]
         state: State<S, Request<ReqB>, S::Future>,
-        _local: PhantomData<fn() -> M>,
     }
 }
 
@@ -44,14 +42,14 @@ pin_project! {
         // slow path is rare, and the future stays small for the common one).
         Readying { waiting: Option<Box<(S, R)>>, call: Option<Call> },
         Calling { #[pin] future: F, call: Option<Call> },
-        Refused { grpc: bool, open: Option<CircuitOpen>, config: Local<Config> },
+        Refused { open: Option<CircuitOpen> },
         // The inner service failed to become ready (recorded already).
         Failed { error: Option<BoxError> },
         Done,
     }
 }
 
-impl<S, ReqB, M> ResponseFuture<S, ReqB, M>
+impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
@@ -80,110 +78,128 @@ where
                 call: Some(call),
             },
         };
-        ResponseFuture {
-            state,
-            _local: PhantomData,
-        }
+        ResponseFuture { state }
     }
 
     /// A refused call.
-    pub(crate) fn refused(grpc: bool, open: CircuitOpen, config: Local<Config>) -> Self {
+    pub(crate) fn refused(open: CircuitOpen) -> Self {
         ResponseFuture {
-            state: State::Refused {
-                grpc,
-                open: Some(open),
-                config,
-            },
-            _local: PhantomData,
+            state: State::Refused { open: Some(open) },
         }
     }
 }
 
-impl<S, ReqB, M, ResB> Future for ResponseFuture<S, ReqB, M>
+impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Output = Result<Response<ResponseBody<ResB>>, BoxError>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         loop {
             let mut state = self.as_mut().project().state;
-            match state.as_mut().project() {
+            let answer = match state.as_mut().project() {
                 StateProj::Readying { waiting, call } => {
-                    let Some((service, _)) = waiting.as_deref_mut() else {
-                        state.set(State::Done);
-                        continue;
-                    };
-                    match ready!(service.poll_ready(cx)) {
-                        Ok(()) => {
-                            let (Some(boxed), Some(mut call)) = (waiting.take(), call.take())
-                            else {
-                                state.set(State::Done);
-                                continue;
-                            };
-                            let (mut service, request) = *boxed;
-                            call.start();
-                            let future = service.call(request);
-                            state.set(State::Calling {
-                                future,
-                                call: Some(call),
-                            });
+                    match ready!(poll_readying(waiting, call, cx)) {
+                        Ok(Some(next)) => {
+                            state.set(next);
+                            continue;
                         }
-                        Err(error) => {
-                            let error = error.into();
-                            if let Some(call) = call.take() {
-                                call.failed(&*error);
-                            }
+                        Ok(None) => {
                             state.set(State::Done);
-                            return Poll::Ready(Err(error));
+                            continue;
                         }
+                        Err(error) => Err(error),
                     }
                 }
-                StateProj::Failed { error } => {
-                    let error = error.take().unwrap_or_else(|| {
-                        "breaker response future polled after completion".into()
-                    });
-                    state.set(State::Done);
-                    return Poll::Ready(Err(error));
-                }
+                StateProj::Failed { error } => Err(error
+                    .take()
+                    .unwrap_or_else(|| "breaker response future polled after completion".into())),
                 StateProj::Calling { future, call } => {
                     let result = ready!(future.poll(cx));
-                    let call = call.take();
-                    state.set(State::Done);
-                    return Poll::Ready(match (result, call) {
-                        (Ok(response), Some(call)) => Ok(call.respond(response)),
-                        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
-                        (Err(error), call) => {
-                            let error = error.into();
-                            if let Some(call) = call {
-                                call.failed(&*error);
-                            }
-                            Err(error)
-                        }
-                    });
+                    responded(result, call.take())
                 }
-                StateProj::Refused { grpc, open, config } => {
-                    let open = open
-                        .take()
-                        .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO));
-                    let answer = M::answer(*grpc, Box::new(open), &config.convention)
-                        .map(|response| response.map(ResponseBody::plain));
-                    state.set(State::Done);
-                    return Poll::Ready(answer);
-                }
+                StateProj::Refused { open } => Err(refused(open)),
                 StateProj::Done => {
                     return Poll::Ready(Err(
                         "breaker response future polled after completion".into()
                     ));
                 }
-            }
+            };
+            state.set(State::Done);
+            return Poll::Ready(answer);
         }
     }
 }
 
-impl<S, ReqB, M> fmt::Debug for ResponseFuture<S, ReqB, M>
+/// The state of a future of service `S` for requests of body `ReqB`.
+type CallState<S, ReqB> = State<S, Request<ReqB>, <S as Service<Request<ReqB>>>::Future>;
+
+/// `Readying`: awaits the readiness of the service, then calls it: the `Calling` state
+/// (`None` after completion), or the readiness error (recorded).
+fn poll_readying<S, ReqB>(
+    waiting: &mut Option<Box<(S, Request<ReqB>)>>,
+    call: &mut Option<Call>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Option<CallState<S, ReqB>>, BoxError>>
+where
+    S: Service<Request<ReqB>>,
+    S::Error: Into<BoxError>,
+{
+    let Some((service, _)) = waiting.as_deref_mut() else {
+        return Poll::Ready(Ok(None));
+    };
+    match ready!(service.poll_ready(cx)) {
+        Ok(()) => {
+            let (Some(boxed), Some(mut call)) = (waiting.take(), call.take()) else {
+                return Poll::Ready(Ok(None));
+            };
+            let (mut service, request) = *boxed;
+            call.start();
+            let future = service.call(request);
+            Poll::Ready(Ok(Some(State::Calling {
+                future,
+                call: Some(call),
+            })))
+        }
+        Err(error) => {
+            let error = error.into();
+            if let Some(call) = call.take() {
+                call.failed(&*error);
+            }
+            Poll::Ready(Err(error))
+        }
+    }
+}
+
+/// `Calling`, the inner service answered: records the outcome on the permit.
+fn responded<ResB, E: Into<BoxError>>(
+    result: Result<Response<ResB>, E>,
+    call: Option<Call>,
+) -> Result<Response<ResponseBody<ResB>>, BoxError> {
+    match (result, call) {
+        (Ok(response), Some(call)) => Ok(call.respond(response)),
+        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
+        (Err(error), call) => {
+            let error = error.into();
+            if let Some(call) = call {
+                call.failed(&*error);
+            }
+            Err(error)
+        }
+    }
+}
+
+/// `Refused`: the refusal, [`CircuitOpen`].
+fn refused(open: &mut Option<CircuitOpen>) -> BoxError {
+    Box::new(
+        open.take()
+            .unwrap_or_else(|| CircuitOpen::new(Duration::ZERO)),
+    )
+}
+
+impl<S, ReqB> fmt::Debug for ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {

@@ -8,6 +8,7 @@ use http::request::Parts;
 use http::uri::Authority;
 use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, StateChange};
 
@@ -40,7 +41,7 @@ pub(crate) trait Select: fmt::Debug + Send + Sync + 'static {
 /// use retrysafe_core::breaker::{BreakerConfig, State};
 /// use retrysafe_tower::breaker::KeyedBreakers;
 ///
-/// let breakers = KeyedBreakers::per_authority(BreakerConfig::default()).unwrap();
+/// let breakers = KeyedBreakers::per_authority(BreakerConfig::default());
 /// let (a, _) = Request::get("http://a.example/x").body(()).unwrap().into_parts();
 /// let (b, _) = Request::get("http://b.example/y").body(()).unwrap().into_parts();
 /// breakers.breaker(&breakers.key_of(&a)).force_open();
@@ -64,7 +65,7 @@ impl KeyedBreakers<Option<Authority>> {
     /// header when the URI has none; requests with neither share one breaker (key
     /// `None`). Behind a tonic `Channel`, which adds the origin itself, requests
     /// usually carry no authority: one channel is one downstream anyway.
-    pub fn per_authority(config: BreakerConfig) -> Result<Self, ConfigError> {
+    pub fn per_authority(config: BreakerConfig) -> Self {
         Self::new(config, |parts: &Parts| {
             parts.uri.authority().cloned().or_else(|| {
                 parts
@@ -80,16 +81,11 @@ impl<K> KeyedBreakers<K>
 where
     K: Hash + Eq + Clone + Send + Sync + 'static,
 {
-    /// One breaker per `key(request head)`, each configured by `config` (refused,
-    /// naming the field, when a field is out of range). For example, per route:
+    /// One breaker per `key(request head)`, each configured by `config` (checked, with
+    /// the map's bound, by [`build`](Self::build)). For example, per route:
     /// `KeyedBreakers::new(config, |p| p.uri.path().to_owned())`.
-    pub fn new(
-        config: BreakerConfig,
-        key: impl Fn(&Parts) -> K + Send + Sync + 'static,
-    ) -> Result<Self, ConfigError> {
-        // Validates once: every breaker of the map is made from this configuration.
-        CircuitBreaker::new(config.clone())?;
-        Ok(KeyedBreakers {
+    pub fn new(config: BreakerConfig, key: impl Fn(&Parts) -> K + Send + Sync + 'static) -> Self {
+        KeyedBreakers {
             inner: Arc::new(Inner {
                 config,
                 key: Arc::new(key),
@@ -97,19 +93,29 @@ where
                 max_keys: DEFAULT_MAX_KEYS,
                 cache: cache(DEFAULT_MAX_KEYS),
             }),
-        })
+        }
     }
 
-    /// Bounds the map to `max_keys` breakers (default 1024; from 1 to 1 048 576).
+    /// Bounds the map to `max_keys` breakers (default 1024; from 1 to 1 048 576, checked
+    /// by [`build`](Self::build); a bound out of range is used as the nearest one).
     /// Returns a new, empty map.
-    pub fn max_keys(self, max_keys: u64) -> Result<Self, ConfigError> {
-        if max_keys == 0 {
-            return Err(ConfigError::new("max_keys", "must be greater than zero"));
-        }
-        if max_keys > MAX_MAX_KEYS {
-            return Err(ConfigError::new("max_keys", "must be at most 1048576"));
-        }
-        Ok(self.rebuild(|inner| inner.max_keys = max_keys))
+    pub fn max_keys(self, max_keys: u64) -> Self {
+        self.rebuild(|inner| inner.max_keys = max_keys)
+    }
+
+    /// Checks the settings, the breakers' configuration included: the error names every
+    /// one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.take(self.inner.config.clone().build());
+        let max_keys = self.inner.max_keys;
+        v.check(max_keys > 0, "max_keys", "must be greater than zero");
+        v.check(
+            max_keys <= MAX_MAX_KEYS,
+            "max_keys",
+            "must be at most 1048576",
+        );
+        v.finish(self)
     }
 
     /// Calls `f` with the key after every change of state of one of the map's
@@ -163,16 +169,15 @@ where
         if let Some(hook) = &self.on_state_change {
             let hook = hook.clone();
             let key = key.clone();
-            let own = config.on_state_change.take();
-            config.on_state_change = Some(Arc::new(move |change| {
+            let own = config.on_state_change().cloned();
+            config = config.with_on_state_change(move |change| {
                 if let Some(own) = &own {
                     own(change);
                 }
                 hook(&key, change);
-            }));
+            });
         }
-        // `new` validated this configuration; the default is never used.
-        CircuitBreaker::new(config).unwrap_or_default()
+        CircuitBreaker::new(config)
     }
 }
 
@@ -182,7 +187,7 @@ where
     V: Clone + Send + Sync + 'static,
 {
     Cache::builder()
-        .max_capacity(max_keys)
+        .max_capacity(max_keys.clamp(1, MAX_MAX_KEYS))
         .eviction_policy(EvictionPolicy::lru())
         .build()
 }

@@ -1,19 +1,16 @@
 //! The layer and its configuration.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
-use retrysafe_core::ConfigError;
+use retrysafe_core::__private::Striped;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
 use super::keyed::{KeyedBreakers, Select};
-use super::service::Breaker;
-use crate::local::{AsError, AsGrpcStatus};
+use super::service::CircuitBreakerService;
 
 /// Which breaker guards a request.
 #[derive(Clone)]
@@ -33,14 +30,13 @@ pub(crate) struct Config {
 
 /// Guards calls with a circuit breaker; see the [module docs](super).
 ///
-/// `M` chooses how a refusal is answered: [`AsError`] (the default: the error
-/// [`CircuitOpen`](retrysafe_core::error::CircuitOpen)) or [`AsGrpcStatus`]
-/// ([`grpc_statuses`](CircuitBreakerLayer::grpc_statuses)).
+/// A refusal is the error [`CircuitOpen`](retrysafe_core::error::CircuitOpen) (for
+/// gRPC, a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it
+/// into a status).
 #[must_use]
-pub struct CircuitBreakerLayer<M = AsError> {
+pub struct CircuitBreakerLayer {
     // Striped: every call's future holds a reference to it (see `Striped`).
     config: Striped<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
 impl CircuitBreakerLayer {
@@ -50,10 +46,10 @@ impl CircuitBreakerLayer {
         Self::from_breakers(Breakers::One(breaker))
     }
 
-    /// A layer with a breaker of its own, configured by `config` (refused, naming the
-    /// field, when a field is out of range). Clones of the layer share the breaker.
-    pub fn with_config(config: BreakerConfig) -> Result<Self, ConfigError> {
-        Ok(Self::new(CircuitBreaker::new(config)?))
+    /// A layer with a breaker of its own, configured by `config` (checked by
+    /// [`BreakerConfig::build`]). Clones of the layer share the breaker.
+    pub fn with_config(config: BreakerConfig) -> Self {
+        Self::new(CircuitBreaker::new(config))
     }
 
     /// A layer keeping one breaker per key of the request (per authority with
@@ -73,7 +69,6 @@ impl CircuitBreakerLayer {
                 classifier: Arc::new(DefaultClassifier::new(convention.clone())),
                 convention,
             }),
-            _local: PhantomData,
         }
     }
 }
@@ -86,7 +81,7 @@ impl Default for CircuitBreakerLayer {
     }
 }
 
-impl<M> CircuitBreakerLayer<M> {
+impl CircuitBreakerLayer {
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
         let mut config = Config::clone(&self.config);
         f(&mut config);
@@ -107,36 +102,25 @@ impl<M> CircuitBreakerLayer<M> {
             c.convention = convention;
         })
     }
-
-    /// Refusals of gRPC requests become synthesised Trailers-Only `UNAVAILABLE` (14)
-    /// responses with `do-not-retry: 1`, so tonic's generated clients report the right
-    /// code. Needs a response body with `Default`, such as `tonic::body::Body`.
-    pub fn grpc_statuses(self) -> CircuitBreakerLayer<AsGrpcStatus> {
-        CircuitBreakerLayer {
-            config: self.config,
-            _local: PhantomData,
-        }
-    }
 }
 
-impl<M> Clone for CircuitBreakerLayer<M> {
+impl Clone for CircuitBreakerLayer {
     fn clone(&self) -> Self {
         CircuitBreakerLayer {
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S, M> Layer<S> for CircuitBreakerLayer<M> {
-    type Service = Breaker<S, M>;
+impl<S> Layer<S> for CircuitBreakerLayer {
+    type Service = CircuitBreakerService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Breaker::from_config(inner, self.config.clone())
+        CircuitBreakerService::from_config(inner, self.config.clone())
     }
 }
 
-impl<M> fmt::Debug for CircuitBreakerLayer<M> {
+impl fmt::Debug for CircuitBreakerLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CircuitBreakerLayer")
             .field("config", &self.config)

@@ -7,10 +7,10 @@
 //! - [`poll_ready`](tower_service::Service::poll_ready) is always ready and never polls
 //!   the inner service; [`call`](tower_service::Service::call) decides. A refused call
 //!   is answered at once with the error [`CircuitOpen`], carrying the time until the
-//!   next probe (or, with [`grpc_statuses`](CircuitBreakerLayer::grpc_statuses), a
-//!   synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either way it is never
-//!   retried: the error is a local failure to a `RetryLayer`, the status carries
-//!   `do-not-retry: 1`. An admitted call returns a future that drives the readiness of
+//!   next probe (a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack
+//!   turns it into a synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either
+//!   way it is never retried: the error is a local failure to a `RetryLayer`, the status
+//!   carries `do-not-retry: 1`. An admitted call returns a future that drives the readiness of
 //!   a *clone* of the inner service and then calls it — so a full `Buffer` (such as a
 //!   tonic `Channel`) behind an open breaker still fails fast.
 //! - The closed path is lock-free (one atomic load to admit, one compare-and-swap to
@@ -27,7 +27,7 @@
 //!   wrapped in [`ResponseBody`], which passes every frame, `size_hint` and
 //!   `is_end_stream` through unchanged (see its docs for a body dropped early).
 //! - [`KeyedBreakers`] keeps one breaker per authority (or per route, or any key) in a
-//!   bounded map. A [`CircuitBreaker`](retrysafe_core::breaker::CircuitBreaker) in a
+//!   bounded map. A [`CircuitBreaker`] in a
 //!   request's extensions overrides the layer's choice for that request.
 //! - State changes call [`BreakerConfig::on_state_change`](retrysafe_core::breaker::BreakerConfig::on_state_change)
 //!   (and [`KeyedBreakers::on_state_change`], with the key) and emit `tracing` events
@@ -47,9 +47,9 @@
 //! use retrysafe_tower::breaker::CircuitBreakerLayer;
 //! use tower::{Service, ServiceBuilder, ServiceExt};
 //!
-//! let mut config = BreakerConfig::default();
-//! config.minimum_calls = 4; // opens at 50 % failures of at least 4 calls
-//! let breaker = CircuitBreaker::new(config).unwrap();
+//! // Opens at 50 % failures of at least 4 calls.
+//! let config = BreakerConfig::default().with_minimum_calls(4).build().unwrap();
+//! let breaker = CircuitBreaker::new(config);
 //! let mut svc = ServiceBuilder::new()
 //!     .layer(CircuitBreakerLayer::new(breaker.clone()))
 //!     .service(tower::service_fn(|_req: Request<()>| async {
@@ -83,4 +83,8 @@ pub use self::body::ResponseBody;
 pub use self::future::ResponseFuture;
 pub use self::keyed::{DEFAULT_MAX_KEYS, KeyedBreakers};
 pub use self::layer::CircuitBreakerLayer;
-pub use self::service::Breaker;
+pub use self::service::CircuitBreakerService;
+pub use retrysafe_core::breaker::{
+    BreakerConfig, CircuitBreaker, SlidingWindow, State, StateChange,
+};
+pub use retrysafe_core::error::CircuitOpen;

@@ -1,19 +1,17 @@
 //! The service: decides in `call`.
 
 use std::fmt;
-use std::marker::PhantomData;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
+use retrysafe_core::__private::{BreakerFacts, Striped};
 use retrysafe_core::breaker::CircuitBreaker;
-use retrysafe_core::classify::{BreakerFacts, is_grpc};
-use retrysafe_core::stripe::Striped;
 use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::future::{Call, ResponseFuture};
 use super::layer::{Breakers, Config};
-use crate::local::{BoxError, LocalFailure};
+use crate::local::BoxError;
 
 /// The service of a [`CircuitBreakerLayer`](super::CircuitBreakerLayer).
 ///
@@ -22,19 +20,14 @@ use crate::local::{BoxError, LocalFailure};
 /// otherwise returns a future that drives the readiness of a clone of the inner
 /// service before calling it. Hence `S: Clone` (wrap a service that is not in a
 /// `tower::buffer::Buffer`).
-pub struct Breaker<S, M> {
+pub struct CircuitBreakerService<S> {
     inner: S,
     config: Striped<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
-impl<S, M> Breaker<S, M> {
+impl<S> CircuitBreakerService<S> {
     pub(crate) fn from_config(inner: S, config: Striped<Config>) -> Self {
-        Breaker {
-            inner,
-            config,
-            _local: PhantomData,
-        }
+        CircuitBreakerService { inner, config }
     }
 
     /// The inner service.
@@ -43,34 +36,32 @@ impl<S, M> Breaker<S, M> {
     }
 }
 
-impl<S: Clone, M> Clone for Breaker<S, M> {
+impl<S: Clone> Clone for CircuitBreakerService<S> {
     fn clone(&self) -> Self {
-        Breaker {
+        CircuitBreakerService {
             inner: self.inner.clone(),
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M> fmt::Debug for Breaker<S, M> {
+impl<S: fmt::Debug> fmt::Debug for CircuitBreakerService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Breaker")
+        f.debug_struct("CircuitBreakerService")
             .field("inner", &self.inner)
             .field("config", &self.config)
             .finish()
     }
 }
 
-impl<S, M, ReqB, ResB> Service<Request<ReqB>> for Breaker<S, M>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for CircuitBreakerService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
-    M: LocalFailure<ResB>,
 {
     type Response = Response<ResponseBody<ResB>>;
     type Error = BoxError;
-    type Future = ResponseFuture<S, ReqB, M>;
+    type Future = ResponseFuture<S, ReqB>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // The breaker decides in `call`: polling the inner service here would make
@@ -80,7 +71,7 @@ where
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let config = &self.config;
-        let timed = |b: &CircuitBreaker| b.config().slow_call_duration.is_some();
+        let timed = |b: &CircuitBreaker| b.config().slow_call_duration().is_some();
         // A breaker in the request's extensions overrides the layer's (per request).
         let chosen = request.extensions().get::<CircuitBreaker>();
         let (acquired, timed, request) = match (chosen, &config.breakers) {
@@ -108,7 +99,7 @@ where
                     retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
                     "request refused: circuit open"
                 );
-                ResponseFuture::refused(is_grpc(request.headers()), open, config.local())
+                ResponseFuture::refused(open)
             }
         }
     }

@@ -1,18 +1,17 @@
-//! The client form: [`DeadlineLayer`], [`EnforceDeadline`] and its [`ResponseFuture`].
+//! The client form: [`DeadlineLayer`], [`DeadlineService`] and its [`ResponseFuture`].
 
 use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
-use std::task::{Context, Poll, Waker};
+use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use retrysafe_core::classify::is_grpc;
+use retrysafe_core::__private::Validate;
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::stripe::{Local, Striped};
-use retrysafe_core::wire::{Convention, MAX_TIMEOUT};
+use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
@@ -20,43 +19,29 @@ use tower_service::Service;
 
 use super::body::{BoundBody, Unbounded, WrapBody};
 use super::server::ServerDeadlineLayer;
-use crate::local::{AsError, AsGrpcStatus, BoxError, LocalFailure};
-
-#[derive(Debug)]
-struct Config {
-    timeout: Duration,
-    convention: Convention,
-}
+use crate::local::BoxError;
 
 /// Bounds a whole call by a deadline; see the [module docs](super).
 ///
-/// `M` says how the deadline running out is answered ([`AsError`]: the error
-/// [`DeadlineExceeded`]; [`AsGrpcStatus`]: a synthesised `DEADLINE_EXCEEDED` for gRPC
-/// requests), `W` whether the response body is bounded too ([`Unbounded`],
-/// [`BoundBody`]).
+/// The deadline running out is the error [`DeadlineExceeded`] (for gRPC, a
+/// [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+/// `DEADLINE_EXCEEDED`). `W` says whether the response body is bounded too
+/// ([`Unbounded`], [`BoundBody`]).
 #[must_use]
-pub struct DeadlineLayer<M = AsError, W = Unbounded> {
-    config: Striped<Config>,
-    _marker: PhantomData<fn() -> (M, W)>,
+pub struct DeadlineLayer<W = Unbounded> {
+    timeout: Duration,
+    _marker: PhantomData<fn() -> W>,
 }
 
 impl DeadlineLayer {
     /// A client-side layer giving each call at most `timeout` (greater than zero, at most
-    /// 30 days), or less when the request or the inherited context has a sooner deadline.
-    pub fn new(timeout: Duration) -> Result<Self, ConfigError> {
-        if timeout.is_zero() || timeout > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
-        Ok(DeadlineLayer {
-            config: Striped::new(Config {
-                timeout,
-                convention: Convention::default(),
-            }),
+    /// 30 days, checked by [`build`](Self::build); a longer one is used as 30 days), or
+    /// less when the request or the inherited context has a sooner deadline.
+    pub fn new(timeout: Duration) -> Self {
+        DeadlineLayer {
+            timeout,
             _marker: PhantomData,
-        })
+        }
     }
 
     /// The server form: enforces the inbound deadline and hands what is left of it to
@@ -66,65 +51,54 @@ impl DeadlineLayer {
     }
 }
 
-impl<M, W> DeadlineLayer<M, W> {
-    /// The header names (`do-not-retry` on synthesised statuses).
-    pub fn convention(self, convention: Convention) -> Self {
-        DeadlineLayer {
-            config: Striped::new(Config {
-                timeout: self.config.timeout,
-                convention,
-            }),
-            _marker: PhantomData,
-        }
-    }
-
-    /// The deadline running out on a gRPC request becomes a synthesised Trailers-Only
-    /// `DEADLINE_EXCEEDED` (4) with `do-not-retry: 1` (needs a response body with
-    /// `Default`, like tonic's).
-    pub fn grpc_statuses(self) -> DeadlineLayer<AsGrpcStatus, W> {
-        DeadlineLayer {
-            config: self.config,
-            _marker: PhantomData,
-        }
+impl<W> DeadlineLayer<W> {
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            !self.timeout.is_zero() && self.timeout <= MAX_TIMEOUT,
+            "timeout",
+            "must be greater than zero and at most 30 days",
+        );
+        v.finish(self)
     }
 
     /// The deadline also bounds the response body: a body still streaming at the
     /// deadline ends with a [`DeadlineExceeded`] error (see
     /// [`DeadlineBody`](super::DeadlineBody)).
-    pub fn bound_body(self) -> DeadlineLayer<M, BoundBody> {
+    pub fn bound_body(self) -> DeadlineLayer<BoundBody> {
         DeadlineLayer {
-            config: self.config,
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<M, W> Clone for DeadlineLayer<M, W> {
+impl<W> Clone for DeadlineLayer<W> {
     fn clone(&self) -> Self {
         DeadlineLayer {
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<M, W> fmt::Debug for DeadlineLayer<M, W> {
+impl<W> fmt::Debug for DeadlineLayer<W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadlineLayer")
-            .field("timeout", &self.config.timeout)
-            .field("local", &std::any::type_name::<M>())
+            .field("timeout", &self.timeout)
             .field("body", &std::any::type_name::<W>())
             .finish()
     }
 }
 
-impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
-    type Service = EnforceDeadline<S, M, W>;
+impl<S, W> Layer<S> for DeadlineLayer<W> {
+    type Service = DeadlineService<S, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        EnforceDeadline {
+        DeadlineService {
             inner,
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
@@ -134,42 +108,40 @@ impl<S, M, W> Layer<S> for DeadlineLayer<M, W> {
 ///
 /// Its `poll_ready` is always ready: the inner service's readiness is awaited inside the
 /// response future, so that time waiting for it counts against the deadline.
-pub struct EnforceDeadline<S, M = AsError, W = Unbounded> {
+pub struct DeadlineService<S, W = Unbounded> {
     inner: S,
-    // Striped: every call's future holds a reference to it (see `Striped`).
-    config: Striped<Config>,
-    _marker: PhantomData<fn() -> (M, W)>,
+    timeout: Duration,
+    _marker: PhantomData<fn() -> W>,
 }
 
-impl<S: Clone, M, W> Clone for EnforceDeadline<S, M, W> {
+impl<S: Clone, W> Clone for DeadlineService<S, W> {
     fn clone(&self) -> Self {
-        EnforceDeadline {
+        DeadlineService {
             inner: self.inner.clone(),
-            config: self.config.clone(),
+            timeout: self.timeout,
             _marker: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, M, W> fmt::Debug for EnforceDeadline<S, M, W> {
+impl<S: fmt::Debug, W> fmt::Debug for DeadlineService<S, W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("EnforceDeadline")
+        f.debug_struct("DeadlineService")
             .field("inner", &self.inner)
-            .field("timeout", &self.config.timeout)
+            .field("timeout", &self.timeout)
             .finish()
     }
 }
 
-impl<S, M, W, ReqB, ResB> Service<Request<ReqB>> for EnforceDeadline<S, M, W>
+impl<S, W, ReqB, ResB> Service<Request<ReqB>> for DeadlineService<S, W>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
     S::Error: Into<BoxError>,
     W: WrapBody<ResB>,
-    M: LocalFailure<W::Body>,
 {
     type Response = Response<W::Body>;
     type Error = BoxError;
-    type Future = ResponseFuture<S, ReqB, M, W>;
+    type Future = ResponseFuture<S, ReqB, W>;
 
     fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // Readiness is awaited in the future, against the deadline.
@@ -182,10 +154,11 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
 
         // The soonest of: ours, the request's own, the inherited one.
-        // One clock read for ours and the expiry check (the timeout is at most 30 days,
-        // checked by `new`, so the sum cannot overflow in practice; saturate anyway).
+        // One clock read for ours and the expiry check (the timeout is used as at most 30
+        // days, so the sum cannot overflow in practice; saturate anyway).
         let now = Instant::now();
-        let ours = Deadline(now.checked_add(self.config.timeout).unwrap_or(now));
+        let timeout = self.timeout.min(MAX_TIMEOUT);
+        let ours = Deadline::at(now.checked_add(timeout).unwrap_or(now));
         let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
         if let Some(inherited) =
             CallContext::inherited(request.extensions()).and_then(|c| c.deadline())
@@ -194,7 +167,6 @@ where
         }
         request.extensions_mut().insert(deadline);
 
-        let grpc = is_grpc(request.headers());
         let state = if deadline.instant() <= now {
             // No attempt starts that cannot finish in time.
             State::Expired
@@ -219,17 +191,15 @@ where
             state,
             sleep: None,
             deadline,
-            grpc,
-            config: self.config.local(),
             _marker: PhantomData,
         }
     }
 }
 
 pin_project! {
-    /// The response future of [`EnforceDeadline`]: awaits the inner service's readiness,
+    /// The response future of [`DeadlineService`]: awaits the inner service's readiness,
     /// then its response head, both bounded by the deadline.
-    pub struct ResponseFuture<S, ReqB, M, W>
+    pub struct ResponseFuture<S, ReqB, W>
     where
         S: Service<Request<ReqB>>,
     {
@@ -240,9 +210,7 @@ pin_project! {
         #[pin]
         sleep: Option<Sleep>,
         deadline: Deadline,
-        grpc: bool,
-        config: Local<Config>,
-        _marker: PhantomData<fn() -> (M, W)>,
+        _marker: PhantomData<fn() -> W>,
     }
 }
 
@@ -258,98 +226,89 @@ pin_project! {
     }
 }
 
-impl<S, M, W, ReqB, ResB> Future for ResponseFuture<S, ReqB, M, W>
+impl<S, W, ReqB, ResB> Future for ResponseFuture<S, ReqB, W>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
     S::Error: Into<BoxError>,
     W: WrapBody<ResB>,
-    M: LocalFailure<W::Body>,
 {
     type Output = Result<Response<W::Body>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
-            match this.state.as_mut().project() {
+            let deadline = *this.deadline;
+            // `None`: the deadline passed first.
+            let answer = match this.state.as_mut().project() {
                 StateProj::Readying { service, request } => match service.poll_ready(cx) {
-                    Poll::Ready(Ok(())) => {
-                        let Some(request) = request.take() else {
-                            this.state.set(State::Done);
-                            return Poll::Ready(Err(polled_after_completion()));
-                        };
-                        let future = service.call(request);
-                        this.state.set(State::Calling { future });
-                        continue;
+                    Poll::Ready(Ok(())) => match request.take() {
+                        Some(request) => {
+                            let future = service.call(request);
+                            this.state.set(State::Calling { future });
+                            continue;
+                        }
+                        None => Some(Err(polled_after_completion())),
+                    },
+                    Poll::Ready(Err(e)) => Some(Err(e.into())),
+                    Poll::Pending => {
+                        ready!(poll_expiry(this.sleep.as_mut(), deadline, cx));
+                        None
                     }
-                    Poll::Ready(Err(e)) => {
-                        this.state.set(State::Done);
-                        return Poll::Ready(Err(e.into()));
-                    }
-                    Poll::Pending => {}
                 },
-                StateProj::Calling { future } => {
-                    // The inner future before the timer: a response that is ready is
-                    // never dropped.
-                    if let Poll::Ready(result) = future.poll(cx) {
-                        this.state.set(State::Done);
-                        let deadline = *this.deadline;
-                        return Poll::Ready(match result {
-                            Ok(r) => Ok(r.map(|b| W::wrap(b, deadline))),
-                            // An error once the deadline has passed is the deadline's
-                            // (a transport timing the call from the timeout header,
-                            // such as a tonic `Channel`, may fire at the same instant).
-                            Err(_) if deadline.is_expired() => M::answer(
-                                *this.grpc,
-                                Box::new(DeadlineExceeded::new()),
-                                &this.config.convention,
-                            ),
-                            Err(e) => Err(e.into()),
-                        });
+                // The inner future before the timer: a response that is ready is never
+                // dropped.
+                StateProj::Calling { future } => match future.poll(cx) {
+                    Poll::Ready(Ok(r)) => Some(Ok(r.map(|b| W::wrap(b, deadline)))),
+                    // An error once the deadline has passed is the deadline's (a
+                    // transport timing the call from the timeout header, such as a
+                    // tonic `Channel`, may fire at the same instant).
+                    Poll::Ready(Err(_)) if deadline.is_expired() => None,
+                    Poll::Ready(Err(e)) => Some(Err(e.into())),
+                    Poll::Pending => {
+                        ready!(poll_expiry(this.sleep.as_mut(), deadline, cx));
+                        None
                     }
-                }
+                },
                 StateProj::Failed { error } => {
-                    let error = error.take().unwrap_or_else(polled_after_completion);
-                    this.state.set(State::Done);
-                    return Poll::Ready(Err(error));
+                    Some(Err(error.take().unwrap_or_else(polled_after_completion)))
                 }
-                StateProj::Expired => {}
+                StateProj::Expired => None,
                 StateProj::Done => return Poll::Ready(Err(polled_after_completion())),
-            }
-            if !matches!(this.state.as_mut().project(), StateProj::Expired) {
-                if this.sleep.is_none() {
-                    this.sleep
-                        .set(Some(tokio::time::sleep_until(this.deadline.instant())));
-                }
-                if let Some(sleep) = this.sleep.as_mut().as_pin_mut()
-                    && sleep.poll(cx).is_pending()
-                {
-                    return Poll::Pending;
-                }
-                tracing::debug!("deadline exceeded before the response head");
-            }
+            };
             // Drops the inner future (or the unready service) at once.
             this.state.set(State::Done);
-            return Poll::Ready(M::answer(
-                *this.grpc,
-                Box::new(DeadlineExceeded::new()),
-                &this.config.convention,
-            ));
+            return Poll::Ready(answer.unwrap_or_else(|| Err(Box::new(DeadlineExceeded::new()))));
         }
     }
+}
+
+/// Waits for the deadline, the timer made on first need.
+fn poll_expiry(
+    mut sleep: Pin<&mut Option<Sleep>>,
+    deadline: Deadline,
+    cx: &mut Context<'_>,
+) -> Poll<()> {
+    if sleep.is_none() {
+        sleep.set(Some(tokio::time::sleep_until(deadline.instant())));
+    }
+    if let Some(sleep) = sleep.as_pin_mut() {
+        ready!(sleep.poll(cx));
+    }
+    tracing::debug!("deadline exceeded before the response head");
+    Poll::Ready(())
 }
 
 fn polled_after_completion() -> BoxError {
     "deadline ResponseFuture polled after completion".into()
 }
 
-impl<S, ReqB, M, W> fmt::Debug for ResponseFuture<S, ReqB, M, W>
+impl<S, ReqB, W> fmt::Debug for ResponseFuture<S, ReqB, W>
 where
     S: Service<Request<ReqB>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ResponseFuture")
             .field("deadline", &self.deadline.remaining())
-            .field("grpc", &self.grpc)
             .finish_non_exhaustive()
     }
 }

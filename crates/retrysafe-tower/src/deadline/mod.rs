@@ -5,7 +5,7 @@
 //!
 //! Put it outermost in a client stack (`DeadlineLayer` → `RetryLayer` →
 //! `RetryBudgetLayer` → `CircuitBreakerLayer` → transport). For each call it sets the
-//! [`Deadline`](retrysafe_core::Deadline) request extension to the soonest of: now plus
+//! [`Deadline`] request extension to the soonest of: now plus
 //! its timeout, the request's own `Deadline` extension, and the deadline inherited from
 //! the inbound request being served ([`CallContext::inherited`]); deadlines only shrink.
 //! The layers below read it (a `RetryLayer` never starts an attempt it cannot cover, and
@@ -15,9 +15,9 @@
 //!   readiness is awaited inside the response future, so time spent waiting for a
 //!   connection, a concurrency permit or a breaker counts against the deadline.
 //! - When the deadline passes before the response head, the inner future is dropped and
-//!   the call fails with [`DeadlineExceeded`] (with
-//!   [`grpc_statuses`](DeadlineLayer::grpc_statuses): a synthesised Trailers-Only
-//!   `DEADLINE_EXCEEDED`, code 4, marked `do-not-retry: 1`). A response that is ready is
+//!   the call fails with [`DeadlineExceeded`] (a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+//!   Trailers-Only `DEADLINE_EXCEEDED`, code 4, marked `do-not-retry: 1`). A response that is ready is
 //!   never dropped for the timer: the inner future is polled first.
 //! - With [`bound_body`](DeadlineLayer::bound_body), the deadline also bounds the
 //!   response body: a stream still running at the deadline ends with a
@@ -35,7 +35,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::new(Duration::from_millis(100)).unwrap())
+//!     .layer(DeadlineLayer::new(Duration::from_millis(100)))
 //!     .service(tower::service_fn(|req: Request<()>| async move {
 //!         // The layers below (and the transport) see the deadline.
 //!         let deadline = *req.extensions().get::<Deadline>().unwrap();
@@ -53,7 +53,7 @@
 //!
 //! The server form does what a [`PropagateLayer`](crate::propagate::PropagateLayer)
 //! does — the same parsing of `request-timeout-ms` (or `grpc-timeout` for gRPC
-//! requests), clamped to a maximum ([`max`](ServerDeadlineLayer::max), default 30 days),
+//! requests), clamped to a maximum ([`max_timeout`](ServerDeadlineLayer::max_timeout), default 30 days),
 //! and the same inherited [`CallContext`] whose deadline is the inbound one less a
 //! [`margin`](ServerDeadlineLayer::margin) (default 10 ms), current for the handler so
 //! that its outbound calls inherit it, with failures marked `do-not-retry: 1` when an
@@ -85,7 +85,7 @@
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
-//!     .layer(DeadlineLayer::server().max(Duration::from_secs(5)).unwrap())
+//!     .layer(DeadlineLayer::server().max_timeout(Duration::from_secs(5)))
 //!     .service(tower::service_fn(|_req: Request<()>| async {
 //!         // What outbound calls inherit: the inbound 300 ms less the 10 ms margin.
 //!         let left = CallContext::current().unwrap().deadline().unwrap().remaining();
@@ -119,7 +119,7 @@
 //! answers first, with `DEADLINE_EXCEEDED` and `do-not-retry: 1`, and tonic's timer is
 //! only a backstop (for `Server::timeout` shorter than the caller's deadline, or a
 //! handler that blocks its thread). With a zero margin the two race and the caller may
-//! see `CANCELLED`. This layer clamps with [`max`](ServerDeadlineLayer::max) as well;
+//! see `CANCELLED`. This layer clamps with [`max_timeout`](ServerDeadlineLayer::max_timeout) as well;
 //! `Server::timeout` bounds calls that carry no `grpc-timeout` at all, which this layer
 //! leaves unbounded. The server form wraps the response body in a
 //! [`LocalBody`](crate::local::LocalBody) (its own answers are bytes), so it fits
@@ -130,7 +130,7 @@
 //! `grpc-timeout` it carries (and `Endpoint::timeout`): its `TimeoutExpired` error can
 //! come at the very instant of the client deadline. An error that comes once the
 //! deadline has passed is the deadline's: the client layer answers it as
-//! [`DeadlineExceeded`] (a synthesised `DEADLINE_EXCEEDED` with `grpc_statuses`), and a
+//! [`DeadlineExceeded`] (a synthesised `DEADLINE_EXCEEDED` under a `GrpcStatusLayer`), and a
 //! breaker counts it as neutral.
 //!
 //! [`CallContext`]: retrysafe_core::CallContext
@@ -142,5 +142,7 @@ mod client;
 mod server;
 
 pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
-pub use client::{DeadlineLayer, EnforceDeadline, ResponseFuture};
-pub use server::{ServerDeadline, ServerDeadlineLayer, ServerResponseFuture};
+pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
+pub use retrysafe_core::Deadline;
+pub use retrysafe_core::error::DeadlineExceeded;
+pub use server::{ServerDeadlineLayer, ServerDeadlineService, ServerResponseFuture};

@@ -1,4 +1,4 @@
-//! The server form: [`ServerDeadlineLayer`], [`ServerDeadline`] and its
+//! The server form: [`ServerDeadlineLayer`], [`ServerDeadlineService`] and its
 //! [`ServerResponseFuture`].
 
 use std::fmt;
@@ -11,15 +11,16 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderValue, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
+use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::is_grpc;
 use retrysafe_core::ConfigError;
-use retrysafe_core::classify::is_grpc;
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::wire::{Convention, MAX_TIMEOUT, TimeoutError};
+use retrysafe_core::wire::{Convention, TimeoutError};
 use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{AsProblem, LocalBody, LocalFailure, grpc_status_response};
+use crate::local::{LocalBody, grpc_status_response, problem};
 use crate::propagate::{self, Inbound};
 
 /// The server form of the [`DeadlineLayer`](super::DeadlineLayer), made by
@@ -38,25 +39,23 @@ pub struct ServerDeadlineLayer {
 impl ServerDeadlineLayer {
     /// Clamps an inbound timeout to `max` (greater than zero, at most 30 days; the
     /// default is 30 days).
-    pub fn max(mut self, max: Duration) -> Result<Self, ConfigError> {
-        if max.is_zero() || max > MAX_TIMEOUT {
-            return Err(ConfigError::new(
-                "max timeout",
-                "must be greater than zero and at most 30 days",
-            ));
-        }
+    pub fn max_timeout(mut self, max: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).max_timeout = max;
-        Ok(self)
+        self
     }
 
     /// What is kept for the way back (default 10 ms; at most 1 minute): the handler, and
     /// its outbound calls, get the inbound time less this.
-    pub fn margin(mut self, margin: Duration) -> Result<Self, ConfigError> {
-        if margin > Duration::from_secs(60) {
-            return Err(ConfigError::new("margin", "must be at most 1 minute"));
-        }
+    pub fn margin(mut self, margin: Duration) -> Self {
         Arc::make_mut(&mut self.inbound).margin = margin;
-        Ok(self)
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        self.inbound.validate(&mut v);
+        v.finish(self)
     }
 
     /// The header names.
@@ -67,10 +66,10 @@ impl ServerDeadlineLayer {
 }
 
 impl<S> Layer<S> for ServerDeadlineLayer {
-    type Service = ServerDeadline<S>;
+    type Service = ServerDeadlineService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        ServerDeadline {
+        ServerDeadlineService {
             inner,
             inbound: self.inbound.clone(),
         }
@@ -79,12 +78,12 @@ impl<S> Layer<S> for ServerDeadlineLayer {
 
 /// The service of a [`ServerDeadlineLayer`].
 #[derive(Debug, Clone)]
-pub struct ServerDeadline<S> {
+pub struct ServerDeadlineService<S> {
     inner: S,
     inbound: Arc<Inbound>,
 }
 
-impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadline<S>
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadlineService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,
 {
@@ -131,7 +130,7 @@ where
 }
 
 pin_project! {
-    /// The response future of [`ServerDeadline`].
+    /// The response future of [`ServerDeadlineService`].
     pub struct ServerResponseFuture<F, B> {
         #[pin]
         kind: Kind<F, B>,
@@ -211,13 +210,11 @@ impl<F, B> fmt::Debug for ServerResponseFuture<F, B> {
 /// 504 problem+json `deadline-exceeded` (gRPC: `DEADLINE_EXCEEDED`), `do-not-retry: 1`,
 /// with the [`DeadlineExceeded`] error in the extensions.
 fn deadline_exceeded<B: Default + From<Bytes>>(grpc: bool, convention: &Convention) -> Response<B> {
-    let mut response =
-        <AsProblem as LocalFailure<B>>::answer(grpc, Box::new(DeadlineExceeded::new()), convention)
-            .unwrap_or_else(|_| {
-                let mut r = Response::new(B::default());
-                *r.status_mut() = StatusCode::GATEWAY_TIMEOUT;
-                r
-            });
+    let mut response = problem(grpc, &DeadlineExceeded::new(), convention).unwrap_or_else(|| {
+        let mut r = Response::new(B::default());
+        *r.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+        r
+    });
     response.extensions_mut().insert(DeadlineExceeded::new());
     response
 }

@@ -1,26 +1,26 @@
 use std::fmt;
 use std::future::Future;
-use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use retrysafe_core::classify::Failure;
+use retrysafe_core::__private::{Decision, Outcome as Seen, RetryCall};
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::retry::{Decision, Outcome as Seen, RetryCall};
-use retrysafe_core::strategy::{GiveUp, RetryCharged, RetryToken};
+use retrysafe_core::strategy::{GiveUp, RetryToken};
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
 use super::body::ReplayBody;
 use super::transport::failure_of;
-use crate::local::{BoxError, LocalAnswer, LocalFailure};
+use crate::local::BoxError;
 
 pin_project! {
-    /// The response future of [`Retry`](super::Retry).
-    pub struct ResponseFuture<S, B, M>
+    /// The response future of [`RetryService`](super::RetryService).
+    #[project = ResponseFutureProj]
+    pub struct ResponseFuture<S, B>
     where
         S: Service<Request<ReplayBody<B>>>,
     {
@@ -40,7 +40,6 @@ pin_project! {
         retry: Option<Box<Retrying<S::Response>>>,
         // The planner's state of this call (retrysafe-core).
         call: RetryCall,
-        _local: PhantomData<fn() -> M>,
     }
 }
 
@@ -65,13 +64,11 @@ struct Retrying<Res> {
 
 enum Outcome<R> {
     Response(Response<R>),
-    /// A response a layer below synthesised for its own failure ([`LocalAnswer`]).
-    Local(Response<R>),
     Error(BoxError),
     TimedOut,
 }
 
-impl<S, B, M> ResponseFuture<S, B, M>
+impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>>,
 {
@@ -93,7 +90,6 @@ where
             let mut parts = template.clone();
             call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
             let request = Request::from_parts(parts, body);
-            let _mark = token.budget_id().map(RetryCharged::mark);
             State::Calling {
                 future: service.call(request),
             }
@@ -108,7 +104,6 @@ where
             token: Some(token),
             retry: None,
             call,
-            _local: PhantomData,
         }
     }
 }
@@ -120,12 +115,11 @@ fn arm(mut timer: Pin<&mut Option<Sleep>>, at: Instant) {
     }
 }
 
-impl<S, B, M, R> Future for ResponseFuture<S, B, M>
+impl<S, B, R> Future for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
     S::Error: Into<BoxError>,
     B: Body,
-    M: LocalFailure<R>,
 {
     type Output = Result<Response<R>, BoxError>;
 
@@ -140,213 +134,251 @@ where
                         let _entered = this.retry.as_ref().map(|r| r.span.enter());
                         future.poll(cx)
                     };
-                    let outcome = match polled {
-                        Poll::Ready(Ok(response))
-                            if response.extensions().get::<LocalAnswer>().is_some() =>
-                        {
-                            Outcome::Local(response)
-                        }
-                        Poll::Ready(Ok(response)) => Outcome::Response(response),
-                        // An error once the deadline is spent is the deadline's: a
-                        // transport that times the call from its timeout header (a
-                        // tonic `Channel`) may fire at the very instant of ours.
-                        Poll::Ready(Err(_)) if this.call.too_late() => Outcome::TimedOut,
-                        Poll::Ready(Err(e)) => Outcome::Error(e.into()),
-                        Poll::Pending => {
-                            if !*this.armed {
-                                let Some(at) = this.call.attempt_until() else {
-                                    return Poll::Pending;
-                                };
-                                arm(this.timer.as_mut(), at);
-                                *this.armed = true;
-                            }
-                            match this.timer.as_mut().as_pin_mut() {
-                                Some(timer) => ready!(timer.poll(cx)),
-                                None => return Poll::Pending,
-                            }
-                            Outcome::TimedOut
-                        }
-                    };
-                    *this.armed = false;
-                    let Some(token) = this.token.take() else {
-                        return Poll::Ready(Err("retry future polled after completion".into()));
-                    };
-                    let last = this.retry.as_ref().and_then(|r| r.last.as_ref());
-                    let decision = this.call.decide(
-                        match &outcome {
-                            Outcome::Response(r) => Seen::response(r.status(), r.headers()),
-                            Outcome::Local(_) => Seen::Failure(Failure::Local),
-                            Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
-                            Outcome::TimedOut => Seen::TimedOut,
-                        },
-                        token,
-                        this.body.is_replayable(),
-                        last.map(Response::status),
-                    );
-                    let next = match decision {
-                        Decision::Retry(next) => next,
-                        Decision::Success => {
-                            this.state.set(State::Failed { error: None });
-                            return Poll::Ready(match outcome {
-                                Outcome::Response(r) | Outcome::Local(r) => Ok(r),
-                                Outcome::Error(e) => Err(e),
-                                Outcome::TimedOut => Err(Box::new(DeadlineExceeded::new())),
-                            });
-                        }
-                        Decision::Final => {
-                            this.state.set(State::Failed { error: None });
-                            return Poll::Ready(match outcome {
-                                Outcome::Response(r) | Outcome::Local(r) => Ok(r),
-                                Outcome::Error(e) => answer::<R, M>(this.call, e),
-                                Outcome::TimedOut => {
-                                    answer::<R, M>(this.call, Box::new(DeadlineExceeded::new()))
-                                }
-                            });
-                        }
-                        Decision::GiveUp(_) => {
-                            this.state.set(State::Failed { error: None });
-                            let last = this.retry.as_mut().and_then(|r| r.last.take());
-                            let (last, error): (_, BoxError) = match outcome {
-                                Outcome::Response(r) => {
-                                    (Some(r), Box::new(DeadlineExceeded::new()))
-                                }
-                                // The real response before the refusal; or, with none,
-                                // the refusal's own answer.
-                                Outcome::Local(r) => match last {
-                                    Some(last) => (Some(last), Box::new(DeadlineExceeded::new())),
-                                    None => return Poll::Ready(Ok(r)),
-                                },
-                                Outcome::Error(e) => (last, e),
-                                Outcome::TimedOut => (last, Box::new(DeadlineExceeded::new())),
-                            };
-                            return Poll::Ready(given_up::<R, M>(this.call, last, error));
-                        }
-                    };
-                    let delay = next.delay();
-                    let span = RetryCall::attempt_span(&next);
-                    let last = match outcome {
-                        Outcome::Response(r) => Some(r),
-                        Outcome::Local(_) | Outcome::Error(_) | Outcome::TimedOut => {
-                            this.retry.as_mut().and_then(|r| r.last.take())
-                        }
-                    };
-                    match this.retry {
-                        Some(r) => {
-                            r.last = last;
-                            r.span = span;
-                        }
-                        None => *this.retry = Some(Box::new(Retrying { last, span })),
-                    }
-                    *this.token = Some(next);
-                    if delay.is_zero() {
-                        this.state.set(State::Readying);
-                    } else {
-                        arm(this.timer.as_mut(), Instant::now() + delay);
-                        *this.armed = true;
-                        this.state.set(State::Backoff);
+                    let outcome = ready!(this.attempt_outcome(polled, cx));
+                    if let Some(answer) = this.decide(outcome) {
+                        return Poll::Ready(answer);
                     }
                 }
-                StateProj::Backoff => {
-                    if let Some(timer) = this.timer.as_mut().as_pin_mut() {
-                        ready!(timer.poll(cx));
-                    }
-                    *this.armed = false;
-                    this.state.set(State::Readying);
-                }
+                StateProj::Backoff => ready!(this.poll_backoff(cx)),
                 StateProj::Readying => {
-                    let ready = this.service.poll_ready(cx);
-                    // The deadline may have passed during the backoff or the wait.
-                    // One clock read for the check and the timeout header.
-                    let mut left = None;
-                    let expired = match ready {
-                        Poll::Ready(Ok(())) => {
-                            left = this.call.time_left();
-                            RetryCall::too_late_with(left)
-                        }
-                        Poll::Ready(Err(_)) => false,
-                        Poll::Pending => {
-                            // Waiting for readiness counts against the deadline.
-                            if !*this.armed {
-                                let Some(at) = this.call.overall_until() else {
-                                    return Poll::Pending;
-                                };
-                                arm(this.timer.as_mut(), at);
-                                *this.armed = true;
-                            }
-                            if let Some(timer) = this.timer.as_mut().as_pin_mut() {
-                                ready!(timer.poll(cx));
-                            }
-                            true
-                        }
-                    };
-                    if expired {
-                        let attempts = this.token.take().map_or(1, |t| t.attempt()) - 1;
-                        let last = this.retry.as_mut().and_then(|r| r.last.take());
-                        this.call.give_up(
-                            GiveUp::NotEnoughTime,
-                            attempts,
-                            last.as_ref().map(Response::status),
-                        );
-                        this.state.set(State::Failed { error: None });
-                        return Poll::Ready(given_up::<R, M>(
-                            this.call,
-                            last,
-                            Box::new(DeadlineExceeded::new()),
-                        ));
-                    }
-                    match ready {
-                        Poll::Ready(Ok(())) => {
-                            *this.armed = false;
-                            let Some(token) = this.token.as_ref() else {
-                                this.state.set(State::Failed { error: None });
-                                return Poll::Ready(Err(
-                                    "retry future polled after completion".into()
-                                ));
-                            };
-                            let mut parts = this.template.clone();
-                            this.call.prepare_attempt_with(
-                                &mut parts.headers,
-                                &mut parts.extensions,
-                                token,
-                                left,
-                            );
-                            let request = Request::from_parts(parts, this.body.clone());
-                            let future = {
-                                let _entered = this.retry.as_ref().map(|r| r.span.enter());
-                                let _mark = token.budget_id().map(RetryCharged::mark);
-                                this.service.call(request)
-                            };
-                            this.state.set(State::Calling { future });
-                        }
-                        Poll::Ready(Err(e)) => {
-                            this.state.set(State::Failed { error: None });
-                            return Poll::Ready(Err(e.into()));
-                        }
-                        Poll::Pending => return Poll::Pending,
+                    if let Some(answer) = ready!(this.poll_readying(cx)) {
+                        return Poll::Ready(answer);
                     }
                 }
                 StateProj::Failed { error } => {
-                    let Some(error) = error.take() else {
-                        return Poll::Ready(Err("retry future polled after completion".into()));
-                    };
-                    return Poll::Ready(answer::<R, M>(this.call, error));
+                    let error = error.take();
+                    return Poll::Ready(this.failed(error));
                 }
             }
         }
     }
 }
 
-/// A local failure (or an error passed on), answered as `M` says.
-fn answer<R, M: LocalFailure<R>>(
-    call: &RetryCall,
-    error: BoxError,
-) -> Result<Response<R>, BoxError> {
-    M::answer(call.is_grpc(), error, call.policy().convention())
+type Answer<R> = Result<Response<R>, BoxError>;
+
+impl<S, B, R> ResponseFutureProj<'_, S, B>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: Body,
+{
+    /// `Calling`: what the attempt produced, once it produced something or its timer
+    /// (the attempt timeout) fired.
+    fn attempt_outcome(
+        &mut self,
+        polled: Poll<Result<Response<R>, S::Error>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Outcome<R>> {
+        let outcome = match polled {
+            Poll::Ready(Ok(response)) => Outcome::Response(response),
+            // An error once the deadline is spent is the deadline's: a transport that
+            // times the call from its timeout header (a tonic `Channel`) may fire at the
+            // very instant of ours.
+            Poll::Ready(Err(_)) if self.call.too_late() => Outcome::TimedOut,
+            Poll::Ready(Err(e)) => Outcome::Error(e.into()),
+            Poll::Pending => {
+                ready!(self.poll_timer(cx, RetryCall::attempt_until));
+                Outcome::TimedOut
+            }
+        };
+        *self.armed = false;
+        Poll::Ready(outcome)
+    }
+
+    /// Waits for the timer, armed on first need for the instant `until` gives (never,
+    /// when it gives none).
+    fn poll_timer(
+        &mut self,
+        cx: &mut Context<'_>,
+        until: impl FnOnce(&mut RetryCall) -> Option<Instant>,
+    ) -> Poll<()> {
+        if !*self.armed {
+            let Some(at) = until(self.call) else {
+                return Poll::Pending;
+            };
+            arm(self.timer.as_mut(), at);
+            *self.armed = true;
+        }
+        match self.timer.as_mut().as_pin_mut() {
+            Some(timer) => timer.poll(cx),
+            None => Poll::Pending,
+        }
+    }
+
+    /// `Calling`, the attempt over: asks the planner what to do with `outcome`; the
+    /// answer, or `None` when a retry was scheduled.
+    fn decide(&mut self, outcome: Outcome<R>) -> Option<Answer<R>> {
+        let Some(token) = self.token.take() else {
+            return Some(Err(polled_after_completion()));
+        };
+        let last = self.retry.as_ref().and_then(|r| r.last.as_ref());
+        let seen = match &outcome {
+            Outcome::Response(r) => Seen::response(r.status(), r.headers()),
+            Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
+            Outcome::TimedOut => Seen::TimedOut,
+        };
+        let decision = self.call.decide(
+            seen,
+            token,
+            self.body.is_replayable(),
+            last.map(Response::status),
+        );
+        match decision {
+            Decision::Retry(next) => {
+                self.schedule_retry(next, outcome);
+                None
+            }
+            Decision::Success => Some(self.finish(outcome.into_answer())),
+            Decision::Final => Some(self.finish(outcome.into_answer())),
+            Decision::GiveUp(_) => Some(self.gave_up(outcome)),
+        }
+    }
+
+    /// Ends the call with `answer`.
+    fn finish(&mut self, answer: Answer<R>) -> Answer<R> {
+        self.state.set(State::Failed { error: None });
+        answer
+    }
+
+    /// `Calling`, given up on a retryable failure: the last real response, marked; or,
+    /// with none, the failure.
+    fn gave_up(&mut self, outcome: Outcome<R>) -> Answer<R> {
+        self.state.set(State::Failed { error: None });
+        let last = self.retry.as_mut().and_then(|r| r.last.take());
+        let (last, error): (_, BoxError) = match outcome {
+            Outcome::Response(r) => (Some(r), Box::new(DeadlineExceeded::new())),
+            Outcome::Error(e) => (last, e),
+            Outcome::TimedOut => (last, Box::new(DeadlineExceeded::new())),
+        };
+        given_up(self.call, last, error)
+    }
+
+    /// `Calling`, to retry: keeps the last real response and the attempt's span, then
+    /// waits the token's delay (`Backoff`) or goes on at once (`Readying`).
+    fn schedule_retry(&mut self, next: RetryToken, outcome: Outcome<R>) {
+        let delay = next.delay();
+        let span = RetryCall::attempt_span(&next);
+        let last = match outcome {
+            Outcome::Response(r) => Some(r),
+            Outcome::Error(_) | Outcome::TimedOut => {
+                self.retry.as_mut().and_then(|r| r.last.take())
+            }
+        };
+        match self.retry {
+            Some(r) => {
+                r.last = last;
+                r.span = span;
+            }
+            None => *self.retry = Some(Box::new(Retrying { last, span })),
+        }
+        *self.token = Some(next);
+        if delay.is_zero() {
+            self.state.set(State::Readying);
+        } else {
+            arm(self.timer.as_mut(), Instant::now() + delay);
+            *self.armed = true;
+            self.state.set(State::Backoff);
+        }
+    }
+
+    /// `Backoff`: waits for the delay to pass, then awaits readiness.
+    fn poll_backoff(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        if let Some(timer) = self.timer.as_mut().as_pin_mut() {
+            ready!(timer.poll(cx));
+        }
+        *self.armed = false;
+        self.state.set(State::Readying);
+        Poll::Ready(())
+    }
+
+    /// `Readying`: awaits the inner service's readiness, bounded by the deadline, then
+    /// starts the next attempt (`None`) — or answers.
+    fn poll_readying(&mut self, cx: &mut Context<'_>) -> Poll<Option<Answer<R>>> {
+        let left = match self.service.poll_ready(cx) {
+            // The deadline may have passed during the backoff or the wait. One clock
+            // read for the check and the timeout header.
+            Poll::Ready(Ok(())) => {
+                let left = self.call.time_left();
+                if RetryCall::too_late_with(left) {
+                    return Poll::Ready(Some(self.out_of_time()));
+                }
+                left
+            }
+            Poll::Ready(Err(e)) => {
+                self.state.set(State::Failed { error: None });
+                return Poll::Ready(Some(Err(e.into())));
+            }
+            Poll::Pending => {
+                // Waiting for readiness counts against the deadline.
+                ready!(self.poll_timer(cx, RetryCall::overall_until));
+                return Poll::Ready(Some(self.out_of_time()));
+            }
+        };
+        *self.armed = false;
+        Poll::Ready(self.start_retry(left).err())
+    }
+
+    /// `Readying`, too late for the next attempt: gives up with the last real response.
+    fn out_of_time(&mut self) -> Answer<R> {
+        let attempts = self.token.take().map_or(1, |t| t.attempt()) - 1;
+        let last = self.retry.as_mut().and_then(|r| r.last.take());
+        self.call.give_up(
+            GiveUp::NotEnoughTime,
+            attempts,
+            last.as_ref().map(Response::status),
+        );
+        self.state.set(State::Failed { error: None });
+        given_up(self.call, last, Box::new(DeadlineExceeded::new()))
+    }
+
+    /// `Readying`, the inner service ready: makes the attempt of the current token with
+    /// `left` read for its timeout header (`Calling`); `Err` with the answer when there
+    /// is no token (a poll after completion).
+    fn start_retry(&mut self, left: Option<Duration>) -> Result<(), Answer<R>> {
+        let Some(token) = self.token.as_ref() else {
+            self.state.set(State::Failed { error: None });
+            return Err(Err(polled_after_completion()));
+        };
+        let mut parts = self.template.clone();
+        self.call
+            .prepare_attempt_with(&mut parts.headers, &mut parts.extensions, token, left);
+        let request = Request::from_parts(parts, self.body.clone());
+        let future = {
+            let _entered = self.retry.as_ref().map(|r| r.span.enter());
+            self.service.call(request)
+        };
+        self.state.set(State::Calling { future });
+        Ok(())
+    }
+
+    /// `Failed`: answers `error` (a failure before the first attempt), once.
+    fn failed(&mut self, error: Option<BoxError>) -> Answer<R> {
+        match error {
+            Some(error) => Err(error),
+            None => Err(polled_after_completion()),
+        }
+    }
+}
+
+impl<R> Outcome<R> {
+    /// The outcome as it is: a response, unmarked; a failure, its error; a time-out, a
+    /// [`DeadlineExceeded`].
+    fn into_answer(self) -> Answer<R> {
+        match self {
+            Outcome::Response(r) => Ok(r),
+            Outcome::Error(e) => Err(e),
+            Outcome::TimedOut => Err(Box::new(DeadlineExceeded::new())),
+        }
+    }
+}
+
+fn polled_after_completion() -> BoxError {
+    "retry future polled after completion".into()
 }
 
 /// The answer of a give-up: the last real response marked `do-not-retry`, or, with
 /// none, `error`.
-fn given_up<R, M: LocalFailure<R>>(
+fn given_up<R>(
     call: &RetryCall,
     last: Option<Response<R>>,
     error: BoxError,
@@ -356,11 +388,11 @@ fn given_up<R, M: LocalFailure<R>>(
             call.mark_given_up(response.headers_mut());
             Ok(response)
         }
-        None => answer::<R, M>(call, error),
+        None => Err(error),
     }
 }
 
-impl<S, B, M> fmt::Debug for ResponseFuture<S, B, M>
+impl<S, B> fmt::Debug for ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>> + fmt::Debug,
 {

@@ -1,21 +1,20 @@
 use std::fmt;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
+use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{RetryPolicy, Striped};
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::Classifier;
-use retrysafe_core::retry::{GiveUpEvent, RetryEvent, RetryPolicy};
+use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::RetryStrategy;
-use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
-use super::Retry;
-use crate::local::{AsError, AsGrpcStatus};
+use super::RetryService;
 
 /// The default cap of the request-body copy kept for replay: 64 KiB.
 pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
-const MAX_REPLAY_CAP: usize = 1 << 30;
+pub(crate) const MAX_REPLAY_CAP: usize = 1 << 30;
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -25,13 +24,9 @@ pub(crate) struct Config {
 }
 
 /// Retries failed requests that are safe to retry; see the [module docs](super).
-///
-/// `M` chooses how failures generated locally are answered: [`AsError`] (the default)
-/// or [`AsGrpcStatus`] ([`grpc_statuses`](RetryLayer::grpc_statuses)).
 #[must_use]
-pub struct RetryLayer<M = AsError> {
+pub struct RetryLayer {
     config: Arc<Config>,
-    _local: PhantomData<fn() -> M>,
 }
 
 impl RetryLayer {
@@ -46,7 +41,6 @@ impl RetryLayer {
                 policy: Striped::new(RetryPolicy::new()),
                 replay_cap: DEFAULT_REPLAY_CAP,
             }),
-            _local: PhantomData,
         }
     }
 }
@@ -57,7 +51,7 @@ impl Default for RetryLayer {
     }
 }
 
-impl<M> RetryLayer<M> {
+impl RetryLayer {
     /// Changes the policy (the builder methods of `RetryPolicy` hold the semantics,
     /// shared with the reqwest middleware).
     fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
@@ -84,14 +78,23 @@ impl<M> RetryLayer<M> {
     }
 
     /// The cap of the request-body copy kept for replay (default 64 KiB; at most
-    /// 1 GiB). A larger body is sent once and not retried.
-    pub fn max_replay_body(self, bytes: usize) -> Result<Self, ConfigError> {
-        if bytes > MAX_REPLAY_CAP {
-            return Err(ConfigError::new("max replay body", "must be at most 1 GiB"));
-        }
+    /// 1 GiB, checked by [`build`](Self::build); a larger cap is used as 1 GiB). A larger
+    /// body is sent once and not retried.
+    pub fn max_replay_body(self, bytes: usize) -> Self {
         let mut layer = self;
         Arc::make_mut(&mut layer.config).replay_cap = bytes;
-        Ok(layer)
+        layer
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        v.check(
+            self.config.replay_cap <= MAX_REPLAY_CAP,
+            "max replay body",
+            "must be at most 1 GiB",
+        );
+        v.finish(self)
     }
 
     /// Adds an `Idempotency-Key` to POST and PATCH requests that have none, the same
@@ -128,37 +131,25 @@ impl<M> RetryLayer<M> {
     pub fn on_give_up(self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
         self.map(|p| p.with_on_give_up(f))
     }
-
-    /// Answers local failures of gRPC requests (the deadline running out, a budget or
-    /// breaker refusal below this layer) with synthesised Trailers-Only statuses
-    /// instead of errors. Needs a response body with `Default`, such as
-    /// `tonic::body::Body`.
-    pub fn grpc_statuses(self) -> RetryLayer<AsGrpcStatus> {
-        RetryLayer {
-            config: self.config,
-            _local: PhantomData,
-        }
-    }
 }
 
-impl<M> Clone for RetryLayer<M> {
+impl Clone for RetryLayer {
     fn clone(&self) -> Self {
         RetryLayer {
             config: self.config.clone(),
-            _local: PhantomData,
         }
     }
 }
 
-impl<S, M> Layer<S> for RetryLayer<M> {
-    type Service = Retry<S, M>;
+impl<S> Layer<S> for RetryLayer {
+    type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        Retry::from_config(inner, self.config.clone())
+        RetryService::from_config(inner, self.config.clone())
     }
 }
 
-impl<M> fmt::Debug for RetryLayer<M> {
+impl fmt::Debug for RetryLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryLayer")
             .field("config", &self.config)

@@ -1,8 +1,8 @@
 //! Middleware that retries failed requests that are safe to retry, within a budget and
 //! a deadline.
 //!
-//! [`RetryLayer`] is driven by a [`RetryStrategy`](retrysafe_core::strategy::RetryStrategy)
-//! from core (default: the [`StandardRetryStrategy`](retrysafe_core::strategy::StandardRetryStrategy))
+//! [`RetryLayer`] is driven by a [`RetryStrategy`]
+//! from core (default: the [`StandardRetryStrategy`])
 //! and classifies each attempt with a [`Classifier`](retrysafe_core::classify::Classifier).
 //! Its per-call decisions are those of the sans-IO planner in
 //! [`retrysafe_core::retry`], which the reqwest `RetryMiddleware` drives too; this
@@ -11,7 +11,7 @@
 //!
 //! - retries **safe requests only**: RFC 9110 idempotent methods, requests with an
 //!   `Idempotency-Key`, and requests declared idempotent (the
-//!   [`Idempotent`](retrysafe_core::strategy::Idempotent) extension or
+//!   [`Idempotent`] extension or
 //!   [`RetryLayer::idempotent_if`]); a POST without a key is sent once, unless nothing
 //!   was sent at all (a failed connect, h2 `REFUSED_STREAM`).
 //!   [`generate_idempotency_keys`](RetryLayer::generate_idempotency_keys) adds a key to
@@ -32,17 +32,19 @@
 //! - awaits the inner service's readiness after the backoff sleep, bounded by the
 //!   deadline;
 //! - sends `retry-attempt: N` (and `grpc-previous-rpc-attempts`) on attempts 2 and
-//!   later, tagged with [`RetryCharged`](retrysafe_core::strategy::RetryCharged) so a
-//!   `RetryBudgetLayer` below does not charge them twice;
+//!   later, and tags every attempt of a budgeted request with a request extension so a
+//!   `RetryBudgetLayer` below — even behind a `Buffer` — does not charge it twice;
 //! - makes one attempt when the caller is the retry point (`retry-point: caller`
 //!   inherited; the header is passed on, so no hop below retries either), or for a
-//!   request carrying [`NoRetry`](retrysafe_core::strategy::NoRetry);
+//!   request carrying [`NoRetry`];
 //! - when it **gives up on a retryable failure** (attempts exhausted, budget refused, not
 //!   enough time), returns the last real response marked `do-not-retry: 1` and records
 //!   `downstream_gave_up` in the inherited context, so the layers above do not retry
 //!   again;
-//! - with [`grpc_statuses`](RetryLayer::grpc_statuses), answers local failures of gRPC
-//!   requests as synthesised Trailers-Only statuses (see [`local`](crate::local));
+//! - fails with the typed errors of local failures (its deadline, and a budget or
+//!   breaker below that refused before any real response); a
+//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack answers them
+//!   for gRPC requests as synthesised Trailers-Only statuses;
 //! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
 //!   emits `tracing` events, and runs retried attempts in a span carrying
 //!   `http.request.resend_count`.
@@ -86,6 +88,10 @@ mod transport;
 pub use body::ReplayBody;
 pub use future::ResponseFuture;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
+pub use retrysafe_core::backoff::{Backoff, Jitter};
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
-pub use service::Retry;
+pub use retrysafe_core::strategy::{
+    GiveUp, Idempotent, NoRetry, RetryStrategy, StandardRetryStrategy,
+};
+pub use service::RetryService;
 pub use transport::failure_of;
