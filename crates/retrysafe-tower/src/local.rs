@@ -48,6 +48,7 @@ use std::task::{Context, Poll, ready};
 use http::{HeaderValue, Request, Response, StatusCode};
 use retrysafe_core::__private::is_grpc;
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe_core::problem::{Problem, ProblemKind};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -229,54 +230,24 @@ pub(crate) fn problem<B: Default + From<bytes::Bytes>>(
         let code = grpc_code(error)?;
         return Some(grpc_status_response(code, &error.to_string(), convention));
     }
-    let (status, slug, title) = if find::<DeadlineExceeded>(error).is_some() {
-        (
-            StatusCode::GATEWAY_TIMEOUT,
-            "deadline-exceeded",
-            "Deadline exceeded",
-        )
+    let kind = if find::<DeadlineExceeded>(error).is_some() {
+        ProblemKind::DeadlineExceeded
     } else if find::<BudgetExhausted>(error).is_some() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "retry-budget-exhausted",
-            "Retry budget exhausted",
-        )
+        ProblemKind::BudgetExhausted
     } else if find::<CircuitOpen>(error).is_some() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            "circuit-open",
-            "Circuit open",
-        )
+        ProblemKind::CircuitOpen
     } else {
         return None;
     };
-    let body = serde_json_free_problem(status, slug, title, &error.to_string());
-    let mut response = Response::new(B::from(bytes::Bytes::from(body)));
-    *response.status_mut() = status;
-    let headers = response.headers_mut();
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/problem+json"),
-    );
-    headers.insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
-    Some(response)
-}
-
-/// A problem+json document; `detail` is escaped as a JSON string.
-fn serde_json_free_problem(status: StatusCode, slug: &str, title: &str, detail: &str) -> String {
-    let mut escaped = String::with_capacity(detail.len());
-    for c in detail.chars() {
-        match c {
-            '"' => escaped.push_str("\\\""),
-            '\\' => escaped.push_str("\\\\"),
-            c if u32::from(c) < 0x20 => escaped.push_str(&format!("\\u{:04x}", u32::from(c))),
-            c => escaped.push(c),
-        }
+    let problem = Problem::new(kind, error.to_string());
+    let (mut parts, body) = problem.to_response().into_parts();
+    if problem.do_not_retry() {
+        parts
+            .headers
+            .insert(convention.do_not_retry().clone(), DO_NOT_RETRY_VALUE);
     }
-    format!(
-        r#"{{"type":"urn:retrysafe:problem:{slug}","title":"{title}","status":{},"detail":"{escaped}"}}"#,
-        status.as_u16()
-    )
+    parts.extensions.insert(problem);
+    Some(Response::from_parts(parts, B::from(body)))
 }
 
 pin_project_lite::pin_project! {
