@@ -69,6 +69,9 @@ pub enum ProblemKind {
     DeadlineExceeded,
     /// 503 with `do-not-retry`: a circuit breaker is open.
     CircuitOpen,
+    /// 400: an inbound deadline header (`request-timeout-ms`, `grpc-timeout`) is
+    /// malformed.
+    TimeoutInvalid,
 }
 
 impl ProblemKind {
@@ -76,7 +79,9 @@ impl ProblemKind {
     pub fn status(self) -> StatusCode {
         use ProblemKind as K;
         match self {
-            K::KeyMissing | K::KeyInvalid | K::BodyUnreadable => StatusCode::BAD_REQUEST,
+            K::KeyMissing | K::KeyInvalid | K::BodyUnreadable | K::TimeoutInvalid => {
+                StatusCode::BAD_REQUEST
+            }
             K::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             K::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
             K::InFlight | K::ResponseNotStored => StatusCode::CONFLICT,
@@ -115,6 +120,7 @@ impl ProblemKind {
             K::BudgetExhausted => "retry-budget-exhausted",
             K::DeadlineExceeded => "deadline-exceeded",
             K::CircuitOpen => "circuit-open",
+            K::TimeoutInvalid => "timeout-invalid",
         }
     }
 
@@ -145,6 +151,7 @@ impl ProblemKind {
             K::BudgetExhausted => "Retry budget exhausted",
             K::DeadlineExceeded => "Deadline exceeded",
             K::CircuitOpen => "Circuit open",
+            K::TimeoutInvalid => "Invalid timeout",
         }
     }
 

@@ -9,12 +9,13 @@ use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::{HeaderValue, Request, Response, StatusCode};
+use http::{Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::__private::is_grpc;
 use retrysafe_core::ConfigError;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::problem::{Problem, ProblemKind};
 use retrysafe_core::wire::{Convention, TimeoutError};
 use tokio::time::Sleep;
 use tower_layer::Layer;
@@ -231,20 +232,13 @@ fn invalid_timeout<B: Default + From<Bytes>>(
     } else {
         convention.request_timeout_ms()
     };
-    // Header names and the error's text are plain ASCII without quotes or backslashes.
     let detail = format!("{header}: {error}");
     let mut response = if grpc {
         grpc_status_response(3, &detail, convention)
     } else {
-        let body = format!(
-            r#"{{"type":"urn:retrysafe:problem:timeout-invalid","title":"Invalid timeout","status":400,"detail":"{detail}"}}"#
-        );
-        let mut response = Response::new(B::from(Bytes::from(body)));
-        *response.status_mut() = StatusCode::BAD_REQUEST;
-        response.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            HeaderValue::from_static("application/problem+json"),
-        );
+        let problem = Problem::new(ProblemKind::TimeoutInvalid, detail);
+        let mut response = problem.to_response().map(B::from);
+        response.extensions_mut().insert(problem);
         response
     };
     response.extensions_mut().insert(error);
