@@ -130,21 +130,25 @@ impl Backoff {
     }
 
     /// The base.
+    #[doc(hidden)]
     pub fn base(&self) -> Duration {
         self.base
     }
 
     /// The base after a throttle.
+    #[doc(hidden)]
     pub fn throttle_base(&self) -> Duration {
         self.throttle_base
     }
 
     /// The cap.
+    #[doc(hidden)]
     pub fn cap(&self) -> Duration {
         self.cap
     }
 
     /// The jitter.
+    #[doc(hidden)]
     pub fn jitter(&self) -> Jitter {
         self.jitter
     }
@@ -211,6 +215,7 @@ impl RetryRng {
 
     /// A uniform duration in `[low, high]` (nanosecond resolution; `low` if `high <
     /// low`).
+    #[doc(hidden)]
     pub fn between(&mut self, low: Duration, high: Duration) -> Duration {
         if high <= low {
             return low;
@@ -220,6 +225,7 @@ impl RetryRng {
     }
 
     /// A uniform `f64` in `[0, 1)`.
+    #[doc(hidden)]
     pub fn unit(&mut self) -> f64 {
         self.0.random::<f64>()
     }

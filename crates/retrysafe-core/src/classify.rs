@@ -376,6 +376,7 @@ const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 /// assert!(!deadline_spent(given, Duration::from_millis(100)));
 /// ```
 #[must_use]
+#[doc(hidden)]
 pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
     let slack = (given / 10).max(SPENT_SLACK_MIN);
     elapsed.saturating_add(slack) >= given

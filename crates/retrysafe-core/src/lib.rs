@@ -54,9 +54,12 @@ pub mod __private {
     pub use crate::budget::BudgetId;
     pub use crate::classify::{BreakerFacts, is_grpc};
     pub use crate::config::Validate;
+    pub use crate::idempotency::Disposition;
+    pub use crate::idempotency::protocol;
     pub use crate::retry::{
         Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryPolicy, child_key_label,
     };
+    pub use crate::store::{DynIdempotencyStore, StoreFuture};
     pub use crate::strategy::RetryCharged;
     pub use crate::stripe::{Local, MAX_ANCHORS, Striped};
 }

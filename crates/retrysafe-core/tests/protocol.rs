@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
-use retrysafe_core::Deadline;
-use retrysafe_core::idempotency::protocol::{
+use retrysafe_core::__private::protocol::{
     Claimed, Finish, Handled, Note, Policy, Protocol, Reply, Settle, Settled, Step, Waited,
 };
+use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, EventKind, Fingerprint, HeaderFilter, InProgress, OutcomeUnknown,
     Record, StoredResponse, Token, UnknownReason,

@@ -5,6 +5,8 @@
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use proptest::prelude::*;
+use retrysafe_core::__private::Disposition;
+use retrysafe_core::__private::protocol::{Claimed, Policy, Protocol, Step};
 use retrysafe_core::idempotency::*;
 use retrysafe_core::wire::IdempotencyKey;
 
@@ -220,8 +222,25 @@ fn tokens_are_random_and_round_trip() {
     );
 }
 
+/// What a copy with fingerprint `fp` gets from an existing `record`.
+fn decide(record: &Record, fp: &Fingerprint) -> Step {
+    let mut p = Protocol::new(&Policy::new(), *fp, None);
+    p.claimed(Claimed::Existing {
+        record: record.clone(),
+        became_unknown: false,
+    })
+}
+
+fn problem_of(step: Step) -> Option<retrysafe_core::problem::ProblemKind> {
+    match step {
+        Step::Problem(p) => Some(p.kind()),
+        _ => None,
+    }
+}
+
 #[test]
 fn decision_table() {
+    use retrysafe_core::problem::ProblemKind;
     let done = Record::Completed(Completed {
         fingerprint: fp(1),
         response: Some(StoredResponse {
@@ -231,21 +250,33 @@ fn decision_table() {
             trailers: vec![],
         }),
     });
-    assert!(matches!(decide(&done, &fp(1)), Decision::Replay(_)));
-    assert_eq!(decide(&done, &fp(2)), Decision::Mismatch);
+    assert!(matches!(decide(&done, &fp(1)), Step::Replay(_)));
+    assert_eq!(
+        problem_of(decide(&done, &fp(2))),
+        Some(ProblemKind::KeyMismatch)
+    );
     let running = Record::InProgress(InProgress {
         lease_until_ms: 0,
         token: Token::random(),
         fingerprint: fp(1),
         commit_point: CommitPoint::Undeclared,
     });
-    assert_eq!(decide(&running, &fp(1)), Decision::InFlight);
-    assert_eq!(decide(&running, &fp(2)), Decision::Mismatch);
+    assert_eq!(
+        problem_of(decide(&running, &fp(1))),
+        Some(ProblemKind::InFlight)
+    );
+    assert_eq!(
+        problem_of(decide(&running, &fp(2))),
+        Some(ProblemKind::KeyMismatch)
+    );
     let marker = Record::Completed(Completed {
         fingerprint: fp(1),
         response: None,
     });
-    assert_eq!(decide(&marker, &fp(1)), Decision::NotStored);
+    assert_eq!(
+        problem_of(decide(&marker, &fp(1))),
+        Some(ProblemKind::ResponseNotStored)
+    );
 }
 
 #[test]

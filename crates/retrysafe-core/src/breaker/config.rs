@@ -332,51 +332,61 @@ impl BreakerConfig {
     }
 
     /// The sliding window.
+    #[doc(hidden)]
     pub fn window(&self) -> SlidingWindow {
         self.window
     }
 
     /// The failure-rate threshold, in percent.
+    #[doc(hidden)]
     pub fn failure_rate_threshold(&self) -> f64 {
         self.failure_rate_threshold
     }
 
     /// The fewest counted calls before a rate can open the breaker.
+    #[doc(hidden)]
     pub fn minimum_calls(&self) -> u32 {
         self.minimum_calls
     }
 
     /// The duration from which a call is slow, if slow calls are tracked.
+    #[doc(hidden)]
     pub fn slow_call_duration(&self) -> Option<Duration> {
         self.slow_call_duration
     }
 
     /// The slow-call-rate threshold, in percent.
+    #[doc(hidden)]
     pub fn slow_call_rate_threshold(&self) -> f64 {
         self.slow_call_rate_threshold
     }
 
     /// The first open duration.
+    #[doc(hidden)]
     pub fn open_duration(&self) -> Duration {
         self.open_duration
     }
 
     /// The longest open duration.
+    #[doc(hidden)]
     pub fn max_open_duration(&self) -> Duration {
         self.max_open_duration
     }
 
     /// The half-open probes.
+    #[doc(hidden)]
     pub fn half_open_probes(&self) -> u32 {
         self.half_open_probes
     }
 
     /// The half-open timeout.
+    #[doc(hidden)]
     pub fn half_open_timeout(&self) -> Duration {
         self.half_open_timeout
     }
 
     /// The state-change hook, if any.
+    #[doc(hidden)]
     pub fn on_state_change(&self) -> Option<&StateChangeHook> {
         self.on_state_change.as_ref()
     }

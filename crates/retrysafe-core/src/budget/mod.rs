@@ -260,16 +260,19 @@ impl RatioConfig {
     }
 
     /// The window length.
+    #[doc(hidden)]
     pub fn ttl(&self) -> Duration {
         self.ttl
     }
 
     /// The retries always allowed per second.
+    #[doc(hidden)]
     pub fn min_per_sec(&self) -> u32 {
         self.min_per_sec
     }
 
     /// The share of requests that may be retried.
+    #[doc(hidden)]
     pub fn retry_ratio(&self) -> f64 {
         self.retry_ratio
     }
@@ -338,21 +341,25 @@ impl TokenBucketConfig {
     }
 
     /// The capacity.
+    #[doc(hidden)]
     pub fn capacity(&self) -> u32 {
         self.capacity
     }
 
     /// What a retry after a failure costs.
+    #[doc(hidden)]
     pub fn retry_cost(&self) -> u32 {
         self.retry_cost
     }
 
     /// What a retry after a timeout costs.
+    #[doc(hidden)]
     pub fn timeout_cost(&self) -> u32 {
         self.timeout_cost
     }
 
     /// What a success that needed no retry refunds.
+    #[doc(hidden)]
     pub fn success_refund(&self) -> u32 {
         self.success_refund
     }

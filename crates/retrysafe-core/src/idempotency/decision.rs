@@ -1,46 +1,5 @@
 use http::StatusCode;
 
-use super::{Completed, Fingerprint, Record, StoredResponse};
-
-/// What an existing record means for a new copy of a request (the decision table).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision<'a> {
-    /// Same fingerprint, completed: replay this response.
-    Replay(&'a StoredResponse),
-    /// Same fingerprint, still running: answer 409 (or wait and look again).
-    InFlight,
-    /// Different fingerprint (running or completed): 422, do not retry.
-    Mismatch,
-    /// Same fingerprint, outcome unknown: a stable 500 problem, do not retry.
-    OutcomeUnknown,
-    /// Same fingerprint, completed but too large to store: 409 problem, do not retry.
-    NotStored,
-}
-
-/// Decides what an existing `record` means for a request with fingerprint `fp`.
-///
-/// ```
-/// use retrysafe_core::idempotency::*;
-/// let fp = Fingerprint::from_bytes([1; 32]);
-/// let other = Fingerprint::from_bytes([2; 32]);
-/// let rec = Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp });
-/// assert_eq!(decide(&rec, &fp), Decision::OutcomeUnknown);
-/// assert_eq!(decide(&rec, &other), Decision::Mismatch);
-/// ```
-pub fn decide<'a>(record: &'a Record, fp: &Fingerprint) -> Decision<'a> {
-    if record.fingerprint() != fp {
-        return Decision::Mismatch;
-    }
-    match record {
-        Record::InProgress(_) => Decision::InFlight,
-        Record::Completed(Completed {
-            response: Some(r), ..
-        }) => Decision::Replay(r),
-        Record::Completed(Completed { response: None, .. }) => Decision::NotStored,
-        Record::OutcomeUnknown(_) => Decision::OutcomeUnknown,
-    }
-}
-
 /// A response extension a handler inserts when it knows its call had no effect: the key
 /// is released and a retry runs the handler again.
 ///

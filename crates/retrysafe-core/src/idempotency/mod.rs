@@ -12,9 +12,8 @@
 //! - [`Record`] and its states, with one versioned byte encoding ([`Record::encode`],
 //!   [`Record::decode`], which is total);
 //! - [`StoredResponse`] and [`HeaderFilter`]: response capture;
-//! - [`decide`] and [`Disposition`]: the decision table;
-//! - [`protocol`]: the claim → wait → run → complete protocol of one guarded request,
-//!   as a state machine that every engine drives;
+//! - the claim → wait → run → complete protocol of one guarded request, a state
+//!   machine that every idempotency engine drives (engine plumbing, not public API);
 //! - [`EventKind`] and [`UnknownReason`]: what the layers report;
 //! - [`IdempotencyContext`]: what a guarded handler sees.
 
@@ -22,11 +21,14 @@ mod context;
 mod decision;
 mod event;
 mod ids;
+#[doc(hidden)]
 pub mod protocol;
 mod record;
 
 pub use context::IdempotencyContext;
-pub use decision::{Decision, Disposition, NoEffect, decide};
+#[doc(hidden)]
+pub use decision::Disposition;
+pub use decision::NoEffect;
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
 pub use record::{

@@ -117,8 +117,7 @@ pub enum ClaimOutcome {
         /// commit point.
         takeover: bool,
     },
-    /// A record exists; the caller decides with
-    /// [`decide`](crate::idempotency::decide).
+    /// A record exists: the caller answers from it (a replay, or a problem).
     Existing {
         /// The record.
         record: Record,
@@ -129,6 +128,7 @@ pub enum ClaimOutcome {
 }
 
 /// A future returned by a store, boxed (the object-safe form).
+#[doc(hidden)]
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
 
 /// An idempotency store. Futures are `Send`; [`BoxStore`] is the object-safe form.
@@ -215,6 +215,7 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
 }
 
 /// The object-safe form of [`IdempotencyStore`], implemented for every store.
+#[doc(hidden)]
 pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {
     /// See [`IdempotencyStore::claim`].
     fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim) -> StoreFuture<'a, ClaimOutcome>;
@@ -304,6 +305,7 @@ impl BoxStore {
     }
 
     /// Wraps an already shared store.
+    #[doc(hidden)]
     pub fn from_arc(store: Arc<dyn DynIdempotencyStore>) -> Self {
         BoxStore(store)
     }

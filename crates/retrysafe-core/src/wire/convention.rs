@@ -52,6 +52,7 @@ macro_rules! names {
         impl Convention {
             $(
                 $(#[$doc])*
+                #[doc(hidden)]
                 pub fn $field(&self) -> &HeaderName {
                     &self.$field
                 }

@@ -11,9 +11,7 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::Body;
-use retrysafe_core::idempotency::protocol::{
-    Claimed, Note, Protocol, Settle, Settled, Step, Waited,
-};
+use retrysafe_core::__private::protocol::{Claimed, Note, Protocol, Settle, Settled, Step, Waited};
 use retrysafe_core::idempotency::{
     Completed, Fingerprint, IdempotencyContext, Record, RecordId, Token,
 };

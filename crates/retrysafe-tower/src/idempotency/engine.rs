@@ -1,5 +1,5 @@
 //! The HTTP edge of the idempotency protocol: drives
-//! [`Protocol`](retrysafe_core::idempotency::protocol::Protocol) for an [`Engine`]
+//! [`Protocol`](retrysafe_core::__private::protocol::Protocol) for an [`Engine`]
 //! (the store engine of this crate, the transactional engine of `retrysafe-postgres`)
 //! and turns its steps into responses. The decisions are the protocol's; the engines
 //! only do the I/O.
@@ -11,7 +11,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::Response;
 use http_body::Body;
-use retrysafe_core::idempotency::protocol::{
+use retrysafe_core::__private::protocol::{
     Claimed, Handled, Note, Protocol, Reply, Settle, Settled, Step, Waited,
 };
 use retrysafe_core::idempotency::{Completed, NoEffect};

@@ -13,9 +13,9 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::Body;
+use retrysafe_core::__private::protocol::Protocol;
+use retrysafe_core::__private::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
 use retrysafe_core::Deadline;
-use retrysafe_core::idempotency::protocol::Protocol;
-use retrysafe_core::idempotency::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, IdempotencyContext, RecordId, Token,
 };
@@ -125,7 +125,10 @@ struct StoreEngine<'a> {
     retention: Duration,
     /// The token of the last claim.
     token: Token,
-    /// Set when the claim is ours.
+    /// When the claim was ours (set by `run`).
+    claimed_at: Option<Instant>,
+    /// The lease as the renewal task last renewed it; shared with that task, so made
+    /// only when it starts.
     lease: Option<Arc<Lease>>,
     /// The renewal task, spawned once the handler may outlive a third of its lease.
     renewal: Option<Renewal>,
@@ -141,7 +144,9 @@ impl<'a> StoreEngine<'a> {
             deadline: request.deadline(),
             fingerprint: request.fingerprint,
             retention: guard.retention(),
-            token: Token::random(),
+            // Every claim draws its own token; this one is never sent.
+            token: Token::from_bytes([0; 16]),
+            claimed_at: None,
             lease: None,
             renewal: None,
             cap: Instant::now(),
@@ -171,7 +176,7 @@ impl<'a> StoreEngine<'a> {
             )
         });
         let claimed_at = Instant::now();
-        self.lease = Some(Arc::new(Lease::new(claimed_at, backend.lease)));
+        self.claimed_at = Some(claimed_at);
         self.cap = claimed_at + backend.max_execution;
         let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
         let outcome = self.renewed(handler).await;
@@ -182,19 +187,21 @@ impl<'a> StoreEngine<'a> {
     /// after the claim, the renewal task starts (a request answered sooner never arms
     /// it).
     async fn renewed<F: Future>(&mut self, work: F) -> F::Output {
-        let Some(lease) = self.lease.clone() else {
+        let Some(claimed_at) = self.claimed_at else {
             return work.await;
         };
         if self.renewal.is_some() {
             return work.await;
         }
         let mut work = std::pin::pin!(work);
-        let first = lease.claimed_at + self.backend.lease / 3;
+        let first = claimed_at + self.backend.lease / 3;
         tokio::select! {
             biased;
             out = &mut work => return out,
             () = tokio::time::sleep_until(first) => {}
         }
+        let lease = Arc::new(Lease::new(claimed_at, self.backend.lease));
+        self.lease = Some(Arc::clone(&lease));
         self.renewal = Some(Renewal::spawn(
             self.backend,
             self.id,
@@ -205,8 +212,13 @@ impl<'a> StoreEngine<'a> {
         work.await
     }
 
+    /// The end of the claim's lease, as last renewed.
     fn lease_until(&self) -> Instant {
-        self.lease.as_ref().map_or_else(Instant::now, |l| l.until())
+        match (&self.lease, self.claimed_at) {
+            (Some(lease), _) => lease.until(),
+            (None, Some(at)) => at + self.backend.lease,
+            (None, None) => Instant::now(),
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use http::request::Parts;
 use http::{HeaderMap, Method, Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::Validate;
-use retrysafe_core::idempotency::protocol::Policy;
+use retrysafe_core::__private::protocol::Policy;
 use retrysafe_core::idempotency::{
     Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, IdempotencyEvent, Principal,
     RecordId, Scope, StoredResponse,

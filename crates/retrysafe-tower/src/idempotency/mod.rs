@@ -89,7 +89,7 @@
 //! are methods of `IdempotencyLayer`. The transactional layer of `retrysafe-postgres`
 //! (`TxIdempotencyLayer`) is the same layer over a backend that runs the handler in a
 //! PostgreSQL transaction that also writes its key. Both drive the one protocol of
-//! [`retrysafe_core::idempotency::protocol`].
+//! [`retrysafe_core::__private::protocol`].
 
 #[doc(hidden)]
 pub mod blocks;
