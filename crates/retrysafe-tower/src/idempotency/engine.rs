@@ -109,32 +109,38 @@ where
     E: Engine,
     B: Body<Data = Bytes> + Send + 'static,
 {
-    let (handled, response, error) = match outcome {
-        Err(_panic) => (Handled::Panicked, None, None),
-        Ok(Err(e)) => (Handled::Failed, None, Some(e)),
-        Ok(Ok(res)) => {
-            let handled = Handled::Answered {
-                status: res.status(),
-                no_effect: res.extensions().get::<NoEffect>().is_some(),
-            };
-            (handled, Some(res), None)
-        }
+    let handled = match &outcome {
+        Err(_panic) => Handled::Panicked,
+        Ok(Err(_)) => Handled::Failed,
+        Ok(Ok(res)) => Handled::Answered {
+            status: res.status(),
+            no_effect: res.extensions().get::<NoEffect>().is_some(),
+        },
     };
     let mut finish = protocol.handled(handled);
     let mut completed = None;
-    let response = match (finish.settle, response) {
-        (Settle::Capture, Some(res)) => {
-            let captured = engine.capture(guard, res).await;
-            finish = protocol.captured(captured.is_some());
-            captured.map(|Captured { stored, response }| {
+    let mut error = None;
+    let response = match outcome {
+        Ok(Ok(res)) if finish.settle == Settle::Capture => match engine.capture(guard, res).await {
+            Some(Captured { stored, response }) => {
+                finish = protocol.captured(true);
                 completed = Some(Completed {
                     fingerprint: *protocol.fingerprint(),
                     response: stored,
                 });
-                response
-            })
+                Some(response)
+            }
+            None => {
+                finish = protocol.captured(false);
+                None
+            }
+        },
+        Ok(Ok(res)) => Some(res.map(ResponseBody::stream)),
+        Ok(Err(e)) => {
+            error = Some(e);
+            None
         }
-        (_, res) => res.map(|r| r.map(ResponseBody::stream)),
+        Err(_panic) => None,
     };
     let settled = engine.settle(finish.settle, completed).await;
     let reply = match protocol.settled(finish.settle, settled) {

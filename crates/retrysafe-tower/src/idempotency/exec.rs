@@ -5,6 +5,7 @@
 use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
@@ -155,7 +156,7 @@ impl<'a> StoreEngine<'a> {
 
     /// Runs the handler of a claim that is ours, then settles the record.
     async fn run<H: Handler>(
-        mut self,
+        &mut self,
         guard: &Guard,
         protocol: &mut Protocol,
         handler: H,
@@ -179,26 +180,28 @@ impl<'a> StoreEngine<'a> {
         self.claimed_at = Some(claimed_at);
         self.cap = claimed_at + backend.max_execution;
         let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
-        let outcome = self.renewed(handler).await;
-        conclude(guard, protocol, &mut self, outcome).await
+        // Pinned here and polled in place: the handler's future is never moved.
+        let outcome = self.renewed(std::pin::pin!(handler)).await;
+        conclude(guard, protocol, self, outcome).await
     }
 
     /// Awaits `work` with the lease renewed: if it is still running a third of a lease
     /// after the claim, the renewal task starts (a request answered sooner never arms
     /// it).
-    async fn renewed<F: Future>(&mut self, work: F) -> F::Output {
+    async fn renewed<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
         let Some(claimed_at) = self.claimed_at else {
             return work.await;
         };
         if self.renewal.is_some() {
             return work.await;
         }
-        let mut work = std::pin::pin!(work);
         let first = claimed_at + self.backend.lease / 3;
+        // The timer is made on its first poll only: a handler that is ready at once
+        // never touches the timer wheel.
         tokio::select! {
             biased;
             out = &mut work => return out,
-            () = tokio::time::sleep_until(first) => {}
+            () = async { tokio::time::sleep_until(first).await } => {}
         }
         let lease = Arc::new(Lease::new(claimed_at, self.backend.lease));
         self.lease = Some(Arc::clone(&lease));
@@ -268,7 +271,8 @@ impl Engine for StoreEngine<'_> {
         B: Body<Data = Bytes> + Send,
     {
         let cap = self.cap;
-        self.renewed(guard.capture(response, cap)).await
+        self.renewed(std::pin::pin!(guard.capture(response, cap)))
+            .await
     }
 
     async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
