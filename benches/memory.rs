@@ -245,18 +245,12 @@ fn unix_secs() -> u64 {
 
 /// The completed record the layer stores for a 201 with a JSON body of `body` bytes.
 fn completed(body: usize) -> Completed {
-    Completed {
-        fingerprint: Fingerprint::from_bytes([0x5a; 32]),
-        response: Some(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
-                HeaderName::from_static(CONTENT_TYPE),
-                HeaderValue::from_static(JSON),
-            )],
-            body: blob_body(body),
-            trailers: Vec::new(),
-        }),
-    }
+    let headers = vec![(
+        HeaderName::from_static(CONTENT_TYPE),
+        HeaderValue::from_static(JSON),
+    )];
+    let stored = StoredResponse::new(StatusCode::CREATED, headers, blob_body(body), Vec::new());
+    Completed::new(Fingerprint::from_bytes([0x5a; 32]), Some(stored))
 }
 
 /// A 36-character key (the length of a UUID), unique per `(tag, i)`.
@@ -279,16 +273,16 @@ fn payload_and_bound(body: usize) -> (usize, usize) {
 
 /// Stores one record the way the layer does: a claim, then its completion.
 async fn store_one<S: IdempotencyStore>(store: &S, id: &RecordId, record: &Completed) -> Res<()> {
-    let claim = Claim {
-        token: Token::random(),
-        fingerprint: record.fingerprint,
-        lease: Duration::from_secs(30),
-        retention: RETENTION,
-        commit_point: CommitPoint::Undeclared,
-    };
+    let claim = Claim::new(
+        Token::random(),
+        record.fingerprint,
+        Duration::from_secs(30),
+        RETENTION,
+        CommitPoint::Undeclared,
+    );
     match store.claim(id, &claim).await? {
         ClaimOutcome::Claimed { .. } => {}
-        other @ ClaimOutcome::Existing { .. } => {
+        other => {
             return Err(format!("fill: claim found {other:?}").into());
         }
     }

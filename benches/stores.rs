@@ -753,16 +753,16 @@ async fn fill<S: IdempotencyStore + Clone>(
         set.spawn(async move {
             for i in (t..n).step_by(tasks) {
                 let id = record_id(&uuid_key(tag, i))?;
-                let claim = Claim {
-                    token: Token::random(),
-                    fingerprint: record.fingerprint,
-                    lease: Duration::from_secs(10),
-                    retention: RETENTION,
-                    commit_point: CommitPoint::Undeclared,
-                };
+                let claim = Claim::new(
+                    Token::random(),
+                    record.fingerprint,
+                    Duration::from_secs(10),
+                    RETENTION,
+                    CommitPoint::Undeclared,
+                );
                 match store.claim(&id, &claim).await? {
                     ClaimOutcome::Claimed { .. } => {}
-                    other @ ClaimOutcome::Existing { .. } => {
+                    other => {
                         return Err(format!("fill: claim found {other:?}").into());
                     }
                 }

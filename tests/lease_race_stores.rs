@@ -45,9 +45,7 @@ async fn timed<S: IdempotencyStore>(
 async fn memory_redis_and_postgres_agree_on_every_interleaving() {
     // Long enough that a renewed lease is still live a few round trips later on a
     // loaded machine; every case's lease expires in one wait of 1.5 leases.
-    let clock = RealClock {
-        lease: Duration::from_secs(2),
-    };
+    let clock = RealClock::with_lease(Duration::from_secs(2));
 
     let memory = retrysafe::memory::MemoryStore::new();
 

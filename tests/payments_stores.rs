@@ -539,13 +539,13 @@ async fn redis_a_late_completion_with_a_stale_token_is_refused() {
     // would) with a short lease, before its commit point, and then went quiet.
     let fingerprint = payment_fingerprint("acct-stale", 450);
     let stale = Token::random();
-    let claim = Claim {
-        token: stale,
+    let claim = Claim::new(
+        stale,
         fingerprint,
-        lease: Duration::from_millis(300),
-        retention: Duration::from_secs(60),
-        commit_point: CommitPoint::Before,
-    };
+        Duration::from_millis(300),
+        Duration::from_secs(60),
+        CommitPoint::Before,
+    );
     assert_eq!(
         space
             .store
@@ -561,10 +561,7 @@ async fn redis_a_late_completion_with_a_stale_token_is_refused() {
     assert!(!ran.replayed(), "{ran:?}");
 
     // The stalled holder wakes up: its late completion (and everything else) is refused.
-    let late = Completed {
-        fingerprint,
-        response: None,
-    };
+    let late = Completed::new(fingerprint, None);
     assert_stale(&space.store, "stale-1", stale, &late).await;
     let Some(Record::Completed(done)) = space.record("stale-1").await else {
         panic!("the example's completion must stand");
@@ -595,12 +592,14 @@ async fn postgres_a_late_completion_with_a_stale_token_is_refused() {
 
     let id = record_id("stale-1");
     let fingerprint = payment_fingerprint("acct-stale", 450);
-    let claim = |token| Claim {
-        token,
-        fingerprint,
-        lease: Duration::from_millis(300),
-        retention: Duration::from_secs(60),
-        commit_point: CommitPoint::Before,
+    let claim = |token| {
+        Claim::new(
+            token,
+            fingerprint,
+            Duration::from_millis(300),
+            Duration::from_secs(60),
+            CommitPoint::Before,
+        )
     };
     let (stale, fresh) = (Token::random(), Token::random());
     assert_eq!(
@@ -618,13 +617,11 @@ async fn postgres_a_late_completion_with_a_stale_token_is_refused() {
                 assert!(matches!(record, Record::InProgress(_)), "{record:?}");
                 None
             }
+            other => panic!("unexpected claim outcome {other:?}"),
         }
     })
     .await;
-    let late = Completed {
-        fingerprint,
-        response: None,
-    };
+    let late = Completed::new(fingerprint, None);
     assert_stale(&store, "stale-1", stale, &late).await;
     store
         .complete(&id, fresh, &late, Duration::from_secs(60))

@@ -962,6 +962,7 @@ impl RedisSpace {
                     },
                     Some(Record::Completed(_)) => RecordState::Completed,
                     Some(Record::OutcomeUnknown(_)) => RecordState::OutcomeUnknown,
+                    Some(other) => panic!("a record state this check does not know: {other:?}"),
                 };
                 let payments: Vec<String> = redis::from_redis_value(ledger).unwrap();
                 out.push(KeyAudit { record, payments });

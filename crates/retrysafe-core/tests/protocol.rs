@@ -33,19 +33,16 @@ fn stored() -> StoredResponse {
 }
 
 fn completed(fp: Fingerprint) -> Record {
-    Record::Completed(Completed {
-        fingerprint: fp,
-        response: Some(stored()),
-    })
+    Record::Completed(Completed::new(fp, Some(stored())))
 }
 
 fn in_progress(fp: Fingerprint) -> Record {
-    Record::InProgress(InProgress {
-        lease_until_ms: 10_000,
-        token: Token::random(),
-        fingerprint: fp,
-        commit_point: CommitPoint::Undeclared,
-    })
+    Record::InProgress(InProgress::new(
+        10_000,
+        Token::random(),
+        fp,
+        CommitPoint::Undeclared,
+    ))
 }
 
 fn existing(record: Record) -> Claimed {
@@ -189,7 +186,7 @@ async fn waiters_whose_holder_released_race_to_claim() {
 #[tokio::test(start_paused = true)]
 async fn an_unknown_outcome_is_a_stable_500_never_a_rerun() {
     let mut p = store();
-    let record = Record::OutcomeUnknown(OutcomeUnknown { fingerprint: FP });
+    let record = Record::OutcomeUnknown(OutcomeUnknown::new(FP));
     let answer = problem(p.claimed(existing(record)));
     assert_eq!(answer.kind(), ProblemKind::OutcomeUnknown);
     assert_eq!(answer.kind().status(), StatusCode::INTERNAL_SERVER_ERROR);
@@ -201,7 +198,7 @@ async fn an_unknown_outcome_is_a_stable_500_never_a_rerun() {
 async fn an_expired_lease_past_its_commit_point_becomes_unknown_and_is_reported() {
     let mut p = store();
     let claimed = Claimed::Existing {
-        record: Record::OutcomeUnknown(OutcomeUnknown { fingerprint: FP }),
+        record: Record::OutcomeUnknown(OutcomeUnknown::new(FP)),
         became_unknown: true,
     };
     assert_eq!(
@@ -214,10 +211,7 @@ async fn an_expired_lease_past_its_commit_point_becomes_unknown_and_is_reported(
 #[tokio::test(start_paused = true)]
 async fn a_response_too_large_to_store_answers_409_response_not_stored() {
     let mut p = store();
-    let record = Record::Completed(Completed {
-        fingerprint: FP,
-        response: None,
-    });
+    let record = Record::Completed(Completed::new(FP, None));
     let answer = problem(p.claimed(existing(record)));
     assert_eq!(answer.kind(), ProblemKind::ResponseNotStored);
     assert_eq!(answer.kind().status(), StatusCode::CONFLICT);

@@ -16,17 +16,17 @@ fn fp(n: u8) -> Fingerprint {
 
 fn sample_records() -> Vec<Record> {
     vec![
-        Record::InProgress(InProgress {
-            lease_until_ms: 123_456,
-            token: Token::random(),
-            fingerprint: fp(1),
-            commit_point: CommitPoint::Before,
-        }),
-        Record::Completed(Completed {
-            fingerprint: fp(2),
-            response: Some(StoredResponse {
-                status: StatusCode::CREATED,
-                headers: vec![
+        Record::InProgress(InProgress::new(
+            123_456,
+            Token::random(),
+            fp(1),
+            CommitPoint::Before,
+        )),
+        Record::Completed(Completed::new(
+            fp(2),
+            Some(StoredResponse::new(
+                StatusCode::CREATED,
+                vec![
                     (
                         HeaderName::from_static("content-type"),
                         HeaderValue::from_static("application/json"),
@@ -40,18 +40,15 @@ fn sample_records() -> Vec<Record> {
                         HeaderValue::from_static("<b>"),
                     ),
                 ],
-                body: Bytes::from_static(b"{\"id\":\"p_1\"}"),
-                trailers: vec![(
+                Bytes::from_static(b"{\"id\":\"p_1\"}"),
+                vec![(
                     HeaderName::from_static("x-sum"),
                     HeaderValue::from_static("1"),
                 )],
-            }),
-        }),
-        Record::Completed(Completed {
-            fingerprint: fp(3),
-            response: None,
-        }),
-        Record::OutcomeUnknown(OutcomeUnknown { fingerprint: fp(4) }),
+            )),
+        )),
+        Record::Completed(Completed::new(fp(3), None)),
+        Record::OutcomeUnknown(OutcomeUnknown::new(fp(4))),
     ]
 }
 
@@ -125,15 +122,7 @@ proptest! {
             .iter()
             .map(|v| (HeaderName::from_static("x-h"), HeaderValue::from_str(v).unwrap()))
             .collect();
-        let r = Record::Completed(Completed {
-            fingerprint: fp(9),
-            response: Some(StoredResponse {
-                status: StatusCode::from_u16(status).unwrap(),
-                headers,
-                body: Bytes::from(body),
-                trailers: Vec::new(),
-            }),
-        });
+        let r = Record::Completed(Completed::new(fp(9), Some(StoredResponse::new(StatusCode::from_u16(status).unwrap(), headers, Bytes::from(body), Vec::new()))));
         prop_assert_eq!(Record::decode(r.encode()).unwrap(), r);
     }
 }
@@ -241,26 +230,26 @@ fn problem_of(step: Step) -> Option<retrysafe_core::problem::ProblemKind> {
 #[test]
 fn decision_table() {
     use retrysafe_core::problem::ProblemKind;
-    let done = Record::Completed(Completed {
-        fingerprint: fp(1),
-        response: Some(StoredResponse {
-            status: StatusCode::OK,
-            headers: vec![],
-            body: Bytes::new(),
-            trailers: vec![],
-        }),
-    });
+    let done = Record::Completed(Completed::new(
+        fp(1),
+        Some(StoredResponse::new(
+            StatusCode::OK,
+            vec![],
+            Bytes::new(),
+            vec![],
+        )),
+    ));
     assert!(matches!(decide(&done, &fp(1)), Step::Replay(_)));
     assert_eq!(
         problem_of(decide(&done, &fp(2))),
         Some(ProblemKind::KeyMismatch)
     );
-    let running = Record::InProgress(InProgress {
-        lease_until_ms: 0,
-        token: Token::random(),
-        fingerprint: fp(1),
-        commit_point: CommitPoint::Undeclared,
-    });
+    let running = Record::InProgress(InProgress::new(
+        0,
+        Token::random(),
+        fp(1),
+        CommitPoint::Undeclared,
+    ));
     assert_eq!(
         problem_of(decide(&running, &fp(1))),
         Some(ProblemKind::InFlight)
@@ -269,10 +258,7 @@ fn decision_table() {
         problem_of(decide(&running, &fp(2))),
         Some(ProblemKind::KeyMismatch)
     );
-    let marker = Record::Completed(Completed {
-        fingerprint: fp(1),
-        response: None,
-    });
+    let marker = Record::Completed(Completed::new(fp(1), None));
     assert_eq!(
         problem_of(decide(&marker, &fp(1))),
         Some(ProblemKind::ResponseNotStored)

@@ -295,12 +295,12 @@ impl InFlight {
     }
 
     fn record(&self, epoch: Instant) -> Record {
-        Record::InProgress(InProgress {
-            lease_until_ms: millis_since(epoch, self.lease_until),
-            token: self.token,
-            fingerprint: self.fingerprint,
-            commit_point: self.commit_point,
-        })
+        Record::InProgress(InProgress::new(
+            millis_since(epoch, self.lease_until),
+            self.token,
+            self.fingerprint,
+            self.commit_point,
+        ))
     }
 
     fn wake(&self) {
@@ -490,10 +490,9 @@ impl Inner {
         // would run again: keep the small "not stored" marker instead.
         let bytes = if weight_of(&bytes) > self.settings.max_bytes {
             match Record::decode(Bytes::copy_from_slice(&bytes)) {
-                Ok(Record::Completed(c)) => blob(&Record::Completed(Completed {
-                    fingerprint: c.fingerprint,
-                    response: None,
-                })),
+                Ok(Record::Completed(c)) => {
+                    blob(&Record::Completed(Completed::new(c.fingerprint, None)))
+                }
                 _ => bytes,
             }
         } else {
@@ -846,7 +845,7 @@ fn existing(record: Record, became_unknown: bool) -> ClaimOutcome {
 }
 
 fn unknown(fingerprint: Fingerprint) -> Record {
-    Record::OutcomeUnknown(OutcomeUnknown { fingerprint })
+    Record::OutcomeUnknown(OutcomeUnknown::new(fingerprint))
 }
 
 fn after(now: Instant, d: Duration) -> Instant {

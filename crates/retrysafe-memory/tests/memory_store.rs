@@ -32,28 +32,22 @@ fn fp(n: u8) -> Fingerprint {
 }
 
 fn claim(commit_point: CommitPoint) -> Claim {
-    Claim {
-        token: Token::random(),
-        fingerprint: fp(1),
-        lease: LEASE,
-        retention: RETENTION,
-        commit_point,
-    }
+    Claim::new(Token::random(), fp(1), LEASE, RETENTION, commit_point)
 }
 
 fn completed(body_len: usize) -> Completed {
-    Completed {
-        fingerprint: fp(1),
-        response: Some(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
+    Completed::new(
+        fp(1),
+        Some(StoredResponse::new(
+            StatusCode::CREATED,
+            vec![(
                 http::header::CONTENT_TYPE,
                 HeaderValue::from_static("application/json"),
             )],
-            body: Bytes::from(vec![b'x'; body_len]),
-            trailers: Vec::new(),
-        }),
-    }
+            Bytes::from(vec![b'x'; body_len]),
+            Vec::new(),
+        )),
+    )
 }
 
 async fn must_claim(store: &MemoryStore, id: &RecordId, c: &Claim) -> bool {
@@ -194,9 +188,10 @@ async fn wait_misses_no_wake_up_across_threads() {
     let store = MemoryStore::new();
     for round in 0..200u32 {
         let id = fresh_id();
-        let c = Claim {
-            lease: Duration::from_secs(60),
-            ..claim(CommitPoint::Undeclared)
+        let c = {
+            let mut c = claim(CommitPoint::Undeclared);
+            c.lease = Duration::from_secs(60);
+            c
         };
         must_claim(&store, &id, &c).await;
         let waiter = {
@@ -453,9 +448,10 @@ async fn early_eviction_calls_the_hook_and_expiry_does_not() {
 async fn expired_in_flight_entries_are_swept_when_full() {
     let store = MemoryStore::new().max_in_flight(4).build().expect("store");
     let retention = Duration::from_secs(100);
-    let with = |cp| Claim {
-        retention,
-        ..claim(cp)
+    let with = |cp| {
+        let mut c = claim(cp);
+        c.retention = retention;
+        c
     };
     let (a, ca) = (fresh_id(), with(CommitPoint::Before));
     let (b, cb) = (fresh_id(), with(CommitPoint::Undeclared));
@@ -484,9 +480,7 @@ async fn expired_in_flight_entries_are_swept_when_full() {
         "before the commit point: dropped"
     );
     assert_eq!(store.get(&d).await.expect("get"), None);
-    let unknown = Some(Record::OutcomeUnknown(OutcomeUnknown {
-        fingerprint: fp(1),
-    }));
+    let unknown = Some(Record::OutcomeUnknown(OutcomeUnknown::new(fp(1))));
     assert_eq!(
         store.get(&b).await.expect("get"),
         unknown,
@@ -514,9 +508,10 @@ async fn expired_in_flight_entries_are_swept_when_full() {
 async fn sweeping_follows_the_earliest_lease() {
     let store = MemoryStore::new().max_in_flight(2).build().expect("store");
     let short = claim(CommitPoint::Before);
-    let long = Claim {
-        lease: LEASE * 2,
-        ..claim(CommitPoint::Before)
+    let long = {
+        let mut c = claim(CommitPoint::Before);
+        c.lease = LEASE * 2;
+        c
     };
     must_claim(&store, &fresh_id(), &short).await;
     must_claim(&store, &fresh_id(), &long).await;
@@ -530,9 +525,10 @@ async fn sweeping_follows_the_earliest_lease() {
     ));
     tokio::time::advance(Duration::from_millis(1)).await;
     // The short lease ended: swept, and its slot taken by a claim with a short lease.
-    let brief = Claim {
-        lease: Duration::from_secs(1),
-        ..claim(CommitPoint::Before)
+    let brief = {
+        let mut c = claim(CommitPoint::Before);
+        c.lease = Duration::from_secs(1);
+        c
     };
     must_claim(&store, &fresh_id(), &brief).await;
     assert!(full(

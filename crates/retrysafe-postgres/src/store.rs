@@ -677,12 +677,12 @@ pub(crate) fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
                 .ok_or(DecodeError::Invalid("commit point"))
                 .and_then(commit_point_from_code)
                 .map_err(corrupt)?;
-            Ok(Record::InProgress(InProgress {
+            Ok(Record::InProgress(InProgress::new(
                 lease_until_ms,
-                token: Token::from_bytes(exact(token, "token")?),
+                Token::from_bytes(exact(token, "token")?),
                 fingerprint,
                 commit_point,
-            }))
+            )))
         }
         STATE_COMPLETED => {
             let blob: Option<Vec<u8>> = row.try_get("record").map_err(db_error)?;
@@ -693,7 +693,7 @@ pub(crate) fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
                 _ => Err(corrupt(DecodeError::Invalid("state tag"))),
             }
         }
-        STATE_UNKNOWN => Ok(Record::OutcomeUnknown(OutcomeUnknown { fingerprint })),
+        STATE_UNKNOWN => Ok(Record::OutcomeUnknown(OutcomeUnknown::new(fingerprint))),
         _ => Err(corrupt(DecodeError::Invalid("state"))),
     }
 }

@@ -35,28 +35,28 @@ use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
 
 fn claim(fp: u8, lease: Duration, retention: Duration) -> Claim {
-    Claim {
-        token: Token::random(),
-        fingerprint: Fingerprint::from_bytes([fp; 32]),
+    Claim::new(
+        Token::random(),
+        Fingerprint::from_bytes([fp; 32]),
         lease,
         retention,
-        commit_point: CommitPoint::Before,
-    }
+        CommitPoint::Before,
+    )
 }
 
 fn completed(fp: u8, body: &'static str) -> Completed {
-    Completed {
-        fingerprint: Fingerprint::from_bytes([fp; 32]),
-        response: Some(StoredResponse {
-            status: StatusCode::CREATED,
-            headers: vec![(
+    Completed::new(
+        Fingerprint::from_bytes([fp; 32]),
+        Some(StoredResponse::new(
+            StatusCode::CREATED,
+            vec![(
                 http::header::CONTENT_TYPE,
                 HeaderValue::from_static("text/plain"),
             )],
-            body: Bytes::from_static(body.as_bytes()),
-            trailers: Vec::new(),
-        }),
-    }
+            Bytes::from_static(body.as_bytes()),
+            Vec::new(),
+        )),
+    )
 }
 
 const HOUR: Duration = Duration::from_secs(3600);
@@ -64,7 +64,7 @@ const HOUR: Duration = Duration::from_secs(3600);
 async fn must_claim(store: &impl IdempotencyStore, id: &RecordId, c: &Claim) {
     match store.claim(id, c).await.unwrap() {
         ClaimOutcome::Claimed { .. } => {}
-        other @ ClaimOutcome::Existing { .. } => panic!("expected a claim, got {other:?}"),
+        other => panic!("expected a claim, got {other:?}"),
     }
 }
 

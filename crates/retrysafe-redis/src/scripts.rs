@@ -70,20 +70,18 @@ pub(crate) struct Layout {
 impl Layout {
     pub(crate) fn from_core() -> Self {
         let sample = |commit_point| {
-            Record::InProgress(InProgress {
-                lease_until_ms: 0,
-                token: Token::from_bytes([0; 16]),
-                fingerprint: Fingerprint::from_bytes([0; 32]),
+            Record::InProgress(InProgress::new(
+                0,
+                Token::from_bytes([0; 16]),
+                Fingerprint::from_bytes([0; 32]),
                 commit_point,
-            })
+            ))
             .encode()
         };
         let before = sample(CommitPoint::Before);
         let passed = sample(CommitPoint::Passed);
-        let unknown = Record::OutcomeUnknown(OutcomeUnknown {
-            fingerprint: Fingerprint::from_bytes([0; 32]),
-        })
-        .encode();
+        let unknown =
+            Record::OutcomeUnknown(OutcomeUnknown::new(Fingerprint::from_bytes([0; 32]))).encode();
         Layout {
             in_progress_head: head(&before),
             in_progress_len: before.len(),
@@ -265,12 +263,12 @@ mod tests {
         let fingerprint = Fingerprint::from_bytes([0xAB; 32]);
         let token = Token::from_bytes([0xCD; 16]);
         let lease_until_ms = 0x0102_0304_0506_0708;
-        let bytes = Record::InProgress(InProgress {
+        let bytes = Record::InProgress(InProgress::new(
             lease_until_ms,
             token,
             fingerprint,
-            commit_point: CommitPoint::Passed,
-        })
+            CommitPoint::Passed,
+        ))
         .encode();
         let l = Layout::from_core();
         assert_eq!(bytes.len(), l.in_progress_len);
@@ -285,7 +283,7 @@ mod tests {
         assert_eq!(bytes[COMMIT_POINT_OFFSET], l.passed);
         assert_ne!(l.before, l.passed);
         assert_ne!(l.in_progress_head, l.unknown_head);
-        let unknown = Record::OutcomeUnknown(OutcomeUnknown { fingerprint }).encode();
+        let unknown = Record::OutcomeUnknown(OutcomeUnknown::new(fingerprint)).encode();
         assert_eq!(&unknown[0..2], &l.unknown_head);
         assert_eq!(&unknown[2..], fingerprint.as_bytes());
     }

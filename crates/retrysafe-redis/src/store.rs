@@ -287,12 +287,12 @@ where
 {
     async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
         let key = self.key(id);
-        let template = Record::InProgress(InProgress {
-            lease_until_ms: 0,
-            token: claim.token,
-            fingerprint: claim.fingerprint,
-            commit_point: claim.commit_point,
-        })
+        let template = Record::InProgress(InProgress::new(
+            0,
+            claim.token,
+            claim.fingerprint,
+            claim.commit_point,
+        ))
         .encode();
         let unknown = unknown(claim.fingerprint).encode();
         let mut conn = self.conn.clone();
@@ -557,7 +557,7 @@ fn decode(bytes: Vec<u8>) -> Result<Record, StoreError> {
 }
 
 fn unknown(fingerprint: Fingerprint) -> Record {
-    Record::OutcomeUnknown(OutcomeUnknown { fingerprint })
+    Record::OutcomeUnknown(OutcomeUnknown::new(fingerprint))
 }
 
 /// Whole milliseconds of `d`, clamped to a century.

@@ -40,20 +40,17 @@ const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(60);
 
 fn claim_args(fingerprint: u8, commit_point: CommitPoint) -> Claim {
-    Claim {
-        token: Token::random(),
-        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
-        lease: LEASE,
-        retention: RETENTION,
+    Claim::new(
+        Token::random(),
+        Fingerprint::from_bytes([fingerprint; 32]),
+        LEASE,
+        RETENTION,
         commit_point,
-    }
+    )
 }
 
 fn done(fingerprint: u8) -> Completed {
-    Completed {
-        fingerprint: Fingerprint::from_bytes([fingerprint; 32]),
-        response: None,
-    }
+    Completed::new(Fingerprint::from_bytes([fingerprint; 32]), None)
 }
 
 /// Redis's clock in milliseconds.
@@ -290,9 +287,10 @@ async fn an_expired_unclaimed_lease_past_its_commit_point_becomes_unknown() {
     // and reports the unknown outcome instead of running again.
     let store = store().await;
     let id = fresh_id();
-    let c = Claim {
-        lease: Duration::from_millis(50),
-        ..claim_args(1, CommitPoint::Undeclared)
+    let c = {
+        let mut c = claim_args(1, CommitPoint::Undeclared);
+        c.lease = Duration::from_millis(50);
+        c
     };
     store.claim(&id, &c).await.unwrap();
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -300,9 +298,7 @@ async fn an_expired_unclaimed_lease_past_its_commit_point_becomes_unknown() {
     assert_eq!(
         store.claim(&id, &copy).await.unwrap(),
         ClaimOutcome::Existing {
-            record: Record::OutcomeUnknown(OutcomeUnknown {
-                fingerprint: Fingerprint::from_bytes([1; 32])
-            }),
+            record: Record::OutcomeUnknown(OutcomeUnknown::new(Fingerprint::from_bytes([1; 32]))),
             became_unknown: true
         }
     );

@@ -776,13 +776,7 @@ async fn dead_holder(
         body.as_bytes(),
     );
     let token = Token::random();
-    let claim = Claim {
-        token,
-        fingerprint,
-        lease,
-        retention: Duration::from_secs(3600),
-        commit_point: cp,
-    };
+    let claim = Claim::new(token, fingerprint, lease, Duration::from_secs(3600), cp);
     assert_eq!(
         store.claim(&id, &claim).await.unwrap(),
         ClaimOutcome::Claimed { takeover: false }

@@ -181,15 +181,15 @@ fn fingerprint() -> Fingerprint {
 }
 
 fn completed(body: &'static str) -> Completed {
-    Completed {
-        fingerprint: fingerprint(),
-        response: Some(StoredResponse {
-            status: StatusCode::OK,
-            headers: Vec::new(),
-            body: Bytes::from_static(body.as_bytes()),
-            trailers: Vec::new(),
-        }),
-    }
+    Completed::new(
+        fingerprint(),
+        Some(StoredResponse::new(
+            StatusCode::OK,
+            Vec::new(),
+            Bytes::from_static(body.as_bytes()),
+            Vec::new(),
+        )),
+    )
 }
 
 /// One case's record and tokens.
@@ -219,6 +219,7 @@ impl Holders {
                 Kind::Completed { old: body == "old" }
             }
             Some(Record::OutcomeUnknown(_)) => Kind::Unknown,
+            Some(other) => panic!("a record state this test does not know: {other:?}"),
         }
     }
 }
@@ -250,13 +251,13 @@ pub async fn run_all<S: IdempotencyStore>(store: &S, clock: &dyn TestClock) -> V
             old: Token::random(),
             new: Token::random(),
         };
-        let claim = Claim {
-            token: h.old,
-            fingerprint: fingerprint(),
-            lease: lease(clock),
+        let claim = Claim::new(
+            h.old,
+            fingerprint(),
+            lease(clock),
             retention,
-            commit_point: case.commit_point,
-        };
+            case.commit_point,
+        );
         match store.claim(&h.id, &claim).await.unwrap() {
             ClaimOutcome::Claimed { takeover: false } => {}
             other => panic!("first claim: {other:?}"),
@@ -297,13 +298,13 @@ async fn run_case<S: IdempotencyStore>(
             Op::CommitPoint => plain(op, store.commit_point(&h.id, h.old).await),
             Op::MarkUnknown => plain(op, store.mark_unknown(&h.id, h.old, retention).await),
             Op::Claim => {
-                let claim = Claim {
-                    token: h.new,
-                    fingerprint: fingerprint(),
-                    lease: lease(clock),
+                let claim = Claim::new(
+                    h.new,
+                    fingerprint(),
+                    lease(clock),
                     retention,
-                    commit_point: CommitPoint::Before,
-                };
+                    CommitPoint::Before,
+                );
                 match store.claim(&h.id, &claim).await.unwrap() {
                     ClaimOutcome::Claimed { takeover } => {
                         new_holds = true;
@@ -316,6 +317,7 @@ async fn run_case<S: IdempotencyStore>(
                         record: h.kind(Some(record)),
                         became_unknown,
                     },
+                    other => panic!("a claim outcome this test does not know: {other:?}"),
                 }
             }
             Op::NewComplete if new_holds => plain(

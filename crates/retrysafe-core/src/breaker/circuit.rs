@@ -224,6 +224,7 @@ impl CircuitBreaker {
 
     /// Whether `self` and `other` are handles on the same breaker (one is a clone of
     /// the other).
+    #[doc(hidden)]
     pub fn same_breaker(&self, other: &CircuitBreaker) -> bool {
         self.shared.ptr_eq(&other.shared)
     }
@@ -272,6 +273,7 @@ impl Permit {
 
     /// Whether this permit is a half-open probe (its result decides whether the breaker
     /// closes).
+    #[doc(hidden)]
     pub fn is_probe(&self) -> bool {
         self.phase.state() == State::HalfOpen
     }

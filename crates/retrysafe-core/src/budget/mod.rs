@@ -541,6 +541,7 @@ impl RetryBudget {
 
     /// Whether `self` and `other` are handles on the same budget (one is a clone of the
     /// other).
+    #[doc(hidden)]
     pub fn same_budget(&self, other: &RetryBudget) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }

@@ -54,6 +54,7 @@ impl CommitPoint {
 
 /// A claim being executed.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct InProgress {
     /// End of the lease, in milliseconds of the store's own clock (for example Redis
     /// `TIME` or PostgreSQL `clock_timestamp()`; the MemoryStore uses tokio time since its
@@ -69,6 +70,7 @@ pub struct InProgress {
 
 /// A finished call whose answer is kept for the retention.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Completed {
     /// The fingerprint of the request that ran.
     pub fingerprint: Fingerprint,
@@ -79,13 +81,49 @@ pub struct Completed {
 
 /// A call whose outcome cannot be known: replayed as a stable problem, never re-run.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct OutcomeUnknown {
     /// The fingerprint of the request that ran.
     pub fingerprint: Fingerprint,
 }
 
+impl InProgress {
+    /// A claim held by `token` until `lease_until_ms` (of the store's clock).
+    pub fn new(
+        lease_until_ms: u64,
+        token: Token,
+        fingerprint: Fingerprint,
+        commit_point: CommitPoint,
+    ) -> Self {
+        InProgress {
+            lease_until_ms,
+            token,
+            fingerprint,
+            commit_point,
+        }
+    }
+}
+
+impl Completed {
+    /// A finished call with its stored response (`None`: too large to store).
+    pub fn new(fingerprint: Fingerprint, response: Option<StoredResponse>) -> Self {
+        Completed {
+            fingerprint,
+            response,
+        }
+    }
+}
+
+impl OutcomeUnknown {
+    /// A call of the request with `fingerprint` whose outcome cannot be known.
+    pub fn new(fingerprint: Fingerprint) -> Self {
+        OutcomeUnknown { fingerprint }
+    }
+}
+
 /// The state of one record. A released record is simply absent.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum Record {
     /// Claimed, running.
     InProgress(InProgress),
@@ -253,6 +291,7 @@ fn put_bytes(buf: &mut BytesMut, bytes: &[u8]) {
 }
 
 /// A captured response: status, the stored headers, body and trailers.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoredResponse {
     /// The status code.
@@ -267,6 +306,22 @@ pub struct StoredResponse {
 }
 
 impl StoredResponse {
+    /// A stored response from its parts (headers already filtered), as a store
+    /// decodes it.
+    pub fn new(
+        status: StatusCode,
+        headers: Vec<(HeaderName, HeaderValue)>,
+        body: Bytes,
+        trailers: Vec<(HeaderName, HeaderValue)>,
+    ) -> Self {
+        StoredResponse {
+            status,
+            headers,
+            body,
+            trailers,
+        }
+    }
+
     /// Captures a response head, body and trailers, keeping the headers `filter` allows.
     pub fn capture(
         status: StatusCode,

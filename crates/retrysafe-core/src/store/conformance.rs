@@ -46,6 +46,7 @@ pub trait TestClock: Send + Sync {
 /// tokio's paused clock (for stores that take their time from tokio, like the
 /// MemoryStore): [`advance`](TestClock::advance) is `tokio::time::advance`. Use with
 /// `#[tokio::test(start_paused = true)]`.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy)]
 pub struct PausedClock {
     /// The lease; 10 s by default.
@@ -57,6 +58,13 @@ impl Default for PausedClock {
         PausedClock {
             lease: Duration::from_secs(10),
         }
+    }
+}
+
+impl PausedClock {
+    /// The paused clock with leases of `lease`.
+    pub fn with_lease(lease: Duration) -> Self {
+        PausedClock { lease }
     }
 }
 
@@ -72,6 +80,7 @@ impl TestClock for PausedClock {
 /// The real clock (for stores with their own clock, like Redis and PostgreSQL):
 /// [`advance`](TestClock::advance) sleeps. Leases of a few hundred milliseconds keep
 /// the suite quick.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy)]
 pub struct RealClock {
     /// The lease; 400 ms by default.
@@ -83,6 +92,13 @@ impl Default for RealClock {
         RealClock {
             lease: Duration::from_millis(400),
         }
+    }
+}
+
+impl RealClock {
+    /// The real clock with leases of `lease`.
+    pub fn with_lease(lease: Duration) -> Self {
+        RealClock { lease }
     }
 }
 

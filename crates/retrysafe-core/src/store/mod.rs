@@ -92,6 +92,7 @@ impl StdError for StoreError {
 }
 
 /// The arguments of a claim.
+#[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Claim {
     /// The new holder's token.
@@ -108,7 +109,29 @@ pub struct Claim {
     pub commit_point: CommitPoint,
 }
 
+impl Claim {
+    /// A claim by `token` for a request with `fingerprint`: a lease of `lease`, an
+    /// unknown outcome (from an expired lease) kept for `retention`, and the initial
+    /// commit-point state.
+    pub fn new(
+        token: Token,
+        fingerprint: Fingerprint,
+        lease: Duration,
+        retention: Duration,
+        commit_point: CommitPoint,
+    ) -> Self {
+        Claim {
+            token,
+            fingerprint,
+            lease,
+            retention,
+            commit_point,
+        }
+    }
+}
+
 /// The result of a claim.
+#[non_exhaustive]
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ClaimOutcome {
     /// The caller holds the record now and runs the handler.

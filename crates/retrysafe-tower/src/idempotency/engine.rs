@@ -124,10 +124,7 @@ where
         Ok(Ok(res)) if finish.settle == Settle::Capture => match engine.capture(guard, res).await {
             Some(Captured { stored, response }) => {
                 finish = protocol.captured(true);
-                completed = Some(Completed {
-                    fingerprint: *protocol.fingerprint(),
-                    response: stored,
-                });
+                completed = Some(Completed::new(*protocol.fingerprint(), stored));
                 Some(response)
             }
             None => {

@@ -229,13 +229,13 @@ impl Engine for StoreEngine<'_> {
     async fn claim(&mut self) -> Claimed {
         self.token = Token::random();
         let backend = self.backend;
-        let claim = Claim {
-            token: self.token,
-            fingerprint: self.fingerprint,
-            lease: backend.lease,
-            retention: self.retention,
-            commit_point: backend.commit_point,
-        };
+        let claim = Claim::new(
+            self.token,
+            self.fingerprint,
+            backend.lease,
+            self.retention,
+            backend.commit_point,
+        );
         let outcome = backend
             .bounded(self.deadline, backend.store.claim(&self.id, &claim))
             .await;
@@ -249,6 +249,8 @@ impl Engine for StoreEngine<'_> {
                 became_unknown,
             },
             Err(e) => Claimed::Failed(e),
+            // An outcome this release does not know: fail closed.
+            Ok(_) => Claimed::Failed(StoreError::unavailable("unknown claim outcome")),
         }
     }
 
