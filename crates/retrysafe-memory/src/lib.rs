@@ -18,13 +18,13 @@
 //!
 //! let store = MemoryStore::new().max_in_flight(1_000).build()?;
 //! let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
-//! let claim = Claim {
-//!     token: Token::random(),
-//!     fingerprint: Fingerprint::from_bytes([7; 32]),
-//!     lease: Duration::from_secs(10),
-//!     retention: Duration::from_secs(60),
-//!     commit_point: CommitPoint::Undeclared,
-//! };
+//! let claim = Claim::new(
+//!     Token::random(),
+//!     Fingerprint::from_bytes([7; 32]),
+//!     Duration::from_secs(10),
+//!     Duration::from_secs(60),
+//!     CommitPoint::Undeclared,
+//! );
 //! assert_eq!(store.claim(&id, &claim).await?, ClaimOutcome::Claimed { takeover: false });
 //! assert!(matches!(store.get(&id).await?, Some(Record::InProgress(_))));
 //! assert_eq!(store.in_flight_len(), 1);

@@ -92,24 +92,25 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 ///
 /// let store = MemoryStore::new().max_in_flight(1_000).max_bytes(16 << 20).build()?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
-/// let claim = Claim {
-///     token: Token::random(),
-///     fingerprint: Fingerprint::from_bytes([7; 32]),
-///     lease: Duration::from_secs(10),
-///     retention: Duration::from_secs(24 * 60 * 60),
-///     commit_point: CommitPoint::Undeclared,
-/// };
+/// let claim = Claim::new(
+///     Token::random(),
+///     Fingerprint::from_bytes([7; 32]),
+///     Duration::from_secs(10),
+///     Duration::from_secs(24 * 60 * 60),
+///     CommitPoint::Undeclared,
+/// );
 /// assert_eq!(store.claim(&id, &claim).await?, ClaimOutcome::Claimed { takeover: false });
 ///
 /// // A copy of the request finds the claim in progress: it does not run.
-/// let copy = Claim { token: Token::random(), ..claim };
+/// let mut copy = claim;
+/// copy.token = Token::random();
 /// assert!(matches!(
 ///     store.claim(&id, &copy).await?,
 ///     ClaimOutcome::Existing { record: Record::InProgress(_), became_unknown: false }
 /// ));
 ///
 /// // The holder completes; later copies find the completed record.
-/// let done = Completed { fingerprint: claim.fingerprint, response: None };
+/// let done = Completed::new(claim.fingerprint, None);
 /// store.complete(&id, claim.token, &done, claim.retention).await?;
 /// assert_eq!(
 ///     store.claim(&id, &copy).await?,

@@ -84,16 +84,16 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 ///
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
-/// let claim = Claim {
-///     token: Token::random(),
-///     fingerprint: Fingerprint::from_bytes([7; 32]),
-///     lease: Duration::from_secs(10),
-///     retention: Duration::from_secs(24 * 60 * 60),
-///     commit_point: CommitPoint::Undeclared,
-/// };
+/// let claim = Claim::new(
+///     Token::random(),
+///     Fingerprint::from_bytes([7; 32]),
+///     Duration::from_secs(10),
+///     Duration::from_secs(24 * 60 * 60),
+///     CommitPoint::Undeclared,
+/// );
 /// assert_eq!(store.claim(&id, &claim).await?, ClaimOutcome::Claimed { takeover: false });
 ///
-/// let done = Completed { fingerprint: claim.fingerprint, response: None };
+/// let done = Completed::new(claim.fingerprint, None);
 /// store.complete(&id, claim.token, &done, claim.retention).await?;
 /// assert_eq!(store.get(&id).await?, Some(Record::Completed(done)));
 /// # Ok(()) }

@@ -29,9 +29,12 @@ use crate::idempotency::{Completed, Record, RecordId, Token};
 /// assert!(matches!(store.get(&id).await, Err(StoreError::Unavailable(_))));
 /// store.fail_all(false);
 /// store.fail_next_completions(1);
-/// assert!(store.complete(&id, Token::random(), &retrysafe_core::idempotency::Completed {
-///     fingerprint: retrysafe_core::idempotency::Fingerprint::from_bytes([0; 32]), response: None,
-/// }, std::time::Duration::from_secs(1)).await.is_err());
+/// let done = retrysafe_core::idempotency::Completed::new(
+///     retrysafe_core::idempotency::Fingerprint::from_bytes([0; 32]),
+///     None,
+/// );
+/// let retention = std::time::Duration::from_secs(1);
+/// assert!(store.complete(&id, Token::random(), &done, retention).await.is_err());
 /// assert_eq!(store.calls(), 2);
 /// # }
 /// ```
