@@ -21,7 +21,7 @@
 //! - `budget_layer`: `RetryBudgetLayer` (ratio budget) alone;
 //! - `breaker`: `CircuitBreakerLayer::default()` alone;
 //! - `retrysafe_with_budget_layer`: `RetryLayer` + `RetryBudgetLayer` on one budget;
-//! - `full_stack`: the recommended stack of DESIGN §6 — `DeadlineLayer` (10 s) →
+//! - `full_stack`: the recommended stack — `DeadlineLayer` (10 s) →
 //!   `RetryLayer` → `RetryBudgetLayer` (one shared budget) → `CircuitBreakerLayer`;
 //! - `tower_retry_tps`: tower's `Retry` with a policy that deposits into a `TpsBudget`
 //!   on success and withdraws on a retry of a 5xx (tower's documented pattern), cloning
@@ -29,7 +29,7 @@
 //! - `tower_resilience_retry`: tower-resilience 0.13's `RetryLayer`, `max_attempts(3)`,
 //!   `fixed_backoff(ZERO)`, `retry_on_response(status == 503)`, no budget (it clones the
 //!   request for every attempt and boxes its future);
-//! - `floor`: not a product, a yardstick — the least per-call work DESIGN §6 asks of
+//! - `floor`: not a product, a yardstick — the least per-call work required of
 //!   the four layers on the success path, written as one hand-made service with no
 //!   layering: one clock read for the deadline, a copy of the request head kept for a
 //!   retry (as tower's policy keeps), the `request-timeout-ms` header written, one

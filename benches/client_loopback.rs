@@ -22,7 +22,7 @@
 //!
 //! Yardsticks (not products): `hyper_floor` is the hyper client under the `floor` of
 //! `benches/support/floor.rs` with its deadline timer — the least per-request work
-//! DESIGN §6 asks of the whole stack, hand-written in one service; `reqwest_noop3` is
+//! the whole stack must do, hand-written in one service; `reqwest_noop3` is
 //! reqwest-middleware with three middlewares that only pass the request on (the hops of
 //! `reqwest_retrysafe`); `reqwest_floor` is the same floor as one middleware.
 //!
@@ -123,7 +123,7 @@ impl reqwest_middleware::Middleware for Noop {
 }
 
 /// The `floor` of `benches/support/floor.rs` as ONE reqwest middleware: the least
-/// per-request work of DESIGN §6 (clock read, a copy of the request kept for a retry,
+/// per-request work of the client stack (clock read, a copy of the request kept for a retry,
 /// `request-timeout-ms`, budget deposit, breaker permit and record, the deadline
 /// enforced by a timer) in one hop.
 struct ReqwestFloor {

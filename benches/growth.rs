@@ -1,4 +1,4 @@
-//! Costs that grow with work (issue 7, items 2 and 3): shared state against the number
+//! Costs that grow with work: shared state against the number
 //! of concurrent callers, `ReplayBody` against the body size, and the ceiling of the
 //! machine for a bare axum server, measured with `wrk` next to our own load driver.
 //!

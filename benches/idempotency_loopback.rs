@@ -1,4 +1,4 @@
-//! The DESIGN §10 target "`IdempotencyLayer` with `MemoryStore` ≥ 0.90× the bare server"
+//! The performance target "`IdempotencyLayer` with `MemoryStore` ≥ 0.90× the bare server"
 //! over loopback HTTP (keep-alive), measured in throughput.
 //!
 //! The **server runs in a child process** (this binary, re-run with

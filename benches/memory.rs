@@ -1,5 +1,5 @@
 //! Memory per stored record at 10 000 and 1 000 000 records, for each store, next to
-//! the DESIGN §10 bound `2 × payload + 256` (payload = response body + stored header
+//! the bound `2 × payload + 256` (payload = response body + stored header
 //! bytes + idempotency key).
 //!
 //! Every record is stored through the store's public API, as the layer stores it: a

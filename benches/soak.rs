@@ -1,4 +1,4 @@
-//! Soak run (issue 8, item 7): a bounded run of mixed load through the fault-injecting
+//! Soak run: a bounded run of mixed load through the fault-injecting
 //! proxy (`tests/fault_proxy`) on the memory and Redis stores at once, in one process.
 //!
 //! Two in-process axum servers guarded by an `IdempotencyLayer` — one over a

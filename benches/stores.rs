@@ -31,7 +31,7 @@
 //!    `Record::encoded_len`, the `MemoryStore`'s weight and the RSS growth per record of
 //!    a fresh child process filling a `MemoryStore`, Redis `MEMORY USAGE` and
 //!    `used_memory` growth per record, and PostgreSQL `pg_column_size(row)` and
-//!    table-plus-index growth per record, next to the DESIGN §10 bound
+//!    table-plus-index growth per record, next to the bound
 //!    2 × payload + 256 (payload = body + stored header bytes + key).
 //! 2. **Round trips per guarded request**, counted exactly: Redis commands sent through
 //!    a counting `ConnectionLike` wrapper (cross-checked with `INFO commandstats`
@@ -877,7 +877,7 @@ async fn record_sizes(env: &Env, servers: &Servers) -> Res<()> {
     println!("## Bytes per stored record\n");
     println!(
         "payload = response body + stored header bytes (names and values) + idempotency \
-         key (36 characters); bound = 2 × payload + 256 (DESIGN §10). `n` = records \
+         key (36 characters); bound = 2 × payload + 256. `n` = records \
          stored for the per-record growth figures.\n"
     );
     println!(

@@ -5,7 +5,7 @@
 //! cargo run --example health_probe -- http://HOST:PORT [--deadline-ms N] [--max-attempts N]
 //! ```
 //!
-//! The stack is the recommended one of DESIGN §6 on a tonic `Channel`, wrapped by the
+//! The stack is the recommended one on a tonic `Channel`, wrapped by the
 //! generated `HealthClient`: `DeadlineLayer` (the whole probe, default 5000 ms) →
 //! `RetryLayer` (the standard strategy: default 3 attempts counting the first, full
 //! jitter from 50 ms, `UNAVAILABLE` retried, `RESOURCE_EXHAUSTED` only with a pushback)

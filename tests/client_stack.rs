@@ -1,4 +1,4 @@
-//! The full client stack of DESIGN §6 end to end over loopback: `DeadlineLayer` →
+//! The recommended client stack end to end over loopback: `DeadlineLayer` →
 //! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer` → hyper-util's client,
 //! against real axum servers. A failing downstream opens the breaker, which then fails
 //! fast even when the transport is not ready; half-open probes close it on recovery; a

@@ -29,7 +29,7 @@
 //!   no claim is ever visible: a killed transaction leaves nothing. The summary line
 //!   counts the killed requests by these stages, which is where the kills landed.
 //!
-//! The `MemoryStore` forgets everything with its process by design (DESIGN §5: the
+//! The `MemoryStore` forgets everything with its process by design (the
 //! embedded default); a crash of a memory-backed instance loses its records and its
 //! ledger alike, so there is nothing to test here for it.
 //!

@@ -3,7 +3,7 @@
 //! where they matter), driven by reqwest, hyper, and raw `TcpStream`s for clients that
 //! send malformed requests, disconnect, or never read.
 //!
-//! Cases (issue 8, item 6): no cross-tenant replay; no scope, no guarding; key floods
+//! Cases: no cross-tenant replay; no scope, no guarding; key floods
 //! bounded by the `MemoryStore`'s limits; forged convention headers neutralised by the
 //! `EdgeLayer`; detached handler work bounded under a flood of disconnecting clients;
 //! oversize headers and bodies; CR/LF, non-ASCII and control bytes in keys; keys of
@@ -554,7 +554,7 @@ async fn without_a_scope_nothing_is_guarded_and_nothing_runs() {
         (0, 0),
         "no record"
     );
-    // Without a key the request is not guarded at all (DESIGN §4, first row).
+    // Without a key the request is not guarded at all (the first row of the decision table).
     assert_eq!(pay(&client, addr, None, "pay 1", &[]).await.status, 201);
     assert_eq!(fx.runs(), 1);
     assert_eq!((store.in_flight_len(), store.cached_len()), (0, 0));

@@ -479,7 +479,7 @@ impl PrivateRedis {
     async fn spawn(&mut self) {
         let port = self.port.to_string();
         // `STORE_FAULTS_REDIS_AOF=no` runs without persistence, to see what a restart
-        // then loses (the test fails: DESIGN §5 requires persistence for durability).
+        // then loses (the test fails: durability requires persistence).
         let aof = match std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() {
             Ok("no") => "no",
             _ => "yes",

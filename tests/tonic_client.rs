@@ -1,4 +1,4 @@
-//! The full client stack of DESIGN §6 on a tonic `Channel`, wrapped by a generated
+//! The recommended client stack on a tonic `Channel`, wrapped by a generated
 //! client (`grpc.health.v1` from tonic-health), against real tonic servers on loopback —
 //! the gRPC twin of `client_stack.rs`:
 //!

@@ -1,4 +1,4 @@
-//! A yardstick, not a product: the least per-call work DESIGN §6 asks of the client
+//! A yardstick, not a product: the least per-call work required of the client
 //! stack (deadline → retry → budget → breaker) on the success path, written as one
 //! hand-made service with no layering, so that benches can show what any
 //! implementation of the convention must add to a bare call.

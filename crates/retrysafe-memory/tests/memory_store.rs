@@ -562,7 +562,7 @@ async fn cached_bytes_stay_within_max_bytes() {
     );
 }
 
-/// Memory per stored record is at most 2 × its payload + 256 bytes (DESIGN §10), where
+/// Memory per stored record is at most 2 × its payload + 256 bytes, where
 /// payload is body + stored header bytes + key, from a body of 172 bytes on (with a
 /// 36-character key and the one 28-byte header). The measure is the weigher's
 /// accounting (encoded length + key + [`MemoryStore::ENTRY_OVERHEAD`], the per-entry

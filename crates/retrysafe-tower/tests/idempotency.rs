@@ -1,5 +1,5 @@
 //! HTTP-level tests of the IdempotencyLayer: an axum `Router` driven with `oneshot`,
-//! one test (or more) for every row of the DESIGN §4 table.
+//! one test (or more) for every row of the layer's decision table (see the module docs).
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
