@@ -122,6 +122,12 @@ pub enum RetryCost {
 
 /// A retry budget: a cheap `Clone` handle (one `Arc`) on state shared by every clone.
 ///
+/// With the `tower` feature it implements `tower::retry::budget::Budget`, so a tower
+/// `Retry` policy can share it with retrysafe's layers: a tower withdrawal is a
+/// [`RetryCost::Failure`]. (Tower's trait has no success hook, so a token bucket shared
+/// with a tower policy is never refunded by that policy's successes: prefer the ratio
+/// budget there.)
+///
 /// Either a [ratio budget](RetryBudget::ratio) (the default) or a
 /// [token bucket](RetryBudget::token_bucket); see the [module documentation](self) for
 /// what each allows and how to call it.
@@ -563,5 +569,16 @@ impl BudgetId {
     /// The raw value (never zero).
     pub fn get(self) -> usize {
         self.0
+    }
+}
+
+#[cfg(feature = "tower")]
+impl tower::retry::budget::Budget for RetryBudget {
+    fn deposit(&self) {
+        RetryBudget::deposit(self);
+    }
+
+    fn withdraw(&self) -> bool {
+        RetryBudget::withdraw(self, RetryCost::Failure)
     }
 }
