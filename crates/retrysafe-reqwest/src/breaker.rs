@@ -75,12 +75,14 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::Extensions;
+use http::uri::Authority;
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
 use retrysafe_core::__private::BreakerFacts;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::wire::Convention;
+use retrysafe_tower::breaker::KeyedBreakers;
 use tokio::time::Instant;
 
 use crate::error::local;
@@ -97,19 +99,64 @@ pub struct CircuitBreakerMiddleware {
 
 #[derive(Clone)]
 struct Config {
-    breaker: CircuitBreaker,
+    breakers: Breakers,
     classifier: Arc<dyn Classifier>,
     convention: Convention,
+}
+
+/// One breaker for every request, or one per authority of the request URL.
+#[derive(Clone, Debug)]
+enum Breakers {
+    One(CircuitBreaker),
+    PerAuthority(KeyedBreakers<Option<Authority>>),
+}
+
+impl Breakers {
+    /// The breaker guarding a request to `url`.
+    fn select(&self, url: &reqwest::Url) -> CircuitBreaker {
+        match self {
+            Breakers::One(breaker) => breaker.clone(),
+            Breakers::PerAuthority(keyed) => keyed.breaker(&authority_of(url)),
+        }
+    }
+}
+
+/// The authority of `url` as an `http::Uri` of it has it (`host`, or `host:port` when
+/// the URL names a port), so that breakers shared with the tower layer use the same
+/// keys.
+fn authority_of(url: &reqwest::Url) -> Option<Authority> {
+    let host = url.host_str()?;
+    match url.port() {
+        Some(port) => Authority::try_from(format!("{host}:{port}")).ok(),
+        None => Authority::try_from(host).ok(),
+    }
 }
 
 impl CircuitBreakerMiddleware {
     /// A middleware guarding every request with `breaker`, a shared handle: clone it
     /// into every client of the same downstream so they open and close together.
     pub fn new(breaker: CircuitBreaker) -> Self {
+        Self::with_breakers(Breakers::One(breaker))
+    }
+
+    /// A middleware with one breaker per authority (`host:port`) of the request URL,
+    /// each configured by `config`, in a bounded map (see [`KeyedBreakers`]): one
+    /// failing host does not stop calls to the others.
+    pub fn per_authority(config: BreakerConfig) -> Self {
+        Self::keyed(KeyedBreakers::per_authority(config))
+    }
+
+    /// A middleware over shared per-authority breakers, for example the map a tower
+    /// `CircuitBreakerLayer::keyed` uses too: both open and close together per host.
+    pub fn keyed(breakers: KeyedBreakers<Option<Authority>>) -> Self {
+        Self::with_breakers(Breakers::PerAuthority(breakers))
+    }
+
+    fn with_breakers(breakers: Breakers) -> Self {
         let convention = Convention::default();
         CircuitBreakerMiddleware {
             config: Arc::new(Config {
-                breaker,
+                breakers,
                 classifier: Arc::new(DefaultClassifier::new(convention.clone())),
                 convention,
             }),
@@ -141,9 +188,10 @@ impl CircuitBreakerMiddleware {
         })
     }
 
-    /// The breaker (a handle on the shared state).
-    pub fn breaker(&self) -> &CircuitBreaker {
-        &self.config.breaker
+    /// The breaker that guards requests to `url` (a handle on the shared state): the
+    /// one breaker, or that authority's.
+    pub fn breaker_for(&self, url: &reqwest::Url) -> CircuitBreaker {
+        self.config.breakers.select(url)
     }
 }
 
@@ -158,7 +206,7 @@ impl Default for CircuitBreakerMiddleware {
 impl fmt::Debug for CircuitBreakerMiddleware {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CircuitBreakerMiddleware")
-            .field("breaker", &self.config.breaker)
+            .field("breakers", &self.config.breakers)
             .field("classifier", &self.config.classifier)
             .field("convention", &self.config.convention)
             .finish()
@@ -175,10 +223,10 @@ impl Middleware for CircuitBreakerMiddleware {
     ) -> reqwest_middleware::Result<Response> {
         let config = &self.config;
         // A breaker in the request's extensions overrides the middleware's (per request).
-        let breaker = extensions
-            .get::<CircuitBreaker>()
-            .cloned()
-            .unwrap_or_else(|| config.breaker.clone());
+        let breaker = match extensions.get::<CircuitBreaker>() {
+            Some(breaker) => breaker.clone(),
+            None => config.breakers.select(request.url()),
+        };
         // Dropped with this future, the permit reports a cancelled probe as a failure.
         let permit = match breaker.try_acquire() {
             Ok(permit) => permit,

@@ -26,6 +26,7 @@ use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, Stat
 use retrysafe_core::error::CircuitOpen;
 use retrysafe_reqwest::CircuitBreakerMiddleware;
 use retrysafe_reqwest::error::{find, is_circuit_open};
+use retrysafe_tower::breaker::KeyedBreakers;
 use tokio::net::TcpListener;
 
 /// What the test server answers, and how many requests reached it.
@@ -123,6 +124,45 @@ async fn opens_after_failures_then_fails_fast_without_reaching_the_server() {
     }
     // Nothing reached the server while open.
     assert_eq!(server.hits(), 4);
+}
+
+// Per authority: one failing host opens its own breaker only; calls to another host
+// (another port on loopback) still reach it. The map can be shared with the tower layer.
+#[tokio::test]
+async fn per_authority_breakers_stop_only_the_failing_host() {
+    let (failing, failing_url) = serve().await;
+    let (healthy, healthy_url) = serve().await;
+    failing.answer(503);
+    healthy.answer(200);
+    let keyed = KeyedBreakers::per_authority(config(Duration::from_secs(600), 3));
+    let middleware = CircuitBreakerMiddleware::keyed(keyed.clone());
+    let client = ClientBuilder::new(reqwest::Client::new())
+        .with(middleware.clone())
+        .build();
+
+    for _ in 0..4 {
+        assert_eq!(client.get(&failing_url).send().await.unwrap().status(), 503);
+    }
+    let error = client.get(&failing_url).send().await.unwrap_err();
+    assert!(is_circuit_open(&error), "{error:?}");
+    assert_eq!(failing.hits(), 4);
+    for _ in 0..6 {
+        assert_eq!(client.get(&healthy_url).send().await.unwrap().status(), 200);
+    }
+    assert_eq!(healthy.hits(), 6);
+
+    // The middleware's breaker for a host is the shared map's, keyed as the tower
+    // layer keys it (the URI's authority).
+    let url = reqwest::Url::parse(&failing_url).unwrap();
+    let authority = format!("{}:{}", url.host_str().unwrap(), url.port().unwrap());
+    let shared = keyed.breaker(&Some(authority.parse().unwrap()));
+    assert!(shared.same_breaker(&middleware.breaker_for(&url)));
+    assert_eq!(shared.state(), State::Open);
+    let healthy_url = reqwest::Url::parse(&healthy_url).unwrap();
+    assert_eq!(middleware.breaker_for(&healthy_url).state(), State::Closed);
+    // The constructor from a configuration builds such a map of its own.
+    let own = CircuitBreakerMiddleware::per_authority(config(Duration::from_secs(1), 1));
+    assert!(!own.breaker_for(&url).same_breaker(&shared));
 }
 
 #[tokio::test]
@@ -308,7 +348,7 @@ async fn state_changes_reach_the_configured_hook() {
         log.lock().unwrap().push((change.from, change.to));
     });
     let middleware = CircuitBreakerMiddleware::with_config(config);
-    let breaker = middleware.breaker().clone();
+    let breaker = middleware.breaker_for(&reqwest::Url::parse(&url).unwrap());
     let client = ClientBuilder::new(reqwest::Client::new())
         .with(middleware.clone())
         .build();
@@ -317,7 +357,8 @@ async fn state_changes_reach_the_configured_hook() {
         client.get(&url).send().await.unwrap();
     }
     // Clones of the middleware share the breaker.
-    assert!(middleware.breaker().same_breaker(&breaker));
+    let again = middleware.breaker_for(&reqwest::Url::parse(&url).unwrap());
+    assert!(again.same_breaker(&breaker));
     assert_eq!(breaker.state(), State::Open);
     breaker.reset();
     assert_eq!(
