@@ -1105,8 +1105,10 @@ async fn disconnect_flood(how: Hangup) {
     const MAX: usize = 4;
     const WAVE: usize = 40;
     let store = MemoryStore::new();
+    // One scope (mallory) fills the whole bound: its fair share is the bound.
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(MAX)
+        .max_in_flight_per_scope(MAX)
         .build()
         .unwrap();
     let shutdown = layer.shutdown_handle();
@@ -1362,6 +1364,46 @@ async fn oversize_headers_are_refused_and_the_server_keeps_serving() {
     assert_eq!(ok.status, 201);
 }
 
+/// Opens `n` connections as `who` that send their head and one byte of a 100-byte
+/// body, then hold it open.
+async fn trickle(addr: SocketAddr, who: &str, n: usize) -> Vec<TcpStream> {
+    let mut conns = Vec::new();
+    for i in 0..n {
+        let mut req = raw_post(who, format!("idempotency-key: slow-{i}").as_bytes(), b"");
+        let at = req
+            .windows(17)
+            .position(|w| w == b"content-length: 0")
+            .unwrap();
+        req.splice(at..at + 17, b"content-length: 100".iter().copied());
+        req.push(b'{');
+        let mut s = TcpStream::connect(addr).await.unwrap();
+        s.write_all(&req).await.unwrap();
+        conns.push(s);
+    }
+    conns
+}
+
+/// Sends fresh keys as `who` until one gets `status` (the server processes trickling
+/// connections concurrently with these).
+async fn until_status(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    who: &str,
+    status: u16,
+    tag: &str,
+) -> usize {
+    let bearer = format!("Bearer {who}");
+    let auth = [("authorization", bearer.as_str())];
+    for i in 0..2000 {
+        let a = pay(client, addr, Some(&format!("{tag}-{i}")), "x", &auth).await;
+        if a.status == status {
+            return i;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("never got {status}");
+}
+
 /// Clients that declare a body and trickle it hold an in-flight slot while it is
 /// read (the slot is taken before the body is buffered, to bound the memory of
 /// buffered bodies): with `max_in_flight` of them, every other guarded request gets
@@ -1374,63 +1416,28 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
     let client = reqwest::Client::new();
     let bearer = [("authorization", "Bearer mallory")];
 
-    /// Opens `MAX` connections that send their head and one byte of a 100-byte body.
-    async fn trickle(addr: SocketAddr) -> Vec<TcpStream> {
-        let mut conns = Vec::new();
-        for i in 0..MAX {
-            let mut req = raw_post(
-                "mallory",
-                format!("idempotency-key: slow-{i}").as_bytes(),
-                b"",
-            );
-            let at = req
-                .windows(17)
-                .position(|w| w == b"content-length: 0")
-                .unwrap();
-            req.splice(at..at + 17, b"content-length: 100".iter().copied());
-            req.push(b'{');
-            let mut s = TcpStream::connect(addr).await.unwrap();
-            s.write_all(&req).await.unwrap();
-            conns.push(s);
-        }
-        conns
-    }
-
-    /// Sends fresh keys until one gets `status` (the server processes the trickling
-    /// connections concurrently with these).
-    async fn until_status(
-        client: &reqwest::Client,
-        addr: SocketAddr,
-        status: u16,
-        tag: &str,
-    ) -> usize {
-        let bearer = [("authorization", "Bearer mallory")];
-        for i in 0..2000 {
-            let a = pay(client, addr, Some(&format!("{tag}-{i}")), "x", &bearer).await;
-            if a.status == status {
-                return i;
-            }
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-        panic!("never got {status}");
-    }
-
     // No timeout: the slots are held for as long as the clients keep the connections.
+    // One scope (mallory) fills the whole bound: its fair share is the bound (see
+    // `a_trickling_scope_keeps_to_its_share` for the default share).
     let fx = Effects::new();
-    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX);
+    let layer = IdempotencyLayer::in_memory()
+        .max_in_flight(MAX)
+        .max_in_flight_per_scope(MAX);
     let addr = serve(app(layer, true, &fx)).await;
-    let conns = trickle(addr).await;
-    until_status(&client, addr, 503, "probe").await;
+    let conns = trickle(addr, "mallory", MAX).await;
+    until_status(&client, addr, "mallory", 503, "probe").await;
     let blocked = pay(&client, addr, Some("legit"), "x", &bearer).await;
     blocked.assert_problem(ProblemKind::Overloaded);
     drop(conns);
-    until_status(&client, addr, 201, "after").await;
+    until_status(&client, addr, "mallory", 201, "after").await;
     let legit = pay(&client, addr, Some("legit"), "x", &bearer).await;
     assert_eq!(legit.status, 201);
 
     // With an outer timeout the trickling requests are dropped and their slots freed.
     let fx = Effects::new();
-    let layer = IdempotencyLayer::in_memory().max_in_flight(MAX);
+    let layer = IdempotencyLayer::in_memory()
+        .max_in_flight(MAX)
+        .max_in_flight_per_scope(MAX);
     let timed_out = Arc::new(AtomicUsize::new(0));
     let count = Arc::clone(&timed_out);
     let router = app(layer, true, &fx).layer(axum::middleware::from_fn(
@@ -1448,7 +1455,7 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
         },
     ));
     let addr = serve(router).await;
-    let conns = trickle(addr).await;
+    let conns = trickle(addr, "mallory", MAX).await;
     eventually("the trickling requests timed out", || {
         timed_out.load(Ordering::SeqCst) == MAX
     })
@@ -1456,6 +1463,45 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
     let legit = pay(&client, addr, Some("legit"), "x", &bearer).await;
     assert_eq!(legit.status, 201, "{}", legit.text());
     drop(conns);
+    let slow_ran = fx
+        .started_keys()
+        .iter()
+        .filter(|k| k.starts_with("slow-"))
+        .count();
+    assert_eq!(slow_ran, 0, "no handler ran for a body that never arrived");
+}
+
+/// The bound is shared fairly between scopes: a scope that trickles its bodies holds
+/// at most its share of the slots (3 of 4 by default), and gets 503 `overloaded` past
+/// it, while other scopes are still served. Over real TCP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trickling_scope_keeps_to_its_share() {
+    const MAX: usize = 4;
+    let fx = Effects::new();
+    let layer = IdempotencyLayer::in_memory()
+        .max_in_flight(MAX)
+        .build()
+        .unwrap();
+    let addr = serve(app(layer, true, &fx)).await;
+    let client = reqwest::Client::new();
+    let mallory = [("authorization", "Bearer mallory")];
+    let alice = [("authorization", "Bearer alice")];
+
+    // Mallory trickles as many bodies as the bound has slots: she gets her share.
+    let conns = trickle(addr, "mallory", MAX).await;
+    until_status(&client, addr, "mallory", 503, "probe").await;
+    let blocked = pay(&client, addr, Some("m-legit"), "x", &mallory).await;
+    blocked.assert_problem(ProblemKind::Overloaded);
+    assert!(blocked.headers.contains_key("retry-after"));
+    // The slot she cannot take serves everyone else, again and again.
+    for i in 0..3 {
+        let a = pay(&client, addr, Some(&format!("a-{i}")), "x", &alice).await;
+        assert_eq!(a.status, 201, "{}", a.text());
+    }
+    drop(conns);
+    until_status(&client, addr, "mallory", 201, "after").await;
+    let legit = pay(&client, addr, Some("m-legit"), "x", &mallory).await;
+    assert_eq!(legit.status, 201, "{}", legit.text());
     let slow_ran = fx
         .started_keys()
         .iter()
@@ -1473,6 +1519,7 @@ async fn trickled_bodies_time_out_and_free_their_slots() {
     let store = MemoryStore::new();
     let layer = IdempotencyLayer::new(store.clone())
         .max_in_flight(MAX)
+        .max_in_flight_per_scope(MAX)
         .request_body_timeout(Duration::from_millis(300))
         .build()
         .unwrap();

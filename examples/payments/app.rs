@@ -60,13 +60,17 @@ pub(crate) const ANONYMOUS: &str = "anonymous client";
 /// How long a copy waits for the in-flight original with `--in-flight wait`.
 pub(crate) const WAIT_FOR_IN_FLIGHT: Duration = Duration::from_secs(5);
 
+/// The layer's default store call timeout, kept for leases long enough to allow it.
+const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(1);
+
 /// The longest `x-simulate-delay-ms` (or `x-simulate-delay-after-ms`) honoured.
 const MAX_SIMULATED_DELAY: Duration = Duration::from_secs(30);
 
 /// Server settings; `None` keeps the layer's default.
 #[derive(Debug, Clone, Default)]
 pub(crate) struct Options {
-    /// `IdempotencyLayer::lease`. With PostgreSQL, whose transactional layer has no
+    /// `IdempotencyLayer::lease`, with a `store_timeout` of a quarter of it (at most
+    /// the default 1 s). With PostgreSQL, whose transactional layer has no
     /// lease (the open transaction holds the key), the
     /// `TxBackend::idle_in_transaction_timeout`: how long the key of a holder
     /// gone silent stays taken.
@@ -143,7 +147,9 @@ pub(crate) fn router_on(
     };
     let mut idempotency = layer.require_key().handlers_declare_commit_point();
     if let Some(lease) = options.lease {
-        idempotency = idempotency.lease(lease);
+        // A lease must outlast three store calls: a short one takes a short timeout.
+        let store_timeout = (lease / 4).min(DEFAULT_STORE_TIMEOUT);
+        idempotency = idempotency.lease(lease).store_timeout(store_timeout);
     }
     if let Some(retention) = options.retention {
         idempotency = idempotency.retention(retention);

@@ -864,7 +864,8 @@ async fn dead_holder_after_commit_point_is_outcome_unknown() {
     );
 }
 
-// A live holder's lease is renewed every third; renewals stop at max_execution.
+// A live holder's lease is renewed every third; renewals stop at max_execution, where
+// the handler is cancelled.
 #[tokio::test(start_paused = true)]
 async fn lease_is_renewed_until_max_execution() {
     let layer = IdempotencyLayer::in_memory()
@@ -885,24 +886,26 @@ async fn lease_is_renewed_until_max_execution() {
     // 25 s in: past two unrenewed leases, but renewed, so still in flight.
     assert_problem(&send(&app, req("k", "a")).await, ProblemKind::InFlight);
     tokio::time::sleep(Duration::from_secs(10)).await;
-    // 35 s in: renewals stopped at 30 s; the undeclared holder's lease expired.
+    // 35 s in: renewals stopped at 30 s, where the undeclared holder was cancelled and
+    // its record became outcome_unknown.
     assert_problem(
         &send(&app, req("k", "a")).await,
         ProblemKind::OutcomeUnknown,
     );
     let first = stalled.await.unwrap();
+    assert_problem(&first, ProblemKind::OutcomeUnknown);
     assert_eq!(
-        first.0,
-        StatusCode::CREATED,
-        "the stalled handler's own answer still reaches its client"
+        effects.get(),
+        0,
+        "the cancelled handler never got to its effect"
     );
-    assert_eq!(effects.get(), 1);
 }
 
 // Declared commit point: a stalled holder past max_execution, still before its commit
-// point, is taken over; its own late completion is refused (stale token).
+// point, is cancelled and its key released: the next copy runs (a holder that died
+// instead is taken over: `dead_holder_before_commit_point_is_taken_over`).
 #[tokio::test(start_paused = true)]
-async fn stalled_holder_before_commit_point_is_taken_over() {
+async fn stalled_holder_before_commit_point_is_cancelled_and_released() {
     let rec = Recorder::default();
     let layer = rec.attach(
         IdempotencyLayer::in_memory()
@@ -922,12 +925,20 @@ async fn stalled_holder_before_commit_point_is_taken_over() {
         async move { app.clone().oneshot(r).await }
     });
     tokio::time::sleep(Duration::from_secs(20)).await;
+    // Cancelled at 10 s, before its commit point: a retryable 5xx, the key released.
+    let first = stalled.await.unwrap().unwrap();
+    assert!(first.status().is_server_error());
+    assert!(
+        !first.headers().contains_key("do-not-retry"),
+        "a retry is safe"
+    );
     let r = send(&app, req("k", "a")).await;
-    assert_eq!(r.0, StatusCode::CREATED, "taken over");
-    assert_eq!(rec.count(EventKind::Takeover), 1);
-    // The stalled holder wakes, fails its commit point (stale token) and panics in the
-    // test handler's unwrap; its record is not touched.
-    let _ = stalled.await;
+    assert_eq!(r.0, StatusCode::CREATED, "the next copy runs");
+    assert_eq!(
+        rec.count(EventKind::Takeover),
+        0,
+        "released, not taken over"
+    );
     assert_eq!(effects.get(), 1, "only the new holder's effect");
     assert_eq!(
         send(&app, req("k", "a")).await.1["idempotent-replayed"],

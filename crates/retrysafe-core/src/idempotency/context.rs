@@ -1,6 +1,6 @@
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::ids::child_key;
@@ -15,9 +15,11 @@ use crate::wire::IdempotencyKey;
 /// until then a stalled or crashed holder can be taken over by the next copy.
 /// [`child_key`] derives deterministic keys for the handler's own outbound calls, so a
 /// re-run of the handler collects replays downstream instead of repeating effects.
+/// [`lease_lost`] tells it that its claim was taken from it (the layer then cancels it).
 ///
 /// [`commit_point`]: IdempotencyContext::commit_point
 /// [`child_key`]: IdempotencyContext::child_key
+/// [`lease_lost`]: IdempotencyContext::lease_lost
 #[derive(Clone)]
 pub struct IdempotencyContext {
     inner: Arc<Inner>,
@@ -33,6 +35,9 @@ struct Inner {
     /// Set once the commit point was written; concurrent callers share one write.
     committed: tokio::sync::OnceCell<()>,
     sequence: AtomicU64,
+    /// Set once a renewal of the lease was refused with a stale token.
+    lease_lost: AtomicBool,
+    lost: tokio::sync::Notify,
 }
 
 impl IdempotencyContext {
@@ -72,6 +77,8 @@ impl IdempotencyContext {
                 store_timeout,
                 committed: tokio::sync::OnceCell::new(),
                 sequence: AtomicU64::new(0),
+                lease_lost: AtomicBool::new(false),
+                lost: tokio::sync::Notify::new(),
             }),
         }
     }
@@ -101,7 +108,9 @@ impl IdempotencyContext {
     /// copy; after it, such a record becomes `outcome_unknown`.
     ///
     /// Writes to the store once (later calls return at once). If it fails, do not
-    /// perform the effect: the claim may already belong to another copy.
+    /// perform the effect: the claim may already belong to another copy. After the
+    /// [lease was lost](IdempotencyContext::lease_lost) it fails without asking the
+    /// store ([`StoreError::StaleToken`]), as the store would.
     pub async fn commit_point(&self) -> Result<(), StoreError> {
         // Every caller, concurrent ones included, waits for the one write and sees its
         // result: nobody passes the commit point on the strength of a write that then
@@ -109,6 +118,9 @@ impl IdempotencyContext {
         self.inner
             .committed
             .get_or_try_init(|| async {
+                if self.lease_lost() {
+                    return Err(StoreError::StaleToken);
+                }
                 let Some(store) = &self.inner.store else {
                     return Ok(());
                 };
@@ -125,6 +137,46 @@ impl IdempotencyContext {
     /// Whether [`commit_point`](IdempotencyContext::commit_point) succeeded.
     pub fn is_committed(&self) -> bool {
         self.inner.committed.initialized()
+    }
+
+    /// Whether this claim's lease was lost: a renewal was refused because the record no
+    /// longer carries this claim's token (the lease had expired, and another copy may
+    /// have taken over and be running the same request). A handler that sees it should
+    /// not start its effect; the layer cancels it soon after.
+    ///
+    /// ```
+    /// use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
+    /// use retrysafe_core::wire::IdempotencyKey;
+    /// let scope = Scope::from(&Principal::new("alice"));
+    /// let key = IdempotencyKey::new("order-7").unwrap();
+    /// let ctx = IdempotencyContext::detached(scope, key, Token::random());
+    /// assert!(!ctx.lease_lost());
+    /// ```
+    pub fn lease_lost(&self) -> bool {
+        self.inner.lease_lost.load(Ordering::Acquire)
+    }
+
+    /// Resolves once the lease is [lost](IdempotencyContext::lease_lost) (at once if it
+    /// already is), to stop work early, for example in a `tokio::select!`.
+    pub async fn until_lease_lost(&self) {
+        loop {
+            let notified = self.inner.lost.notified();
+            let mut notified = std::pin::pin!(notified);
+            // Registered before the check, so a loss in between still wakes it.
+            notified.as_mut().enable();
+            if self.lease_lost() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    /// Marks the lease lost (the layer's renewal was refused with a stale token) and
+    /// wakes [`until_lease_lost`](IdempotencyContext::until_lease_lost).
+    #[doc(hidden)]
+    pub fn mark_lease_lost(&self) {
+        self.inner.lease_lost.store(true, Ordering::Release);
+        self.inner.lost.notify_waiters();
     }
 
     /// A deterministic key for an outbound call labelled `label`: `H(scope, key,
@@ -167,6 +219,7 @@ impl fmt::Debug for IdempotencyContext {
             .field("key", &self.inner.key)
             .field("token", &self.inner.token)
             .field("committed", &self.is_committed())
+            .field("lease_lost", &self.lease_lost())
             .finish()
     }
 }

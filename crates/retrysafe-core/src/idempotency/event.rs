@@ -78,6 +78,9 @@ pub enum UnknownReason {
     BodyError,
     /// A holder's lease expired after its commit point (or without a declared one).
     LeaseExpired,
+    /// The layer cancelled the handler — it ran past `max_execution`, or its lease was
+    /// lost — after its commit point (or without a declared one).
+    Cancelled,
 }
 
 /// A record that became `outcome_unknown`, for the reconcile hook: the application

@@ -227,6 +227,14 @@ pub enum Handled {
     Panicked,
     /// The service returned an error instead of a response.
     Failed,
+    /// The engine cancelled (dropped) the handler: it ran past its time, or its lease
+    /// was lost.
+    Cancelled {
+        /// The handler had declared that its effect was still ahead (the layer's
+        /// handlers declare a commit point, and it had not reached it): nothing
+        /// happened, and the key can be released.
+        before_commit_point: bool,
+    },
 }
 
 /// What to do with the record once the handler is done.
@@ -507,6 +515,9 @@ impl Protocol {
                 self.unknown_or_rollback(UnknownReason::ServiceError),
                 Reply::Error,
             ),
+            Handled::Cancelled {
+                before_commit_point,
+            } => self.cancelled(before_commit_point),
             Handled::Answered { status, no_effect } => {
                 self.status = Some(status);
                 match Disposition::of(status, no_effect) {
@@ -522,6 +533,26 @@ impl Protocol {
             }
         };
         Finish { settle, reply }
+    }
+
+    /// A cancelled handler: before its declared commit point nothing happened, so the
+    /// key is released and a retry is safe; otherwise its outcome is unknown.
+    fn cancelled(&self, before_commit_point: bool) -> (Settle, Reply) {
+        if before_commit_point || self.policy.rolls_back {
+            let problem = self.policy.problem(
+                ProblemKind::HandlerPanicked,
+                "the request handler was cancelled before its effect; a retry is safe",
+            );
+            return (Settle::Release, Reply::Problem(problem.retryable()));
+        }
+        let problem = self.policy.problem(
+            ProblemKind::OutcomeUnknown,
+            "the request handler was cancelled; it may or may not have taken effect",
+        );
+        (
+            Settle::MarkUnknown(UnknownReason::Cancelled),
+            Reply::Problem(problem),
+        )
     }
 
     /// The response body (after [`Settle::Capture`]) was collected (`ok`: whole, or

@@ -12,7 +12,7 @@ use bytes::Bytes;
 use http::Response;
 use http_body::Body;
 use retrysafe_core::__private::protocol::{
-    Claimed, Handled, Note, Protocol, Reply, Settle, Settled, Step, Waited,
+    Claimed, Finish, Handled, Note, Protocol, Reply, Settle, Settled, Step, Waited,
 };
 use retrysafe_core::idempotency::{Completed, NoEffect};
 use retrysafe_core::problem::ProblemKind;
@@ -139,13 +139,46 @@ where
         }
         Err(_panic) => None,
     };
+    let reply = settle(guard, protocol, engine, finish, completed).await;
+    reply_with(guard, reply, response, error)
+}
+
+/// After the engine cancelled the handler (it ran past its time, or its lease was
+/// lost): settles the record as the protocol says for a cancelled handler — released
+/// when it was `before_commit_point`, `outcome_unknown` otherwise — and answers with
+/// the protocol's problem.
+pub(crate) async fn abandon<E, B, Err>(
+    guard: &Guard,
+    protocol: &mut Protocol,
+    engine: &mut E,
+    before_commit_point: bool,
+) -> Result<Res<B>, Err>
+where
+    E: Engine,
+{
+    let finish = protocol.handled(Handled::Cancelled {
+        before_commit_point,
+    });
+    let reply = settle(guard, protocol, engine, finish, None).await;
+    reply_with(guard, reply, None, None)
+}
+
+/// Writes the record as `finish` says, reports the protocol's notes, and returns the
+/// reply (a problem instead of the planned one when the write says so).
+async fn settle<E: Engine>(
+    guard: &Guard,
+    protocol: &mut Protocol,
+    engine: &mut E,
+    finish: Finish,
+    completed: Option<Completed>,
+) -> Reply {
     let settled = engine.settle(finish.settle, completed).await;
     let reply = match protocol.settled(finish.settle, settled) {
         Some(problem) => Reply::Problem(problem),
         None => finish.reply,
     };
     deliver(guard, protocol, engine);
-    reply_with(guard, reply, response, error)
+    reply
 }
 
 /// The caller's answer: the handler's response (marked `do-not-retry` when the reply

@@ -16,16 +16,16 @@ use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::protocol::Protocol;
 use retrysafe_core::__private::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
-use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, IdempotencyContext, RecordId, Token,
 };
 use retrysafe_core::store::{BoxStore, Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::{ConfigError, Deadline};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::body::{RequestBody, ResponseBody};
-use super::engine::{Engine, answer_of, conclude, negotiate};
+use super::engine::{Engine, abandon, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
 use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
 
@@ -59,6 +59,14 @@ impl fmt::Debug for StoreBackend {
 }
 
 impl Backend for StoreBackend {
+    /// A lease must exceed three store call timeouts: the lease is renewed every third
+    /// of it, and each renewal must be able to take its whole timeout and still land
+    /// before the lease it extends has run out.
+    fn conflicts(&self) -> Option<ConfigError> {
+        (self.lease <= self.store_timeout.saturating_mul(3))
+            .then(|| ConfigError::new("lease", "must be longer than three store_timeout"))
+    }
+
     async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
         match call.request {
             Guarded::Keyed(request) => execute(call.guard, self, call.handler, request).await,
@@ -133,6 +141,9 @@ struct StoreEngine<'a> {
     lease: Option<Arc<Lease>>,
     /// The renewal task, spawned once the handler may outlive a third of its lease.
     renewal: Option<Renewal>,
+    /// The handler's view of the claim (set by `run`): the renewal task marks its
+    /// lease lost there.
+    context: Option<IdempotencyContext>,
     /// When the handler (and the capture of its response) must be done by.
     cap: Instant,
 }
@@ -150,11 +161,13 @@ impl<'a> StoreEngine<'a> {
             claimed_at: None,
             lease: None,
             renewal: None,
+            context: None,
             cap: Instant::now(),
         }
     }
 
-    /// Runs the handler of a claim that is ours, then settles the record.
+    /// Runs the handler of a claim that is ours, then settles the record. A handler
+    /// still running at `max_execution`, or whose lease was lost, is cancelled.
     async fn run<H: Handler>(
         &mut self,
         guard: &Guard,
@@ -168,51 +181,126 @@ impl<'a> StoreEngine<'a> {
         // context (as a task-local and an extension), now carrying the record, so
         // outbound client layers derive child keys and report back when they give up.
         let (req, call_context) = request.into_request(|scope, key| {
-            IdempotencyContext::new(
+            let context = IdempotencyContext::new(
                 scope,
                 key,
                 token,
                 backend.store.clone(),
                 backend.store_timeout,
-            )
+            );
+            self.context = Some(context.clone());
+            context
         });
         let claimed_at = Instant::now();
         self.claimed_at = Some(claimed_at);
         self.cap = claimed_at + backend.max_execution;
-        let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
-        // Pinned here and polled in place: the handler's future is never moved.
-        let outcome = self.renewed(std::pin::pin!(handler)).await;
-        conclude(guard, protocol, self, outcome).await
+        let outcome = {
+            let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
+            // Pinned here and polled in place: the handler's future is never moved. It
+            // is dropped at the end of this block, so a cancelled handler is gone
+            // before its record is settled.
+            self.supervised(std::pin::pin!(handler)).await
+        };
+        match outcome {
+            Some(outcome) => conclude(guard, protocol, self, outcome).await,
+            None => {
+                let before = self.cancelled();
+                abandon(guard, protocol, self, before).await
+            }
+        }
     }
 
-    /// Awaits `work` with the lease renewed: if it is still running a third of a lease
-    /// after the claim, the renewal task starts (a request answered sooner never arms
-    /// it).
+    /// Awaits the handler with its lease renewed; `None` once it was cancelled: when
+    /// `max_execution` has passed, or its lease was lost.
+    async fn supervised<F: Future>(&mut self, mut work: Pin<&mut F>) -> Option<F::Output> {
+        let cap = self.cap;
+        if let Some(out) = self.until_renewal(work.as_mut(), Some(cap)).await {
+            return Some(out);
+        }
+        let context = self.context.clone();
+        let lost = async {
+            match &context {
+                Some(c) => c.until_lease_lost().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            out = &mut work => Some(out),
+            () = tokio::time::sleep_until(cap) => None,
+            () = lost => None,
+        }
+    }
+
+    /// Reports the cancelled handler; whether it was still before its declared commit
+    /// point (then nothing happened and its key can be released).
+    fn cancelled(&self) -> bool {
+        let lost = self
+            .context
+            .as_ref()
+            .is_some_and(IdempotencyContext::lease_lost);
+        let committed = self
+            .context
+            .as_ref()
+            .is_some_and(IdempotencyContext::is_committed);
+        let before = self.backend.commit_point == CommitPoint::Before && !committed;
+        let why = if lost {
+            "the handler's lease was lost (another copy may have taken over)"
+        } else {
+            "the handler exceeded max_execution"
+        };
+        tracing::warn!(
+            target: "retrysafe::idempotency",
+            record = ?self.id,
+            before_commit_point = before,
+            "{why}; it is cancelled"
+        );
+        before
+    }
+
+    /// Awaits `work` with the lease renewed (the capture of a response, which bounds
+    /// its own time).
     async fn renewed<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
+        match self.until_renewal(work.as_mut(), None).await {
+            Some(out) => out,
+            None => work.await,
+        }
+    }
+
+    /// Awaits `work` until the lease must first be renewed — a third of a lease after
+    /// the claim, or `until` if sooner — and starts the renewal task then: the output
+    /// if `work` finished first, `None` once the task runs (a request answered sooner
+    /// never arms it).
+    async fn until_renewal<F: Future>(
+        &mut self,
+        mut work: Pin<&mut F>,
+        until: Option<Instant>,
+    ) -> Option<F::Output> {
         let Some(claimed_at) = self.claimed_at else {
-            return work.await;
+            return Some(work.await);
         };
         if self.renewal.is_some() {
-            return work.await;
+            return None;
         }
-        let first = claimed_at + self.backend.lease / 3;
+        let third = claimed_at + self.backend.lease / 3;
+        let first = until.map_or(third, |u| u.min(third));
         // The timer is made on its first poll only: a handler that is ready at once
         // never touches the timer wheel.
         tokio::select! {
             biased;
-            out = &mut work => return out,
+            out = &mut work => return Some(out),
             () = async { tokio::time::sleep_until(first).await } => {}
         }
         let lease = Arc::new(Lease::new(claimed_at, self.backend.lease));
         self.lease = Some(Arc::clone(&lease));
         self.renewal = Some(Renewal::spawn(
             self.backend,
-            self.id,
-            self.token,
+            (self.id, self.token),
             self.cap,
             lease,
+            self.context.clone(),
         ));
-        work.await
+        None
     }
 
     /// The end of the claim's lease, as last renewed.
@@ -362,16 +450,25 @@ struct Renewal(JoinHandle<()>);
 impl Renewal {
     fn spawn(
         backend: &StoreBackend,
-        id: RecordId,
-        token: Token,
+        (id, token): (RecordId, Token),
         cap: Instant,
         lease: Arc<Lease>,
+        context: Option<IdempotencyContext>,
     ) -> Self {
         let (store, every, timeout) = (backend.store.clone(), backend.lease, backend.store_timeout);
+        let claim = Held { id, token, context };
         Renewal(tokio::spawn(renew_lease(
-            store, every, timeout, id, token, cap, lease,
+            store, every, timeout, claim, cap, lease,
         )))
     }
+}
+
+/// The claim a renewal task renews: its record and token, and the handler's view of it
+/// (told when the lease is lost).
+struct Held {
+    id: RecordId,
+    token: Token,
+    context: Option<IdempotencyContext>,
 }
 
 impl Drop for Renewal {
@@ -380,32 +477,31 @@ impl Drop for Renewal {
     }
 }
 
-/// Renews now, then every third of `full` until `cap` or until the lease is lost.
+/// Renews now, then every third of `full` until `cap` or until the lease is lost (a
+/// renewal refused with a stale token, which the handler's context is told of).
 /// Updates `state` on every renewal.
 async fn renew_lease(
     store: BoxStore,
     full: Duration,
     timeout: Duration,
-    id: RecordId,
-    token: Token,
+    claim: Held,
     cap: Instant,
     state: Arc<Lease>,
 ) {
+    let id = claim.id;
     loop {
         let now = Instant::now();
         let lease = full.min(cap.saturating_duration_since(now));
         if lease.is_zero() {
-            tracing::warn!(
-                target: "retrysafe::idempotency",
-                record = ?id,
-                "handler exceeded max_execution; its lease is no longer renewed"
-            );
-            return;
+            return; // past max_execution: the handler is cancelled
         }
-        match tokio::time::timeout(timeout, store.renew(&id, token, lease)).await {
+        match tokio::time::timeout(timeout, store.renew(&id, claim.token, lease)).await {
             Ok(Ok(())) => state.renewed(now, lease),
             Ok(Err(StoreError::StaleToken)) => {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
+                if let Some(context) = &claim.context {
+                    context.mark_lease_lost();
+                }
                 return;
             }
             Ok(Err(e)) => {

@@ -23,7 +23,6 @@ use retrysafe_core::idempotency::{
 };
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
@@ -32,6 +31,7 @@ use super::blocks::{self, CapturedBody};
 use super::body::{RequestBody, ResponseBody};
 use super::event::{EventHook, EventKind};
 use super::problem::{Problem, ProblemKind, Responder};
+use super::slots::{self, Slot, Slots};
 
 type Res<B> = Response<ResponseBody<B>>;
 
@@ -72,6 +72,9 @@ pub(crate) struct GuardConfig {
     pub(crate) request_body_timeout: Duration,
     pub(crate) max_stored_response: usize,
     pub(crate) retention: Duration,
+    /// How many of the in-flight slots one scope may hold; `None`: the default share
+    /// of the bound ([`slots::default_share`]).
+    pub(crate) max_in_flight_per_scope: Option<usize>,
     /// The in-flight policy, the `retry-after` hints and whether the backend rolls a
     /// failed handler back ([`Backend::ROLLS_BACK`]).
     pub(crate) policy: Policy,
@@ -100,6 +103,7 @@ impl GuardConfig {
             request_body_timeout: DEFAULT_REQUEST_BODY_TIMEOUT,
             max_stored_response: MIB,
             retention: Duration::from_secs(24 * 60 * 60),
+            max_in_flight_per_scope: None,
             policy: Policy::new().rolls_back(rolls_back),
             responder: None,
             on_event: None,
@@ -111,7 +115,7 @@ impl GuardConfig {
 /// Runtime state shared by every clone of a layer and its services.
 #[derive(Debug)]
 pub(crate) struct Shared {
-    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) slots: Slots,
     pub(crate) tracker: TaskTracker,
     pub(crate) scope_warned: AtomicBool,
 }
@@ -119,7 +123,7 @@ pub(crate) struct Shared {
 impl Shared {
     pub(crate) fn new(max_in_flight: usize, tracker: TaskTracker) -> Self {
         Shared {
-            permits: Arc::new(Semaphore::new(max_in_flight)),
+            slots: Slots::new(max_in_flight),
             tracker,
             scope_warned: AtomicBool::new(false),
         }
@@ -173,6 +177,18 @@ impl Guard {
     pub(crate) fn guards(&self, parts: &Parts) -> bool {
         let c = &self.config;
         c.methods.contains(&parts.method) && (c.guard_grpc || !blocks::is_grpc(&parts.headers))
+    }
+
+    /// A slot of the in-flight bound for a request of `scope` (none: a request without
+    /// a key), within the scope's fair share; `None` when the bound is full or the scope
+    /// holds its share.
+    pub(crate) fn slot(&self, scope: Option<&Scope>) -> Option<Slot> {
+        let slots = &self.shared.slots;
+        let share = self
+            .config
+            .max_in_flight_per_scope
+            .unwrap_or_else(|| slots::default_share(slots.bound()));
+        slots.acquire(scope, share)
     }
 
     /// The request's key (see [`blocks::idempotency_key`]).
@@ -422,6 +438,12 @@ pub trait Backend: fmt::Debug + Send + Sync + 'static {
     /// The settings of the backend that its setters refused, reported by the layer's
     /// `build`.
     fn refused(&self) -> Option<&ConfigError> {
+        None
+    }
+
+    /// The settings of the backend that are refused together (each is fine alone),
+    /// reported by the layer's `build`.
+    fn conflicts(&self) -> Option<ConfigError> {
         None
     }
 

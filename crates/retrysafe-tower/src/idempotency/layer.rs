@@ -135,7 +135,10 @@ impl IdempotencyLayer {
     }
 
     /// The lease of a claim (default 10 s), renewed every third of it while the handler
-    /// runs.
+    /// runs. It must be longer than three [`store_timeout`](Self::store_timeout)s
+    /// (checked by [`build`](Self::build)), so that a renewal that takes its whole
+    /// timeout still lands within the lease; with a short lease, lower the store
+    /// timeout too.
     pub fn lease(mut self, lease: Duration) -> Self {
         let checked = positive(lease, "lease").and_then(|l| {
             if l < Duration::from_millis(3) {
@@ -160,7 +163,8 @@ impl IdempotencyLayer {
     }
 
     /// The timeout of one store call without a request deadline (default 1 s); with a
-    /// [`Deadline`](retrysafe_core::Deadline) extension, the sooner of the two.
+    /// [`Deadline`](retrysafe_core::Deadline) extension, the sooner of the two. Three
+    /// of them must fit within the [`lease`](Self::lease).
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         match self.checked(positive(timeout, "store_timeout")) {
             Some(t) => self.store_config(|c| c.store_timeout = t),
@@ -233,6 +237,16 @@ impl<X: Backend> IdempotencyLayer<X> {
         if let Some(e) = self.backend.refused() {
             checks.refuse(e.clone());
         }
+        if let Some(e) = self.backend.conflicts() {
+            checks.refuse(e);
+        }
+        let bound = self.guard.shared.slots.bound();
+        let share = self.guard.config.max_in_flight_per_scope;
+        checks.check(
+            share.is_none_or(|n| n <= bound),
+            "max_in_flight_per_scope",
+            "must be at most max_in_flight",
+        );
         checks.finish(self)
     }
 }
@@ -391,6 +405,8 @@ impl<X> IdempotencyLayer<X> {
     }
 
     /// The bound of guarded requests in flight (default 1024); past it, 503 `overloaded`.
+    /// One scope may hold at most its [share](Self::max_in_flight_per_scope) of it (by
+    /// default 3/4).
     pub fn max_in_flight(mut self, n: usize) -> Self {
         let ok = n > 0 && n <= Semaphore::MAX_PERMITS;
         if self.check(
@@ -399,6 +415,26 @@ impl<X> IdempotencyLayer<X> {
             "must be between 1 and Semaphore::MAX_PERMITS",
         ) {
             self.guard.shared = Arc::new(Shared::new(n, self.guard.shared.tracker.clone()));
+        }
+        self
+    }
+
+    /// How many of the [`max_in_flight`](Self::max_in_flight) slots the requests of one
+    /// scope may hold at once (default 3/4 of the bound, at least 1: 768 of 1024, 3 of
+    /// 4); a request of a scope that holds its share gets the same 503 `overloaded`
+    /// with `retry-after` as a full bound, before its body is read, while other scopes
+    /// are still served. A slot is held from before the body is read until the work is
+    /// done, so a scope that trickles its bodies or runs slow handlers cannot take the
+    /// slots of the others. At most `max_in_flight`, which turns the share off.
+    ///
+    /// Fairness holds between scopes, that is per
+    /// [`Principal`](retrysafe_core::idempotency::Principal) (or whatever
+    /// [`scope_by`](Self::scope_by) derives): a client that can mint principals (sign up
+    /// new accounts at will, or choose what the scope is derived from) gets a share for
+    /// each of them; bound such clients before this layer.
+    pub fn max_in_flight_per_scope(mut self, n: usize) -> Self {
+        if self.check(n > 0, "max_in_flight_per_scope", "must be at least 1") {
+            self = self.config(|c| c.max_in_flight_per_scope = Some(n));
         }
         self
     }

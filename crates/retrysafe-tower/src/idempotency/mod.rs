@@ -102,6 +102,7 @@ mod guard;
 mod layer;
 mod problem;
 mod service;
+mod slots;
 
 pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};

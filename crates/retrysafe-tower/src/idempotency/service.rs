@@ -3,7 +3,6 @@ use std::fmt;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
@@ -14,7 +13,6 @@ use http_body::Body;
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::Scope;
 use retrysafe_core::wire::IdempotencyKey;
-use tokio::sync::OwnedSemaphorePermit;
 use tower_service::Service;
 use tracing::Instrument;
 
@@ -25,6 +23,7 @@ use super::future::ResponseFuture;
 use super::guard::{Answer, Backend, Call, Guard, Guarded, GuardedRequest, Handler, Inner};
 use super::layer::IdempotencyLayer;
 use super::problem::ProblemKind;
+use super::slots::Slot;
 
 type Res<B> = Response<ResponseBody<B>>;
 
@@ -142,16 +141,15 @@ where
     ResponseFuture::passthrough(inner.call(Request::from_parts(parts, RequestBody::stream(body))))
 }
 
-/// The bound of guarded requests in flight: a permit, or the 503 `overloaded` answer.
-fn permit<B>(guard: &Guard) -> Result<OwnedSemaphorePermit, Box<Res<B>>> {
-    Arc::clone(&guard.shared.permits)
-        .try_acquire_owned()
-        .map_err(|_| {
-            Box::new(guard.problem_of(
-                ProblemKind::Overloaded,
-                "too many requests with idempotency keys in progress",
-            ))
-        })
+/// The bound of guarded requests in flight: a slot (within the fair share of `scope`),
+/// or the 503 `overloaded` answer.
+fn slot<B>(guard: &Guard, scope: Option<&Scope>) -> Result<Slot, Box<Res<B>>> {
+    guard.slot(scope).ok_or_else(|| {
+        Box::new(guard.problem_of(
+            ProblemKind::Overloaded,
+            "too many requests with idempotency keys in progress",
+        ))
+    })
 }
 
 /// A request with a key: buffer and fingerprint, then run it through the backend in
@@ -170,7 +168,7 @@ where
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let guard = &layer.guard;
-    let (permit, body) = match read_body(guard, &parts, body).await {
+    let (permit, body) = match read_body(guard, &parts, body, Some(&scope)).await {
         Ok(read) => read,
         Err(answer) => return Ok(*answer),
     };
@@ -200,16 +198,18 @@ where
     .await
 }
 
-/// Takes a slot of the in-flight bound, then buffers the body within the limit and
+/// Takes a slot of the in-flight bound (within the fair share of `scope`), then buffers the body within the limit and
 /// in time: the slot is taken first, so the bound also caps the memory held by
 /// buffered bodies, and the body must arrive within `request_body_timeout` (or the
 /// request's deadline), so a client that trickles its body cannot hold a slot for as
-/// long as it likes. The answer when it cannot: 413, 408, 400 or 503 `overloaded`.
+/// long as it likes, and a scope that trickles many cannot hold more than its share.
+/// The answer when it cannot: 413, 408, 400 or 503 `overloaded`.
 async fn read_body<B, R>(
     guard: &Guard,
     parts: &Parts,
     body: B,
-) -> Result<(OwnedSemaphorePermit, Bytes), Box<Res<R>>>
+    scope: Option<&Scope>,
+) -> Result<(Slot, Bytes), Box<Res<R>>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -221,7 +221,7 @@ where
     {
         return Err(Box::new(guard.problem(problem)));
     }
-    let permit = permit(guard)?;
+    let permit = slot(guard, scope)?;
     let deadline = parts.extensions.get::<Deadline>().copied();
     let patience = Deadline::bound(deadline, config.request_body_timeout);
     let buffered =
@@ -250,7 +250,7 @@ async fn unkeyed<H: Handler, X: Backend>(
 where
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (permit, body) = match read_body(&layer.guard, &parts, body).await {
+    let (permit, body) = match read_body(&layer.guard, &parts, body, None).await {
         Ok(read) => read,
         Err(answer) => return Ok(*answer),
     };
@@ -282,11 +282,7 @@ where
 /// this is one of our own) answers 500 `handler-panicked`.
 ///
 /// The task is made by `task` inside its box, so the (large) future is never moved.
-async fn spawned<B, E, F, Fut>(
-    guard: &Guard,
-    permit: OwnedSemaphorePermit,
-    task: F,
-) -> Result<Res<B>, E>
+async fn spawned<B, E, F, Fut>(guard: &Guard, permit: Slot, task: F) -> Result<Res<B>, E>
 where
     B: Send + 'static,
     E: Send + 'static,
@@ -391,7 +387,7 @@ where
 #[allow(clippy::unwrap_used, clippy::panic)]
 mod tests {
     use std::convert::Infallible;
-    use std::sync::Mutex;
+    use std::sync::{Arc, Mutex};
 
     use http::StatusCode;
     use http_body_util::{BodyExt, Full};
