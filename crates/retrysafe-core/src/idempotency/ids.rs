@@ -94,6 +94,7 @@ impl Scope {
     /// The scope of an `Authorization` header value (hashed). Unsafe with rotating or
     /// signed credentials (SigV4, refreshed OAuth tokens): a retry with a new credential
     /// lands in a new scope and runs again.
+    #[doc(hidden)]
     pub fn from_authorization(value: &[u8]) -> Self {
         let mut h = Hasher::new("retrysafe/v1/scope/authorization");
         h.field(value);

@@ -355,6 +355,7 @@ impl StoredResponse {
     }
 
     /// Payload bytes: body, header names and values, trailers.
+    #[doc(hidden)]
     pub fn payload_len(&self) -> usize {
         let h = |v: &[(HeaderName, HeaderValue)]| {
             v.iter()
@@ -471,6 +472,7 @@ impl HeaderFilter {
     }
 
     /// Whether a header of this name is stored and replayed.
+    #[doc(hidden)]
     pub fn is_stored(&self, name: &HeaderName) -> bool {
         let n = name.as_str();
         !(NEVER_STORED.contains(&n)
