@@ -14,7 +14,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW, StoreError};
 use retrysafe_core::wire::MAX_TIMEOUT;
 use tokio::time::Instant;
 
@@ -44,7 +44,9 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// - **Keys.** A record lives under `{prefix}{<record id in hex>}` (default prefix
 ///   `retrysafe:`); the braces are a Redis Cluster hash tag, so every key maps to the
 ///   slot of its own record id and each script touches one key. See
-///   [`key`](Self::key).
+///   [`key`](Self::key). A release or `mark_unknown` also writes its token, for a
+///   minute ([`RESEND_WINDOW`]), under that key with `:last` appended, so that the same
+///   call sent again after a lost reply succeeds.
 /// - **Values.** The record's [`Record::encode`] blob: a record's size in Redis is its
 ///   encoded length, and app servers of two releases read each other's records.
 /// - **Transitions.** `claim`, `complete`, `release`, `renew`, `commit_point` and
@@ -311,10 +313,17 @@ where
         match status {
             CLAIMED => Ok(ClaimOutcome::Claimed { takeover: false }),
             TAKEN_OVER => Ok(ClaimOutcome::Claimed { takeover: true }),
-            EXISTING | BECAME_UNKNOWN => Ok(ClaimOutcome::Existing {
-                record: decode(record)?,
-                became_unknown: status == BECAME_UNKNOWN,
-            }),
+            EXISTING | BECAME_UNKNOWN => {
+                let record = decode(record)?;
+                if status == EXISTING && claim.holds(&record) {
+                    // The same claim sent again (its reply was lost): the caller holds it.
+                    return Ok(ClaimOutcome::Claimed { takeover: false });
+                }
+                Ok(ClaimOutcome::Existing {
+                    record,
+                    became_unknown: status == BECAME_UNKNOWN,
+                })
+            }
             other => Err(StoreError::unavailable(format!(
                 "unexpected claim script status {other}"
             ))),
@@ -353,7 +362,9 @@ where
                 SCRIPTS
                     .release
                     .key(&key)
+                    .key(last_key(&key))
                     .arg(&token.to_bytes()[..])
+                    .arg(millis(RESEND_WINDOW))
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -404,8 +415,10 @@ where
                 SCRIPTS
                     .mark_unknown
                     .key(&key)
+                    .key(last_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(retention_millis(retention))
+                    .arg(millis(RESEND_WINDOW))
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -550,6 +563,12 @@ pub(crate) fn store_error(e: RedisError) -> StoreError {
     } else {
         StoreError::unavailable(e)
     }
+}
+
+/// The key that holds the token of the last release or `mark_unknown` of the record at
+/// `key`, for [`RESEND_WINDOW`]: `key` with `:last` appended (the same hash tag).
+fn last_key(key: &str) -> String {
+    format!("{key}:last")
 }
 
 fn decode(bytes: Vec<u8>) -> Result<Record, StoreError> {
