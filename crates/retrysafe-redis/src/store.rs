@@ -18,6 +18,7 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW
 use retrysafe_core::wire::MAX_TIMEOUT;
 use tokio::time::Instant;
 
+use crate::CheckError;
 use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, SCRIPTS, TAKEN_OVER};
 
 /// The default key prefix.
@@ -132,17 +133,19 @@ impl<C> fmt::Debug for RedisStore<C> {
 
 impl RedisStore {
     /// Connects to the Redis server at `url` (for example `redis://127.0.0.1:6379`)
-    /// with a [`ConnectionManager`], and returns a store with the default settings.
+    /// with a [`ConnectionManager`], checks the server's configuration (see
+    /// [`RedisStoreOptions::build`]: `maxmemory-policy` must be `noeviction`), and
+    /// returns a store with the default settings.
     ///
     /// The manager reconnects by itself after a lost connection. It is configured
     /// here with a 1 s connection timeout, two retries per connection attempt, and no
     /// response timeout of its own (the store's call timeout bounds every call). To
-    /// configure it differently, build it yourself and pass it to
-    /// [`options`](Self::options)`().build(conn)`.
+    /// configure it differently (or to skip the check), build it yourself and pass it
+    /// to [`options`](Self::options)`().build(conn)`.
     ///
-    /// A server that cannot be reached is [`StoreError::Unavailable`] (or
-    /// [`StoreError::Timeout`]), never a hang.
-    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, StoreError> {
+    /// A server that cannot be reached is [`CheckError::Store`] with
+    /// [`StoreError::Unavailable`] (or [`StoreError::Timeout`]), never a hang.
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, CheckError> {
         let client = redis::Client::open(url).map_err(StoreError::unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
@@ -152,7 +155,7 @@ impl RedisStore {
         // Each attempt is bounded by the connection timeout; the whole by a few of them.
         let bound = DEFAULT_CALL_TIMEOUT * 5;
         let conn = bounded(bound, ConnectionManager::new_with_config(client, config)).await?;
-        Ok(RedisStore::new(conn))
+        RedisStoreOptions::new().build(conn).await
     }
 
     /// The settings of a store (key prefix, call timeout) with their defaults, to be
@@ -169,7 +172,8 @@ impl RedisStore {
     /// let store = RedisStore::options()
     ///     .key_prefix("billing:idem:")
     ///     .call_timeout(Duration::from_millis(300))
-    ///     .build(conn)?;
+    ///     .build(conn) // also checks the server's maxmemory-policy
+    ///     .await?;
     /// assert_eq!(store.key_prefix(), "billing:idem:");
     /// # Ok(()) }
     /// ```
@@ -181,7 +185,9 @@ impl RedisStore {
 #[cfg(feature = "cluster")]
 impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// Connects to a Redis Cluster through its `nodes` (any subset; the others are
-    /// discovered) and returns a store with the default settings. Feature `cluster`.
+    /// discovered), checks the configuration of the node it asks (see
+    /// [`RedisStoreOptions::build`]), and returns a store with the default settings.
+    /// Feature `cluster`.
     ///
     /// Every record is one key whose hash tag is its record id, so each script runs on
     /// the node that owns that key's slot.
@@ -199,14 +205,14 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// ```
     pub async fn connect_cluster<T: IntoConnectionInfo>(
         nodes: impl IntoIterator<Item = T>,
-    ) -> Result<Self, StoreError> {
+    ) -> Result<Self, CheckError> {
         let timeout = DEFAULT_CALL_TIMEOUT;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
             .build()
             .map_err(StoreError::unavailable)?;
         let conn = bounded(timeout * 5, client.get_async_connection()).await?;
-        Ok(RedisStore::new(conn))
+        RedisStoreOptions::new().build(conn).await
     }
 }
 
@@ -214,18 +220,6 @@ impl<C> RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// A store over `conn` with the default settings: key prefix `retrysafe:`, 1 s call
-    /// timeout.
-    pub fn new(conn: C) -> Self {
-        RedisStore {
-            conn,
-            config: Arc::new(Config {
-                prefix: DEFAULT_KEY_PREFIX.to_owned(),
-                call_timeout: DEFAULT_CALL_TIMEOUT,
-            }),
-        }
-    }
-
     /// The Redis key of a record: the key prefix, then the record id in lowercase hex
     /// inside braces (a Redis Cluster hash tag).
     ///
@@ -463,23 +457,30 @@ where
 /// read its settings back, and the settings exist before the connection they are built
 /// over (one set of options can make stores over several connections).
 ///
-/// ```
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_redis::RedisStoreOptions;
+/// use retrysafe_redis::{CheckError, RedisStoreOptions};
 ///
-/// // Validation needs no connection: `()` stands in for one here.
+/// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+/// let conn = redis::aio::ConnectionManager::new(client).await?;
+/// // The settings are validated before the server is asked anything.
 /// let refused = RedisStoreOptions::new()
 ///     .key_prefix("{tenant}:")
 ///     .call_timeout(Duration::ZERO)
-///     .build(())
-///     .unwrap_err();
+///     .build(conn)
+///     .await;
+/// let Err(CheckError::Options(refused)) = refused else { unreachable!() };
 /// assert_eq!(refused.fields().collect::<Vec<_>>(), ["key_prefix", "call_timeout"]);
+/// # Ok(()) }
 /// ```
 #[must_use]
 #[derive(Debug, Clone)]
 pub struct RedisStoreOptions {
     prefix: String,
     call_timeout: Duration,
+    check_config: bool,
 }
 
 impl Default for RedisStoreOptions {
@@ -487,6 +488,7 @@ impl Default for RedisStoreOptions {
         RedisStoreOptions {
             prefix: DEFAULT_KEY_PREFIX.to_owned(),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            check_config: true,
         }
     }
 }
@@ -514,9 +516,43 @@ impl RedisStoreOptions {
         self
     }
 
-    /// Validates the settings and makes a store over `conn` with them: refuses a prefix
-    /// with braces and a zero or huge call timeout, naming every refused setting.
-    pub fn build<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
+    /// Makes the store without checking the server's configuration, for managed
+    /// services that refuse the `CONFIG` command. The server's `maxmemory-policy` must
+    /// still be `noeviction`: that is then the user's responsibility (any other policy
+    /// can evict an in-flight claim, and a copy of its request would run again).
+    pub fn skip_config_check(mut self) -> Self {
+        self.check_config = false;
+        self
+    }
+
+    /// Validates the settings and makes a store over `conn` with them, then checks the
+    /// server's configuration (one round trip) unless
+    /// [`skip_config_check`](Self::skip_config_check) was set.
+    ///
+    /// - Refused settings (a prefix with braces, a zero or huge call timeout) are
+    ///   [`CheckError::Options`], naming every one; the server is not asked.
+    /// - A `maxmemory-policy` other than `noeviction` is
+    ///   [`CheckError::UnsafeEvictionPolicy`]; one that cannot be read (`CONFIG`
+    ///   refused) is [`CheckError::EvictionPolicyUnreadable`]. See
+    ///   [`RedisStore::check_config`].
+    /// - A server that cannot be reached is [`CheckError::Store`].
+    ///
+    /// Async, like redis-rs's own connection constructors: the store is checked where
+    /// it is made, so that no store runs on a server that may evict its claims.
+    pub async fn build<C>(self, conn: C) -> Result<RedisStore<C>, CheckError>
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let check = self.check_config;
+        let store = self.validate(conn)?;
+        if check {
+            store.check_on_start().await?;
+        }
+        Ok(store)
+    }
+
+    /// Validates the settings: names every refused one.
+    fn validate<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
         let mut v = Validate::new();
         v.check(
             !self.prefix.contains(['{', '}']),
