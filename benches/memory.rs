@@ -566,7 +566,8 @@ impl RedisEnv {
         let store = RedisStore::options()
             .key_prefix(prefix.clone())
             .call_timeout(Duration::from_secs(30))
-            .build(redis_manager(&url).await?)?;
+            .build(redis_manager(&url).await?)
+            .await?;
         Ok(RedisEnv {
             admin,
             store,

@@ -396,6 +396,7 @@ async fn run() -> bool {
         .key_prefix(prefix.clone())
         .call_timeout(Duration::from_secs(2))
         .build(conn.clone())
+        .await
         .unwrap();
     let redis_layer = IdempotencyLayer::new(redis_store)
         .retention(Duration::from_secs(30))

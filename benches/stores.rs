@@ -463,7 +463,8 @@ impl Env {
     async fn redis_store(&self) -> Res<RedisStore> {
         Ok(RedisStore::options()
             .key_prefix(self.prefix.clone())
-            .build(redis_manager(&self.redis_url).await?)?)
+            .build(redis_manager(&self.redis_url).await?)
+            .await?)
     }
 }
 
@@ -1061,7 +1062,8 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
     let counting = CountingConnection::new(redis_manager(&env.redis_url).await?);
     let store = RedisStore::options()
         .key_prefix(env.prefix.clone())
-        .build(counting.clone())?;
+        .build(counting.clone())
+        .await?;
     let addr = serve(router(layer(store)?)).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Ran).await?;
     burst(addr, settings.clients, 2, "redis-warm", Expect::Replayed).await?;

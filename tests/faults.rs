@@ -326,6 +326,7 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
                 .key_prefix(prefix.clone())
                 .call_timeout(Duration::from_secs(2))
                 .build(conn.clone())
+                .await
                 .unwrap();
             (
                 Backing::Redis { conn, prefix },

@@ -57,6 +57,7 @@ async fn memory_redis_and_postgres_agree_on_every_interleaving() {
     let redis = RedisStore::options()
         .key_prefix(format!("lease_race:{}:", Token::random().to_hex()))
         .build(conn)
+        .await
         .unwrap();
 
     let database_url = std::env::var("DATABASE_URL")

@@ -40,7 +40,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use retrysafe_postgres::{PostgresStore, SweeperHandle};
-use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
+use retrysafe_redis::{CheckError, RedisStore};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -290,43 +290,25 @@ fn env_or(name: &str, default: &str) -> String {
 /// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. The error is the message.
 async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> {
     let shown = redact(url);
-    let connected = RedisStore::connect(url)
-        .await
-        .map_err(|e| format!("cannot connect to the redis store at {shown}: {e}"))?;
+    // `connect` refuses a maxmemory-policy other than noeviction (or one it cannot read).
+    let connected = RedisStore::connect(url).await.map_err(|e| match e {
+        CheckError::Store(e) => format!("cannot connect to the redis store at {shown}: {e}"),
+        e => format!("cannot use the redis store at {shown}: {e}"),
+    })?;
     let conn = connected.connection().clone();
     let store = RedisStore::options()
         .key_prefix(format!("{prefix}idem:"))
+        // Checked by `connect` above, on the same connection.
+        .skip_config_check()
         .build(conn.clone())
+        .await
         .map_err(|e| format!("invalid redis store settings: {e}"))?;
     match store.check_config().await {
-        Ok(report) => {
-            if report.eviction_policy == EvictionPolicy::Unknown {
-                eprintln!(
-                    "warning: cannot read the maxmemory-policy of {shown}: make sure it is \
-                     noeviction or volatile-*"
-                );
-            }
-            if report.persistent() == Some(false) {
-                eprintln!(
-                    "warning: {shown} persists nothing: a restart forgets every idempotency \
-                     record and payment"
-                );
-            }
-        }
-        Err(CheckError::UnsafeEvictionPolicy(report))
-            if matches!(report.eviction_policy, EvictionPolicy::AllKeys(_)) =>
-        {
-            return Err(format!(
-                "the redis store at {shown} has maxmemory-policy {}, which can evict an \
-                 in-flight claim; set noeviction or a volatile-* policy",
-                report.eviction_policy
-            ));
-        }
-        Err(CheckError::UnsafeEvictionPolicy(report)) => eprintln!(
-            "warning: {shown} has maxmemory-policy {}, unknown to this release: make sure \
-             it never evicts keys that have an expiry",
-            report.eviction_policy
+        Ok(report) if report.persistent() == Some(false) => eprintln!(
+            "warning: {shown} persists nothing: a restart forgets every idempotency \
+             record and payment"
         ),
+        Ok(_) => {}
         Err(e) => return Err(format!("cannot use the redis store at {shown}: {e}")),
     }
     let ledger = app::Ledger::redis(conn, prefix);

@@ -494,6 +494,7 @@ impl RedisSpace {
             .key_prefix(format!("{prefix}idem:"))
             .call_timeout(Duration::from_secs(5))
             .build(conn.clone())
+            .await
             .unwrap();
         RedisSpace {
             prefix,

@@ -15,7 +15,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW, StoreError};
 use tokio::sync::{Notify, futures::OwnedNotified};
 use tokio::time::Instant;
 
@@ -61,6 +61,11 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 ///   expiry (real time, retention plus a minute) only collects garbage. Leases are tokio
 ///   time too, and [`InProgress::lease_until_ms`] counts milliseconds since the store
 ///   was created.
+/// - Repeated calls are recognised as the store trait describes: a completion that
+///   finds the same completed record succeeds, and the token of each release or
+///   `mark_unknown` is kept for
+///   [`RESEND_WINDOW`](retrysafe_core::store::RESEND_WINDOW) (about 60 bytes per release
+///   in that window) so that the same call sent again succeeds.
 /// - Every change to one record happens under that record's shard lock, so a claim sees
 ///   the in-flight map and the cache in one step. Waiters are woken by a notifier per
 ///   in-flight record (or when its lease expires).
@@ -365,6 +370,30 @@ impl Expiry<RecordId, Cached> for GcAfter {
     }
 }
 
+/// The tokens that released a record or marked it `outcome_unknown`, each kept for
+/// [`RESEND_WINDOW`], so that the same call sent again is recognised. Expired entries
+/// are dropped whenever the map has doubled since the last pruning, so it holds about
+/// the releases and marks of the last window.
+#[derive(Default)]
+struct Recent {
+    tokens: HashMap<RecordId, (Token, Instant)>,
+    prune_at: usize,
+}
+
+impl Recent {
+    fn remember(&mut self, id: RecordId, token: Token, now: Instant) {
+        if self.tokens.len() >= self.prune_at {
+            self.tokens.retain(|_, (_, until)| *until > now);
+            self.prune_at = (self.tokens.len() * 2).max(64);
+        }
+        self.tokens.insert(id, (token, after(now, RESEND_WINDOW)));
+    }
+
+    fn recalls(&self, id: &RecordId, token: Token, now: Instant) -> bool {
+        matches!(self.tokens.get(id), Some((t, until)) if *t == token && *until > now)
+    }
+}
+
 /// Ids of records the cache evicted early, waiting for the hook.
 #[derive(Default)]
 struct Evictions {
@@ -388,6 +417,9 @@ struct Inner {
     /// cheap while every claim is live.
     sweep_after_ms: AtomicU64,
     cache: Cache<RecordId, Cached>,
+    /// The tokens that recently released a record or marked it unknown. Locked after
+    /// a shard lock, never before.
+    recent: Mutex<Recent>,
     evictions: Arc<Evictions>,
     /// The bounds and the hook, as given.
     settings: Settings,
@@ -433,6 +465,7 @@ impl Inner {
             in_flight: AtomicUsize::new(0),
             sweep_after_ms: AtomicU64::new(u64::MAX),
             cache: builder.build(),
+            recent: Mutex::default(),
             evictions,
             settings,
             epoch,
@@ -483,22 +516,25 @@ impl Inner {
         Some(cached.bytes)
     }
 
-    /// Puts an encoded record in the cache for `retention`. Called under the id's shard
-    /// lock.
+    /// What the cache keeps of an encoded record: a record heavier than the whole cache
+    /// would be evicted at once and a retry would run again, so it keeps the small "not
+    /// stored" marker instead.
+    fn stored_form(&self, bytes: Blob) -> Blob {
+        if weight_of(&bytes) <= self.settings.max_bytes {
+            return bytes;
+        }
+        match Record::decode(Bytes::copy_from_slice(&bytes)) {
+            Ok(Record::Completed(c)) => {
+                blob(&Record::Completed(Completed::new(c.fingerprint, None)))
+            }
+            _ => bytes,
+        }
+    }
+
+    /// Puts an encoded record (in its [stored form](Self::stored_form)) in the cache for
+    /// `retention`. Called under the id's shard lock.
     fn put(&self, id: RecordId, bytes: Blob, now: Instant, retention: Duration) {
         let retention = retention.min(MAX_SPAN);
-        // A record heavier than the whole cache would be evicted at once and a retry
-        // would run again: keep the small "not stored" marker instead.
-        let bytes = if weight_of(&bytes) > self.settings.max_bytes {
-            match Record::decode(Bytes::copy_from_slice(&bytes)) {
-                Ok(Record::Completed(c)) => {
-                    blob(&Record::Completed(Completed::new(c.fingerprint, None)))
-                }
-                _ => bytes,
-            }
-        } else {
-            bytes
-        };
         self.cache.insert(
             id,
             Cached {
@@ -562,7 +598,12 @@ impl Inner {
             return Found::Outcome(ClaimOutcome::Claimed { takeover: false });
         };
         if now < entry.lease_until {
-            return Found::Outcome(existing(entry.record(self.epoch), false));
+            let record = entry.record(self.epoch);
+            if claim.holds(&record) {
+                // The same claim again (its reply was lost): the caller holds it.
+                return Found::Outcome(ClaimOutcome::Claimed { takeover: false });
+            }
+            return Found::Outcome(existing(record, false));
         }
         if entry.commit_point.allows_takeover() && entry.fingerprint == claim.fingerprint {
             // The holder stopped before its effect: this copy takes over and runs.
@@ -635,16 +676,38 @@ impl Inner {
         retention: Duration,
     ) -> Result<(), StoreError> {
         // Encoded outside the lock: it copies the body.
-        let bytes = blob(&Record::Completed(record.clone()));
+        let bytes = self.stored_form(blob(&Record::Completed(record.clone())));
         let mut map = self.lock(id);
-        self.take_holder(&mut map, id, token)?;
-        self.put(*id, bytes, Instant::now(), retention);
-        Ok(())
+        let now = Instant::now();
+        match self.take_holder(&mut map, id, token) {
+            Ok(_) => {
+                self.put(*id, bytes, now, retention);
+                Ok(())
+            }
+            // The same completion again (its reply was lost): already done.
+            Err(_) if self.cached(id, now).is_some_and(|c| c[..] == bytes[..]) => Ok(()),
+            Err(e) => Err(e),
+        }
     }
 
     fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
         let mut map = self.lock(id);
-        self.take_holder(&mut map, id, token).map(drop)
+        let now = Instant::now();
+        match self.take_holder(&mut map, id, token) {
+            Ok(_) => {
+                lock(&self.recent).remember(*id, token, now);
+                Ok(())
+            }
+            // The same release again (its reply was lost): the record is still absent.
+            Err(_)
+                if !map.contains_key(id)
+                    && self.cached(id, now).is_none()
+                    && lock(&self.recent).recalls(id, token, now) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+        }
     }
 
     fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
@@ -668,13 +731,20 @@ impl Inner {
         retention: Duration,
     ) -> Result<(), StoreError> {
         let mut map = self.lock(id);
-        let gone = self.take_holder(&mut map, id, token)?;
-        self.put(
-            *id,
-            blob(&unknown(gone.fingerprint)),
-            Instant::now(),
-            retention,
-        );
+        let now = Instant::now();
+        let gone = match self.take_holder(&mut map, id, token) {
+            Ok(gone) => gone,
+            // The same mark again (its reply was lost): the record is still unknown.
+            Err(_)
+                if self.cached(id, now).is_some_and(|c| is_unknown(&c))
+                    && lock(&self.recent).recalls(id, token, now) =>
+            {
+                return Ok(());
+            }
+            Err(e) => return Err(e),
+        };
+        lock(&self.recent).remember(*id, token, now);
+        self.put(*id, blob(&unknown(gone.fingerprint)), now, retention);
         Ok(())
     }
 
@@ -843,6 +913,14 @@ fn existing(record: Record, became_unknown: bool) -> ClaimOutcome {
         record,
         became_unknown,
     }
+}
+
+/// Whether an encoded record is `outcome_unknown`.
+fn is_unknown(bytes: &Blob) -> bool {
+    matches!(
+        Record::decode(Bytes::copy_from_slice(bytes)),
+        Ok(Record::OutcomeUnknown(_))
+    )
 }
 
 fn unknown(fingerprint: Fingerprint) -> Record {

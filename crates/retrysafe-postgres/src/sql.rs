@@ -8,6 +8,7 @@
 //! Durations are bound as whole microseconds (`$n * interval '1 microsecond'`).
 
 use retrysafe_core::ConfigError;
+use retrysafe_core::store::RESEND_WINDOW;
 
 /// The `state` column of an `in_progress` record.
 pub(crate) const STATE_IN_PROGRESS: i16 = 1;
@@ -120,19 +121,35 @@ SELECT pg_advisory_xact_lock({MIGRATE_LOCK_CLASS}, hashtext('{qualified}'));
         // Every token-carrying change: the row must be in progress, held by the token,
         // and not dead.
         let holder = format!("k = $1 AND state = {STATE_IN_PROGRESS} AND token = $2");
+        let window = RESEND_WINDOW.as_secs();
         Sql {
             claim: claim(t),
             get: format!(
                 "SELECT {RECORD_COLUMNS} FROM {t} r WHERE r.k = $1 AND r.expires_at > clock_timestamp()"
             ),
+            // Also matches the same completion sent again (its reply was lost): the row
+            // already completed with exactly this record, left as it is.
             complete: format!(
                 "UPDATE {t} SET state = {STATE_COMPLETED}, fingerprint = $3, token = NULL,
     commit_point = NULL, lease_until = NULL, record = $5,
-    expires_at = c.t + $4 * interval '1 microsecond'
+    expires_at = CASE WHEN state = {STATE_IN_PROGRESS}
+                      THEN c.t + $4 * interval '1 microsecond' ELSE expires_at END
 FROM (SELECT clock_timestamp() AS t) c
-WHERE {holder} AND expires_at > c.t"
+WHERE k = $1 AND expires_at > c.t
+  AND ((state = {STATE_IN_PROGRESS} AND token = $2)
+       OR (state = {STATE_COMPLETED} AND fingerprint = $3 AND record = $5))"
             ),
-            release: format!("DELETE FROM {t} WHERE {holder} AND expires_at > clock_timestamp()"),
+            // A released row is kept dead (absent to every reader, and replaced by the
+            // next claim) with its token and no lease, for the resend window: the same
+            // release sent again (its reply was lost) matches it.
+            release: format!(
+                "UPDATE {t} SET commit_point = NULL, lease_until = NULL, record = NULL,
+    expires_at = CASE WHEN lease_until IS NULL THEN expires_at ELSE c.t END
+FROM (SELECT clock_timestamp() AS t) c
+WHERE {holder}
+  AND ((lease_until IS NOT NULL AND expires_at > c.t)
+       OR (lease_until IS NULL AND expires_at > c.t - interval '{window} seconds'))"
+            ),
             // The retention of an in-progress row (expires_at - lease_until) is kept.
             renew: format!(
                 "UPDATE {t} SET lease_until = c.t + $3 * interval '1 microsecond',
@@ -143,13 +160,18 @@ WHERE {holder} AND expires_at > c.t"
             commit_point: format!(
                 "UPDATE {t} SET commit_point = 2 WHERE {holder} AND expires_at > clock_timestamp()"
             ),
+            // The token stays on the unknown row, so that the same mark sent again (its
+            // reply was lost) matches it and leaves it as it is.
             mark_unknown: format!(
-                "UPDATE {t} SET state = {STATE_UNKNOWN}, token = NULL, commit_point = NULL,
-    lease_until = NULL, record = NULL, expires_at = c.t + $3 * interval '1 microsecond'
+                "UPDATE {t} SET state = {STATE_UNKNOWN}, commit_point = NULL,
+    lease_until = NULL, record = NULL,
+    expires_at = CASE WHEN state = {STATE_IN_PROGRESS}
+                      THEN c.t + $3 * interval '1 microsecond' ELSE expires_at END
 FROM (SELECT clock_timestamp() AS t) c
-WHERE {holder} AND expires_at > c.t"
+WHERE k = $1 AND token = $2 AND state IN ({STATE_IN_PROGRESS}, {STATE_UNKNOWN})
+  AND expires_at > c.t"
             ),
-            sweep: sweep(t),
+            sweep: sweep(t, window),
             table: qualified,
             migrate,
             migration,
@@ -237,18 +259,23 @@ WHERE r.k = $1 AND r.expires_at > c.t AND NOT EXISTS (SELECT 1 FROM up)"
 }
 
 /// One batch of the sweeper: rows locked by someone else (a claim replacing a dead row
-/// right now) are skipped, not waited for.
-fn sweep(t: &str) -> String {
+/// right now) are skipped, not waited for, and so are rows released less than the
+/// resend window (`window` seconds) ago.
+fn sweep(t: &str, window: u64) -> String {
+    let kept = format!(
+        "NOT (state = {STATE_IN_PROGRESS} AND lease_until IS NULL
+         AND expires_at > (SELECT t FROM c) - interval '{window} seconds')"
+    );
     format!(
         "WITH c AS (SELECT clock_timestamp() AS t)
 DELETE FROM {t}
 WHERE k IN (
     SELECT k FROM {t}
-    WHERE expires_at <= (SELECT t FROM c)
+    WHERE expires_at <= (SELECT t FROM c) AND {kept}
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-AND expires_at <= (SELECT t FROM c)"
+AND expires_at <= (SELECT t FROM c) AND {kept}"
     )
 }
 

@@ -44,9 +44,15 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///   A claim that leaves an existing row alone — a replay, a copy of a request in
 ///   flight — still locks it for the moment of the statement, as
 ///   `ON CONFLICT DO UPDATE` does.)
-/// - complete, release, renew, commit point and mark-unknown are one `UPDATE` or
-///   `DELETE` whose `WHERE` checks the token; no row means [`StoreError::StaleToken`]
-///   (a token that never held the record, one that lost it, and an absent record alike);
+/// - complete, release, renew, commit point and mark-unknown are one `UPDATE` whose
+///   `WHERE` checks the token; no row means [`StoreError::StaleToken`] (a token that
+///   never held the record, one that lost it, and an absent record alike). Each
+///   matches the same call sent again after a lost reply too: a completion the
+///   identical completed row, a mark the `outcome_unknown` row it made (which keeps its
+///   token), a release the row it released, which stays dead (absent to every reader,
+///   replaced by the next claim) with its token for
+///   [`RESEND_WINDOW`](retrysafe_core::store::RESEND_WINDOW) before the sweeper deletes
+///   it;
 /// - all time comes from `clock_timestamp()`, the database's clock;
 /// - a record is absent from the end of its retention; the rows stay until deleted by
 ///   [`sweep_expired`](Self::sweep_expired) or a [sweeper](Self::spawn_sweeper).
@@ -530,6 +536,10 @@ impl IdempotencyStore for PostgresStore {
                     (true, Record::InProgress(_)) => ClaimOutcome::Claimed {
                         takeover: takeovers > 0,
                     },
+                    // The same claim sent again (its reply was lost): the caller holds it.
+                    (false, record) if claim.holds(&record) => {
+                        ClaimOutcome::Claimed { takeover: false }
+                    }
                     (mine, record) => ClaimOutcome::Existing {
                         record,
                         became_unknown: mine,

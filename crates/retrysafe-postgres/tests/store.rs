@@ -317,6 +317,34 @@ async fn sweep_deletes_expired_rows_in_batches() {
     assert_eq!((again.rows, again.batches), (0, 1));
 }
 
+/// A released row stays (dead, absent to readers) through a sweep within the resend
+/// window, so that the same release sent again still succeeds; another token does not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sweep_keeps_a_recent_release_for_its_resend() {
+    let store = isolated_store(|b| b).await;
+    let id = fresh_id();
+    let c = claim(1, HOUR, HOUR);
+    must_claim(&*store, &id, &c).await;
+    store.release(&id, c.token).await.unwrap();
+    let mut conn = admin().await;
+    assert_eq!(
+        rows(&mut conn, &store).await,
+        1,
+        "kept for the resend window"
+    );
+    assert_eq!(store.get(&id).await.unwrap(), None, "absent to readers");
+    let swept = store.sweep_expired(10).await.unwrap();
+    assert_eq!(swept.rows, 0);
+    store.release(&id, c.token).await.unwrap();
+    assert!(matches!(
+        store.release(&id, Token::random()).await,
+        Err(StoreError::StaleToken)
+    ));
+    // The next copy claims the key afresh, replacing the released row.
+    must_claim(&*store, &id, &claim(1, HOUR, HOUR)).await;
+    assert_eq!(rows(&mut conn, &store).await, 1);
+}
+
 /// The spawned sweeper deletes expired rows on its own, and stops when asked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn spawned_sweeper_runs_and_stops() {

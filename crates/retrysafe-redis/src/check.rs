@@ -1,10 +1,13 @@
-//! The start-up check of the server's configuration: [`RedisStore::check_config`].
+//! The start-up check of the server's configuration: [`RedisStore::check_config`], run
+//! by [`RedisStore::connect`] and [`RedisStoreOptions::build`](crate::RedisStoreOptions::build)
+//! unless skipped.
 
 use std::collections::HashMap;
 use std::fmt;
 
 use redis::aio::ConnectionLike;
 use redis::{RedisError, RedisResult};
+use retrysafe_core::ConfigError;
 use retrysafe_core::store::StoreError;
 
 use crate::RedisStore;
@@ -15,7 +18,8 @@ use crate::store::{bounded, store_error};
 /// ```
 /// use retrysafe_redis::EvictionPolicy;
 /// assert_eq!(EvictionPolicy::parse("noeviction"), EvictionPolicy::NoEviction);
-/// assert!(EvictionPolicy::parse("volatile-lru").is_supported());
+/// assert!(EvictionPolicy::NoEviction.is_supported());
+/// assert!(EvictionPolicy::parse("volatile-lru").is_unsafe());
 /// assert!(!EvictionPolicy::parse("allkeys-lru").is_supported());
 /// assert!(EvictionPolicy::parse("allkeys-lfu").is_unsafe());
 /// assert!(!EvictionPolicy::Unknown.is_unsafe());
@@ -25,7 +29,9 @@ use crate::store::{bounded, store_error};
 pub enum EvictionPolicy {
     /// `noeviction`: writes fail instead (the store answers them as unavailable).
     NoEviction,
-    /// A `volatile-*` policy (named): only keys with an expiry are evicted.
+    /// A `volatile-*` policy (named): only keys with an expiry are evicted, but every
+    /// record has one (an in-flight claim's is a leak bound), so a claim may be evicted
+    /// and a duplicate run. Not supported.
     Volatile(String),
     /// An `allkeys-*` policy (named): any key may be evicted, an in-flight claim
     /// included, and then a duplicate runs. Not supported.
@@ -54,18 +60,19 @@ impl EvictionPolicy {
         }
     }
 
-    /// Whether the store supports the policy: `noeviction` or `volatile-*`.
+    /// Whether the store supports the policy: only `noeviction`.
     pub fn is_supported(&self) -> bool {
-        matches!(
-            self,
-            EvictionPolicy::NoEviction | EvictionPolicy::Volatile(_)
-        )
+        matches!(self, EvictionPolicy::NoEviction)
     }
 
-    /// Whether the policy is known and not supported (`allkeys-*` or unknown to this
-    /// release). [`Unknown`](Self::Unknown) is not unsafe: it could not be checked.
+    /// Whether the policy is known and not supported (`volatile-*`, `allkeys-*`, or
+    /// unknown to this release). [`Unknown`](Self::Unknown) is not unsafe: it could not
+    /// be checked.
     pub fn is_unsafe(&self) -> bool {
-        matches!(self, EvictionPolicy::AllKeys(_) | EvictionPolicy::Other(_))
+        matches!(
+            self,
+            EvictionPolicy::Volatile(_) | EvictionPolicy::AllKeys(_) | EvictionPolicy::Other(_)
+        )
     }
 }
 
@@ -106,13 +113,21 @@ impl ConfigReport {
     }
 }
 
-/// Why [`RedisStore::check_config`] failed.
+/// Why making a store ([`RedisStore::connect`],
+/// [`RedisStoreOptions::build`](crate::RedisStoreOptions::build)) or
+/// [`RedisStore::check_config`] failed.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum CheckError {
-    /// The server's eviction policy may evict records (`allkeys-*`, or a policy this
-    /// release does not know). The report says what else was found.
+    /// The store's settings were refused (every refused one is named).
+    Options(ConfigError),
+    /// The server's eviction policy may evict records (anything but `noeviction`). The
+    /// report says what else was found.
     UnsafeEvictionPolicy(ConfigReport),
+    /// The server refused `CONFIG GET` (as many managed services do), so the eviction
+    /// policy could not be checked: make sure it is `noeviction`, then build the store
+    /// with [`skip_config_check`](crate::RedisStoreOptions::skip_config_check).
+    EvictionPolicyUnreadable,
     /// The server could not be asked.
     Store(StoreError),
 }
@@ -120,11 +135,16 @@ pub enum CheckError {
 impl fmt::Display for CheckError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
+            CheckError::Options(e) => write!(f, "invalid Redis store settings: {e}"),
             CheckError::UnsafeEvictionPolicy(r) => write!(
                 f,
-                "Redis maxmemory-policy is {}: it may evict idempotency records; \
-                 use noeviction or a volatile-* policy",
+                "Redis maxmemory-policy is {}: it may evict in-flight idempotency claims; \
+                 set maxmemory-policy noeviction",
                 r.eviction_policy
+            ),
+            CheckError::EvictionPolicyUnreadable => f.write_str(
+                "cannot read the Redis maxmemory-policy (CONFIG GET refused): make sure it \
+                 is noeviction and build the store with skip_config_check()",
             ),
             CheckError::Store(e) => write!(f, "cannot check the Redis configuration: {e}"),
         }
@@ -134,9 +154,16 @@ impl fmt::Display for CheckError {
 impl std::error::Error for CheckError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            CheckError::UnsafeEvictionPolicy(_) => None,
+            CheckError::Options(e) => Some(e),
+            CheckError::UnsafeEvictionPolicy(_) | CheckError::EvictionPolicyUnreadable => None,
             CheckError::Store(e) => Some(e),
         }
+    }
+}
+
+impl From<ConfigError> for CheckError {
+    fn from(e: ConfigError) -> Self {
+        CheckError::Options(e)
     }
 }
 
@@ -150,12 +177,15 @@ impl<C> RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// Checks the server's configuration at start-up, where permitted: reads
-    /// `maxmemory-policy`, `appendonly` and `save` with `CONFIG GET` (one round trip).
+    /// Checks the server's configuration, where permitted: reads `maxmemory-policy`,
+    /// `appendonly` and `save` with `CONFIG GET` (one round trip). Making a store runs
+    /// it (and also refuses an unreadable policy) unless
+    /// [`skip_config_check`](crate::RedisStoreOptions::skip_config_check) was set; call
+    /// it again to read the report.
     ///
-    /// - An `allkeys-*` policy (or one this release does not know) is
-    ///   [`CheckError::UnsafeEvictionPolicy`]: Redis could evict an in-flight claim and
-    ///   a duplicate would run.
+    /// - Any policy but `noeviction` (`volatile-*`, `allkeys-*`, one this release does
+    ///   not know) is [`CheckError::UnsafeEvictionPolicy`]: Redis could evict an
+    ///   in-flight claim, which carries an expiry, and a duplicate would run.
     /// - A refused `CONFIG` command (managed services, ACLs) is not an error: the report
     ///   says [`EvictionPolicy::Unknown`] and the persistence is `None`; it is logged.
     /// - No persistence is logged as a warning, not an error.
@@ -168,8 +198,8 @@ where
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use retrysafe_redis::{EvictionPolicy, RedisStore};
     ///
-    /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
-    /// let report = store.check_config().await?; // refuses allkeys-* policies
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?; // checks
+    /// let report = store.check_config().await?;
     /// if report.eviction_policy == EvictionPolicy::Unknown {
     ///     eprintln!("could not check maxmemory-policy: make sure it is noeviction");
     /// }
@@ -190,7 +220,7 @@ where
                 tracing::warn!(
                     error = %e,
                     "cannot read the Redis configuration (CONFIG GET refused): \
-                     make sure maxmemory-policy is noeviction or volatile-* and that \
+                     make sure maxmemory-policy is noeviction and that \
                      persistence is on"
                 );
                 ConfigReport {
@@ -215,6 +245,21 @@ where
             );
         }
         Ok(report)
+    }
+}
+
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The check run when a store is made: [`check_config`](Self::check_config), and a
+    /// policy that could not be read is refused too.
+    pub(crate) async fn check_on_start(&self) -> Result<(), CheckError> {
+        let report = self.check_config().await?;
+        if report.eviction_policy == EvictionPolicy::Unknown {
+            return Err(CheckError::EvictionPolicyUnreadable);
+        }
+        Ok(())
     }
 }
 
@@ -271,7 +316,7 @@ mod tests {
         ] {
             let parsed = EvictionPolicy::parse(p);
             assert_eq!(parsed, EvictionPolicy::Volatile(p.to_owned()));
-            assert!(parsed.is_supported() && !parsed.is_unsafe());
+            assert!(!parsed.is_supported() && parsed.is_unsafe());
             assert_eq!(parsed.to_string(), p);
         }
         for p in ["allkeys-lru", "allkeys-lfu", "allkeys-random"] {

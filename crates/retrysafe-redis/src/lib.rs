@@ -10,9 +10,9 @@
 //! use retrysafe_redis::RedisStore;
 //! use retrysafe_tower::idempotency::IdempotencyLayer;
 //!
+//! // Refuses a server whose eviction policy could drop records (anything but
+//! // `maxmemory-policy noeviction`).
 //! let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
-//! // At start-up: refuses a server whose eviction policy could drop records.
-//! store.check_config().await?;
 //! let layer = IdempotencyLayer::new(store);
 //! // let app = Router::new().route(...).layer(layer);
 //! # let _ = layer;
@@ -33,13 +33,15 @@
 //!
 //! - **Version**: Redis 5 or later, or a compatible server (Valkey); tested with
 //!   Redis 7. Scripting (`EVAL`, `EVALSHA`, `SCRIPT LOAD`) must be allowed.
-//! - **Eviction**: `maxmemory-policy` must be `noeviction` (recommended) or a
-//!   `volatile-*` policy. An `allkeys-*` policy can evict an in-flight claim, and then a
-//!   copy of the request runs a second time. Every record has an expiry, so a
-//!   `volatile-*` policy can evict records too once `maxmemory` is reached: give the
-//!   server room, or use `noeviction` (writes then fail and the layer answers 503,
-//!   failing closed). [`RedisStore::check_config`] checks the policy at start-up where
-//!   the `CONFIG` command is permitted.
+//! - **Eviction**: `maxmemory-policy` must be `noeviction` (writes then fail once
+//!   `maxmemory` is reached, and the layer answers 503, failing closed). An `allkeys-*`
+//!   policy can evict an in-flight claim, and then a copy of the request runs a second
+//!   time; so can a `volatile-*` policy, since every record (an in-flight claim
+//!   included) has an expiry. Making a store ([`RedisStore::connect`],
+//!   [`RedisStoreOptions::build`]) checks the policy and refuses any other, or one it
+//!   cannot read; on a managed service that refuses the `CONFIG` command, set
+//!   [`skip_config_check`](RedisStoreOptions::skip_config_check), and making sure of
+//!   `noeviction` is then yours.
 //! - **Durability**: a record is only as durable as Redis. Without persistence a
 //!   restart forgets every record, and copies of requests already served run again.
 //!   Use AOF (`appendonly yes`, `appendfsync everysec` loses at most about a second;

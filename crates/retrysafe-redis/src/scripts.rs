@@ -17,6 +17,15 @@
 //! when the scripts are built, so the scripts follow the record format of this release.
 //! Anything a script does not recognise as this release's `in_progress` record is
 //! returned as it is (claim) or refused as not held (token calls).
+//!
+//! Each token call is idempotent (a client library may send it again after a lost
+//! reply): `complete` finding exactly its completed record succeeds; `release` and
+//! `mark_unknown` write their token to a second key, `KEYS[2]` (the record's key with
+//! `:last` appended, in the same hash slot), for [`RESEND_WINDOW`], and the same call
+//! finding the record absent (release) or `outcome_unknown` (mark) with that token
+//! there succeeds.
+//!
+//! [`RESEND_WINDOW`]: retrysafe_core::store::RESEND_WINDOW
 
 use std::sync::LazyLock;
 
@@ -43,15 +52,18 @@ pub(crate) struct Scripts {
     /// `KEYS[1]`; `ARGV`: in-progress template (lease 0), lease ms, retention ms, the
     /// `outcome_unknown` record of the claim's fingerprint. Replies `{status, record}`.
     pub(crate) claim: Script,
-    /// `ARGV`: token, completed record, retention ms. Replies 1, or 0 when not held.
+    /// `ARGV`: token, completed record, retention ms. Replies 1 (also when the same
+    /// record is already stored), or 0 when not held.
     pub(crate) complete: Script,
-    /// `ARGV`: token. Replies 1, or 0 when not held.
+    /// `KEYS[2]` the last token; `ARGV`: token, resend window ms. Replies 1 (also when
+    /// this token released it already), or 0 when not held.
     pub(crate) release: Script,
     /// `ARGV`: token, lease ms. Replies 1, or 0 when not held.
     pub(crate) renew: Script,
     /// `ARGV`: token. Replies 1, or 0 when not held.
     pub(crate) commit_point: Script,
-    /// `ARGV`: token, retention ms. Replies 1, or 0 when not held.
+    /// `KEYS[2]` the last token; `ARGV`: token, retention ms, resend window ms. Replies
+    /// 1 (also when this token marked it already), or 0 when not held.
     pub(crate) mark_unknown: Script,
     /// No `ARGV`. Replies 1 while the record is `in_progress` with a live lease.
     pub(crate) live: Script,
@@ -182,16 +194,25 @@ return {3, ARGV[4]}
 
 const COMPLETE: &str = r"
 local cur = redis.call('GET', KEYS[1])
-if not holds(cur, ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
-return 1
+if holds(cur, ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[2], 'PX', tonumber(ARGV[3]))
+  return 1
+end
+-- The same completion sent again (its reply was lost): already stored.
+if cur == ARGV[2] then return 1 end
+return 0
 ";
 
 const RELEASE: &str = r"
 local cur = redis.call('GET', KEYS[1])
-if not holds(cur, ARGV[1]) then return 0 end
-redis.call('DEL', KEYS[1])
-return 1
+if holds(cur, ARGV[1]) then
+  redis.call('DEL', KEYS[1])
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[2]))
+  return 1
+end
+-- The same release sent again (its reply was lost): still absent.
+if not cur and redis.call('GET', KEYS[2]) == ARGV[1] then return 1 end
+return 0
 ";
 
 const RENEW: &str = r"
@@ -222,9 +243,17 @@ return 1
 
 const MARK_UNKNOWN: &str = r"
 local cur = redis.call('GET', KEYS[1])
-if not holds(cur, ARGV[1]) then return 0 end
-redis.call('SET', KEYS[1], UNKNOWN_HEAD .. string.sub(cur, 3, 34), 'PX', tonumber(ARGV[2]))
-return 1
+if holds(cur, ARGV[1]) then
+  redis.call('SET', KEYS[1], UNKNOWN_HEAD .. string.sub(cur, 3, 34), 'PX', tonumber(ARGV[2]))
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', tonumber(ARGV[3]))
+  return 1
+end
+-- The same mark sent again (its reply was lost): still unknown.
+if cur and string.sub(cur, 1, 2) == UNKNOWN_HEAD
+   and redis.call('GET', KEYS[2]) == ARGV[1] then
+  return 1
+end
+return 0
 ";
 
 const LIVE: &str = r"

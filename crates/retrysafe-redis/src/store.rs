@@ -14,10 +14,11 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW, StoreError};
 use retrysafe_core::wire::MAX_TIMEOUT;
 use tokio::time::Instant;
 
+use crate::CheckError;
 use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, SCRIPTS, TAKEN_OVER};
 
 /// The default key prefix.
@@ -44,7 +45,9 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 /// - **Keys.** A record lives under `{prefix}{<record id in hex>}` (default prefix
 ///   `retrysafe:`); the braces are a Redis Cluster hash tag, so every key maps to the
 ///   slot of its own record id and each script touches one key. See
-///   [`key`](Self::key).
+///   [`key`](Self::key). A release or `mark_unknown` also writes its token, for a
+///   minute ([`RESEND_WINDOW`]), under that key with `:last` appended, so that the same
+///   call sent again after a lost reply succeeds.
 /// - **Values.** The record's [`Record::encode`] blob: a record's size in Redis is its
 ///   encoded length, and app servers of two releases read each other's records.
 /// - **Transitions.** `claim`, `complete`, `release`, `renew`, `commit_point` and
@@ -130,17 +133,19 @@ impl<C> fmt::Debug for RedisStore<C> {
 
 impl RedisStore {
     /// Connects to the Redis server at `url` (for example `redis://127.0.0.1:6379`)
-    /// with a [`ConnectionManager`], and returns a store with the default settings.
+    /// with a [`ConnectionManager`], checks the server's configuration (see
+    /// [`RedisStoreOptions::build`]: `maxmemory-policy` must be `noeviction`), and
+    /// returns a store with the default settings.
     ///
     /// The manager reconnects by itself after a lost connection. It is configured
     /// here with a 1 s connection timeout, two retries per connection attempt, and no
     /// response timeout of its own (the store's call timeout bounds every call). To
-    /// configure it differently, build it yourself and pass it to
-    /// [`options`](Self::options)`().build(conn)`.
+    /// configure it differently (or to skip the check), build it yourself and pass it
+    /// to [`options`](Self::options)`().build(conn)`.
     ///
-    /// A server that cannot be reached is [`StoreError::Unavailable`] (or
-    /// [`StoreError::Timeout`]), never a hang.
-    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, StoreError> {
+    /// A server that cannot be reached is [`CheckError::Store`] with
+    /// [`StoreError::Unavailable`] (or [`StoreError::Timeout`]), never a hang.
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, CheckError> {
         let client = redis::Client::open(url).map_err(StoreError::unavailable)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
@@ -150,7 +155,7 @@ impl RedisStore {
         // Each attempt is bounded by the connection timeout; the whole by a few of them.
         let bound = DEFAULT_CALL_TIMEOUT * 5;
         let conn = bounded(bound, ConnectionManager::new_with_config(client, config)).await?;
-        Ok(RedisStore::new(conn))
+        RedisStoreOptions::new().build(conn).await
     }
 
     /// The settings of a store (key prefix, call timeout) with their defaults, to be
@@ -167,7 +172,8 @@ impl RedisStore {
     /// let store = RedisStore::options()
     ///     .key_prefix("billing:idem:")
     ///     .call_timeout(Duration::from_millis(300))
-    ///     .build(conn)?;
+    ///     .build(conn) // also checks the server's maxmemory-policy
+    ///     .await?;
     /// assert_eq!(store.key_prefix(), "billing:idem:");
     /// # Ok(()) }
     /// ```
@@ -179,7 +185,9 @@ impl RedisStore {
 #[cfg(feature = "cluster")]
 impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// Connects to a Redis Cluster through its `nodes` (any subset; the others are
-    /// discovered) and returns a store with the default settings. Feature `cluster`.
+    /// discovered), checks the configuration of the node it asks (see
+    /// [`RedisStoreOptions::build`]), and returns a store with the default settings.
+    /// Feature `cluster`.
     ///
     /// Every record is one key whose hash tag is its record id, so each script runs on
     /// the node that owns that key's slot.
@@ -197,14 +205,14 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// ```
     pub async fn connect_cluster<T: IntoConnectionInfo>(
         nodes: impl IntoIterator<Item = T>,
-    ) -> Result<Self, StoreError> {
+    ) -> Result<Self, CheckError> {
         let timeout = DEFAULT_CALL_TIMEOUT;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
             .build()
             .map_err(StoreError::unavailable)?;
         let conn = bounded(timeout * 5, client.get_async_connection()).await?;
-        Ok(RedisStore::new(conn))
+        RedisStoreOptions::new().build(conn).await
     }
 }
 
@@ -212,18 +220,6 @@ impl<C> RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    /// A store over `conn` with the default settings: key prefix `retrysafe:`, 1 s call
-    /// timeout.
-    pub fn new(conn: C) -> Self {
-        RedisStore {
-            conn,
-            config: Arc::new(Config {
-                prefix: DEFAULT_KEY_PREFIX.to_owned(),
-                call_timeout: DEFAULT_CALL_TIMEOUT,
-            }),
-        }
-    }
-
     /// The Redis key of a record: the key prefix, then the record id in lowercase hex
     /// inside braces (a Redis Cluster hash tag).
     ///
@@ -311,10 +307,17 @@ where
         match status {
             CLAIMED => Ok(ClaimOutcome::Claimed { takeover: false }),
             TAKEN_OVER => Ok(ClaimOutcome::Claimed { takeover: true }),
-            EXISTING | BECAME_UNKNOWN => Ok(ClaimOutcome::Existing {
-                record: decode(record)?,
-                became_unknown: status == BECAME_UNKNOWN,
-            }),
+            EXISTING | BECAME_UNKNOWN => {
+                let record = decode(record)?;
+                if status == EXISTING && claim.holds(&record) {
+                    // The same claim sent again (its reply was lost): the caller holds it.
+                    return Ok(ClaimOutcome::Claimed { takeover: false });
+                }
+                Ok(ClaimOutcome::Existing {
+                    record,
+                    became_unknown: status == BECAME_UNKNOWN,
+                })
+            }
             other => Err(StoreError::unavailable(format!(
                 "unexpected claim script status {other}"
             ))),
@@ -353,7 +356,9 @@ where
                 SCRIPTS
                     .release
                     .key(&key)
+                    .key(last_key(&key))
                     .arg(&token.to_bytes()[..])
+                    .arg(millis(RESEND_WINDOW))
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -404,8 +409,10 @@ where
                 SCRIPTS
                     .mark_unknown
                     .key(&key)
+                    .key(last_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(retention_millis(retention))
+                    .arg(millis(RESEND_WINDOW))
                     .invoke_async(&mut conn),
             )
             .await?;
@@ -450,23 +457,30 @@ where
 /// read its settings back, and the settings exist before the connection they are built
 /// over (one set of options can make stores over several connections).
 ///
-/// ```
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_redis::RedisStoreOptions;
+/// use retrysafe_redis::{CheckError, RedisStoreOptions};
 ///
-/// // Validation needs no connection: `()` stands in for one here.
+/// let client = redis::Client::open("redis://127.0.0.1:6379")?;
+/// let conn = redis::aio::ConnectionManager::new(client).await?;
+/// // The settings are validated before the server is asked anything.
 /// let refused = RedisStoreOptions::new()
 ///     .key_prefix("{tenant}:")
 ///     .call_timeout(Duration::ZERO)
-///     .build(())
-///     .unwrap_err();
+///     .build(conn)
+///     .await;
+/// let Err(CheckError::Options(refused)) = refused else { unreachable!() };
 /// assert_eq!(refused.fields().collect::<Vec<_>>(), ["key_prefix", "call_timeout"]);
+/// # Ok(()) }
 /// ```
 #[must_use]
 #[derive(Debug, Clone)]
 pub struct RedisStoreOptions {
     prefix: String,
     call_timeout: Duration,
+    check_config: bool,
 }
 
 impl Default for RedisStoreOptions {
@@ -474,6 +488,7 @@ impl Default for RedisStoreOptions {
         RedisStoreOptions {
             prefix: DEFAULT_KEY_PREFIX.to_owned(),
             call_timeout: DEFAULT_CALL_TIMEOUT,
+            check_config: true,
         }
     }
 }
@@ -501,9 +516,43 @@ impl RedisStoreOptions {
         self
     }
 
-    /// Validates the settings and makes a store over `conn` with them: refuses a prefix
-    /// with braces and a zero or huge call timeout, naming every refused setting.
-    pub fn build<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
+    /// Makes the store without checking the server's configuration, for managed
+    /// services that refuse the `CONFIG` command. The server's `maxmemory-policy` must
+    /// still be `noeviction`: that is then the user's responsibility (any other policy
+    /// can evict an in-flight claim, and a copy of its request would run again).
+    pub fn skip_config_check(mut self) -> Self {
+        self.check_config = false;
+        self
+    }
+
+    /// Validates the settings and makes a store over `conn` with them, then checks the
+    /// server's configuration (one round trip) unless
+    /// [`skip_config_check`](Self::skip_config_check) was set.
+    ///
+    /// - Refused settings (a prefix with braces, a zero or huge call timeout) are
+    ///   [`CheckError::Options`], naming every one; the server is not asked.
+    /// - A `maxmemory-policy` other than `noeviction` is
+    ///   [`CheckError::UnsafeEvictionPolicy`]; one that cannot be read (`CONFIG`
+    ///   refused) is [`CheckError::EvictionPolicyUnreadable`]. See
+    ///   [`RedisStore::check_config`].
+    /// - A server that cannot be reached is [`CheckError::Store`].
+    ///
+    /// Async, like redis-rs's own connection constructors: the store is checked where
+    /// it is made, so that no store runs on a server that may evict its claims.
+    pub async fn build<C>(self, conn: C) -> Result<RedisStore<C>, CheckError>
+    where
+        C: ConnectionLike + Clone + Send + Sync + 'static,
+    {
+        let check = self.check_config;
+        let store = self.validate(conn)?;
+        if check {
+            store.check_on_start().await?;
+        }
+        Ok(store)
+    }
+
+    /// Validates the settings: names every refused one.
+    fn validate<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
         let mut v = Validate::new();
         v.check(
             !self.prefix.contains(['{', '}']),
@@ -550,6 +599,12 @@ pub(crate) fn store_error(e: RedisError) -> StoreError {
     } else {
         StoreError::unavailable(e)
     }
+}
+
+/// The key that holds the token of the last release or `mark_unknown` of the record at
+/// `key`, for [`RESEND_WINDOW`]: `key` with `:last` appended (the same hash tag).
+fn last_key(key: &str) -> String {
+    format!("{key}:last")
 }
 
 fn decode(bytes: Vec<u8>) -> Result<Record, StoreError> {

@@ -9,7 +9,7 @@
 //!
 //! let client = retrysafe_redis::redis::Client::open("redis://127.0.0.1:6379")?;
 //! let conn = CountingConnection::new(ConnectionManager::new(client).await?);
-//! let store = RedisStore::options().build(conn.clone())?;
+//! let store = RedisStore::options().build(conn.clone()).await?;
 //! // ... use the store ...
 //! println!("{} round trips", conn.take());
 //! # Ok(()) }

@@ -24,6 +24,7 @@ async fn app_server(prefix: &str, effects: &Arc<AtomicUsize>) -> Router {
     let store = RedisStore::options()
         .key_prefix(prefix)
         .build(manager().await)
+        .await
         .unwrap();
     let layer = IdempotencyLayer::new(store)
         .wait_for_in_flight(Duration::from_secs(10))

@@ -17,6 +17,7 @@ use std::time::Duration;
 
 use common::{ServerLock, fresh_prefix, host_port, manager, manager_to, redis_url, store};
 use redis::aio::ConnectionManager;
+use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, OutcomeUnknown, Record, RecordId, Token,
 };
@@ -65,6 +66,7 @@ async fn every_store_call_is_one_round_trip() {
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .build(conn.clone())
+        .await
         .unwrap();
     // No script flush while counting.
     let mut admin = manager().await;
@@ -179,6 +181,7 @@ async fn one_key_per_record_with_the_id_as_hash_tag() {
     let store = RedisStore::options()
         .key_prefix(prefix.clone())
         .build(manager().await)
+        .await
         .unwrap();
     let mut admin = manager().await;
     let id = fresh_id();
@@ -381,31 +384,37 @@ fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
     }
 }
 
+/// The settings a build refused.
+fn refused<T: std::fmt::Debug>(r: Result<T, CheckError>) -> ConfigError {
+    match r {
+        Err(CheckError::Options(e)) => e,
+        other => panic!("expected refused settings, got {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn options_are_validated() {
     let manager = manager().await;
     let conn = || CountingConnection::new(manager.clone());
     for prefix in ["a{b", "a}b", "{x}"] {
-        let e = RedisStore::options()
-            .key_prefix(prefix)
-            .build(conn())
-            .unwrap_err();
-        assert_eq!(e.field(), "key_prefix");
+        let e = RedisStore::options().key_prefix(prefix).build(conn()).await;
+        assert_eq!(refused(e).field(), "key_prefix");
     }
     let e = RedisStore::options()
         .call_timeout(Duration::ZERO)
         .build(conn())
-        .unwrap_err();
-    assert_eq!(e.field(), "call_timeout");
+        .await;
+    assert_eq!(refused(e).field(), "call_timeout");
     let e = RedisStore::options()
         .call_timeout(Duration::from_secs(365 * 24 * 60 * 60))
         .build(conn())
-        .unwrap_err();
-    assert_eq!(e.field(), "call_timeout");
+        .await;
+    assert_eq!(refused(e).field(), "call_timeout");
     let store = RedisStore::options()
         .key_prefix("")
         .call_timeout(Duration::from_millis(250))
         .build(conn())
+        .await
         .unwrap();
     assert_eq!(store.call_timeout(), Duration::from_millis(250));
     assert_eq!(
@@ -422,9 +431,9 @@ async fn build_names_every_refused_setting() {
         .key_prefix("a{b}")
         .call_timeout(Duration::ZERO)
         .build(CountingConnection::new(manager().await))
-        .unwrap_err();
+        .await;
     assert_eq!(
-        e.fields().collect::<Vec<_>>(),
+        refused(e).fields().collect::<Vec<_>>(),
         ["key_prefix", "call_timeout"]
     );
 }
@@ -443,7 +452,11 @@ async fn connecting_to_a_closed_port_is_unavailable_not_a_hang() {
     let url = format!("redis://127.0.0.1:{port}");
     let r = tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(url.as_str()))
         .await
-        .expect("connect must give up by itself");
+        .expect("connect must give up by itself")
+        .map_err(|e| match e {
+            CheckError::Store(e) => e,
+            other => panic!("expected a store error, got {other:?}"),
+        });
     assert!(
         matches!(
             kind(&r),
@@ -460,6 +473,7 @@ async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(500))
         .build(manager_to(&proxy.url()).await)
+        .await
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
@@ -564,6 +578,7 @@ async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(300))
         .build(manager_to(&proxy.url()).await)
+        .await
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
@@ -612,72 +627,110 @@ async fn connect_reaches_the_configured_server() {
     assert_eq!(store.get(&id).await.unwrap(), None);
 }
 
-/// Reads `maxmemory-policy` directly.
-async fn policy(admin: &mut ConnectionManager) -> String {
-    let (_, value): (String, String) = redis::cmd("CONFIG")
-        .arg("GET")
-        .arg("maxmemory-policy")
-        .query_async(admin)
-        .await
-        .unwrap();
-    value
+/// A private `redis-server` on a free loopback port with the given eviction policy and
+/// no persistence; killed when dropped. The shared server's policy is its owner's, so
+/// policies are tried on servers of their own.
+struct PrivateRedis {
+    port: u16,
+    child: std::process::Child,
 }
 
-async fn set_policy(admin: &mut ConnectionManager, value: &str) {
-    let () = redis::cmd("CONFIG")
-        .arg("SET")
-        .arg("maxmemory-policy")
-        .arg(value)
-        .query_async(admin)
-        .await
-        .unwrap();
+impl PrivateRedis {
+    async fn start(policy: &str) -> PrivateRedis {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new("redis-server")
+            .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(std::env::temp_dir())
+            .args(["--appendonly", "no", "--save", ""])
+            .args(["--maxmemory-policy", policy])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("start redis-server (is it installed?)");
+        let server = PrivateRedis { port, child };
+        let client = redis::Client::open(server.url()).unwrap();
+        let ready = tokio::time::timeout(Duration::from_secs(30), async {
+            loop {
+                if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
+                    let pong: redis::RedisResult<String> =
+                        redis::cmd("PING").query_async(&mut conn).await;
+                    if pong.is_ok() {
+                        return;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await;
+        assert!(ready.is_ok(), "private redis-server not ready on {port}");
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for PrivateRedis {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 #[tokio::test]
-async fn check_config_refuses_allkeys_policies() {
-    let store = store().await;
-    let mut admin = manager().await;
-    // Another run of this test must not take our temporary policy for the original.
-    let lock = ServerLock::acquire(&mut admin, "maxmemory-policy").await;
-    let original = policy(&mut admin).await;
-
-    let report = store.check_config().await;
-    // Changing the policy is harmless while `maxmemory` is 0 (no limit), and it is put
-    // back before anything is asserted.
-    set_policy(&mut admin, "allkeys-lru").await;
-    let allkeys = store.check_config().await;
-    set_policy(&mut admin, "volatile-ttl").await;
-    let volatile = store.check_config().await;
-    set_policy(&mut admin, &original).await;
-    let restored = policy(&mut admin).await;
-    lock.release(&mut admin).await;
-    assert_eq!(restored, original, "policy restored");
-
-    let parsed = EvictionPolicy::parse(&original);
-    match report {
-        Ok(r) => {
-            assert_eq!(r.eviction_policy, parsed);
-            assert!(r.aof.is_some() && r.rdb.is_some(), "{r:?}");
+async fn making_a_store_refuses_volatile_and_allkeys_policies() {
+    for policy in ["volatile-lru", "allkeys-lru"] {
+        let server = PrivateRedis::start(policy).await;
+        let connected = RedisStore::connect(server.url().as_str()).await;
+        let built = RedisStore::options()
+            .build(manager_to(&server.url()).await)
+            .await;
+        for r in [connected.map(drop), built.map(drop)] {
+            match r {
+                Err(e @ CheckError::UnsafeEvictionPolicy(_)) => {
+                    let CheckError::UnsafeEvictionPolicy(report) = &e else {
+                        unreachable!()
+                    };
+                    assert_eq!(report.eviction_policy, EvictionPolicy::parse(policy));
+                    let message = e.to_string();
+                    assert!(
+                        message.contains(policy) && message.contains("noeviction"),
+                        "{message}"
+                    );
+                }
+                other => panic!("{policy} must be refused, got {other:?}"),
+            }
         }
-        Err(CheckError::UnsafeEvictionPolicy(r)) => {
-            assert!(parsed.is_unsafe(), "{r:?}");
-        }
-        Err(e) => panic!("check_config: {e}"),
+        // The user's responsibility, when asked for.
+        let skipped = RedisStore::options()
+            .skip_config_check()
+            .build(manager_to(&server.url()).await)
+            .await;
+        assert!(skipped.is_ok(), "{skipped:?}");
     }
-    match allkeys {
-        Err(CheckError::UnsafeEvictionPolicy(r)) => {
-            assert_eq!(
-                r.eviction_policy,
-                EvictionPolicy::AllKeys("allkeys-lru".to_owned())
-            );
-        }
-        other => panic!("allkeys-lru must be refused, got {other:?}"),
-    }
-    let volatile = volatile.unwrap();
-    assert_eq!(
-        volatile.eviction_policy,
-        EvictionPolicy::Volatile("volatile-ttl".to_owned())
-    );
+}
+
+#[tokio::test]
+async fn making_a_store_accepts_noeviction() {
+    let server = PrivateRedis::start("noeviction").await;
+    let store = RedisStore::connect(server.url().as_str()).await.unwrap();
+    let report = store.check_config().await.unwrap();
+    assert_eq!(report.eviction_policy, EvictionPolicy::NoEviction);
+    assert!(report.aof.is_some() && report.rdb.is_some(), "{report:?}");
+    let id = fresh_id();
+    let c = claim_args(1, CommitPoint::Undeclared);
+    store.claim(&id, &c).await.unwrap();
+    RedisStore::options()
+        .build(manager_to(&server.url()).await)
+        .await
+        .unwrap();
 }
 
 #[tokio::test]
@@ -697,7 +750,12 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         .await
         .unwrap();
     let url = format!("redis://{user}:{password}@{}", host_port(&redis_url()));
-    let restricted = RedisStore::connect(url.as_str()).await;
+    // By default a policy that cannot be read is refused; skipped, it is the user's.
+    let refused = RedisStore::connect(url.as_str()).await;
+    let restricted = RedisStore::options()
+        .skip_config_check()
+        .build(manager_to(&url).await)
+        .await;
     let outcome = match &restricted {
         Ok(store) => Some(store.check_config().await),
         Err(_) => None,
@@ -709,6 +767,12 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         .await
         .unwrap();
 
+    match refused {
+        Err(e @ CheckError::EvictionPolicyUnreadable) => {
+            assert!(e.to_string().contains("skip_config_check"), "{e}");
+        }
+        other => panic!("an unreadable policy must be refused, got {other:?}"),
+    }
     restricted.unwrap();
     let report = outcome.unwrap().unwrap();
     assert_eq!(report.eviction_policy, EvictionPolicy::Unknown);
@@ -721,12 +785,12 @@ async fn check_config_reports_unknown_when_config_is_refused() {
 #[tokio::test]
 async fn check_config_on_a_server_gone_is_a_store_error() {
     let proxy = StallingProxy::start(host_port(&redis_url())).await;
-    let conn = manager_to(&proxy.url()).await;
-    proxy.shut_down();
     let store = RedisStore::options()
         .call_timeout(Duration::from_millis(500))
-        .build(conn)
+        .build(manager_to(&proxy.url()).await)
+        .await
         .unwrap();
+    proxy.shut_down();
     let r = tokio::time::timeout(Duration::from_secs(20), store.check_config())
         .await
         .expect("bounded");

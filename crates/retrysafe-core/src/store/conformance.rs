@@ -28,7 +28,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue, StatusCode};
 
-use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use super::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore, StoreError};
 use crate::idempotency::{
     CommitPoint, Completed, Fingerprint, OutcomeUnknown, Record, RecordId, Scope, StoredResponse,
     Token,
@@ -137,6 +137,12 @@ macro_rules! store_conformance_tests {
             wait_wakes_on_release,
             wait_returns_after_max,
             keys_are_independent,
+            repeated_claim_is_claimed,
+            repeated_complete_succeeds,
+            repeated_release_succeeds,
+            repeated_mark_unknown_succeeds,
+            repeated_renew_and_commit_point_succeed,
+            lost_replies_are_resent,
         );
     };
     (@cases [$attr:meta] [$store:expr] [$clock:expr] $($case:ident),* $(,)?) => {
@@ -735,4 +741,244 @@ pub async fn keys_are_independent<S: IdempotencyStore>(store: Arc<S>, clock: &dy
         store.get(&a).await.expect("get"),
         Some(Record::InProgress(_))
     ));
+}
+
+/// A claim sent again by its own token (its reply was lost) is `Claimed` again; a copy
+/// with another token still finds the record in progress.
+pub async fn repeated_claim_is_claimed<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Before);
+    assert!(!must_claim(&*store, &id, &c).await);
+    assert!(
+        !must_claim(&*store, &id, &c).await,
+        "the repeated claim holds it"
+    );
+    let copy = claim_args(clock, fp(1), CommitPoint::Before);
+    let (rec, became_unknown) = existing(&*store, &id, &copy).await;
+    assert!(!became_unknown);
+    match rec {
+        Record::InProgress(p) => assert_eq!(p.token, c.token),
+        other => panic!("expected in_progress, got {other:?}"),
+    }
+    // Another fingerprint with the holder's token is not the same claim.
+    let mut odd = c;
+    odd.fingerprint = fp(2);
+    existing(&*store, &id, &odd).await;
+}
+
+/// A completion sent again with the same content succeeds; one with other content is
+/// refused and changes nothing.
+pub async fn repeated_complete_succeeds<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    must_claim(&*store, &id, &c).await;
+    let r = clock.lease() * 10;
+    let done = completed(fp(1), "{\"id\":1}");
+    store
+        .complete(&id, c.token, &done, r)
+        .await
+        .expect("complete");
+    store
+        .complete(&id, c.token, &done, r)
+        .await
+        .expect("the same completion again");
+    assert_stale(
+        store
+            .complete(&id, c.token, &completed(fp(1), "other"), r)
+            .await,
+        "another completion",
+    );
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(done))
+    );
+}
+
+/// A release sent again by the token that released succeeds while the record is
+/// absent; another token is refused.
+pub async fn repeated_release_succeeds<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    must_claim(&*store, &id, &c).await;
+    store.release(&id, c.token).await.expect("release");
+    store
+        .release(&id, c.token)
+        .await
+        .expect("the same release again");
+    assert_stale(store.release(&id, Token::random()).await, "another token");
+    assert_eq!(store.get(&id).await.expect("get"), None);
+    // The key is free: the next copy runs afresh.
+    let next = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    assert!(!must_claim(&*store, &id, &next).await);
+}
+
+/// A `mark_unknown` sent again by the token that marked succeeds; another token is
+/// refused.
+pub async fn repeated_mark_unknown_succeeds<S: IdempotencyStore>(
+    store: Arc<S>,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    must_claim(&*store, &id, &c).await;
+    let r = clock.lease() * 10;
+    store.mark_unknown(&id, c.token, r).await.expect("mark");
+    store
+        .mark_unknown(&id, c.token, r)
+        .await
+        .expect("the same mark again");
+    assert_stale(
+        store.mark_unknown(&id, Token::random(), r).await,
+        "another token",
+    );
+    assert_stale(
+        store
+            .complete(&id, c.token, &completed(fp(1), "late"), r)
+            .await,
+        "complete after unknown",
+    );
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::OutcomeUnknown(OutcomeUnknown {
+            fingerprint: fp(1)
+        }))
+    );
+}
+
+/// `renew` and `commit_point` sent again by the holder succeed and change nothing more.
+pub async fn repeated_renew_and_commit_point_succeed<S: IdempotencyStore>(
+    store: Arc<S>,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Before);
+    must_claim(&*store, &id, &c).await;
+    for _ in 0..2 {
+        store
+            .renew(&id, c.token, clock.lease())
+            .await
+            .expect("renew");
+    }
+    for _ in 0..2 {
+        store
+            .commit_point(&id, c.token)
+            .await
+            .expect("commit point");
+    }
+    match store.get(&id).await.expect("get") {
+        Some(Record::InProgress(p)) => {
+            assert_eq!(p.token, c.token);
+            assert_eq!(p.commit_point, CommitPoint::Passed);
+        }
+        other => panic!("expected in_progress, got {other:?}"),
+    }
+}
+
+/// Each token call applied with its reply lost, then sent again with the same token,
+/// answers as if the first reply had arrived.
+pub async fn lost_replies_are_resent<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
+    let store = FaultyStore::new(Shared(store));
+    let r = clock.lease() * 10;
+    let lose = |what: &str, out: Result<(), StoreError>| {
+        assert!(
+            matches!(out, Err(StoreError::Unavailable(_))),
+            "{what}: the reply is lost, got {out:?}"
+        );
+    };
+
+    // claim, renew, commit_point, complete.
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Before);
+    store.lose_next_replies(1);
+    lose("claim", store.claim(&id, &c).await.map(drop));
+    assert!(!must_claim(&store, &id, &c).await, "claim resent");
+    store.lose_next_replies(1);
+    lose("renew", store.renew(&id, c.token, clock.lease()).await);
+    store
+        .renew(&id, c.token, clock.lease())
+        .await
+        .expect("renew resent");
+    store.lose_next_replies(1);
+    lose("commit_point", store.commit_point(&id, c.token).await);
+    store
+        .commit_point(&id, c.token)
+        .await
+        .expect("commit_point resent");
+    let done = completed(fp(1), "done");
+    store.lose_next_replies(1);
+    lose("complete", store.complete(&id, c.token, &done, r).await);
+    store
+        .complete(&id, c.token, &done, r)
+        .await
+        .expect("complete resent");
+    assert_eq!(
+        store.get(&id).await.expect("get"),
+        Some(Record::Completed(done))
+    );
+
+    // release.
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    must_claim(&store, &id, &c).await;
+    store.lose_next_replies(1);
+    lose("release", store.release(&id, c.token).await);
+    store.release(&id, c.token).await.expect("release resent");
+    assert_eq!(store.get(&id).await.expect("get"), None);
+
+    // mark_unknown.
+    let id = fresh_id();
+    let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
+    must_claim(&store, &id, &c).await;
+    store.lose_next_replies(1);
+    lose("mark_unknown", store.mark_unknown(&id, c.token, r).await);
+    store
+        .mark_unknown(&id, c.token, r)
+        .await
+        .expect("mark_unknown resent");
+    assert!(matches!(
+        store.get(&id).await.expect("get"),
+        Some(Record::OutcomeUnknown(_))
+    ));
+}
+
+/// A shared store as a store of its own, to wrap in a [`FaultyStore`].
+#[derive(Debug)]
+struct Shared<S>(Arc<S>);
+
+impl<S: IdempotencyStore> IdempotencyStore for Shared<S> {
+    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+        self.0.claim(id, claim).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(id, token, record, retention).await
+    }
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.release(id, token).await
+    }
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.0.renew(id, token, lease).await
+    }
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.commit_point(id, token).await
+    }
+    async fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.mark_unknown(id, token, retention).await
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.0.get(id).await
+    }
+    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
+        self.0.wait(id, max).await
+    }
 }

@@ -13,6 +13,16 @@
 //!   a store refuses a token that is not the current holder's with
 //!   [`StoreError::StaleToken`] (also after the lease expired and another copy
 //!   re-claimed).
+//! - Every call is idempotent per token, because a client library may send a call
+//!   again after its connection dropped once the store had applied it ("reply lost"):
+//!   a claim finding the `in_progress` record of its own token (and fingerprint) is
+//!   [`ClaimOutcome::Claimed`] again; a completion finding the record already
+//!   completed with exactly the same content (fingerprint and response) succeeds; a
+//!   release finding the record absent, and a `mark_unknown` finding it
+//!   `outcome_unknown`, succeed when that very token released or marked it, for at
+//!   least [`RESEND_WINDOW`]; `renew` and `commit_point` repeated by the holder simply
+//!   apply again. Any other token is refused as before: a stale holder's write never
+//!   lands.
 //! - Leases and retention are measured by the store's own clock where it has one.
 //!
 //! Every implementation passes the conformance suite in `conformance` (feature
@@ -33,6 +43,12 @@ pub mod conformance;
 mod faulty;
 #[cfg(feature = "test-util")]
 pub use faulty::FaultyStore;
+
+/// How long a store remembers the token that released a record or marked it
+/// `outcome_unknown`, so that the same call sent again (its reply was lost) succeeds
+/// rather than being refused as stale: one minute, far longer than any store call
+/// timeout.
+pub const RESEND_WINDOW: Duration = Duration::from_secs(60);
 
 /// A boxed error from a store backend.
 pub type BoxError = Box<dyn StdError + Send + Sync>;
@@ -127,6 +143,16 @@ impl Claim {
             retention,
             commit_point,
         }
+    }
+}
+
+impl Claim {
+    /// Whether `record` is this claim's own `in_progress` record (same token and
+    /// fingerprint): the claim was applied before, and a store answers the repeated
+    /// claim with [`ClaimOutcome::Claimed`].
+    pub fn holds(&self, record: &Record) -> bool {
+        matches!(record, Record::InProgress(r)
+            if r.token == self.token && r.fingerprint == self.fingerprint)
     }
 }
 

@@ -63,6 +63,7 @@ pub(crate) async fn store() -> RedisStore {
     RedisStore::options()
         .key_prefix(fresh_prefix())
         .build(manager().await)
+        .await
         .unwrap_or_else(|e| panic!("options: {e}"))
 }
 
