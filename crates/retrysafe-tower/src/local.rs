@@ -48,7 +48,6 @@ use std::task::{Context, Poll, ready};
 use http::{HeaderValue, Request, Response, StatusCode};
 use retrysafe_core::__private::is_grpc;
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
-use retrysafe_core::problem::{Problem, ProblemKind};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -221,11 +220,13 @@ fn percent_encode(message: &str) -> String {
 /// others an RFC 9457 `application/problem+json` 503 with `do-not-retry: 1` (type
 /// `urn:retrysafe:problem:<slug>`: `retry-budget-exhausted`, `deadline-exceeded` (504),
 /// `circuit-open`). `None` for an error that is not a local failure.
+#[cfg(any(feature = "budget", feature = "deadline"))]
 pub(crate) fn problem<B: Default + From<bytes::Bytes>>(
     grpc: bool,
     error: &(dyn std::error::Error + 'static),
     convention: &Convention,
 ) -> Option<Response<B>> {
+    use retrysafe_core::problem::{Problem, ProblemKind};
     if grpc {
         let code = grpc_code(error)?;
         return Some(grpc_status_response(code, &error.to_string(), convention));

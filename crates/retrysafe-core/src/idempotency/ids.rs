@@ -187,6 +187,7 @@ impl Token {
     }
 
     /// Lowercase hex, 32 characters.
+    #[doc(hidden)]
     pub fn to_hex(self) -> String {
         hex(&self.to_bytes())
     }

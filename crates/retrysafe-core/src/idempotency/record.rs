@@ -171,6 +171,7 @@ impl Record {
     }
 
     /// The number of bytes [`Record::encode`] writes.
+    #[doc(hidden)]
     pub fn encoded_len(&self) -> usize {
         2 + 32
             + match self {
