@@ -109,6 +109,16 @@ impl Validate {
         }
     }
 
+    /// Refuses a timeout `field` that is zero or over 30 days
+    /// ([`MAX_TIMEOUT`](crate::wire::MAX_TIMEOUT)): the range every layer accepts.
+    pub fn timeout(&mut self, value: std::time::Duration, field: &'static str) {
+        self.check(
+            !value.is_zero() && value <= crate::wire::MAX_TIMEOUT,
+            field,
+            "must be greater than zero and at most 30 days",
+        );
+    }
+
     /// Keeps the value of a checked setting, or its refusal.
     pub fn take<T>(&mut self, checked: Result<T, ConfigError>) -> Option<T> {
         match checked {

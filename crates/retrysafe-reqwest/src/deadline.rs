@@ -74,7 +74,6 @@ use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
 use retrysafe_core::__private::Validate;
 use retrysafe_core::error::DeadlineExceeded;
-use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 
 use retrysafe_tower::deadline::DeadlineBody;
@@ -103,11 +102,7 @@ impl DeadlineMiddleware {
     /// Checks the settings: the error names every one out of range.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
-        v.check(
-            !self.timeout.is_zero() && self.timeout <= MAX_TIMEOUT,
-            "timeout",
-            "must be greater than zero and at most 30 days",
-        );
+        v.timeout(self.timeout, "timeout");
         v.finish(self)
     }
 

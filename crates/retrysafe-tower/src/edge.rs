@@ -45,7 +45,7 @@ use http::{HeaderMap, Request};
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::wire::{
-    Convention, MAX_TIMEOUT, encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout,
+    Convention, encode_grpc_timeout, encode_request_timeout_ms, parse_grpc_timeout,
     parse_request_timeout_ms,
 };
 use tower_layer::Layer;
@@ -87,11 +87,7 @@ impl EdgeLayer {
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
         if let Some(max) = self.config.clamp {
-            v.check(
-                !max.is_zero() && max <= MAX_TIMEOUT,
-                "deadline clamp",
-                "must be greater than zero and at most 30 days",
-            );
+            v.timeout(max, "deadline clamp");
         }
         v.finish(self)
     }

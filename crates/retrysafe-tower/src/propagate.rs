@@ -101,11 +101,7 @@ impl Default for Inbound {
 impl Inbound {
     /// Checks the margin and the maximum.
     pub(crate) fn validate(&self, v: &mut Validate) {
-        v.check(
-            !self.max_timeout.is_zero() && self.max_timeout <= MAX_TIMEOUT,
-            "max timeout",
-            "must be greater than zero and at most 30 days",
-        );
+        v.timeout(self.max_timeout, "max timeout");
         v.check(
             self.margin <= Duration::from_secs(60),
             "margin",

@@ -877,7 +877,7 @@ pub async fn repeated_renew_and_commit_point_succeed<S: IdempotencyStore>(
 /// Each token call applied with its reply lost, then sent again with the same token,
 /// answers as if the first reply had arrived.
 pub async fn lost_replies_are_resent<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
-    let store = FaultyStore::new(Shared(store));
+    let store = FaultyStore::new(store);
     let r = clock.lease() * 10;
     let lose = |what: &str, out: Result<(), StoreError>| {
         assert!(
@@ -939,46 +939,4 @@ pub async fn lost_replies_are_resent<S: IdempotencyStore>(store: Arc<S>, clock: 
         store.get(&id).await.expect("get"),
         Some(Record::OutcomeUnknown(_))
     ));
-}
-
-/// A shared store as a store of its own, to wrap in a [`FaultyStore`].
-#[derive(Debug)]
-struct Shared<S>(Arc<S>);
-
-impl<S: IdempotencyStore> IdempotencyStore for Shared<S> {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        self.0.claim(id, claim).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: Token,
-        record: &Completed,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(id, token, record, retention).await
-    }
-    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.0.release(id, token).await
-    }
-    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
-        self.0.renew(id, token, lease).await
-    }
-    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.0.commit_point(id, token).await
-    }
-    async fn mark_unknown(
-        &self,
-        id: &RecordId,
-        token: Token,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.mark_unknown(id, token, retention).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.0.get(id).await
-    }
-    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
-        self.0.wait(id, max).await
-    }
 }

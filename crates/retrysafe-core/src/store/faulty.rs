@@ -49,6 +49,7 @@ struct Faults {
     fail_all: AtomicBool,
     fail_completions: AtomicU32,
     lose_replies: AtomicU32,
+    stale_renewals: AtomicBool,
     delay_ms: AtomicU64,
     calls: AtomicU64,
 }
@@ -88,6 +89,12 @@ impl<S: IdempotencyStore> FaultyStore<S> {
     /// its reply arrived ("applied, reply lost").
     pub fn lose_next_replies(&self, n: u32) {
         self.faults.lose_replies.store(n, Ordering::SeqCst);
+    }
+
+    /// While on, every renewal is refused with [`StoreError::StaleToken`] without
+    /// reaching the inner store, as after another copy took the claim over.
+    pub fn refuse_renewals(&self, on: bool) {
+        self.faults.stale_renewals.store(on, Ordering::SeqCst);
     }
 
     /// Delays every call by `delay` (tokio time) before it runs.
@@ -165,6 +172,9 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
         self.run(false, self.inner.release(id, token)).await
     }
     async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        if self.faults.stale_renewals.load(Ordering::SeqCst) {
+            return Err(StoreError::StaleToken);
+        }
         self.run(false, self.inner.renew(id, token, lease)).await
     }
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {

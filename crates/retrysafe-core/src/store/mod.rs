@@ -263,6 +263,71 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
     }
 }
 
+/// A shared store is a store: `Arc<S>` forwards every call to `S`, so one store can be
+/// wrapped (in a [`FaultyStore`](crate::store::FaultyStore), say) and still be used
+/// directly.
+impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
+    fn claim(
+        &self,
+        id: &RecordId,
+        claim: &Claim,
+    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
+        (**self).claim(id, claim)
+    }
+    fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).complete(id, token, record, retention)
+    }
+    fn release(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).release(id, token)
+    }
+    fn renew(
+        &self,
+        id: &RecordId,
+        token: Token,
+        lease: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).renew(id, token, lease)
+    }
+    fn commit_point(
+        &self,
+        id: &RecordId,
+        token: Token,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).commit_point(id, token)
+    }
+    fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).mark_unknown(id, token, retention)
+    }
+    fn get(
+        &self,
+        id: &RecordId,
+    ) -> impl Future<Output = Result<Option<Record>, StoreError>> + Send {
+        (**self).get(id)
+    }
+    fn wait(
+        &self,
+        id: &RecordId,
+        max: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).wait(id, max)
+    }
+}
+
 /// The object-safe form of [`IdempotencyStore`], implemented for every store.
 #[doc(hidden)]
 pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {

@@ -55,11 +55,7 @@ impl<W> DeadlineLayer<W> {
     /// Checks the settings: the error names every one out of range.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
-        v.check(
-            !self.timeout.is_zero() && self.timeout <= MAX_TIMEOUT,
-            "timeout",
-            "must be greater than zero and at most 30 days",
-        );
+        v.timeout(self.timeout, "timeout");
         v.finish(self)
     }
 

@@ -9,10 +9,9 @@ use axum::body::Body;
 use axum::http::StatusCode;
 use axum::{Extension, Router};
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Fingerprint, IdempotencyContext, Principal, Record, RecordId, Scope,
-    Token,
+    CommitPoint, Fingerprint, IdempotencyContext, Principal, RecordId, Scope, Token,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::store::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore, StoreError};
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{IdempotencyLayer, ProblemKind, UnknownOutcome, UnknownReason};
@@ -125,56 +124,15 @@ async fn a_handler_cancelled_before_its_commit_point_is_released() {
     assert_eq!(seen.effects.load(Ordering::SeqCst), 0);
 }
 
-/// A store whose renewals are refused with a stale token, as after a takeover.
-#[derive(Debug, Clone)]
-struct StaleRenewals(MemoryStore);
-
-impl IdempotencyStore for StaleRenewals {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        self.0.claim(id, claim).await
-    }
-    async fn complete(
-        &self,
-        id: &RecordId,
-        token: Token,
-        record: &Completed,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.complete(id, token, record, retention).await
-    }
-    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.0.release(id, token).await
-    }
-    async fn renew(&self, _: &RecordId, _: Token, _: Duration) -> Result<(), StoreError> {
-        Err(StoreError::StaleToken)
-    }
-    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.0.commit_point(id, token).await
-    }
-    async fn mark_unknown(
-        &self,
-        id: &RecordId,
-        token: Token,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        self.0.mark_unknown(id, token, retention).await
-    }
-    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        self.0.get(id).await
-    }
-    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
-        self.0.wait(id, max).await
-    }
-}
-
 // A renewal refused with a stale token: the handler's context says its lease was lost,
 // its commit point fails, and the layer cancels it before its effect.
 #[tokio::test(start_paused = true)]
 async fn a_handler_whose_lease_was_lost_is_cancelled() {
     let seen = Arc::new(Seen::default());
-    let layer = IdempotencyLayer::new(StaleRenewals(MemoryStore::new()))
-        .build()
-        .unwrap();
+    // Renewals refused with a stale token, as after a takeover.
+    let store = FaultyStore::new(MemoryStore::new());
+    store.refuse_renewals(true);
+    let layer = IdempotencyLayer::new(store).build().unwrap();
     let app = slow(layer, &seen, false);
     let first = read(
         app.clone()
