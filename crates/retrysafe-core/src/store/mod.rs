@@ -264,7 +264,7 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
 }
 
 /// A shared store is a store: `Arc<S>` forwards every call to `S`, so one store can be
-/// wrapped (in a [`FaultyStore`](crate::store::FaultyStore), say) and still be used
+/// wrapped (in the `FaultyStore` of the `test-util` feature, say) and still be used
 /// directly.
 impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
     fn claim(
