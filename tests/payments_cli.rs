@@ -316,6 +316,41 @@ async fn a_short_lease_is_renewed_while_the_handler_runs() {
     assert_eq!(api.totals("acct-lease").await, (1, 10));
 }
 
+// A handler past `--max-execution-ms` is cancelled before its effect (the payments
+// handler declares its commit point just before recording the payment): the client
+// gets a retryable 5xx, nothing is recorded, and the retry runs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_past_max_execution_is_cancelled_before_its_effect() {
+    let server = Server::start(&["--max-execution-ms", "300"]);
+    let api = Api::new(&server);
+    let slow = api
+        .pay(
+            "exec-1",
+            "acct-exec",
+            10,
+            &[("x-simulate-delay-ms", "2000")],
+        )
+        .await;
+    assert!(slow.status.is_server_error(), "{slow:?}");
+    assert_eq!(api.totals("acct-exec").await, (0, 0));
+    api.pay("exec-1", "acct-exec", 10, &[])
+        .await
+        .assert_created("acct-exec", 10);
+    assert_eq!(api.totals("acct-exec").await, (1, 10));
+}
+
+// The in-memory store takes a byte budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_store_takes_a_byte_budget() {
+    let server = Server::start(&["--memory-bytes", "1048576"]);
+    let api = Api::new(&server);
+    api.pay("bytes-1", "acct-bytes", 5, &[])
+        .await
+        .assert_created("acct-bytes", 5);
+    assert!(api.pay("bytes-1", "acct-bytes", 5, &[]).await.replayed());
+    assert_eq!(api.totals("acct-bytes").await, (1, 5));
+}
+
 #[test]
 fn unreachable_stores_and_bad_arguments_exit_non_zero() {
     // Nothing listens on port 1: the store cannot be reached, and the process says so
@@ -360,6 +395,10 @@ fn unreachable_stores_and_bad_arguments_exit_non_zero() {
         &["--ttl-ms", "0"],
         &["--in-flight", "sometimes"],
         &["--store", "mysql://x"],
+        &["--max-execution-ms", "0"],
+        &["--memory-bytes", "lots"],
+        &["--memory-bytes", "0"],
+        &["--store", "redis://127.0.0.1:1", "--memory-bytes", "4096"],
     ] {
         let (status, stderr) = run_to_exit(bad, &[]);
         assert_eq!(status.code(), Some(2), "{bad:?}: {stderr}");

@@ -43,6 +43,7 @@ use axum::routing::post;
 use axum::{Extension, Json, Router};
 use retrysafe::ConfigError;
 use retrysafe::idempotency::{IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown};
+use retrysafe::memory::MemoryStore;
 use retrysafe::server::ServerLayers;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
@@ -79,6 +80,11 @@ pub(crate) struct Options {
     pub(crate) retention: Option<Duration>,
     /// `wait_for_in_flight(WAIT_FOR_IN_FLIGHT)` instead of 409.
     pub(crate) wait_for_in_flight: bool,
+    /// `IdempotencyLayer::max_execution`: a handler still running then is cancelled.
+    /// (The transactional layer has none: its transaction's idle timeout bounds it.)
+    pub(crate) max_execution: Option<Duration>,
+    /// The `MemoryStore`'s byte budget (`MemoryStore::max_bytes`), with `--store memory`.
+    pub(crate) memory_bytes: Option<u64>,
 }
 
 /// Where idempotency records and payments live.
@@ -134,7 +140,13 @@ pub(crate) fn router_on(
         );
     };
     let (layer, ledger) = match backend {
-        Backend::Memory => (IdempotencyLayer::in_memory(), Ledger::memory()),
+        Backend::Memory => {
+            let store = match options.memory_bytes {
+                Some(bytes) => MemoryStore::new().max_bytes(bytes).build()?,
+                None => MemoryStore::new(),
+            };
+            (IdempotencyLayer::new(store), Ledger::memory())
+        }
         Backend::Redis { store, ledger } => (
             IdempotencyLayer::new(store).on_outcome_unknown(report),
             ledger,
@@ -156,6 +168,9 @@ pub(crate) fn router_on(
     }
     if options.wait_for_in_flight {
         idempotency = idempotency.wait_for_in_flight(WAIT_FOR_IN_FLIGHT);
+    }
+    if let Some(max) = options.max_execution {
+        idempotency = idempotency.max_execution(max);
     }
     let idempotency = idempotency.build()?;
     let shutdown = idempotency.shutdown_handle();

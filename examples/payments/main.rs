@@ -4,6 +4,7 @@
 //! ```text
 //! cargo run --example payments -- [--listen ADDR] [--store memory | redis://… | postgres://…]
 //!                                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
+//!                                 [--max-execution-ms N] [--memory-bytes N]
 //! ```
 //!
 //! Prints `listening on http://ADDR` once ready (ADDR is the address bound: the real
@@ -47,6 +48,7 @@ use tracing_subscriber::EnvFilter;
 const USAGE: &str = "\
 usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
+                [--max-execution-ms N] [--memory-bytes N]
 
   --listen ADDR        address to listen on (default 127.0.0.1:3000; port 0 picks one)
   --store STORE        where idempotency records and payments live: `memory` (default),
@@ -58,6 +60,9 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
   --ttl-ms N           how long completed keys are kept, in milliseconds (default 24 h)
   --in-flight MODE     a copy of a request still in progress: `conflict` answers 409
                        (default), `wait` waits up to 5 s for the original's answer
+  --max-execution-ms N how long a handler may run, in milliseconds (default 60000); a
+                       handler still running then is cancelled (memory and redis stores)
+  --memory-bytes N     byte budget of the in-memory store (--store memory only)
 
 environment:
   PAYMENTS_REDIS_PREFIX   prefix of every Redis key (default `payments:`)
@@ -98,6 +103,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let mut lease = None;
     let mut ttl = None;
     let mut in_flight = None;
+    let mut max_execution = None;
+    let mut memory_bytes = None;
 
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
@@ -120,6 +127,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             "--lease-ms" => &mut lease,
             "--ttl-ms" => &mut ttl,
             "--in-flight" => &mut in_flight,
+            "--max-execution-ms" => &mut max_execution,
+            "--memory-bytes" => &mut memory_bytes,
             other if other.starts_with('-') => return Err(format!("unknown option {other}")),
             other => return Err(format!("unexpected argument {other:?}")),
         };
@@ -163,6 +172,20 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             ));
         }
     };
+    let memory_bytes = match memory_bytes {
+        None => None,
+        Some(_) if !matches!(store, Store::Memory) => {
+            return Err("--memory-bytes is for --store memory".to_owned());
+        }
+        Some(v) => match v.parse::<u64>() {
+            Ok(n) if n > 0 => Some(n),
+            _ => {
+                return Err(format!(
+                    "--memory-bytes must be a positive whole number of bytes, not {v:?}"
+                ));
+            }
+        },
+    };
     Ok(Command::Run(Args {
         listen,
         store,
@@ -170,6 +193,10 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             lease: lease.map(|v| millis("--lease-ms", &v)).transpose()?,
             retention: ttl.map(|v| millis("--ttl-ms", &v)).transpose()?,
             wait_for_in_flight,
+            max_execution: max_execution
+                .map(|v| millis("--max-execution-ms", &v))
+                .transpose()?,
+            memory_bytes,
         },
     }))
 }
