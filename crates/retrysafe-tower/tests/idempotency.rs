@@ -88,18 +88,9 @@ async fn handler(
     res
 }
 
-/// Authentication: `authorization: Bearer T` → principal T, none → "anonymous".
-async fn auth(mut req: Request) -> Request {
-    let principal = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("anonymous")
-        .to_owned();
-    req.extensions_mut().insert(Principal::new(principal));
-    req
-}
+#[path = "support/bearer.rs"]
+mod bearer;
+use bearer::auth;
 
 fn make_app(layer: IdempotencyLayer) -> (Router, Arc<Effects>) {
     let effects = Arc::new(Effects::default());

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::body::Body;
 use axum::http::StatusCode;
 use axum::{Extension, Router};
 use retrysafe_core::idempotency::{
@@ -15,9 +14,8 @@ use retrysafe_core::store::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore, 
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{IdempotencyLayer, ProblemKind, UnknownOutcome, UnknownReason};
-use tower::ServiceExt;
 
-use super::{app, pay, read};
+use super::{app, send};
 
 /// What the handlers saw and did.
 #[derive(Default)]
@@ -61,13 +59,7 @@ async fn a_handler_past_max_execution_is_cancelled_before_its_effect() {
             .unwrap()
     };
     let app = slow(layer, &seen, false);
-    let first = read(
-        app.clone()
-            .oneshot(pay("alice", "k", Body::from("x")))
-            .await
-            .unwrap(),
-    )
-    .await;
+    let first = send(&app, "alice", "k", "x").await;
     assert_eq!(first.0, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(first.3, Some(ProblemKind::OutcomeUnknown));
     assert_eq!(first.1["do-not-retry"], "1");
@@ -79,13 +71,7 @@ async fn a_handler_past_max_execution_is_cancelled_before_its_effect() {
     );
     let reasons: Vec<_> = unknown.lock().unwrap().iter().map(|u| u.reason).collect();
     assert_eq!(reasons, [UnknownReason::Cancelled]);
-    let again = read(
-        app.clone()
-            .oneshot(pay("alice", "k", Body::from("x")))
-            .await
-            .unwrap(),
-    )
-    .await;
+    let again = send(&app, "alice", "k", "x").await;
     assert_eq!(again.3, Some(ProblemKind::OutcomeUnknown));
     assert_eq!(seen.effects.load(Ordering::SeqCst), 0);
 }
@@ -101,24 +87,12 @@ async fn a_handler_cancelled_before_its_commit_point_is_released() {
         .build()
         .unwrap();
     let app = slow(layer, &seen, true);
-    let first = read(
-        app.clone()
-            .oneshot(pay("alice", "k", Body::from("x")))
-            .await
-            .unwrap(),
-    )
-    .await;
+    let first = send(&app, "alice", "k", "x").await;
     assert!(first.0.is_server_error());
     assert!(!first.1.contains_key("do-not-retry"), "a retry is safe");
     assert_eq!(seen.effects.load(Ordering::SeqCst), 0);
     // The retry runs (and is slow too, so it is cancelled the same way).
-    let again = read(
-        app.clone()
-            .oneshot(pay("alice", "k", Body::from("x")))
-            .await
-            .unwrap(),
-    )
-    .await;
+    let again = send(&app, "alice", "k", "x").await;
     assert!(!again.1.contains_key("do-not-retry"));
     assert_ne!(again.3, Some(ProblemKind::InFlight), "the key was released");
     assert_eq!(seen.effects.load(Ordering::SeqCst), 0);
@@ -134,13 +108,7 @@ async fn a_handler_whose_lease_was_lost_is_cancelled() {
     store.refuse_renewals(true);
     let layer = IdempotencyLayer::new(store).build().unwrap();
     let app = slow(layer, &seen, false);
-    let first = read(
-        app.clone()
-            .oneshot(pay("alice", "k", Body::from("x")))
-            .await
-            .unwrap(),
-    )
-    .await;
+    let first = send(&app, "alice", "k", "x").await;
     assert!(first.0.is_server_error());
     let ctx = seen.context.lock().unwrap().clone().unwrap();
     assert!(ctx.lease_lost());

@@ -22,20 +22,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use axum::routing::post;
 use bytes::Bytes;
-use retrysafe_tower::idempotency::{IdempotencyLayer, Principal, Problem, ProblemKind};
+use retrysafe_tower::idempotency::{IdempotencyLayer, Problem, ProblemKind};
 
-/// Authentication: `authorization: Bearer T` → principal T.
-async fn auth(mut req: Request) -> Request {
-    let who = req
-        .headers()
-        .get("authorization")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("anonymous")
-        .to_owned();
-    req.extensions_mut().insert(Principal::new(who));
-    req
-}
+#[path = "../support/bearer.rs"]
+mod bearer;
+use bearer::auth;
 
 /// `handler` behind `layer` and the authentication, on `POST /pay`.
 fn app<H, T>(layer: IdempotencyLayer, handler: H) -> Router
@@ -55,6 +46,23 @@ fn pay(who: &str, key: &str, body: Body) -> Request {
         .header("idempotency-key", key)
         .body(body)
         .unwrap()
+}
+
+/// Sends `POST /pay` as `who` with `key` and `body` to `app`, and reads the answer.
+async fn send(
+    app: &Router,
+    who: &str,
+    key: &str,
+    body: &'static str,
+) -> (StatusCode, HeaderMap, Bytes, Option<ProblemKind>) {
+    use tower::ServiceExt;
+    read(
+        app.clone()
+            .oneshot(pay(who, key, Body::from(body)))
+            .await
+            .unwrap(),
+    )
+    .await
 }
 
 /// Status, headers and body of an answer.
