@@ -23,6 +23,8 @@
 //! - `retrysafe_with_budget_layer`: `RetryLayer` + `RetryBudgetLayer` on one budget;
 //! - `full_stack`: the recommended stack — `DeadlineLayer` (10 s) →
 //!   `RetryLayer` → `RetryBudgetLayer` (one shared budget) → `CircuitBreakerLayer`;
+//! - `client_layers`: the same stack as `full_stack` assembled by `ClientLayers` (one
+//!   fused service, the budget given once);
 //! - `tower_retry_tps`: tower's `Retry` with a policy that deposits into a `TpsBudget`
 //!   on success and withdraws on a retry of a 5xx (tower's documented pattern), cloning
 //!   the request for a possible retry, 2 retries, no delay (`Ready<()>`);
@@ -64,7 +66,7 @@ use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
 use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
+    CircuitBreakerLayer, ClientLayers, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
 };
 use tokio::time::Instant;
@@ -174,7 +176,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 11] = [
+const NAMES: [&str; 12] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -182,6 +184,7 @@ const NAMES: [&str; 11] = [
     "breaker",
     "retrysafe_with_budget_layer",
     "full_stack",
+    "client_layers",
     "tower_retry_tps",
     "tower_resilience_retry",
     "floor",
@@ -236,6 +239,15 @@ fn case(name: &str) -> Option<Runner> {
                 fail,
             )
         }
+        "client_layers" => runner(
+            ClientLayers::new()
+                .deadline(Duration::from_secs(10))
+                .retry(RetryLayer::new().strategy(strategy(None)))
+                .budget(RetryBudget::ratio())
+                .breaker(CircuitBreakerLayer::default())
+                .layer(inner(fail)),
+            fail,
+        ),
         "tower_retry_tps" => runner(
             tower::retry::RetryLayer::new(TowerPolicy::new(2))
                 .layer(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),

@@ -26,6 +26,12 @@
 //! reqwest-middleware with three middlewares that only pass the request on (the hops of
 //! `reqwest_retrysafe`); `reqwest_floor` is the same floor as one middleware.
 //!
+//! `hyper_client_layers` is the same stack as `hyper_retrysafe_full` assembled by
+//! `ClientLayers` (one fused service). Beside each case's throughput, the report gives the
+//! client process's CPU time per request (user + system from `/proc/self/stat` around
+//! each run, median over the rounds; 10 ms ticks, so use enough `REQUESTS`), which does
+//! not depend on which side is the bottleneck.
+//!
 //! `cargo bench --bench client_loopback` (env: `ROUNDS`, `REQUESTS`, `CONNS`).
 //!
 //! Instructions per request of the client process (callgrind does not follow the server
@@ -53,7 +59,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
+    CircuitBreakerLayer, ClientLayers, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
 };
 use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
@@ -210,6 +216,18 @@ fn hyper_case(name: &str, conns: usize) -> HyperSvc {
                     .and_then(collect),
             )
         }
+        "hyper_client_layers" => BoxCloneService::new(
+            ServiceBuilder::new()
+                .layer(
+                    ClientLayers::new()
+                        .deadline(Duration::from_secs(10))
+                        .retry(RetryLayer::new().strategy(StandardRetryStrategy::new()))
+                        .budget(RetryBudget::ratio())
+                        .breaker(CircuitBreakerLayer::default()),
+                )
+                .service(hyper_client(conns))
+                .and_then(collect),
+        ),
         "hyper_floor" => BoxCloneService::new(
             ServiceBuilder::new()
                 .service(Floor::new(hyper_client(conns), true).with_timer())
@@ -338,6 +356,7 @@ const GROUPS: [(&str, &[&str]); 2] = [
         &[
             "hyper_bare",
             "hyper_retrysafe_full",
+            "hyper_client_layers",
             "hyper_tower_retry_tps",
             "hyper_floor",
         ],
@@ -409,10 +428,13 @@ fn main() {
                     run(case, &url, requests / 4, c).await;
                 }
                 let mut rps: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
+                let mut cpu: Vec<Vec<f64>> = vec![Vec::new(); cases.len()];
                 for round in 0..rounds {
                     for k in 0..cases.len() {
                         let i = (k + round) % cases.len();
+                        let before = cpu_seconds();
                         rps[i].push(run(&cases[i].1, &url, requests, c).await);
+                        cpu[i].push((cpu_seconds() - before) * 1e6 / requests as f64);
                     }
                 }
                 let base = names.iter().position(|n| *n == baseline).unwrap();
@@ -420,8 +442,8 @@ fn main() {
                     "\nconns={c} requests/case/round={requests} rounds={rounds} (baseline {baseline})"
                 );
                 println!(
-                    "{:<24} {:>10} {:>10} {:>10} {:>8} {:>15}",
-                    "case", "median/s", "min/s", "max/s", "ratio", "ratio min..max"
+                    "{:<24} {:>10} {:>10} {:>10} {:>8} {:>15} {:>10}",
+                    "case", "median/s", "min/s", "max/s", "ratio", "ratio min..max", "cpu µs/req"
                 );
                 for (i, (name, _)) in cases.iter().enumerate() {
                     let mut ratios: Vec<f64> = rps[i]
@@ -438,8 +460,9 @@ fn main() {
                         .iter()
                         .fold((f64::MAX, f64::MIN), |(l, h), r| (l.min(*r), h.max(*r)));
                     println!(
-                        "{name:<24} {:>10.0} {min:>10.0} {max:>10.0} {ratio:>8.3} {lo:>7.3}..{hi:.3}",
-                        median(&mut v)
+                        "{name:<24} {:>10.0} {min:>10.0} {max:>10.0} {ratio:>8.3} {lo:>7.3}..{hi:.3} {:>10.2}",
+                        median(&mut v),
+                        median(&mut cpu[i].clone())
                     );
                 }
             }
@@ -447,6 +470,25 @@ fn main() {
     });
     drop(child.stdin.take());
     let _ = child.wait();
+}
+
+/// This process's CPU time so far (user + system, from `/proc/self/stat`), in seconds;
+/// 0 where there is no procfs.
+fn cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may hold spaces): utime and stime are the
+    // 12th and 13th, in clock ticks (100 per second on Linux).
+    let after = stat.rsplit_once(')').map_or("", |(_, rest)| rest);
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let ticks = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    (ticks(11) + ticks(12)) / 100.0
 }
 
 #[path = "support/tower_policy.rs"]

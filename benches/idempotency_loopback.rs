@@ -32,6 +32,11 @@
 //! cost of one request through client, loopback and server (see
 //! `scripts/bench-idempotency-loopback`).
 //!
+//! `IDEM_LOOPBACK_SERVE=routes` serves one server with both routes of the same handler,
+//! `/bare` and `/guarded`, for an outside load generator: `wrk`, driven by
+//! `scripts/bench-idempotency-capacity`, which measures the server's CPU time per
+//! request (`IDEM_LOOPBACK_STORE_MIB` sets the store's byte budget there).
+//!
 //! Settings: `IDEM_LOOPBACK_ROUNDS` (12), `IDEM_LOOPBACK_CONNS` (32),
 //! `IDEM_LOOPBACK_REQUESTS` (per connection at `C` connections, 300),
 //! `IDEM_LOOPBACK_SINGLE` (requests at 1 connection, 3000), `IDEM_LOOPBACK_WORKERS` (2).
@@ -83,8 +88,10 @@ const WARMUP_PER_CONN: usize = 20;
 
 fn main() -> Res<()> {
     let workers = env_usize("IDEM_LOOPBACK_WORKERS", 2)?;
-    if std::env::var_os("IDEM_LOOPBACK_SERVE").is_some() {
-        return serve_child(workers);
+    match std::env::var("IDEM_LOOPBACK_SERVE").as_deref() {
+        Ok("routes") => return serve_routes(workers),
+        Ok(_) => return serve_child(workers),
+        Err(_) => {}
     }
     if let Ok(case) = std::env::var("IDEM_LOOPBACK_CALLGRIND") {
         return callgrind(&case, env_usize("IDEM_LOOPBACK_CALLS", 0)?, workers);
@@ -130,6 +137,11 @@ fn router(layer: Option<IdempotencyLayer>) -> Router {
         Some(layer) => routes.layer(layer),
         None => routes,
     };
+    authenticated(routes)
+}
+
+/// The authentication layer of both servers: inserts the one tenant's `Principal`.
+fn authenticated(routes: Router) -> Router {
     let principal = Principal::new("tenant-1");
     routes.layer(MapRequestLayer::new(move |mut req: Request<Body>| {
         req.extensions_mut().insert(principal.clone());
@@ -163,6 +175,44 @@ fn start_servers(runtime: &tokio::runtime::Runtime) -> Res<(SocketAddr, SocketAd
         let guarded = serve(router(Some(IdempotencyLayer::new(MemoryStore::new())))).await?;
         Ok((bare, guarded))
     })
+}
+
+/// One server with both routes of the same handler: `/bare` and `/guarded` (the
+/// latter behind `IdempotencyLayer::new(MemoryStore::new())`), both behind the
+/// authentication layer. For an outside load generator
+/// (`scripts/bench-idempotency-capacity`): prints the address and the server's pid,
+/// then runs until stdin closes.
+fn serve_routes(workers: usize) -> Res<()> {
+    let runtime = server_runtime(workers)?;
+    let addr = runtime.block_on(async {
+        // IDEM_LOOPBACK_STORE_MIB: the store's byte budget (default: the MemoryStore's).
+        let store = match std::env::var("IDEM_LOOPBACK_STORE_MIB") {
+            Ok(mib) => MemoryStore::new()
+                .max_bytes(mib.parse::<u64>()? * 1024 * 1024)
+                .build()?,
+            Err(_) => MemoryStore::new(),
+        };
+        let layer = IdempotencyLayer::new(store);
+        let guarded = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
+            post(create_reading).layer(layer)
+        } else {
+            post(create).layer(layer)
+        };
+        let bare = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
+            post(create_reading)
+        } else {
+            post(create)
+        };
+        let routes = Router::new()
+            .route("/bare", bare)
+            .route("/guarded", guarded);
+        serve(authenticated(routes)).await
+    })?;
+    println!("{addr} {}", std::process::id());
+    std::io::stdout().flush()?;
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    Ok(())
 }
 
 /// The child: serve, print the two addresses, run until stdin closes (the driver died

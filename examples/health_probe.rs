@@ -5,16 +5,15 @@
 //! cargo run --example health_probe -- http://HOST:PORT [--deadline-ms N] [--max-attempts N]
 //! ```
 //!
-//! The stack is the recommended one on a tonic `Channel`, wrapped by the
-//! generated `HealthClient`: `DeadlineLayer` (the whole probe, default 5000 ms) →
-//! `RetryLayer` (the standard strategy: default 3 attempts counting the first, full
-//! jitter from 50 ms, `UNAVAILABLE` retried, `RESOURCE_EXHAUSTED` only with a pushback)
-//! → `RetryBudgetLayer` → `CircuitBreakerLayer` → the one adapter line mapping
-//! `ReplayBody<tonic::body::Body>` into `tonic::body::Body` → `Channel`. Every layer
-//! answers the failures it makes itself as gRPC statuses (`DEADLINE_EXCEEDED`,
-//! `UNAVAILABLE`). A `Check` is a read, so the call carries the
-//! [`Idempotent`](retrysafe::core::strategy::Idempotent) extension, which makes it safe
-//! to retry although gRPC sends it as a POST.
+//! The stack is the recommended one on a tonic `Channel`, assembled by
+//! `ClientLayers::grpc()` and wrapped by the generated `HealthClient`: the deadline (the
+//! whole probe, default 5000 ms) → retry (the standard strategy: default 3 attempts
+//! counting the first, full jitter from 50 ms, `UNAVAILABLE` retried,
+//! `RESOURCE_EXHAUSTED` only with a pushback) → budget → breaker → `Channel`, fused into
+//! one service, with the body adapter inside. Local failures are answered as gRPC
+//! statuses (`DEADLINE_EXCEEDED`, `UNAVAILABLE`). A `Check` is a read, so the call
+//! carries the [`Idempotent`](retrysafe::core::strategy::Idempotent) extension, which
+//! makes it safe to retry although gRPC sends it as a POST.
 //!
 //! It prints one JSON line on stdout:
 //!
@@ -43,11 +42,7 @@ use std::time::Duration;
 
 use http::Request;
 use retrysafe::core::strategy::Idempotent;
-use retrysafe::local::GrpcStatusLayer;
-use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
-    StandardRetryStrategy,
-};
+use retrysafe::{ClientLayers, RetryLayer, StandardRetryStrategy};
 use serde::Serialize;
 use tokio::time::Instant;
 use tonic::Code;
@@ -56,8 +51,8 @@ use tonic::transport::Endpoint;
 use tonic_health::pb::HealthCheckRequest;
 use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
-use tower::ServiceBuilder;
-use tower::util::MapRequestLayer;
+use tower::Layer;
+use tower::util::MapRequest;
 
 /// The whole probe's deadline when `--deadline-ms` is not given.
 const DEFAULT_DEADLINE_MS: u64 = 5_000;
@@ -152,24 +147,15 @@ async fn probe(args: Args) -> Result<Outcome, retrysafe::ConfigError> {
     let strategy = StandardRetryStrategy::new()
         .max_attempts(args.max_attempts)
         .build()?;
-    let budget = RetryBudget::ratio();
-    let stack = ServiceBuilder::new()
-        .layer(GrpcStatusLayer::new())
-        .layer(DeadlineLayer::new(args.deadline).build()?)
-        .layer(RetryLayer::new().strategy(strategy.budget(budget.clone())))
-        .layer(RetryBudgetLayer::new(budget))
-        .layer(CircuitBreakerLayer::default())
-        .layer(MapRequestLayer::new(
-            move |r: Request<ReplayBody<GrpcBody>>| {
-                counter.fetch_add(1, Ordering::Relaxed);
-                r
-            },
-        ))
-        // The one adapter line: `Channel` takes only `tonic::body::Body`.
-        .layer(MapRequestLayer::new(|r: Request<ReplayBody<GrpcBody>>| {
-            r.map(GrpcBody::new)
-        }))
-        .service(args.endpoint.connect_lazy());
+    let layers = ClientLayers::new()
+        .deadline(args.deadline)
+        .retry(RetryLayer::new().strategy(strategy))
+        .build()?;
+    let transport = MapRequest::new(args.endpoint.connect_lazy(), move |r: Request<GrpcBody>| {
+        counter.fetch_add(1, Ordering::Relaxed);
+        r
+    });
+    let stack = layers.grpc().layer(transport);
     let mut client = HealthClient::new(stack);
 
     let mut request = tonic::Request::new(HealthCheckRequest {

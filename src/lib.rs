@@ -66,6 +66,11 @@
 //! and retry point through a [`CallContext`], and marks the server's own failure
 //! `do-not-retry: 1` when one of them gave up.
 //!
+//! With every option on (features `throttle` and `hedge`), the order is: deadline →
+//! `AdaptiveThrottleLayer` → `HedgeLayer` → retry → budget → breaker → transport. The
+//! throttle rejects calls locally while the callee refuses many of them; the hedge
+//! sends another copy of a slow safe request, paid for by the retry budget.
+//!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
@@ -230,13 +235,16 @@
 //! - `deadline` (default): [`DeadlineLayer`].
 //! - `redis`: the `retrysafe-redis` crate (`RedisStore`) as `retrysafe::redis`.
 //! - `postgres`: the `retrysafe-postgres` crate (`PostgresStore`, the transactional
-//!   `TxIdempotencyLayer`) as `retrysafe::postgres`.
+//!   `TxIdempotencyLayer`, the outbox and its `OutboxRelay`, the idempotent `Consumer`)
+//!   as `retrysafe::postgres`.
+//! - `amqp`: with `postgres`, the outbox's RabbitMQ publisher and AMQP messages for the
+//!   consumer (`retrysafe::postgres::outbox::amqp`, lapin).
 //! - `reqwest`: the `retrysafe-reqwest` crate (reqwest-middleware implementations) as
 //!   `retrysafe::reqwest`.
 //! - `propagate` (default): [`PropagateLayer`].
 //! - `edge` (default): [`EdgeLayer`].
 //! - `full`: everything.
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use retrysafe_core as core;
 pub use retrysafe_core::budget::RetryBudget;
@@ -256,14 +264,20 @@ pub use retrysafe_reqwest as reqwest;
 pub use retrysafe_tower::breaker::{self, CircuitBreakerLayer};
 #[cfg(feature = "budget")]
 pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
+#[cfg(feature = "client")]
+pub use retrysafe_tower::client::{self, ClientLayers};
 #[cfg(feature = "deadline")]
 pub use retrysafe_tower::deadline::{self, DeadlineLayer};
 #[cfg(feature = "edge")]
 pub use retrysafe_tower::edge::{self, EdgeLayer};
+#[cfg(feature = "hedge")]
+pub use retrysafe_tower::hedge::{self, HedgeLayer};
 #[cfg(feature = "propagate")]
 pub use retrysafe_tower::propagate::{self, PropagateLayer};
 #[cfg(feature = "retry")]
 pub use retrysafe_tower::retry::{self, ReplayBody, RetryLayer};
+#[cfg(feature = "throttle")]
+pub use retrysafe_tower::throttle::{self, AdaptiveThrottleLayer};
 
 /// Idempotency keys on servers: the [`IdempotencyLayer`](idempotency::IdempotencyLayer),
 /// the [`MemoryStore`](idempotency::MemoryStore) (also [`memory::MemoryStore`]), and the
@@ -276,6 +290,14 @@ pub mod idempotency {
     pub use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
     pub use retrysafe_memory::MemoryStore;
     pub use retrysafe_tower::idempotency::*;
+}
+
+/// Recovery: the [`Reconciler`](recovery::Reconciler) that brings every pending
+/// idempotency record to a definite state through the application's
+/// [`Resolver`](recovery::Resolver), and the [`Operator`](recovery::Operator)'s API.
+#[cfg(feature = "idempotency")]
+pub mod recovery {
+    pub use retrysafe_core::recovery::*;
 }
 
 #[cfg(feature = "idempotency")]

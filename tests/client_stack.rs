@@ -1,4 +1,5 @@
-//! The recommended client stack end to end over loopback: `DeadlineLayer` →
+//! The recommended client stack end to end over loopback, in both forms (the separate
+//! layers, and `ClientLayers`): `DeadlineLayer` →
 //! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer` → hyper-util's client,
 //! against real axum servers. A failing downstream opens the breaker, which then fails
 //! fast even when the transport is not ready; half-open probes close it on recovery; a
@@ -34,14 +35,17 @@ use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
 use retrysafe::core::error::{CircuitOpen, DeadlineExceeded, find};
 use retrysafe::{
-    CallContext, CircuitBreakerLayer, DeadlineLayer, PropagateLayer, ReplayBody, RetryBudget,
-    RetryBudgetLayer, RetryLayer, StandardRetryStrategy,
+    CallContext, CircuitBreakerLayer, ClientLayers, DeadlineLayer, PropagateLayer, ReplayBody,
+    RetryBudget, RetryBudgetLayer, RetryLayer, StandardRetryStrategy,
 };
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tower::limit::ConcurrencyLimit;
 use tower::util::BoxCloneSyncService;
-use tower::{BoxError, Service, ServiceBuilder, ServiceExt};
+use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
+
+mod client_forms;
+use client_forms::Form;
 
 /// The breaker's state changes, in order, as (from, to).
 type Changes = Arc<Mutex<Vec<(State, State)>>>;
@@ -71,9 +75,9 @@ fn breaker_with(open_duration: Duration, changes: Option<Changes>) -> CircuitBre
     CircuitBreaker::new(config)
 }
 
-/// The §6 stack over `transport`: deadline `timeout`, 3 attempts with a 1–5 ms backoff,
+/// The standard client stack over `transport`: deadline `timeout`, 3 attempts with a 1–5 ms backoff,
 /// one ratio budget shared by the retry layer and the budget layer, `breaker`.
-fn stack<T>(transport: T, breaker: CircuitBreaker, timeout: Duration) -> Stack
+fn stack<T>(form: Form, transport: T, breaker: CircuitBreaker, timeout: Duration) -> Stack
 where
     T: Service<Request<ReplayBody<Full<Bytes>>>, Response = Response<Incoming>>
         + Clone
@@ -92,13 +96,24 @@ where
     let strategy = StandardRetryStrategy::new()
         .backoff(backoff)
         .budget(budget.clone());
-    let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(timeout))
-        .layer(RetryLayer::new().strategy(strategy))
-        .layer(RetryBudgetLayer::new(budget))
-        .layer(CircuitBreakerLayer::new(breaker))
-        .service(transport);
-    BoxCloneSyncService::new(svc)
+    match form {
+        Form::Separate => BoxCloneSyncService::new(
+            ServiceBuilder::new()
+                .layer(DeadlineLayer::new(timeout))
+                .layer(RetryLayer::new().strategy(strategy))
+                .layer(RetryBudgetLayer::new(budget))
+                .layer(CircuitBreakerLayer::new(breaker))
+                .service(transport),
+        ),
+        Form::Fused => BoxCloneSyncService::new(
+            ClientLayers::new()
+                .deadline(timeout)
+                .retry(RetryLayer::new().strategy(strategy))
+                .budget(budget)
+                .breaker(CircuitBreakerLayer::new(breaker))
+                .layer(transport),
+        ),
+    }
 }
 
 async fn serve(app: Router) -> SocketAddr {
@@ -186,8 +201,9 @@ fn assert_circuit_open(result: Result<Response<ResponseBody<Incoming>>, BoxError
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failing_downstream_opens_the_breaker_which_then_fails_fast_even_when_not_ready() {
+async fn failing_downstream_opens_the_breaker_which_then_fails_fast_even_when_not_ready(
+    form: Form,
+) {
     let server = Downstream::default();
     let addr = downstream(server.clone()).await;
     let fail = format!("http://{addr}/fail");
@@ -196,7 +212,7 @@ async fn failing_downstream_opens_the_breaker_which_then_fails_fast_even_when_no
     let limited = ConcurrencyLimit::new(http(), 1);
     // Long enough that no half-open probe happens during the test.
     let cb = breaker(Duration::from_secs(60));
-    let client = stack(limited.clone(), cb.clone(), Duration::from_secs(5));
+    let client = stack(form, limited.clone(), cb.clone(), Duration::from_secs(5));
 
     open(&client, &fail, &cb).await;
     // The breaker opened on the 5th failed attempt (minimum_calls, all failures); the
@@ -241,8 +257,7 @@ async fn failing_downstream_opens_the_breaker_which_then_fails_fast_even_when_no
     assert_eq!(server.calls.get(), 5);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn half_open_probes_close_the_breaker_when_the_downstream_recovers() {
+async fn half_open_probes_close_the_breaker_when_the_downstream_recovers(form: Form) {
     let server = Downstream::default();
     let addr = downstream(server.clone()).await;
     let fail = format!("http://{addr}/fail");
@@ -250,7 +265,7 @@ async fn half_open_probes_close_the_breaker_when_the_downstream_recovers() {
     let changes: Changes = Arc::default();
     let open_duration = Duration::from_millis(200);
     let cb = breaker_with(open_duration, Some(Arc::clone(&changes)));
-    let client = stack(http(), cb.clone(), Duration::from_secs(5));
+    let client = stack(form, http(), cb.clone(), Duration::from_secs(5));
 
     open(&client, &fail, &cb).await;
     server.healthy.store(true, Ordering::SeqCst);
@@ -317,9 +332,14 @@ async fn forward(AxumState(hop): AxumState<Hop>) -> AxumResponse {
     }
 }
 
-async fn hop(next: SocketAddr, breaker: CircuitBreaker, calls: Arc<Counter>) -> SocketAddr {
+async fn hop(
+    form: Form,
+    next: SocketAddr,
+    breaker: CircuitBreaker,
+    calls: Arc<Counter>,
+) -> SocketAddr {
     let hop = Hop {
-        client: stack(http(), breaker, Duration::from_secs(5)),
+        client: stack(form, http(), breaker, Duration::from_secs(5)),
         next: format!("http://{next}/"),
         calls,
     };
@@ -330,8 +350,7 @@ async fn hop(next: SocketAddr, breaker: CircuitBreaker, calls: Arc<Counter>) -> 
     serve(app).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_leaf_outage_opens_only_the_breaker_facing_the_leaf() {
+async fn a_leaf_outage_opens_only_the_breaker_facing_the_leaf(form: Form) {
     let (a_calls, b_calls, c_calls): (Arc<Counter>, Arc<Counter>, Arc<Counter>) =
         (Arc::default(), Arc::default(), Arc::default());
     let leaf_calls = Arc::clone(&c_calls);
@@ -345,9 +364,9 @@ async fn a_leaf_outage_opens_only_the_breaker_facing_the_leaf() {
     .await;
     let long = Duration::from_secs(60);
     let (client_cb, a_cb, b_cb) = (breaker(long), breaker(long), breaker(long));
-    let b = hop(c, b_cb.clone(), Arc::clone(&b_calls)).await;
-    let a = hop(b, a_cb.clone(), Arc::clone(&a_calls)).await;
-    let client = stack(http(), client_cb.clone(), Duration::from_secs(5));
+    let b = hop(form, c, b_cb.clone(), Arc::clone(&b_calls)).await;
+    let a = hop(form, b, a_cb.clone(), Arc::clone(&a_calls)).await;
+    let client = stack(form, http(), client_cb.clone(), Duration::from_secs(5));
 
     let n = 8;
     for i in 0..n {
@@ -424,11 +443,11 @@ async fn slow_server(state: Slow, server_deadline: bool) -> SocketAddr {
     serve(app).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn no_attempt_outlives_the_deadline() {
+async fn no_attempt_outlives_the_deadline(form: Form) {
     let server = Slow::default();
     let addr = slow_server(server.clone(), false).await;
     let client = stack(
+        form,
         http(),
         breaker(Duration::from_secs(60)),
         Duration::from_millis(300),
@@ -449,11 +468,11 @@ async fn no_attempt_outlives_the_deadline() {
     assert_eq!(server.calls.get(), 1);
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_attempt_gets_a_shrinking_deadline_and_none_starts_after_it() {
+async fn every_attempt_gets_a_shrinking_deadline_and_none_starts_after_it(form: Form) {
     let server = Slow::default();
     let addr = slow_server(server.clone(), true).await;
     let client = stack(
+        form,
         http(),
         breaker(Duration::from_secs(60)),
         Duration::from_millis(300),
@@ -513,3 +532,29 @@ async fn every_attempt_gets_a_shrinking_deadline_and_none_starts_after_it() {
         "not shrinking: {timeouts:?}"
     );
 }
+
+both_forms!(
+    failing_downstream_opens_the_breaker_which_then_fails_fast_even_when_not_ready,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+both_forms!(
+    half_open_probes_close_the_breaker_when_the_downstream_recovers,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+both_forms!(
+    a_leaf_outage_opens_only_the_breaker_facing_the_leaf,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+both_forms!(
+    no_attempt_outlives_the_deadline,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
+both_forms!(
+    every_attempt_gets_a_shrinking_deadline_and_none_starts_after_it,
+    flavor = "multi_thread",
+    worker_threads = 2
+);

@@ -24,6 +24,19 @@
 //! transactional layer, the keys with a committed record are exactly the keys with an
 //! effect. One JSON summary line per store is printed (`--nocapture` to see it).
 //!
+//! Two more runs exercise what the others cannot:
+//!
+//! - `redis_default`: the library's default configuration, where handlers declare no
+//!   commit point (a holder's expired lease is never taken over, only made unknown);
+//! - `redis_pair`: two server instances, each on its own runtime, accept from one
+//!   listening socket; one of them is crashed (its runtime dropped at once: nothing of it
+//!   runs again, no release, no completion) and restarted every 0.15–0.4 s, while
+//!   handlers wait up to 100 ms before their commit point. Leases are 300 ms and
+//!   handlers declare their commit point, so the copies of a crashed holder's
+//!   requests take over its claims (the run must report takeovers > 0); every instance
+//!   runs a reconciler whose resolver reads the effects, so a claim left past its commit
+//!   point, and a 500 after the effect, end completed with the effect's answer.
+//!
 //! `FAULT_POSTS` (default 2000 per store in the normal suite; 10000 for the figures of
 //! RELIABILITY.md), `FAULT_SEED` (printed), `FAULT_CONCURRENCY` (default 64).
 #![allow(
@@ -99,6 +112,10 @@ enum Mode {
     Redis,
     Postgres,
     PostgresTx,
+    /// Redis, handlers declaring no commit point (the library's default).
+    RedisDefault,
+    /// Redis, two instances, one crashed and restarted again and again.
+    RedisPair,
 }
 
 impl Mode {
@@ -108,6 +125,8 @@ impl Mode {
             Mode::Redis => "redis",
             Mode::Postgres => "postgres",
             Mode::PostgresTx => "postgres_tx",
+            Mode::RedisDefault => "redis_default",
+            Mode::RedisPair => "redis_pair",
         }
     }
 
@@ -117,6 +136,8 @@ impl Mode {
             Mode::Redis => 2,
             Mode::Postgres => 3,
             Mode::PostgresTx => 4,
+            Mode::RedisDefault => 5,
+            Mode::RedisPair => 6,
         }
     }
 }
@@ -137,6 +158,9 @@ struct Events {
     other: AtomicU64,
     /// Calls of the reconcile hook (`on_outcome_unknown`).
     reconcile: AtomicU64,
+    /// Records resolved by a reconciler, and instance crashes (`redis_pair`).
+    resolved: AtomicU64,
+    crashes: AtomicU64,
 }
 
 impl Events {
@@ -159,7 +183,8 @@ impl Events {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         format!(
             "{{\"claimed\":{},\"replayed\":{},\"conflict\":{},\"mismatch\":{},\"takeover\":{},\
-             \"outcome_unknown\":{},\"completion_lost\":{},\"evicted\":{},\"reconcile_hook\":{}}}",
+             \"outcome_unknown\":{},\"completion_lost\":{},\"evicted\":{},\"reconcile_hook\":{},\
+             \"resolved\":{},\"crashes\":{}}}",
             g(&self.claimed),
             g(&self.replayed),
             g(&self.conflict),
@@ -169,6 +194,8 @@ impl Events {
             g(&self.completion_lost),
             g(&self.evicted),
             g(&self.reconcile),
+            g(&self.resolved),
+            g(&self.crashes),
         )
     }
 }
@@ -185,6 +212,11 @@ struct AppState {
     transient: AtomicU64,
     fail_after_effect: AtomicU64,
     handler_calls: AtomicU64,
+    /// Key → the 201 body of its effect (what a resolver answers).
+    answers: Mutex<HashMap<String, Bytes>>,
+    /// The longest wait before the commit point, in ms (`redis_pair`: so that crashes
+    /// find requests in flight).
+    max_delay_ms: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -232,6 +264,10 @@ async fn pay(
         res.extensions_mut().insert(NoEffect);
         return res;
     }
+    if st.max_delay_ms > 0 {
+        let delay = st.rng.lock().unwrap().below(st.max_delay_ms);
+        tokio::time::sleep(Duration::from_millis(delay)).await;
+    }
     if ctx.commit_point().await.is_err() {
         let mut res = problem(StatusCode::SERVICE_UNAVAILABLE, "commit-point-failed");
         res.extensions_mut().insert(NoEffect);
@@ -250,7 +286,16 @@ async fn pay(
                 return problem(StatusCode::SERVICE_UNAVAILABLE, "effect-failed");
             }
         }
-        _ => *st.effects.lock().unwrap().entry(key.clone()).or_default() += 1,
+        _ => {
+            let body = json!({ "id": p.id, "key": key, "pad": "r".repeat(PAD) }).to_string();
+            // The effect and its answer, in one step (a resolver reads both).
+            let mut effects = st.effects.lock().unwrap();
+            *effects.entry(key.clone()).or_default() += 1;
+            st.answers
+                .lock()
+                .unwrap()
+                .insert(key.clone(), Bytes::from(body));
+        }
     }
     if roll < TRANSIENT_PER_MILLE + FAIL_AFTER_EFFECT_PER_MILLE {
         st.fail_after_effect.fetch_add(1, Ordering::Relaxed);
@@ -279,6 +324,8 @@ struct ServerSide {
     events: Arc<Events>,
     shutdown: Shutdown,
     backing: Backing,
+    /// The crash loop of `redis_pair`.
+    pair: Option<pair::Pair>,
 }
 
 fn unique() -> String {
@@ -308,12 +355,16 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
     };
     let mut effects_table = None;
 
+    if mode == Mode::RedisPair {
+        return pair::start(seed, events).await;
+    }
     let (backing, layer) = match mode {
+        Mode::RedisPair => unreachable!("started above"),
         Mode::Memory => (
             Backing::Memory,
             Some(IdempotencyLayer::new(MemoryStore::new())),
         ),
-        Mode::Redis => {
+        Mode::Redis | Mode::RedisDefault => {
             let url = redis_url();
             let client = redis::Client::open(url.as_str()).unwrap();
             let conn =
@@ -366,25 +417,20 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
         }
     };
 
-    let state = Arc::new(AppState {
-        effects: Mutex::new(HashMap::new()),
-        seen: Mutex::new(HashMap::new()),
-        rng: Mutex::new(SplitMix64::new(seed ^ 0x5E4E)),
-        effects_table,
-        transient: AtomicU64::new(0),
-        fail_after_effect: AtomicU64::new(0),
-        handler_calls: AtomicU64::new(0),
-    });
+    let state = app_state(seed, effects_table, 0);
     let routes = Router::new()
         .route("/pay", post(pay))
         .with_state(Arc::clone(&state));
     let in_flight_hint = Duration::from_millis(200);
     let (router, shutdown) = match layer {
         Some(layer) => {
+            let layer = layer.global_scope().require_key();
+            let layer = if mode == Mode::RedisDefault {
+                layer
+            } else {
+                layer.handlers_declare_commit_point()
+            };
             let layer = layer
-                .global_scope()
-                .require_key()
-                .handlers_declare_commit_point()
                 .in_flight_retry_after(in_flight_hint)
                 .retention(Duration::from_secs(600))
                 .on_event(on_event)
@@ -415,6 +461,198 @@ async fn start_server(mode: Mode, seed: u64) -> ServerSide {
         events,
         shutdown,
         backing,
+        pair: None,
+    }
+}
+
+fn app_state(seed: u64, effects_table: Option<String>, max_delay_ms: u64) -> Arc<AppState> {
+    Arc::new(AppState {
+        effects: Mutex::new(HashMap::new()),
+        seen: Mutex::new(HashMap::new()),
+        rng: Mutex::new(SplitMix64::new(seed ^ 0x5E4E)),
+        effects_table,
+        transient: AtomicU64::new(0),
+        fail_after_effect: AtomicU64::new(0),
+        handler_calls: AtomicU64::new(0),
+        answers: Mutex::new(HashMap::new()),
+        max_delay_ms,
+    })
+}
+
+/// Two instances on one listening socket, one crashed and restarted again and again
+/// (`redis_pair`).
+mod pair {
+    use super::*;
+    use retrysafe::core::recovery::{PendingRecord, ReconcilableStore, Resolution, Resolver};
+    use retrysafe::idempotency::StoredResponse;
+
+    /// The lease of a claim: short, so a crashed holder's copies take over soon.
+    const LEASE: Duration = Duration::from_millis(300);
+
+    /// Finds a pending key's effect in the handler's own table: the effect happened
+    /// (its answer), or it did not and cannot any more (its holder's instance is gone,
+    /// or its handler finished: the reconciler waits for both).
+    struct Effects(Arc<AppState>, Arc<Events>);
+
+    impl Resolver for Effects {
+        async fn resolve(&self, record: &PendingRecord) -> Resolution {
+            let Some(key) = record.key() else {
+                return Resolution::Unknown;
+            };
+            let resolution = self.look_up(key.as_str());
+            if resolution != Resolution::Unknown {
+                self.1.resolved.fetch_add(1, Ordering::Relaxed);
+            }
+            resolution
+        }
+    }
+
+    impl Effects {
+        fn look_up(&self, key: &str) -> Resolution {
+            let effects = self.0.effects.lock().unwrap();
+            match self.0.answers.lock().unwrap().get(key) {
+                Some(body) => Resolution::Happened(StoredResponse::new(
+                    StatusCode::CREATED,
+                    vec![(
+                        http::header::CONTENT_TYPE,
+                        http::HeaderValue::from_static("application/json"),
+                    )],
+                    body.clone(),
+                    Vec::new(),
+                )),
+                None if !effects.contains_key(key) => Resolution::DidNotHappen,
+                None => Resolution::Unknown,
+            }
+        }
+    }
+
+    /// One instance: its own runtime, Redis connection, layer and reconciler.
+    struct Instance {
+        runtime: tokio::runtime::Runtime,
+        shutdown: Shutdown,
+    }
+
+    pub(super) struct Pair {
+        stop: tokio::sync::watch::Sender<bool>,
+        crasher: tokio::task::JoinHandle<Vec<Instance>>,
+    }
+
+    impl Pair {
+        /// Stops crashing; the guarded calls of the instances still running finish.
+        pub(super) async fn settle(self) {
+            let _ = self.stop.send(true);
+            let instances = self.crasher.await.unwrap();
+            for i in &instances {
+                tokio::time::timeout(Duration::from_secs(60), i.shutdown.clone().drain())
+                    .await
+                    .expect("the instances' guarded calls did not finish");
+            }
+            for i in instances {
+                i.runtime.shutdown_background();
+            }
+        }
+    }
+
+    fn instance(
+        listener: &std::net::TcpListener,
+        prefix: &str,
+        state: &Arc<AppState>,
+        events: &Arc<Events>,
+    ) -> Instance {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let listener = listener.try_clone().unwrap();
+        let (prefix, state, events) = (prefix.to_owned(), Arc::clone(state), Arc::clone(events));
+        let (ready, shutdown) = std::sync::mpsc::channel();
+        runtime.spawn(async move {
+            let client = redis::Client::open(redis_url().as_str()).unwrap();
+            let conn = ConnectionManager::new(client).await.unwrap();
+            let store = RedisStore::options()
+                .key_prefix(prefix)
+                .call_timeout(Duration::from_secs(2))
+                .build(conn)
+                .await
+                .unwrap();
+            let ev = Arc::clone(&events);
+            let reconciler = store
+                .reconciler(Effects(Arc::clone(&state), Arc::clone(&events)))
+                .interval(Duration::from_millis(100))
+                .max_execution(Duration::from_secs(2))
+                .grace(Duration::from_millis(100))
+                .on_outcome_unknown(move |_| {
+                    ev.reconcile.fetch_add(1, Ordering::Relaxed);
+                })
+                .spawn()
+                .unwrap();
+            let ev = Arc::clone(&events);
+            let layer = IdempotencyLayer::new(store)
+                .global_scope()
+                .require_key()
+                .handlers_declare_commit_point()
+                .store_keys_for_resolution()
+                .lease(LEASE)
+                .store_timeout(Duration::from_millis(90))
+                .max_execution(Duration::from_secs(2))
+                .in_flight_retry_after(Duration::from_millis(200))
+                .retention(Duration::from_secs(600))
+                .on_event(move |e| ev.count(e))
+                .build()
+                .unwrap();
+            let _ = ready.send(layer.shutdown_handle());
+            let router = Router::new()
+                .route("/pay", post(pay))
+                .with_state(state)
+                .layer(layer);
+            listener.set_nonblocking(true).unwrap();
+            let listener = TcpListener::from_std(listener).unwrap();
+            let _reconciler = reconciler;
+            let _ = axum::serve(listener, router).await;
+        });
+        let shutdown = shutdown.recv_timeout(Duration::from_secs(10)).unwrap();
+        Instance { runtime, shutdown }
+    }
+
+    pub(super) async fn start(seed: u64, events: Arc<Events>) -> ServerSide {
+        let url = redis_url();
+        let client = redis::Client::open(url.as_str()).unwrap();
+        let conn = tokio::time::timeout(Duration::from_secs(10), ConnectionManager::new(client))
+            .await
+            .unwrap_or_else(|_| panic!("timed out connecting to Redis at {url}"))
+            .unwrap_or_else(|e| panic!("cannot reach Redis at REDIS_URL={url}: {e}"));
+        let prefix = format!("faults-test:{}:", unique());
+        let state = app_state(seed, None, 100);
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = listener.local_addr().unwrap();
+        let steady = instance(&listener, &prefix, &state, &events);
+        let shutdown = steady.shutdown.clone();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
+        let (p, st, ev) = (prefix.clone(), Arc::clone(&state), Arc::clone(&events));
+        let crasher = tokio::spawn(async move {
+            let mut rng = SplitMix64::new(seed ^ 0xC8A5);
+            let mut crashing = instance(&listener, &p, &st, &ev);
+            loop {
+                let wait = Duration::from_millis(150 + rng.below(250));
+                tokio::select! {
+                    () = tokio::time::sleep(wait) => {}
+                    _ = stopped.changed() => return vec![steady, crashing],
+                }
+                // A crash: every task of the instance is dropped where it stands.
+                crashing.runtime.shutdown_background();
+                ev.crashes.fetch_add(1, Ordering::Relaxed);
+                crashing = instance(&listener, &p, &st, &ev);
+            }
+        });
+        ServerSide {
+            addr,
+            state,
+            events,
+            shutdown,
+            backing: Backing::Redis { conn, prefix },
+            pair: Some(Pair { stop, crasher }),
+        }
     }
 }
 
@@ -553,6 +791,10 @@ async fn run(mode: Mode) {
     // Requests already forwarded by the proxy may still be on their way to a handler;
     // then wait for every guarded call the server spawned.
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut server = server;
+    if let Some(pair) = server.pair.take() {
+        pair.settle().await;
+    }
     tokio::time::timeout(Duration::from_secs(60), server.shutdown.clone().drain())
         .await
         .expect("the server's guarded calls did not finish");
@@ -621,6 +863,9 @@ async fn run(mode: Mode) {
             ));
         }
     }
+    if mode == Mode::RedisPair && server.events.takeover.load(Ordering::Relaxed) == 0 {
+        violations.push("two instances, one crashing, and no takeover".to_owned());
+    }
     if by_outcome.contains_key("stuck") {
         violations.push("logical requests stuck past 60 s".to_owned());
     }
@@ -684,6 +929,16 @@ async fn faults_memory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn faults_redis_store() {
     run(Mode::Redis).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_redis_store_default_configuration() {
+    run(Mode::RedisDefault).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn faults_redis_two_instances_one_crashing() {
+    run(Mode::RedisPair).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

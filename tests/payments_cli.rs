@@ -399,11 +399,32 @@ fn unreachable_stores_and_bad_arguments_exit_non_zero() {
         &["--memory-bytes", "lots"],
         &["--memory-bytes", "0"],
         &["--store", "redis://127.0.0.1:1", "--memory-bytes", "4096"],
+        &["--reconcile-ms", "often"],
+        &["--reconcile-ms", "-1"],
+        &["--test-hooks", "--test-hooks"],
     ] {
         let (status, stderr) = run_to_exit(bad, &[]);
         assert_eq!(status.code(), Some(2), "{bad:?}: {stderr}");
         assert!(stderr.starts_with("error: "), "{bad:?}: {stderr}");
     }
+}
+
+/// `--reconcile-ms` and `--test-hooks` are accepted with the memory store (a reconciler
+/// over it resolves nothing a crash could leave: the store dies with the process).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_memory_store_takes_a_reconciler_and_the_test_hooks() {
+    let server = Server::start(&["--reconcile-ms", "50", "--test-hooks"]);
+    let api = Api::new(&server);
+    let first = api.pay("rec-cli-1", "acme", 700, &[]).await;
+    let id = first.assert_created("acme", 700);
+    let again = api.pay("rec-cli-1", "acme", 700, &[]).await;
+    assert_eq!(again.assert_created("acme", 700), id);
+    assert!(again.replayed());
+    let off = Server::start(&["--reconcile-ms", "0"]);
+    Api::new(&off)
+        .pay("rec-cli-2", "acme", 1, &[])
+        .await
+        .assert_created("acme", 1);
 }
 
 #[test]
@@ -420,6 +441,9 @@ fn help_names_the_stores_and_their_environment() {
         "PAYMENTS_REDIS_PREFIX",
         "PAYMENTS_PG_SCHEMA",
         "--in-flight",
+        "--reconcile-ms",
+        "--test-hooks",
+        "x-simulate-crash",
     ] {
         assert!(usage.contains(needle), "{needle}: {usage}");
     }

@@ -5,8 +5,8 @@
 //!
 //! - becomes unreachable: a TCP proxy in front of the shared Redis or PostgreSQL is cut
 //!   (every connection closed, new ones closed at once) and later restored;
-//! - is restarted: a private `redis-server` (AOF with `appendfsync always`, which DESIGN
-//!   §5 requires for durability) is killed with SIGKILL and started again on the same
+//! - is restarted: a private `redis-server` (AOF with `appendfsync always`, which the
+//!   store's documentation requires for durability) is killed with SIGKILL and started again on the same
 //!   port and directory; a private PostgreSQL cluster (initdb into a temporary
 //!   directory, as user `postgres`) is stopped with `pg_ctl -m immediate` and started
 //!   again (crash recovery).
@@ -42,15 +42,12 @@
 mod example_bin;
 mod support;
 
-use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use retrysafe_core::idempotency::Token;
+use support::private::{PrivatePg, PrivateRedis};
 use support::{
     Answer, Api, Final, KeyAudit, Payment, PgSpace, Proxy, RedisSpace, Rng, Server, Tally,
     database_url, host_port, is_outcome_unknown, redis_url, resolve_all, seed_from_env, with_addr,
@@ -403,300 +400,6 @@ async fn postgres_plain_unreachable_under_load_fails_closed_and_recovers() {
 // ---------------------------------------------------------------------------------
 // The store restarted: private servers
 
-/// A free TCP port on 127.0.0.1 (bound, read, released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// A fresh directory under the temporary directory, removed by [`Scratch`]'s drop.
-struct Scratch(PathBuf);
-
-impl Scratch {
-    fn new(what: &str) -> Scratch {
-        let dir = std::env::temp_dir().join(format!(
-            "retrysafe-store-faults-{what}-{}",
-            &Token::random().to_hex()[..12]
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        Scratch(dir)
-    }
-
-    fn path(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for Scratch {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// Waits until `port` accepts a connection.
-async fn wait_for_port(port: u16, what: &str) {
-    let started = Instant::now();
-    while tokio::net::TcpStream::connect(("127.0.0.1", port))
-        .await
-        .is_err()
-    {
-        assert!(
-            started.elapsed() < Duration::from_secs(30),
-            "{what} did not listen on port {port}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-/// A private `redis-server` with an append-only file fsynced on every write, on a port
-/// of its own; killed (SIGKILL) when dropped.
-struct PrivateRedis {
-    port: u16,
-    dir: Scratch,
-    child: Option<Child>,
-}
-
-impl PrivateRedis {
-    async fn start() -> PrivateRedis {
-        let mut redis = PrivateRedis {
-            port: free_port(),
-            dir: Scratch::new("redis"),
-            child: None,
-        };
-        redis.spawn().await;
-        redis
-    }
-
-    fn url(&self) -> String {
-        format!("redis://127.0.0.1:{}", self.port)
-    }
-
-    /// Starts the server on its port and directory (replaying its AOF) and waits until
-    /// it answers PING.
-    async fn spawn(&mut self) {
-        let port = self.port.to_string();
-        // `STORE_FAULTS_REDIS_AOF=no` runs without persistence, to see what a restart
-        // then loses (the test fails: durability requires persistence).
-        let aof = match std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() {
-            Ok("no") => "no",
-            _ => "yes",
-        };
-        let child = Command::new("redis-server")
-            .args(["--port", port.as_str(), "--bind", "127.0.0.1"])
-            .arg("--dir")
-            .arg(self.dir.path())
-            .args(["--appendonly", aof, "--appendfsync", "always", "--save", ""])
-            .args(["--maxmemory-policy", "noeviction", "--protected-mode", "no"])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("start redis-server (is it installed?)");
-        self.child = Some(child);
-        wait_for_port(self.port, "redis-server").await;
-        let client = retrysafe_redis::redis::Client::open(self.url()).unwrap();
-        let started = Instant::now();
-        loop {
-            // PING fails with LOADING while the AOF is replayed.
-            if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-                let pong: Result<String, _> = retrysafe_redis::redis::cmd("PING")
-                    .query_async(&mut conn)
-                    .await;
-                if pong.is_ok() {
-                    return;
-                }
-            }
-            assert!(
-                started.elapsed() < Duration::from_secs(30),
-                "redis-server not ready"
-            );
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    }
-
-    /// SIGKILL: no shutdown save; what the AOF has is what survives.
-    fn kill(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
-impl Drop for PrivateRedis {
-    fn drop(&mut self) {
-        self.kill();
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_restarted_under_load_fails_closed_and_recovers() {
-    let redis = tokio::sync::Mutex::new(PrivateRedis::start().await);
-    let url = redis.lock().await.url();
-    let space = Space::Redis(RedisSpace::at(&url).await);
-    let test = if std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() == Ok("no") {
-        "redis restarted (SIGKILL, NO persistence)"
-    } else {
-        "redis restarted (SIGKILL, AOF fsync always)"
-    };
-    outage_under_load(
-        test,
-        &space,
-        &url,
-        async || redis.lock().await.kill(),
-        async || redis.lock().await.spawn().await,
-    )
-    .await;
-}
-
-/// The uid and gid of user `postgres`, from /etc/passwd.
-fn postgres_ids() -> (u32, u32) {
-    let passwd = std::fs::read_to_string("/etc/passwd").unwrap();
-    let line = passwd
-        .lines()
-        .find(|l| l.starts_with("postgres:"))
-        .expect("a postgres user (initdb and pg_ctl run as it)");
-    let fields: Vec<&str> = line.split(':').collect();
-    (fields[2].parse().unwrap(), fields[3].parse().unwrap())
-}
-
-/// The directory of `initdb` and `pg_ctl`: `PG_BIN`, or the first of /usr/local/bin and
-/// /usr/lib/postgresql/*/bin that has them.
-fn pg_bin() -> PathBuf {
-    if let Some(dir) = std::env::var_os("PG_BIN") {
-        return PathBuf::from(dir);
-    }
-    let mut candidates = vec![PathBuf::from("/usr/local/bin")];
-    if let Ok(versions) = std::fs::read_dir("/usr/lib/postgresql") {
-        candidates.extend(versions.flatten().map(|v| v.path().join("bin")));
-    }
-    candidates
-        .into_iter()
-        .find(|d| d.join("pg_ctl").exists() && d.join("initdb").exists())
-        .expect("initdb and pg_ctl (set PG_BIN to their directory)")
-}
-
-/// A private PostgreSQL cluster (initdb into a temporary directory, as user
-/// `postgres`) on a port of its own; stopped and removed when dropped.
-struct PrivatePg {
-    port: u16,
-    dir: Scratch,
-    ids: (u32, u32),
-    bin: PathBuf,
-}
-
-impl PrivatePg {
-    async fn start() -> PrivatePg {
-        let dir = Scratch::new("pg");
-        let ids = postgres_ids();
-        std::os::unix::fs::chown(dir.path(), Some(ids.0), Some(ids.1)).unwrap();
-        let pg = PrivatePg {
-            port: free_port(),
-            dir,
-            ids,
-            bin: pg_bin(),
-        };
-        pg.run(
-            "initdb",
-            &[
-                "-D",
-                &pg.data(),
-                "-A",
-                "trust",
-                "-U",
-                "postgres",
-                "--no-sync",
-                "-E",
-                "UTF8",
-                "--locale=C",
-            ],
-        )
-        .await;
-        pg.start_server().await;
-        pg
-    }
-
-    fn data(&self) -> String {
-        self.dir.path().join("data").display().to_string()
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    /// Runs `program args` as user `postgres` in the cluster's directory, to success.
-    async fn run(&self, program: &str, args: &[&str]) {
-        let output = tokio::process::Command::new(self.bin.join(program))
-            .args(args)
-            .current_dir(self.dir.path())
-            .uid(self.ids.0)
-            .gid(self.ids.1)
-            .stdin(Stdio::null())
-            .output()
-            .await
-            .unwrap();
-        assert!(
-            output.status.success(),
-            "{program} {args:?}: {}\n{}",
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-    }
-
-    async fn start_server(&self) {
-        let options = format!(
-            "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} \
-             -c max_connections=60 -c shared_buffers=16MB -c fsync=on",
-            self.port,
-            self.dir.path().display()
-        );
-        let log = self.dir.path().join("log").display().to_string();
-        self.run(
-            "pg_ctl",
-            &[
-                "-D",
-                &self.data(),
-                "-l",
-                &log,
-                "-w",
-                "-t",
-                "60",
-                "-o",
-                &options,
-                "start",
-            ],
-        )
-        .await;
-    }
-
-    /// `pg_ctl -m immediate stop`: every server process quits at once, without a
-    /// checkpoint; the next start runs crash recovery.
-    async fn stop_immediate(&self) {
-        self.run(
-            "pg_ctl",
-            &["-D", &self.data(), "-m", "immediate", "-w", "stop"],
-        )
-        .await;
-    }
-}
-
-impl Drop for PrivatePg {
-    fn drop(&mut self) {
-        let _ = Command::new(self.bin.join("pg_ctl"))
-            .args(["-D", &self.data(), "-m", "immediate", "-w", "stop"])
-            .current_dir(self.dir.path())
-            .uid(self.ids.0)
-            .gid(self.ids.1)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-    }
-}
-
 async fn postgres_restarted(plain: bool) {
     let pg = PrivatePg::start().await;
     let space = Space::Postgres(PgSpace::at(&pg.url()).await, plain);
@@ -723,4 +426,24 @@ async fn postgres_tx_restarted_under_load_fails_closed_and_recovers() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_plain_restarted_under_load_fails_closed_and_recovers() {
     postgres_restarted(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_under_load_fails_closed_and_recovers() {
+    let redis = tokio::sync::Mutex::new(PrivateRedis::start().await);
+    let url = redis.lock().await.url();
+    let space = Space::Redis(RedisSpace::at(&url).await);
+    let test = if std::env::var("STORE_FAULTS_REDIS_AOF").as_deref() == Ok("no") {
+        "redis restarted (SIGKILL, NO persistence)"
+    } else {
+        "redis restarted (SIGKILL, AOF fsync always)"
+    };
+    outage_under_load(
+        test,
+        &space,
+        &url,
+        async || redis.lock().await.kill(),
+        async || redis.lock().await.spawn().await,
+    )
+    .await;
 }

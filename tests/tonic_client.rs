@@ -4,7 +4,8 @@
 //!
 //! `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer` → the one
 //! adapter line (`ReplayBody<tonic::body::Body>` into `tonic::body::Body`) → `Channel`,
-//! every layer answering its local failures as synthesised gRPC statuses.
+//! every layer answering its local failures as synthesised gRPC statuses — and the same
+//! tests again on `ClientLayers::grpc()`, which a generated client takes directly.
 //!
 //! A scripted `Health` server answers each call with the next step of its script
 //! (Trailers-Only statuses, as tonic sends a failed unary call) and records the
@@ -37,8 +38,8 @@ use retrysafe::core::strategy::Idempotent;
 use retrysafe::local::GrpcStatusLayer;
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
-    StandardRetryStrategy,
+    CircuitBreakerLayer, ClientLayers, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer,
+    RetryLayer, StandardRetryStrategy,
 };
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -51,7 +52,10 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
-use tower::ServiceBuilder;
+use tower::{Layer, ServiceBuilder};
+
+mod client_forms;
+use client_forms::Form;
 use tower::util::{BoxCloneSyncService, MapRequestLayer};
 
 /// The client stack as one cloneable type, for `HealthClient::new`. Its error is a
@@ -204,6 +208,7 @@ fn channel(addr: SocketAddr) -> Channel {
 
 /// How a test builds its stack.
 struct Config {
+    form: Form,
     deadline: Duration,
     /// Declares the read-only Health methods idempotent (`idempotent_if`).
     idempotent_if: bool,
@@ -214,10 +219,11 @@ struct Config {
     delays: Arc<Mutex<Vec<Duration>>>,
 }
 
-impl Default for Config {
-    fn default() -> Self {
+impl Config {
+    fn new(form: Form) -> Self {
         let budget = RetryBudget::ratio();
         Config {
+            form,
             deadline: Duration::from_secs(5),
             idempotent_if: true,
             strategy_budget: budget.clone(),
@@ -251,7 +257,7 @@ fn is_health_method(parts: &http::request::Parts) -> bool {
     parts.uri.path().starts_with("/grpc.health.v1.Health/")
 }
 
-/// The §6 stack over `channel`: 3 attempts with a 1–5 ms seeded backoff.
+/// The standard client stack over `channel`: 3 attempts with a 1–5 ms seeded backoff.
 fn stack(channel: Channel, config: &Config) -> Stack {
     let backoff = Backoff::new(
         Duration::from_millis(1),
@@ -268,6 +274,15 @@ fn stack(channel: Channel, config: &Config) -> Stack {
         .on_retry(move |event| delays.lock().unwrap().push(event.delay));
     if config.idempotent_if {
         retry = retry.idempotent_if(is_health_method);
+    }
+    if config.form == Form::Fused {
+        // The budget given once: the two budgets of the separate form are one here.
+        let layers = ClientLayers::new()
+            .deadline(config.deadline)
+            .retry(retry)
+            .budget(config.layer_budget.clone())
+            .breaker(CircuitBreakerLayer::new(config.breaker.clone()));
+        return BoxCloneSyncService::new(layers.grpc().layer(channel));
     }
     let svc = ServiceBuilder::new()
         .map_err(Status::from_error)
@@ -311,11 +326,10 @@ fn do_not_retry(status: &Status) -> Option<&str> {
 // Retries (gRFC A6)
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
-async fn unavailable_then_ok_is_retried_with_the_attempt_headers() {
+async fn unavailable_then_ok_is_retried_with_the_attempt_headers(form: Form) {
     let script = Script::new([Step::Fail(Code::Unavailable, None)]);
     let addr = serve(&script, None).await;
-    let mut client = client(addr, &Config::default());
+    let mut client = client(addr, &Config::new(form));
 
     assert_eq!(check(&mut client).await.unwrap(), ServingStatus::Serving);
 
@@ -328,14 +342,13 @@ async fn unavailable_then_ok_is_retried_with_the_attempt_headers() {
     assert_eq!(seen[1].retry_attempt.as_deref(), Some("2"));
 }
 
-#[tokio::test]
-async fn a_check_is_sent_once_unless_declared_idempotent() {
+async fn a_check_is_sent_once_unless_declared_idempotent(form: Form) {
     // gRPC calls are POSTs: not safe to repeat by default.
     let script = Script::new([Step::Fail(Code::Unavailable, None)]);
     let addr = serve(&script, None).await;
     let undeclared = Config {
         idempotent_if: false,
-        ..Config::default()
+        ..Config::new(form)
     };
     let mut plain = client(addr, &undeclared);
     let status = check(&mut plain).await.unwrap_err();
@@ -355,11 +368,10 @@ async fn a_check_is_sent_once_unless_declared_idempotent() {
     assert_eq!(script.calls(), 2);
 }
 
-#[tokio::test]
-async fn resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay() {
+async fn resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay(form: Form) {
     let script = Script::new([Step::Fail(Code::ResourceExhausted, None)]);
     let addr = serve(&script, None).await;
-    let config = Config::default();
+    let config = Config::new(form);
     let mut client_a = client(addr, &config);
     let status = check(&mut client_a).await.unwrap_err();
     assert_eq!(status.code(), Code::ResourceExhausted);
@@ -368,7 +380,7 @@ async fn resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay()
 
     let script = Script::new([Step::Fail(Code::ResourceExhausted, Some("7"))]);
     let addr = serve(&script, None).await;
-    let config = Config::default();
+    let config = Config::new(form);
     let mut client_b = client(addr, &config);
     assert_eq!(check(&mut client_b).await.unwrap(), ServingStatus::Serving);
     assert_eq!(script.calls(), 2);
@@ -376,12 +388,11 @@ async fn resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay()
     assert_eq!(*config.delays.lock().unwrap(), [Duration::from_millis(7)]);
 }
 
-#[tokio::test]
-async fn a_negative_pushback_is_never_retried() {
+async fn a_negative_pushback_is_never_retried(form: Form) {
     for code in [Code::Unavailable, Code::ResourceExhausted] {
         let script = Script::new([Step::Fail(code, Some("-1"))]);
         let addr = serve(&script, None).await;
-        let mut client = client(addr, &Config::default());
+        let mut client = client(addr, &Config::new(form));
         let status = check(&mut client).await.unwrap_err();
         assert_eq!(status.code(), code);
         assert_eq!(
@@ -392,11 +403,10 @@ async fn a_negative_pushback_is_never_retried() {
     }
 }
 
-#[tokio::test]
-async fn a_status_in_the_trailers_of_a_stream_is_never_retried() {
+async fn a_status_in_the_trailers_of_a_stream_is_never_retried(form: Form) {
     let script = Script::new([]);
     let addr = serve(&script, None).await;
-    let mut client = client(addr, &Config::default());
+    let mut client = client(addr, &Config::new(form));
 
     let mut stream = client.watch(check_request()).await.unwrap().into_inner();
     let first = stream.message().await.unwrap().unwrap();
@@ -415,8 +425,7 @@ async fn a_status_in_the_trailers_of_a_stream_is_never_retried() {
 // Deadlines
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
-async fn grpc_timeout_is_sent_on_every_attempt_and_shrinks() {
+async fn grpc_timeout_is_sent_on_every_attempt_and_shrinks(form: Form) {
     let script = Script::new([
         Step::Fail(Code::Unavailable, None),
         Step::Fail(Code::Unavailable, None),
@@ -427,7 +436,7 @@ async fn grpc_timeout_is_sent_on_every_attempt_and_shrinks() {
         addr,
         &Config {
             deadline,
-            ..Config::default()
+            ..Config::new(form)
         },
     );
 
@@ -445,8 +454,7 @@ async fn grpc_timeout_is_sent_on_every_attempt_and_shrinks() {
     assert!(timeouts[2] > Duration::ZERO, "{timeouts:?}");
 }
 
-#[tokio::test]
-async fn a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client() {
+async fn a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client(form: Form) {
     // One call at a time per connection: a first call (without a deadline, so tonic's
     // own timer never runs) holds the server, and the next waits for it past its
     // deadline, however slow the machine.
@@ -459,7 +467,7 @@ async fn a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client(
 
     let config = Config {
         deadline: Duration::from_millis(300),
-        ..Config::default()
+        ..Config::new(form)
     };
     let mut client = HealthClient::new(stack(channel, &config));
     let status = check(&mut client).await.unwrap_err();
@@ -478,8 +486,7 @@ async fn a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client(
 // Breaker and budget: local failures as statuses, never UNKNOWN
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test]
-async fn an_open_breaker_is_unavailable_without_reaching_the_server() {
+async fn an_open_breaker_is_unavailable_without_reaching_the_server(form: Form) {
     let script = Script::new(std::iter::repeat_n(
         Step::Fail(Code::Unavailable, None),
         100,
@@ -488,7 +495,7 @@ async fn an_open_breaker_is_unavailable_without_reaching_the_server() {
     let cb = breaker(4);
     let config = Config {
         breaker: cb.clone(),
-        ..Config::default()
+        ..Config::new(form)
     };
     let mut client = client(addr, &config);
 
@@ -511,8 +518,7 @@ async fn an_open_breaker_is_unavailable_without_reaching_the_server() {
     assert_eq!(script.calls(), before, "an open breaker let a call through");
 }
 
-#[tokio::test]
-async fn a_budget_layer_that_refuses_a_retry_is_unavailable() {
+async fn a_budget_layer_that_refuses_a_retry_is_unavailable(form: Form) {
     // The budget layer holds a budget of its own, empty: it refuses the retry the
     // retry layer charged to another budget (a synthesised UNAVAILABLE). The retry
     // layer then gives up with the server's real answer before it, marked, as it does
@@ -521,7 +527,7 @@ async fn a_budget_layer_that_refuses_a_retry_is_unavailable() {
     let addr = serve(&script, None).await;
     let config = Config {
         layer_budget: empty_budget(),
-        ..Config::default()
+        ..Config::new(form)
     };
     let mut first = client(addr, &config);
 
@@ -546,8 +552,7 @@ async fn a_budget_layer_that_refuses_a_retry_is_unavailable() {
     assert_eq!(script.calls(), 0);
 }
 
-#[tokio::test]
-async fn an_exhausted_shared_budget_returns_the_last_answer_marked() {
+async fn an_exhausted_shared_budget_returns_the_last_answer_marked(form: Form) {
     // One budget for the retry layer and the budget layer, empty: the retry layer does
     // not retry, and returns the server's own answer marked do-not-retry.
     let script = Script::new([Step::Fail(Code::Unavailable, None)]);
@@ -556,7 +561,7 @@ async fn an_exhausted_shared_budget_returns_the_last_answer_marked() {
     let config = Config {
         strategy_budget: budget.clone(),
         layer_budget: budget,
-        ..Config::default()
+        ..Config::new(form)
     };
     let mut client = client(addr, &config);
 
@@ -567,14 +572,13 @@ async fn an_exhausted_shared_budget_returns_the_last_answer_marked() {
     assert_eq!(script.calls(), 1);
 }
 
-#[tokio::test]
-async fn nothing_listening_is_unavailable_not_unknown() {
+async fn nothing_listening_is_unavailable_not_unknown(form: Form) {
     // A port with nothing behind it: bound, then closed.
     let addr = {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         listener.local_addr().unwrap()
     };
-    let mut client = client(addr, &Config::default());
+    let mut client = client(addr, &Config::new(form));
     let status = check(&mut client).await.unwrap_err();
     assert_eq!(status.code(), Code::Unavailable, "{status:?}");
 }
@@ -593,3 +597,21 @@ fn tonics_transport_errors_are_recognised() {
     assert_eq!(failure_of(&any), Failure::ConnectFailed);
     assert_eq!(failure_of(&tonic::TimeoutExpired(())), Failure::Timeout);
 }
+
+both_forms!(unavailable_then_ok_is_retried_with_the_attempt_headers);
+both_forms!(a_check_is_sent_once_unless_declared_idempotent);
+both_forms!(resource_exhausted_is_retried_only_with_a_pushback_which_is_the_delay);
+both_forms!(a_negative_pushback_is_never_retried);
+both_forms!(a_status_in_the_trailers_of_a_stream_is_never_retried);
+both_forms!(grpc_timeout_is_sent_on_every_attempt_and_shrinks);
+both_forms!(a_deadline_that_runs_out_is_deadline_exceeded_for_the_generated_client);
+both_forms!(an_open_breaker_is_unavailable_without_reaching_the_server);
+// Two budgets (the retry layer's and the budget layer's) exist in the separate form only.
+mod a_budget_layer_that_refuses_a_retry_is_unavailable {
+    #[tokio::test]
+    async fn separate() {
+        super::a_budget_layer_that_refuses_a_retry_is_unavailable(super::Form::Separate).await;
+    }
+}
+both_forms!(an_exhausted_shared_budget_returns_the_last_answer_marked);
+both_forms!(nothing_listening_is_unavailable_not_unknown);

@@ -259,7 +259,7 @@ fn channel(addr: SocketAddr) -> Channel {
         .connect_lazy()
 }
 
-/// The §6 client stack over a channel to `addr`: deadline 5 s (or less, inherited), 3
+/// The standard client stack over a channel to `addr`: deadline 5 s (or less, inherited), 3
 /// attempts with a 1–5 ms backoff, the Health methods declared idempotent.
 fn outbound(addr: SocketAddr) -> Outbound {
     let backoff = Backoff::new(

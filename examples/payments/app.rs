@@ -8,14 +8,26 @@
 //! test can kill the process once the payment is recorded but before its answer is
 //! stored or, with PostgreSQL, committed), and `x-simulate-fail: 500` answers a 500
 //! marked `NoEffect` without an effect, so a retry with the same key runs again.
+//! With `--test-hooks` (`Options::test_hooks`) one more header is honoured (and ignored
+//! without it): `x-simulate-crash: after-commit-point | after-effect` aborts the process
+//! at that point — no completion, no release — as a crash would.
+//!
+//! Recovery: the ledger is unique on (scope, key), so [`PaymentsResolver`] can tell
+//! whether the payment of a pending key happened: found → `Happened` with the original
+//! 201 and body; none → `DidNotHappen` (a late holder's write would find the key
+//! taken). With Redis and PostgreSQL a `Reconciler` runs it every `--reconcile-ms`
+//! (default 1 s); while it runs, copies of a pending key get 503 `outcome-pending`
+//! and, once it is resolved, the replay or a fresh run.
 //!
 //! The backend ([`Backend`]) holds both the idempotency records and the ledger:
 //!
 //! - memory: the `IdempotencyLayer` over a `MemoryStore`, and an in-process ledger;
 //! - Redis: the `IdempotencyLayer` over a `RedisStore`; the payment is written to Redis
 //!   just after the handler's `commit_point()`. A holder that dies before it is taken
-//!   over once its lease expires; one that dies after it leaves an `outcome_unknown`
-//!   record (a 500 `outcome-unknown` problem for later copies, never a second payment);
+//!   over once its lease expires; one that dies after it leaves its key pending until
+//!   the reconciler resolves it from the ledger (without a reconciler, an
+//!   `outcome_unknown` record: a 500 `outcome-unknown` problem for later copies, never a
+//!   second payment);
 //! - PostgreSQL: the `TxIdempotencyLayer`; the payment is inserted through the
 //!   `IdempotentTx` guard, in the transaction that also writes the key: both commit or
 //!   neither does. The handler code is the same: `commit_point()` on the transactional
@@ -42,8 +54,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use retrysafe::ConfigError;
-use retrysafe::idempotency::{IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown};
+use retrysafe::idempotency::{
+    IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown, StoredResponse,
+};
 use retrysafe::memory::MemoryStore;
+use retrysafe::recovery::{
+    PendingRecord, ReconcilableStore, ReconcilerHandle, Resolution, Resolver,
+};
 use retrysafe::server::ServerLayers;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
@@ -53,6 +70,7 @@ use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;
 
 pub(crate) use ledger::Ledger;
+use ledger::{Owner, Payment};
 
 /// The principal of requests without an `Authorization` header. It contains a space,
 /// which no bearer token can, so no token shares its scope.
@@ -85,6 +103,108 @@ pub(crate) struct Options {
     pub(crate) max_execution: Option<Duration>,
     /// The `MemoryStore`'s byte budget (`MemoryStore::max_bytes`), with `--store memory`.
     pub(crate) memory_bytes: Option<u64>,
+    /// Run the reconciler with [`PaymentsResolver`] this often; `None` (or zero): off.
+    pub(crate) reconcile: Option<Duration>,
+    /// Honour the `x-simulate-crash` header.
+    pub(crate) test_hooks: bool,
+}
+
+/// How long idempotency records are kept unless `--ttl-ms` says otherwise (the
+/// layers' default).
+const DEFAULT_RETENTION: Duration = Duration::from_secs(24 * 60 * 60);
+
+impl Options {
+    /// How long a payment keeps its idempotency key unique in the ledger: the records'
+    /// retention.
+    pub(crate) fn key_window(&self) -> Duration {
+        self.retention.unwrap_or(DEFAULT_RETENTION)
+    }
+}
+
+/// What the handlers share: the ledger, and whether the crash hook is on.
+#[derive(Debug, Clone)]
+struct AppState {
+    ledger: Ledger,
+    test_hooks: bool,
+}
+
+/// The running app: its router, the handle that drains its guarded requests on
+/// shutdown, and its reconciler (stopped when dropped).
+#[derive(Debug)]
+pub(crate) struct App {
+    pub(crate) router: Router,
+    pub(crate) shutdown: Shutdown,
+    pub(crate) reconciler: Option<ReconcilerHandle>,
+}
+
+/// Finds out whether the payment of a pending key happened, from the ledger, which is
+/// unique on (scope, key).
+#[derive(Debug, Clone)]
+pub(crate) struct PaymentsResolver {
+    ledger: Ledger,
+}
+
+impl Resolver for PaymentsResolver {
+    async fn resolve(&self, pending: &PendingRecord) -> Resolution {
+        // The layer stores keys for resolution; a record without one cannot be looked up.
+        let (Some(scope), Some(key)) = (pending.scope(), pending.key()) else {
+            return Resolution::Unknown;
+        };
+        match self.ledger.find(scope, key).await {
+            Ok(Some(payment)) => Resolution::Happened(created(&payment)),
+            // Unique on (scope, key): a late write of this key's payment would fail.
+            Ok(None) => Resolution::DidNotHappen,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot look a pending payment up; trying later");
+                Resolution::Unknown
+            }
+        }
+    }
+}
+
+/// The 201 the handler answers for `payment`, as a stored response.
+fn created(payment: &Payment) -> StoredResponse {
+    let body = serde_json::to_vec(payment).unwrap_or_default();
+    StoredResponse::new(
+        StatusCode::CREATED,
+        vec![(CONTENT_TYPE, HeaderValue::from_static("application/json"))],
+        body.into(),
+        Vec::new(),
+    )
+}
+
+/// Starts the reconciler of `store` when `options` ask for one.
+fn reconciler<S: ReconcilableStore>(
+    store: &S,
+    ledger: &Ledger,
+    options: &Options,
+) -> Result<Option<ReconcilerHandle>, ConfigError> {
+    let Some(every) = options.reconcile.filter(|d| !d.is_zero()) else {
+        return Ok(None);
+    };
+    let mut reconciler = store
+        .reconciler(PaymentsResolver {
+            ledger: ledger.clone(),
+        })
+        .interval(every)
+        .grace(every)
+        .on_outcome_unknown(report_unknown);
+    if let Some(max) = options.max_execution {
+        reconciler = reconciler.max_execution(max);
+    }
+    if let Some(retention) = options.retention {
+        reconciler = reconciler.retention(retention);
+    }
+    reconciler.spawn().map(Some)
+}
+
+/// The reconcile hook: a payment whose outcome is (still) unknown.
+fn report_unknown(unknown: &retrysafe::idempotency::UnknownOutcome) {
+    tracing::error!(
+        record = %unknown.record.to_hex(),
+        reason = ?unknown.reason,
+        "a payment's outcome is unknown: reconcile it with the ledger"
+    );
 }
 
 /// Where idempotency records and payments live.
@@ -123,41 +243,38 @@ pub(crate) enum Backend {
     reason = "the quickstart's entry point; `payments` uses `router_on`"
 )]
 pub(crate) fn router(options: &Options) -> Result<(Router, Shutdown), ConfigError> {
-    router_on(Backend::Memory, options)
+    let app = router_on(Backend::Memory, options)?;
+    Ok((app.router, app.shutdown))
 }
 
 /// The payments app over `backend`, and the handle that drains its guarded requests on
 /// shutdown.
-pub(crate) fn router_on(
-    backend: Backend,
-    options: &Options,
-) -> Result<(Router, Shutdown), ConfigError> {
-    let report = |unknown: &retrysafe::idempotency::UnknownOutcome| {
-        tracing::error!(
-            record = %unknown.record.to_hex(),
-            reason = ?unknown.reason,
-            "a payment's outcome is unknown: reconcile it with the ledger"
-        );
-    };
-    let (layer, ledger) = match backend {
+pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, ConfigError> {
+    let (layer, ledger, reconciler) = match backend {
         Backend::Memory => {
             let store = match options.memory_bytes {
                 Some(bytes) => MemoryStore::new().max_bytes(bytes).build()?,
                 None => MemoryStore::new(),
             };
-            (IdempotencyLayer::new(store), Ledger::memory())
+            let ledger = Ledger::memory(options.key_window());
+            let reconciler = reconciler(&store, &ledger, options)?;
+            (IdempotencyLayer::new(store), ledger, reconciler)
         }
-        Backend::Redis { store, ledger } => (
-            IdempotencyLayer::new(store).on_outcome_unknown(report),
-            ledger,
-        ),
-        Backend::PostgresPlain { store, ledger } => (
-            IdempotencyLayer::new(store).on_outcome_unknown(report),
-            ledger,
-        ),
+        Backend::Redis { store, ledger } => {
+            let reconciler = reconciler(&store, &ledger, options)?;
+            (IdempotencyLayer::new(store), ledger, reconciler)
+        }
+        Backend::PostgresPlain { store, ledger } => {
+            let reconciler = reconciler(&store, &ledger, options)?;
+            (IdempotencyLayer::new(store), ledger, reconciler)
+        }
         Backend::Postgres { store, ledger } => return transactional(&store, ledger, options),
     };
-    let mut idempotency = layer.require_key().handlers_declare_commit_point();
+    let mut idempotency = layer
+        .require_key()
+        .handlers_declare_commit_point()
+        .store_keys_for_resolution()
+        .on_outcome_unknown(report_unknown);
     if let Some(lease) = options.lease {
         // A lease must outlast three store calls: a short one takes a short timeout.
         let store_timeout = (lease / 4).min(DEFAULT_STORE_TIMEOUT);
@@ -175,14 +292,22 @@ pub(crate) fn router_on(
     let idempotency = idempotency.build()?;
     let shutdown = idempotency.shutdown_handle();
 
+    let state = AppState {
+        ledger,
+        test_hooks: options.test_hooks,
+    };
     let router = Router::new()
         .route("/payments", post(create_payment).get(totals))
-        .with_state(ledger)
+        .with_state(state)
         .layer(
             ServerLayers::new(idempotency)
                 .authentication(axum::middleware::map_request(authenticate)),
         );
-    Ok((outer(router), shutdown))
+    Ok(App {
+        router: outer(router),
+        shutdown,
+        reconciler,
+    })
 }
 
 /// The app with PostgreSQL's transactional layer: key and payment in one transaction.
@@ -190,7 +315,11 @@ fn transactional(
     store: &PostgresStore,
     ledger: Ledger,
     options: &Options,
-) -> Result<(Router, Shutdown), ConfigError> {
+) -> Result<App, ConfigError> {
+    // Nothing is ever pending with the transactional layer (a crash rolls key and
+    // payment back together); the reconciler runs for operators' tools and rows of the
+    // plain mode sharing the table.
+    let reconciler = reconciler(store, &ledger, options)?;
     let mut backend = TxBackend::from_store(store);
     if let Some(lease) = options.lease {
         backend = backend.idle_in_transaction_timeout(lease);
@@ -205,12 +334,20 @@ fn transactional(
     let idempotency = idempotency.build()?;
     let shutdown = idempotency.shutdown_handle();
 
+    let state = AppState {
+        ledger,
+        test_hooks: options.test_hooks,
+    };
     let router = Router::new()
         .route("/payments", post(create_payment).get(totals))
-        .with_state(ledger)
+        .with_state(state)
         .layer(idempotency)
         .layer(axum::middleware::map_request(authenticate));
-    Ok((outer(router), shutdown))
+    Ok(App {
+        router: outer(router),
+        shutdown,
+        reconciler,
+    })
 }
 
 /// The layers outside authentication.
@@ -255,34 +392,70 @@ struct TotalsQuery {
     account: Option<String>,
 }
 
+/// Where `x-simulate-crash` aborts the process.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Crash {
+    /// Just after the commit point, before the payment.
+    AfterCommitPoint,
+    /// Just after the payment, before the answer.
+    AfterEffect,
+}
+
 /// The test hooks of one request.
 #[derive(Debug)]
 struct Hooks {
     delay: Option<Duration>,
     delay_after: Option<Duration>,
     fail: Option<StatusCode>,
+    crash: Option<Crash>,
 }
 
 impl Hooks {
-    /// Reads the hook headers; the error is the problem detail.
-    fn read(headers: &HeaderMap) -> Result<Hooks, &'static str> {
+    /// Reads the hook headers (`x-simulate-crash` only when `crash_hook`); the error is
+    /// the problem detail.
+    fn read(headers: &HeaderMap, crash_hook: bool) -> Result<Hooks, &'static str> {
         Ok(Hooks {
             delay: simulated_delay(headers, "x-simulate-delay-ms")?,
             delay_after: simulated_delay(headers, "x-simulate-delay-after-ms")?,
             fail: simulated_failure(headers)?,
+            crash: if crash_hook {
+                simulated_crash(headers)?
+            } else {
+                None
+            },
         })
+    }
+
+    /// Aborts the process if the crash hook asks for it at `point`: no completion, no
+    /// release, no flush.
+    fn crash_at(&self, point: Crash) {
+        if self.crash == Some(point) {
+            tracing::warn!(?point, "x-simulate-crash: aborting");
+            std::process::abort();
+        }
+    }
+}
+
+/// `x-simulate-crash: after-commit-point | after-effect`; the error is the detail.
+fn simulated_crash(headers: &HeaderMap) -> Result<Option<Crash>, &'static str> {
+    match headers.get("x-simulate-crash").map(HeaderValue::as_bytes) {
+        None => Ok(None),
+        Some(b"after-commit-point") => Ok(Some(Crash::AfterCommitPoint)),
+        Some(b"after-effect") => Ok(Some(Crash::AfterEffect)),
+        Some(_) => Err("x-simulate-crash must be `after-commit-point` or `after-effect`"),
     }
 }
 
 async fn create_payment(
-    State(ledger): State<Ledger>,
+    State(state): State<AppState>,
     idempotency: Option<Extension<IdempotencyContext>>,
     // The request's transaction with PostgreSQL; `None` with the other backends.
     tx: Option<IdempotentTx>,
     headers: HeaderMap,
     payment: Result<Json<NewPayment>, JsonRejection>,
 ) -> Response {
-    let hooks = match Hooks::read(&headers) {
+    let ledger = state.ledger;
+    let hooks = match Hooks::read(&headers, state.test_hooks) {
         Ok(hooks) => hooks,
         Err(detail) => {
             return problem(
@@ -320,11 +493,12 @@ async fn create_payment(
         res.extensions_mut().insert(NoEffect);
         return res;
     }
-    if let Some(Extension(ctx)) = idempotency {
+    if let Some(Extension(ctx)) = &idempotency {
         // Just before the effect: a copy may take over a stalled claim until here. (With
         // PostgreSQL's transactional layer this returns at once: the transaction is the
-        // commit point.)
-        if let Err(e) = ctx.commit_point().await {
+        // commit point.) The note tells a resolver what was about to be paid.
+        let note = format!("{} {}", payment.account, payment.amount_cents);
+        if let Err(e) = ctx.commit_point_with(note).await {
             tracing::warn!(error = %e, "commit point failed; the payment is not recorded");
             let mut res = problem(
                 StatusCode::SERVICE_UNAVAILABLE,
@@ -338,8 +512,13 @@ async fn create_payment(
             return res;
         }
     }
+    hooks.crash_at(Crash::AfterCommitPoint);
+    let owner = idempotency.as_ref().map(|Extension(ctx)| Owner {
+        scope: ctx.scope(),
+        key: ctx.key(),
+    });
     let recorded = match ledger
-        .record(tx, payment.account, payment.amount_cents)
+        .record(tx, owner, payment.account, payment.amount_cents)
         .await
     {
         Ok(recorded) => recorded,
@@ -369,14 +548,17 @@ async fn create_payment(
             );
         }
     };
+    // With PostgreSQL's transactional layer the payment is still in the open
+    // transaction here: a crash rolls key and payment back together.
+    hooks.crash_at(Crash::AfterEffect);
     if let Some(delay) = hooks.delay_after {
         tokio::time::sleep(delay).await;
     }
     (StatusCode::CREATED, Json(recorded)).into_response()
 }
 
-async fn totals(State(ledger): State<Ledger>, Query(query): Query<TotalsQuery>) -> Response {
-    match ledger.totals(query.account.as_deref()).await {
+async fn totals(State(state): State<AppState>, Query(query): Query<TotalsQuery>) -> Response {
+    match state.ledger.totals(query.account.as_deref()).await {
         Ok(totals) => Json(totals).into_response(),
         Err(e) => {
             tracing::warn!(error = %e, "cannot read the ledger");

@@ -1,32 +1,44 @@
 //! The payments ledger: where a payment is recorded, in memory, in Redis or in
 //! PostgreSQL.
 //!
-//! - **Memory**: a list in the process (the `quickstart` and the default `payments`).
+//! Every payment made under an idempotency key is unique on (scope, key) for the
+//! retention of the idempotency records (`--ttl-ms`, the key window): a second write
+//! for the same key within it finds the first payment and records nothing. That makes
+//! the ledger the resolver's source of truth (`find`): a pending key whose payment is
+//! in the ledger happened; one whose payment is not can no longer happen, since a late
+//! holder's write would find the key taken. After the window, as for the idempotency
+//! layer, the key is new again.
+//!
+//! - **Memory**: a list in the process (the `quickstart` and the default `payments`),
+//!   with an index by (scope, key).
 //! - **Redis**: one hash per account, `{prefix}{ledger}:account:{account}`, mapping each
-//!   payment id to its amount, and the set of accounts `{prefix}{ledger}:accounts`,
-//!   written together in one `MULTI`. (`{ledger}` is a Redis Cluster hash tag: every
-//!   ledger key is in one slot.)
-//! - **PostgreSQL**: a `payments` table (in the store's schema when it has one), written
-//!   inside the request's transaction through the [`IdempotentTx`] guard, so the payment
-//!   and the idempotency key commit together; or, in the plain mode
-//!   (`PAYMENTS_PG_MODE=plain`, a test hook), on its own in autocommit, after the
-//!   handler's commit point, as with Redis.
+//!   payment id to its amount, the set of accounts `{prefix}{ledger}:accounts`, and one
+//!   key per idempotency key, `{prefix}{ledger}:by-key:<scope hash>:<key>`, holding the
+//!   payment and expiring with the key window, written together by one script that
+//!   first checks it. (`{ledger}` is a Redis Cluster hash tag: every ledger key is in
+//!   one slot.)
+//! - **PostgreSQL**: a `payments` table (in the store's schema when it has one), unique
+//!   on (scope, key), written inside the request's transaction through the
+//!   [`IdempotentTx`] guard, so the payment and the idempotency key commit together; or,
+//!   in the plain mode (`PAYMENTS_PG_MODE=plain`, a test hook), on its own in
+//!   autocommit, after the handler's commit point, as with Redis.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use retrysafe::core::idempotency::Token;
+use retrysafe::core::idempotency::{Scope, Token};
+use retrysafe::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::{self, Row};
 use retrysafe_postgres::tx::IdempotentTx;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 /// How long one ledger call to Redis or PostgreSQL may take.
 const CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// One recorded payment.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub(crate) struct Payment {
     pub(crate) id: String,
     pub(crate) account: String,
@@ -70,15 +82,67 @@ impl std::fmt::Display for LedgerError {
     }
 }
 
+/// The payments of the in-memory ledger, and their index by (scope, key): the payment's
+/// place and when the key window of its key ends.
+#[derive(Debug)]
+pub(crate) struct MemoryLedger {
+    payments: Vec<Payment>,
+    by_key: std::collections::HashMap<String, (usize, tokio::time::Instant)>,
+    window: Duration,
+}
+
+impl MemoryLedger {
+    /// The payment of `name` while its key window lasts.
+    fn owned(&self, name: &str) -> Option<&Payment> {
+        let &(at, until) = self.by_key.get(name)?;
+        (tokio::time::Instant::now() < until)
+            .then(|| self.payments.get(at))
+            .flatten()
+    }
+}
+
+/// The idempotency key a payment was made under, in its scope: what the ledger is
+/// unique on.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Owner<'a> {
+    pub(crate) scope: &'a Scope,
+    pub(crate) key: &'a IdempotencyKey,
+}
+
+impl Owner<'_> {
+    /// `<scope hash in hex>:<key>`: the ledger's unique name of the key.
+    fn name(&self) -> String {
+        let hex: String = self
+            .scope
+            .as_bytes()
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        format!("{hex}:{}", self.key.as_str())
+    }
+}
+
+/// Records a payment unless its (scope, key) already has one within the key window;
+/// replies the payment stored under the key (the new one, or the first).
+const REDIS_RECORD: &str = r"
+local first = redis.call('GET', KEYS[1])
+if first then return first end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[5])
+redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+redis.call('SADD', KEYS[3], ARGV[4])
+return ARGV[1]
+";
+
 /// The ledger of one backend. Cloning it is cheap and shares the backend.
 #[derive(Debug, Clone)]
 pub(crate) enum Ledger {
     /// In this process.
-    Memory(Arc<Mutex<Vec<Payment>>>),
+    Memory(Arc<Mutex<MemoryLedger>>),
     /// In Redis, under a key prefix.
     Redis {
         conn: ConnectionManager,
         prefix: Arc<str>,
+        window: Duration,
     },
     /// In a PostgreSQL table (qualified by its schema when there is one): inside the
     /// request's transaction when `transactional`, else on its own (autocommit).
@@ -86,20 +150,27 @@ pub(crate) enum Ledger {
         pool: sqlx::PgPool,
         table: Arc<str>,
         transactional: bool,
+        window: Duration,
     },
 }
 
 impl Ledger {
-    /// An empty in-memory ledger.
-    pub(crate) fn memory() -> Ledger {
-        Ledger::Memory(Arc::default())
+    /// An empty in-memory ledger whose payments are unique per key for `window`.
+    pub(crate) fn memory(window: Duration) -> Ledger {
+        Ledger::Memory(Arc::new(Mutex::new(MemoryLedger {
+            payments: Vec::new(),
+            by_key: std::collections::HashMap::new(),
+            window,
+        })))
     }
 
-    /// A ledger in Redis whose keys start with `prefix`.
-    pub(crate) fn redis(conn: ConnectionManager, prefix: &str) -> Ledger {
+    /// A ledger in Redis whose keys start with `prefix`, payments unique per key for
+    /// `window`.
+    pub(crate) fn redis(conn: ConnectionManager, prefix: &str, window: Duration) -> Ledger {
         Ledger::Redis {
             conn,
             prefix: prefix.into(),
+            window,
         }
     }
 
@@ -109,6 +180,7 @@ impl Ledger {
     pub(crate) async fn postgres(
         store: &PostgresStore,
         transactional: bool,
+        window: Duration,
     ) -> Result<Ledger, sqlx::Error> {
         // The store's table name is validated and qualified as `schema.table`.
         let table = match store.table().split_once('.') {
@@ -127,6 +199,9 @@ impl Ledger {
                  created_at   timestamptz NOT NULL DEFAULT now()
              );
              CREATE INDEX IF NOT EXISTS payments_account_idx ON {table} (account);
+             ALTER TABLE {table} ADD COLUMN IF NOT EXISTS scope bytea;
+             ALTER TABLE {table} ADD COLUMN IF NOT EXISTS idem_key text;
+             CREATE UNIQUE INDEX IF NOT EXISTS payments_owner_idx ON {table} (scope, idem_key);
              COMMIT;"
         );
         sqlx::raw_sql(&migrate).execute(store.pool()).await?;
@@ -134,6 +209,7 @@ impl Ledger {
             pool: store.pool().clone(),
             table: table.into(),
             transactional,
+            window,
         })
     }
 
@@ -149,69 +225,177 @@ impl Ledger {
         )
     }
 
-    /// Records one payment. With PostgreSQL, `tx` is the request's transaction: the
-    /// payment commits with the idempotency key, or not at all.
+    /// Records one payment made under `owner` (unique: if that key has a payment
+    /// already, nothing is recorded and the first payment is returned). With
+    /// PostgreSQL, `tx` is the request's transaction: the payment commits with the
+    /// idempotency key, or not at all.
     pub(crate) async fn record(
         &self,
         tx: Option<IdempotentTx>,
+        owner: Option<Owner<'_>>,
         account: String,
         amount_cents: i64,
     ) -> Result<Payment, LedgerError> {
         match self {
-            Ledger::Memory(payments) => {
-                let mut payments = payments.lock().unwrap_or_else(PoisonError::into_inner);
+            Ledger::Memory(ledger) => {
+                let mut ledger = ledger.lock().unwrap_or_else(PoisonError::into_inner);
+                let name = owner.map(|o| o.name());
+                if let Some(first) = name.as_deref().and_then(|n| ledger.owned(n)) {
+                    return Ok(first.clone());
+                }
                 let payment = Payment {
-                    id: format!("pay_{:x}_{}", std::process::id(), payments.len() + 1),
+                    id: format!("pay_{:x}_{}", std::process::id(), ledger.payments.len() + 1),
                     account,
                     amount_cents,
                 };
-                payments.push(payment.clone());
+                ledger.payments.push(payment.clone());
+                if let Some(name) = name {
+                    let at = ledger.payments.len() - 1;
+                    let until = tokio::time::Instant::now() + ledger.window;
+                    ledger.by_key.insert(name, (at, until));
+                }
                 Ok(payment)
             }
-            Ledger::Redis { conn, prefix } => {
-                let id = format!("pay_{}", Token::random().to_hex());
-                let mut conn = conn.clone();
-                let mut write = redis::pipe();
-                write
-                    .atomic()
-                    .cmd("HSET")
-                    .arg(account_key(prefix, &account))
-                    .arg(&id)
-                    .arg(amount_cents)
-                    .ignore()
-                    .cmd("SADD")
-                    .arg(accounts_key(prefix))
-                    .arg(&account)
-                    .ignore();
-                bounded(write.query_async::<()>(&mut conn)).await?;
-                Ok(Payment {
-                    id,
+            Ledger::Redis {
+                conn,
+                prefix,
+                window,
+            } => {
+                let payment = Payment {
+                    id: format!("pay_{}", Token::random().to_hex()),
                     account,
                     amount_cents,
-                })
+                };
+                let json = serde_json::to_string(&payment).map_err(unavailable)?;
+                // A keyless payment gets a name of its own, so the script is one.
+                let name = owner.map_or_else(|| format!("unkeyed:{}", payment.id), |o| o.name());
+                let mut conn = conn.clone();
+                let script = redis::Script::new(REDIS_RECORD);
+                let mut call = script.prepare_invoke();
+                call.key(by_key(prefix, &name))
+                    .key(account_key(prefix, &payment.account))
+                    .key(accounts_key(prefix))
+                    .arg(&json)
+                    .arg(&payment.id)
+                    .arg(payment.amount_cents)
+                    .arg(&payment.account)
+                    .arg(millis(*window));
+                let stored: String = bounded(call.invoke_async(&mut conn)).await?;
+                serde_json::from_str(&stored).map_err(unavailable)
             }
             Ledger::Postgres {
                 pool,
                 table,
                 transactional,
+                window,
             } => {
-                let insert = format!(
-                    "INSERT INTO {table} (account, amount_cents) VALUES ($1, $2) RETURNING id"
+                // A key whose window has ended is new again: its old payment lets go of it.
+                let release = format!(
+                    "UPDATE {table} SET scope = NULL, idem_key = NULL
+                     WHERE scope = $1 AND idem_key = $2
+                       AND created_at < now() - $3 * interval '1 millisecond'"
                 );
+                let insert = format!(
+                    "INSERT INTO {table} (account, amount_cents, scope, idem_key)
+                     VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (scope, idem_key) DO NOTHING RETURNING id"
+                );
+                let (scope, key) = owner.map_or((None, None), |o| {
+                    (
+                        Some(o.scope.as_bytes().to_vec()),
+                        Some(o.key.as_str().to_owned()),
+                    )
+                });
+                let released = sqlx::query(&release)
+                    .bind(scope.clone())
+                    .bind(key.clone())
+                    .bind(millis(*window));
                 let query = sqlx::query_scalar(&insert)
                     .bind(&account)
-                    .bind(amount_cents);
-                let id: i64 = if *transactional {
+                    .bind(amount_cents)
+                    .bind(scope)
+                    .bind(key);
+                let id: Option<i64> = if *transactional {
                     let mut tx = tx.ok_or(LedgerError::NoTransaction)?;
-                    bounded(query.fetch_one(&mut *tx)).await?
+                    if owner.is_some() {
+                        bounded(released.execute(&mut *tx)).await?;
+                    }
+                    bounded(query.fetch_optional(&mut *tx)).await?
                 } else {
-                    bounded(query.fetch_one(pool)).await?
+                    if owner.is_some() {
+                        bounded(released.execute(pool)).await?;
+                    }
+                    bounded(query.fetch_optional(pool)).await?
                 };
-                Ok(Payment {
-                    id: format!("pay_{id}"),
-                    account,
-                    amount_cents,
+                match (id, owner) {
+                    (Some(id), _) => Ok(Payment {
+                        id: format!("pay_{id}"),
+                        account,
+                        amount_cents,
+                    }),
+                    // The key has its payment already: that one.
+                    (None, Some(owner)) => self
+                        .find(owner.scope, owner.key)
+                        .await?
+                        .ok_or_else(|| LedgerError::Unavailable("payment vanished".into())),
+                    (None, None) => Err(LedgerError::Unavailable("no payment id".into())),
+                }
+            }
+        }
+    }
+
+    /// The payment made under `key` in `scope`, if any: what the resolver asks.
+    pub(crate) async fn find(
+        &self,
+        scope: &Scope,
+        key: &IdempotencyKey,
+    ) -> Result<Option<Payment>, LedgerError> {
+        let name = Owner { scope, key }.name();
+        match self {
+            Ledger::Memory(ledger) => {
+                let ledger = ledger.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(ledger.owned(&name).cloned())
+            }
+            Ledger::Redis { conn, prefix, .. } => {
+                let mut conn = conn.clone();
+                let found: Option<String> = bounded(
+                    redis::cmd("GET")
+                        .arg(by_key(prefix, &name))
+                        .query_async(&mut conn),
+                )
+                .await?;
+                found
+                    .map(|json| serde_json::from_str(&json).map_err(unavailable))
+                    .transpose()
+            }
+            Ledger::Postgres {
+                pool,
+                table,
+                window,
+                ..
+            } => {
+                let select = format!(
+                    "SELECT id, account, amount_cents FROM {table}
+                     WHERE scope = $1 AND idem_key = $2
+                       AND created_at >= now() - $3 * interval '1 millisecond'"
+                );
+                let row = bounded(
+                    sqlx::query(&select)
+                        .bind(scope.as_bytes().to_vec())
+                        .bind(key.as_str())
+                        .bind(millis(*window))
+                        .fetch_optional(pool),
+                )
+                .await?;
+                row.map(|row| {
+                    let id: i64 = row.try_get("id").map_err(unavailable)?;
+                    Ok(Payment {
+                        id: format!("pay_{id}"),
+                        account: row.try_get("account").map_err(unavailable)?,
+                        amount_cents: row.try_get("amount_cents").map_err(unavailable)?,
+                    })
                 })
+                .transpose()
             }
         }
     }
@@ -219,14 +403,15 @@ impl Ledger {
     /// The count and total of `account`'s payments, or of all of them.
     pub(crate) async fn totals(&self, account: Option<&str>) -> Result<Totals, LedgerError> {
         match self {
-            Ledger::Memory(payments) => {
-                let payments = payments.lock().unwrap_or_else(PoisonError::into_inner);
-                Ok(payments
+            Ledger::Memory(ledger) => {
+                let ledger = ledger.lock().unwrap_or_else(PoisonError::into_inner);
+                Ok(ledger
+                    .payments
                     .iter()
                     .filter(|p| account.is_none_or(|a| p.account == a))
                     .fold(Totals::default(), |t, p| t.add(p.amount_cents)))
             }
-            Ledger::Redis { conn, prefix } => {
+            Ledger::Redis { conn, prefix, .. } => {
                 let mut conn = conn.clone();
                 let accounts: Vec<String> = match account {
                     Some(a) => vec![a.to_owned()],
@@ -274,6 +459,16 @@ impl Ledger {
 /// The Redis hash of `account`'s payments: payment id → amount in cents.
 pub(crate) fn account_key(prefix: &str, account: &str) -> String {
     format!("{prefix}{{ledger}}:account:{account}")
+}
+
+/// The Redis key of the payment made under `name` (`<scope hash>:<key>`).
+fn by_key(prefix: &str, name: &str) -> String {
+    format!("{prefix}{{ledger}}:by-key:{name}")
+}
+
+/// Whole milliseconds of `d`, for Redis and PostgreSQL.
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// The Redis set of the accounts that have payments.

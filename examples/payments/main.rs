@@ -5,6 +5,7 @@
 //! cargo run --example payments -- [--listen ADDR] [--store memory | redis://… | postgres://…]
 //!                                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
 //!                                 [--max-execution-ms N] [--memory-bytes N]
+//!                                 [--reconcile-ms N] [--test-hooks]
 //! ```
 //!
 //! Prints `listening on http://ADDR` once ready (ADDR is the address bound: the real
@@ -49,6 +50,7 @@ const USAGE: &str = "\
 usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
                 [--max-execution-ms N] [--memory-bytes N]
+                [--reconcile-ms N] [--test-hooks]
 
   --listen ADDR        address to listen on (default 127.0.0.1:3000; port 0 picks one)
   --store STORE        where idempotency records and payments live: `memory` (default),
@@ -63,6 +65,11 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
   --max-execution-ms N how long a handler may run, in milliseconds (default 60000); a
                        handler still running then is cancelled (memory and redis stores)
   --memory-bytes N     byte budget of the in-memory store (--store memory only)
+  --reconcile-ms N     run the reconciler every N milliseconds: it resolves keys left
+                       pending by a crashed holder from the ledger (0 = off; default
+                       1000 for redis and postgres stores, off for memory)
+  --test-hooks         honour the test hook header `x-simulate-crash: after-commit-point
+                       | after-effect`, which aborts the process at that point
 
 environment:
   PAYMENTS_REDIS_PREFIX   prefix of every Redis key (default `payments:`)
@@ -71,6 +78,10 @@ environment:
                           or `plain` (a test hook: a PostgresStore, payment on its own)
 
 exit codes: 0 after ctrl-c, 1 on a runtime error or an unavailable store, 2 on bad arguments";
+
+/// How often the reconciler runs with Redis and PostgreSQL unless `--reconcile-ms`
+/// says otherwise.
+const DEFAULT_RECONCILE: Duration = Duration::from_secs(1);
 
 /// The default prefix of the Redis keys (`PAYMENTS_REDIS_PREFIX`).
 const DEFAULT_REDIS_PREFIX: &str = "payments:";
@@ -105,6 +116,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let mut in_flight = None;
     let mut max_execution = None;
     let mut memory_bytes = None;
+    let mut reconcile = None;
+    let mut test_hooks = false;
 
     let mut args = args.into_iter();
     while let Some(arg) = args.next() {
@@ -113,6 +126,13 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             .map_err(|a| format!("argument {a:?} is not valid UTF-8"))?;
         if arg == "-h" || arg == "--help" {
             return Ok(Command::Help);
+        }
+        if arg == "--test-hooks" {
+            if test_hooks {
+                return Err("--test-hooks is given twice".to_owned());
+            }
+            test_hooks = true;
+            continue;
         }
         // `--flag value` or `--flag=value`.
         let (flag, inline) = match arg.split_once('=') {
@@ -129,6 +149,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             "--in-flight" => &mut in_flight,
             "--max-execution-ms" => &mut max_execution,
             "--memory-bytes" => &mut memory_bytes,
+            "--reconcile-ms" => &mut reconcile,
             other if other.starts_with('-') => return Err(format!("unknown option {other}")),
             other => return Err(format!("unexpected argument {other:?}")),
         };
@@ -186,6 +207,19 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             }
         },
     };
+    let reconcile = match reconcile {
+        None if store == Store::Memory => None,
+        None => Some(DEFAULT_RECONCILE),
+        Some(v) => match v.parse::<u64>() {
+            Ok(0) => None,
+            Ok(n) => Some(Duration::from_millis(n)),
+            Err(_) => {
+                return Err(format!(
+                    "--reconcile-ms must be a whole number of milliseconds (0 = off), not {v:?}"
+                ));
+            }
+        },
+    };
     Ok(Command::Run(Args {
         listen,
         store,
@@ -197,6 +231,8 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
                 .map(|v| millis("--max-execution-ms", &v))
                 .transpose()?,
             memory_bytes,
+            reconcile,
+            test_hooks,
         },
     }))
 }
@@ -236,21 +272,29 @@ async fn main() -> ExitCode {
     let backend = match &args.store {
         Store::Memory => Ok(app::Backend::Memory),
         Store::Redis(url) => {
-            connect_redis(url, &env_or("PAYMENTS_REDIS_PREFIX", DEFAULT_REDIS_PREFIX)).await
+            connect_redis(
+                url,
+                &env_or("PAYMENTS_REDIS_PREFIX", DEFAULT_REDIS_PREFIX),
+                args.options.key_window(),
+            )
+            .await
         }
         Store::Postgres(url) => {
             let schema = std::env::var("PAYMENTS_PG_SCHEMA")
                 .ok()
                 .filter(|s| !s.is_empty());
             match env_or("PAYMENTS_PG_MODE", "transactional").as_str() {
-                mode @ ("transactional" | "plain") => {
-                    connect_postgres(url, schema, mode == "transactional")
-                        .await
-                        .map(|(backend, s)| {
-                            sweeper = Some(s);
-                            backend
-                        })
-                }
+                mode @ ("transactional" | "plain") => connect_postgres(
+                    url,
+                    schema,
+                    mode == "transactional",
+                    args.options.key_window(),
+                )
+                .await
+                .map(|(backend, s)| {
+                    sweeper = Some(s);
+                    backend
+                }),
                 other => Err(format!(
                     "PAYMENTS_PG_MODE must be `transactional` or `plain`, not {other:?}"
                 )),
@@ -265,8 +309,8 @@ async fn main() -> ExitCode {
         }
     };
 
-    let (router, shutdown) = match app::router_on(backend, &args.options) {
-        Ok(r) => r,
+    let app = match app::router_on(backend, &args.options) {
+        Ok(app) => app,
         Err(e) => return usage_error(&format!("invalid configuration: {e}")),
     };
     let listener = match TcpListener::bind(args.listen.as_str()).await {
@@ -292,7 +336,10 @@ async fn main() -> ExitCode {
         return ExitCode::FAILURE;
     }
 
-    let served = app::serve(listener, router, shutdown, shutdown_signal()).await;
+    let served = app::serve(listener, app.router, app.shutdown, shutdown_signal()).await;
+    if let Some(reconciler) = app.reconciler {
+        reconciler.shutdown().await;
+    }
     if let Some(sweeper) = sweeper {
         sweeper.stop().await;
     }
@@ -315,7 +362,11 @@ fn env_or(name: &str, default: &str) -> String {
 
 /// Connects to Redis and checks its configuration: the idempotency records go under
 /// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. The error is the message.
-async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> {
+async fn connect_redis(
+    url: &str,
+    prefix: &str,
+    key_window: Duration,
+) -> Result<app::Backend, String> {
     let shown = redact(url);
     // `connect` refuses a maxmemory-policy other than noeviction (or one it cannot read).
     let connected = RedisStore::connect(url).await.map_err(|e| match e {
@@ -338,7 +389,7 @@ async fn connect_redis(url: &str, prefix: &str) -> Result<app::Backend, String> 
         Ok(_) => {}
         Err(e) => return Err(format!("cannot use the redis store at {shown}: {e}")),
     }
-    let ledger = app::Ledger::redis(conn, prefix);
+    let ledger = app::Ledger::redis(conn, prefix, key_window);
     Ok(app::Backend::Redis { store, ledger })
 }
 
@@ -348,6 +399,7 @@ async fn connect_postgres(
     url: &str,
     schema: Option<String>,
     transactional: bool,
+    key_window: Duration,
 ) -> Result<(app::Backend, SweeperHandle), String> {
     let shown = redact(url);
     let mut options = PostgresStore::options();
@@ -365,7 +417,7 @@ async fn connect_postgres(
         .migrate()
         .await
         .map_err(|e| format!("cannot create the idempotency table at {shown}: {e}"))?;
-    let ledger = app::Ledger::postgres(&store, transactional)
+    let ledger = app::Ledger::postgres(&store, transactional, key_window)
         .await
         .map_err(|e| format!("cannot create the payments table at {shown}: {e}"))?;
     let sweeper = store

@@ -20,12 +20,20 @@ pub(crate) fn example_binary(name: &str) -> PathBuf {
     let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
+    // A cargo profile to build the examples with (default `dev`), for a target
+    // directory shared with other checkouts of the workspace.
+    let profile = std::env::var("RETRYSAFE_EXAMPLE_PROFILE").unwrap_or_else(|_| "dev".to_owned());
+    let dir = if profile == "dev" {
+        "debug"
+    } else {
+        profile.as_str()
+    };
     let path = target
-        .join("debug")
+        .join(dir)
         .join("examples")
         .join(format!("{name}{}", std::env::consts::EXE_SUFFIX));
     let status = Command::new(env!("CARGO"))
-        .args(["build", "--quiet", "--example", name])
+        .args(["build", "--quiet", "--profile", &profile, "--example", name])
         .current_dir(&root)
         .status()
         .expect("run cargo build");

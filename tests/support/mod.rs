@@ -14,6 +14,8 @@
     missing_docs
 )]
 
+pub mod private;
+
 use std::collections::BTreeMap;
 use std::io::{BufRead, BufReader, Read};
 use std::net::SocketAddr;

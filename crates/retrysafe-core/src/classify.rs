@@ -52,7 +52,7 @@ use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, StatusCode};
 
-use crate::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded};
+use crate::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, Throttled};
 use crate::wire::{
     Convention, Pushback, parse_do_not_retry, parse_flag, parse_pushback, parse_retry_after,
 };
@@ -328,6 +328,23 @@ impl BreakerFacts {
         BreakerFacts { facts, given }
     }
 
+    /// The facts of a request whose timeout header the caller wrote itself from the
+    /// time `left` (the value [`RetryCall::prepare_attempt_with`](crate::retry::RetryCall::prepare_attempt_with)
+    /// returns): what [`of`](Self::of) would find in its headers, without parsing them.
+    #[must_use]
+    #[inline]
+    pub fn sent(grpc: bool, left: Option<Duration>) -> Self {
+        let given = left.map(|left| crate::wire::timeout_as_read(left, grpc));
+        let mut facts = RequestFacts::default();
+        if grpc {
+            facts = facts.grpc();
+        }
+        if given.is_some() {
+            facts = facts.with_deadline_sent();
+        }
+        BreakerFacts { facts, given }
+    }
+
     /// The request carries a deadline: time the call, to tell when it is spent.
     #[must_use]
     pub fn carries_deadline(&self) -> bool {
@@ -428,7 +445,11 @@ impl Failure {
             if let Some(f) = extra(e) {
                 return f;
             }
-            if e.is::<BudgetExhausted>() || e.is::<CircuitOpen>() || e.is::<DeadlineExceeded>() {
+            if e.is::<BudgetExhausted>()
+                || e.is::<CircuitOpen>()
+                || e.is::<DeadlineExceeded>()
+                || e.is::<Throttled>()
+            {
                 // Refused or given up by a layer of ours: never retried again.
                 return Failure::Local;
             }
@@ -476,6 +497,15 @@ pub trait Classifier: fmt::Debug + Send + Sync + 'static {
 
     /// A transport failure.
     fn classify_failure(&self, failure: Failure, request: &RequestFacts) -> Classification;
+
+    /// Whether [`RequestFacts::deadline_spent`] may turn what is a success without it
+    /// into something else. `true` (the default) makes a breaker time every call that
+    /// carries a deadline before classifying its answer; the [`DefaultClassifier`] reads
+    /// it for failures only, so a breaker skips that clock read on its successes.
+    #[doc(hidden)]
+    fn reads_spent_on_success(&self) -> bool {
+        true
+    }
 }
 
 /// The default rules (see the [module docs](self)).
@@ -686,5 +716,9 @@ impl Classifier for DefaultClassifier {
             },
             Failure::Other => Classification::failure(No, side),
         }
+    }
+
+    fn reads_spent_on_success(&self) -> bool {
+        false
     }
 }

@@ -94,6 +94,35 @@ impl fmt::Display for CircuitOpen {
 
 impl StdError for CircuitOpen {}
 
+/// An adaptive throttle rejected the call locally, without sending it: the callee has
+/// been refusing much of what it was sent lately. Never retried by any layer above, and
+/// neutral to breakers and budgets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Throttled {}
+
+impl Throttled {
+    /// The error (for layers and adapters).
+    #[doc(hidden)]
+    pub fn new() -> Self {
+        Throttled {}
+    }
+}
+
+impl Default for Throttled {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl fmt::Display for Throttled {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("throttled locally: the callee is refusing requests")
+    }
+}
+
+impl StdError for Throttled {}
+
 /// The first error of type `E` in `error`'s `source()` chain, `error` included.
 ///
 /// ```

@@ -21,10 +21,15 @@
 //!   retry point, deadline, per-attempt headers, classify, retry or give up, hooks) —
 //!   that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
+//! - [`hedge`]: when a hedging client sends a hedge (a fixed delay, or a rolling
+//!   latency percentile); [`throttle`]: the adaptive client-side throttle of Google
+//!   SRE's "Handling Overload";
+//! - [`recovery`]: the reconciler, which brings every pending record to a definite
+//!   state through the application's resolver, and an operator's API;
 //! - [`store`]: the [`IdempotencyStore`](store::IdempotencyStore) trait every backend
 //!   implements, its boxed object-safe form, and (feature `test-util`) the conformance
 //!   suite every backend passes.
-#![cfg_attr(docsrs, feature(doc_auto_cfg))]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod backoff;
 pub mod breaker;
@@ -34,14 +39,18 @@ mod config;
 mod context;
 mod deadline;
 pub mod error;
+mod hash;
+pub mod hedge;
 pub mod idempotency;
 pub mod problem;
+pub mod recovery;
 pub mod retry;
 pub mod store;
 pub mod strategy;
 #[doc(hidden)]
 pub mod stripe;
 mod sync;
+pub mod throttle;
 pub mod wire;
 
 pub use config::ConfigError;
@@ -54,8 +63,37 @@ pub mod __private {
     pub use crate::budget::BudgetId;
     pub use crate::classify::{BreakerFacts, is_grpc};
     pub use crate::config::Validate;
+    pub use crate::hash::{DigestHash, DigestHasher};
+    pub use crate::hedge::{HedgeCopy, HedgeRace};
+
+    /// `Record::Completed(done.clone()).encode()`, without the clone.
+    pub fn encode_completed(done: &crate::idempotency::Completed) -> bytes::Bytes {
+        done.encode_record()
+    }
     pub use crate::idempotency::Disposition;
+
+    /// [`IdempotencyContext::new`](crate::idempotency::IdempotencyContext::new) for a
+    /// layer that already holds the record id of `scope` and `key` (`id` must be
+    /// `RecordId::new(&scope, &key)`): the id is not hashed a second time.
+    pub fn idempotency_context(
+        id: crate::idempotency::RecordId,
+        scope: crate::idempotency::Scope,
+        key: crate::wire::IdempotencyKey,
+        token: crate::idempotency::Token,
+        store: crate::store::BoxStore,
+        store_timeout: std::time::Duration,
+    ) -> crate::idempotency::IdempotencyContext {
+        crate::idempotency::IdempotencyContext::of_record(
+            id,
+            scope,
+            key,
+            token,
+            Some(store),
+            store_timeout,
+        )
+    }
     pub use crate::idempotency::protocol;
+    pub use crate::recovery::Reconcilers;
     pub use crate::retry::{
         Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryPolicy, child_key_label,
     };

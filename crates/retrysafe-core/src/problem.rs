@@ -45,6 +45,12 @@ pub enum ProblemKind {
     KeyMismatch,
     /// 500 with `do-not-retry`: the outcome of the first call with this key is unknown.
     OutcomeUnknown,
+    /// 503 with `retry-after`: the outcome of the first call with this key is being
+    /// found out by a reconciler; come back later to see it.
+    OutcomePending,
+    /// 409 with `do-not-retry`: the request with this key completed, but the store had
+    /// to drop its response before its retention ended (it remembers only that it ran).
+    ResponseEvicted,
     /// 409 with `do-not-retry`: the first response was too large to store.
     ResponseNotStored,
     /// 503 with `retry-after`: the idempotency store is unavailable or too slow.
@@ -84,16 +90,18 @@ impl ProblemKind {
             }
             K::BodyTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             K::BodyTimeout => StatusCode::REQUEST_TIMEOUT,
-            K::InFlight | K::ResponseNotStored => StatusCode::CONFLICT,
+            K::InFlight | K::ResponseNotStored | K::ResponseEvicted => StatusCode::CONFLICT,
             K::KeyMismatch => StatusCode::UNPROCESSABLE_ENTITY,
             K::OutcomeUnknown
             | K::ScopeMissing
             | K::HandlerPanicked
             | K::TransactionLeaked
             | K::TransactionMissing => StatusCode::INTERNAL_SERVER_ERROR,
-            K::StoreUnavailable | K::Overloaded | K::BudgetExhausted | K::CircuitOpen => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            K::StoreUnavailable
+            | K::Overloaded
+            | K::OutcomePending
+            | K::BudgetExhausted
+            | K::CircuitOpen => StatusCode::SERVICE_UNAVAILABLE,
             K::DeadlineExceeded => StatusCode::GATEWAY_TIMEOUT,
         }
     }
@@ -110,6 +118,8 @@ impl ProblemKind {
             K::InFlight => "request-in-flight",
             K::KeyMismatch => "key-mismatch",
             K::OutcomeUnknown => "outcome-unknown",
+            K::OutcomePending => "outcome-pending",
+            K::ResponseEvicted => "response-evicted",
             K::ResponseNotStored => "response-not-stored",
             K::StoreUnavailable => "store-unavailable",
             K::Overloaded => "overloaded",
@@ -141,6 +151,10 @@ impl ProblemKind {
             K::InFlight => "A request with this Idempotency-Key is in progress",
             K::KeyMismatch => "Idempotency-Key was used with a different request",
             K::OutcomeUnknown => "The outcome of the request with this Idempotency-Key is unknown",
+            K::OutcomePending => {
+                "The outcome of the request with this Idempotency-Key is being resolved"
+            }
+            K::ResponseEvicted => "The response to this Idempotency-Key is no longer stored",
             K::ResponseNotStored => "The response to this Idempotency-Key was too large to store",
             K::StoreUnavailable => "Idempotency store is unavailable",
             K::Overloaded => "Too many requests in progress",
@@ -163,6 +177,7 @@ impl ProblemKind {
             K::KeyMismatch
                 | K::OutcomeUnknown
                 | K::ResponseNotStored
+                | K::ResponseEvicted
                 | K::HandlerPanicked
                 | K::BudgetExhausted
                 | K::DeadlineExceeded

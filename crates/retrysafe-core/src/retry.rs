@@ -16,6 +16,7 @@ use crate::budget::RetryBudget;
 use crate::classify::{
     Classification, Classifier, DefaultClassifier, Failure, FaultSide, RequestFacts, is_grpc,
 };
+use crate::hedge::HedgeCopy;
 use crate::idempotency::Token;
 use crate::strategy::{
     GiveUp, Idempotent, MIN_ATTEMPT_TIME, NoRetry, RetryCharged, RetryStrategy, RetryToken,
@@ -154,6 +155,10 @@ pub struct RetryPolicy {
     idempotent_if: Option<Arc<IdempotentIf>>,
     on_retry: Option<Hook<RetryEvent>>,
     on_give_up: Option<Hook<GiveUpEvent>>,
+    /// The budget of calls whose request carries none (else the strategy's own).
+    budget: Option<RetryBudget>,
+    /// Whether attempts carry the [`RetryCharged`] mark (for a budget layer below).
+    charge_mark: bool,
 }
 
 impl Default for RetryPolicy {
@@ -176,7 +181,31 @@ impl RetryPolicy {
             idempotent_if: None,
             on_retry: None,
             on_give_up: None,
+            budget: None,
+            charge_mark: true,
         }
+    }
+
+    /// The budget charged by calls whose request carries no [`RetryBudget`] extension,
+    /// instead of the strategy's own (a stack that is given its budget once).
+    #[must_use]
+    pub fn with_budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = Some(budget);
+        self
+    }
+
+    /// Attempts no longer carry the [`RetryCharged`] mark: for a stack with no separate
+    /// budget layer below to read it (the mark's insert is a request's first extension
+    /// allocation more often than not).
+    #[must_use]
+    pub fn without_charge_mark(mut self) -> Self {
+        self.charge_mark = false;
+        self
+    }
+
+    /// The budget given with [`with_budget`](Self::with_budget), if any.
+    pub fn budget(&self) -> Option<&RetryBudget> {
+        self.budget.as_ref()
     }
 
     /// The retry strategy (attempts, backoff, budget, default timeouts).
@@ -279,6 +308,17 @@ impl RetryPolicy {
         policy: &Striped<Self>,
         head: &mut H,
     ) -> (RetryCall, RetryToken) {
+        Self::begin_within(policy, head, None)
+    }
+
+    /// [`begin`](Self::begin) for a call that also has a deadline of its own, `within`
+    /// (a fused stack's, which need not travel in the request's extensions): the call's
+    /// deadline is the soonest of it and those `begin` reads.
+    pub fn begin_within<H: RequestHead + ?Sized>(
+        policy: &Striped<Self>,
+        head: &mut H,
+        within: Option<Deadline>,
+    ) -> (RetryCall, RetryToken) {
         let this: &Self = policy;
         let context = CallContext::inherited(head.extensions());
         let mut facts = this.facts_of(head);
@@ -295,13 +335,25 @@ impl RetryPolicy {
             head.headers_mut()
                 .insert(this.convention.retry_point().clone(), RETRY_POINT_CALLER);
         }
-        let deadline = this.deadline_of(head, context.as_ref(), facts.grpc);
+        let deadline = match (this.deadline_of(head, context.as_ref(), facts.grpc), within) {
+            (Some(d), within) => Some(d.tighten(within)),
+            (None, within) => within,
+        };
         // Every attempt carries the deadline header when there is a deadline.
         facts.deadline_sent = deadline.is_some();
 
-        let budget = head.extensions().get::<RetryBudget>().cloned();
-        let mut token = this.strategy.acquire_initial_retry_token(budget);
-        let passthrough = no_retry || caller_is_retry_point;
+        let budget = head
+            .extensions()
+            .get::<RetryBudget>()
+            .or(this.budget.as_ref())
+            .cloned();
+        // A hedge's copy: its request made the deposit, and the hedge was withdrawn.
+        let hedge = head.extensions().get::<HedgeCopy>().copied();
+        let mut token = match hedge {
+            Some(hedge) => RetryToken::hedge(hedge.budget),
+            None => this.strategy.acquire_initial_retry_token(budget),
+        };
+        let passthrough = no_retry || caller_is_retry_point || hedge.is_some();
         if passthrough {
             token.limit_attempts(1);
         }
@@ -606,13 +658,18 @@ impl RetryCall {
 
     /// [`prepare_attempt`](Self::prepare_attempt) with the time left read by
     /// [`time_left`](Self::time_left) (so a check and the headers share one clock read).
+    ///
+    /// Returns the time the attempt's timeout header was written from (the time left,
+    /// or the attempt bound if shorter), so that a breaker the stack drives itself need
+    /// not parse the header again ([`BreakerFacts::sent`](crate::classify::BreakerFacts::sent));
+    /// `None` when no timeout header was written.
     pub fn prepare_attempt_with(
         &self,
         headers: &mut HeaderMap,
         extensions: &mut Extensions,
         token: &RetryToken,
         left: Option<Duration>,
-    ) {
+    ) -> Option<Duration> {
         let convention = &self.policy.convention;
         let attempt = token.attempt();
         if attempt >= 2 {
@@ -627,21 +684,21 @@ impl RetryCall {
                 );
             }
         }
-        if let Some(budget) = token.budget_id() {
+        if let Some(budget) = token.budget_id().filter(|_| self.policy.charge_mark) {
             extensions.insert(RetryCharged { attempt, budget });
         }
         // An attempt bounded more tightly than the deadline says so downstream.
         let cap = self.attempt_cap();
-        if let Some(left) = left.map(|l| cap.map_or(l, |c| l.min(c))) {
-            if self.facts.grpc {
-                headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
-            } else {
-                headers.insert(
-                    convention.request_timeout_ms().clone(),
-                    encode_request_timeout_ms(left),
-                );
-            }
+        let left = left.map(|l| cap.map_or(l, |c| l.min(c)))?;
+        if self.facts.grpc {
+            headers.insert(convention.grpc_timeout().clone(), encode_grpc_timeout(left));
+        } else {
+            headers.insert(
+                convention.request_timeout_ms().clone(),
+                encode_request_timeout_ms(left),
+            );
         }
+        Some(left)
     }
 
     /// The strategy's bound on each attempt under a deadline, for a call that may be

@@ -99,6 +99,21 @@ pub struct RetryToken {
 }
 
 impl RetryToken {
+    /// The token of a hedge's copy of a request: one attempt, no deposit (the request
+    /// it copies made it), accounted for in `budget` (the hedge was withdrawn there).
+    #[doc(hidden)]
+    pub fn hedge(budget: Option<BudgetId>) -> Self {
+        RetryToken {
+            attempt: 1,
+            max_attempts: 1,
+            delay: Duration::ZERO,
+            last_cost: None,
+            rng: None,
+            budget: None,
+            budget_id: budget,
+        }
+    }
+
     /// The 1-based number of the attempt this token is for.
     pub fn attempt(&self) -> u32 {
         self.attempt

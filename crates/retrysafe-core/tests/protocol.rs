@@ -12,8 +12,8 @@ use retrysafe_core::__private::protocol::{
 };
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, EventKind, Fingerprint, HeaderFilter, InProgress, OutcomeUnknown,
-    Record, StoredResponse, Token, UnknownReason,
+    CommitPoint, Completed, EventKind, Evicted, Fingerprint, HeaderFilter, InProgress,
+    OutcomeUnknown, Record, Resolving, StoredResponse, Token, UnknownReason,
 };
 use retrysafe_core::problem::{Problem, ProblemKind};
 use retrysafe_core::store::StoreError;
@@ -472,4 +472,49 @@ async fn an_aborted_transaction_passes_a_client_error_and_refuses_a_success() {
     let answer = p.settled(Settle::Complete, Settled::Aborted).unwrap();
     assert_eq!(answer.kind(), ProblemKind::HandlerPanicked);
     assert!(!answer.do_not_retry());
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_a_reconciler_pending_records_answer_503_outcome_pending_with_retry_after() {
+    let reconciled = || Protocol::new(&Policy::new().reconciled(true), FP, None);
+    let unknown = Record::OutcomeUnknown(OutcomeUnknown::new(FP));
+    let p = problem(reconciled().claimed(existing(unknown.clone())));
+    assert_eq!(p.kind(), ProblemKind::OutcomePending);
+    assert_eq!(p.kind().status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(p.retry_after_hint(), Some(SECOND));
+    assert!(
+        !p.do_not_retry(),
+        "a client comes back to see the resolution"
+    );
+
+    // A record being resolved: pending, with or without a reconciler here.
+    let resolving = Record::Resolving(Resolving::new(FP, 5_000));
+    let p = problem(store().claimed(existing(resolving)));
+    assert_eq!(p.kind(), ProblemKind::OutcomePending);
+
+    // An expired lease past its commit point that this claim made unknown: reported
+    // once, and pending.
+    let mut p = reconciled();
+    let step = p.claimed(Claimed::Existing {
+        record: unknown.clone(),
+        became_unknown: true,
+    });
+    assert_eq!(problem(step).kind(), ProblemKind::OutcomePending);
+    assert_eq!(notes(&mut p), [Note::Unknown(UnknownReason::LeaseExpired)]);
+
+    // Without a reconciler the answer stays the stable 500.
+    let p = problem(store().claimed(existing(unknown)));
+    assert_eq!(p.kind(), ProblemKind::OutcomeUnknown);
+    assert!(p.do_not_retry());
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_evicted_trace_answers_409_response_evicted_and_never_runs() {
+    for mut p in [store(), transactional()] {
+        let step = p.claimed(existing(Record::Evicted(Evicted::new())));
+        let p = problem(step);
+        assert_eq!(p.kind(), ProblemKind::ResponseEvicted);
+        assert_eq!(p.kind().status(), StatusCode::CONFLICT);
+        assert!(p.do_not_retry());
+    }
 }

@@ -684,3 +684,58 @@ async fn a_504_is_classified_with_the_deadline_facts() {
     assert!(retries[0].classification.timeout);
     assert_eq!(retries[0].classification.fault, Some(FaultSide::Server));
 }
+
+/// What `prepare_attempt_with` says it sent is what a breaker parsing the header reads
+/// back, for plain and gRPC requests, rounded and clamped alike.
+#[tokio::test(start_paused = true)]
+async fn the_timeout_sent_is_what_the_header_reads_back() {
+    use retrysafe_core::__private::BreakerFacts;
+    let convention = Convention::default();
+    let lefts = [
+        Duration::ZERO,
+        Duration::from_micros(1_999),
+        Duration::from_nanos(99_999_999),
+        Duration::from_nanos(100_000_001),
+        Duration::from_nanos(123_456_789_123),
+        Duration::from_secs(30),
+        Duration::from_secs(40 * 24 * 60 * 60),
+        Duration::MAX,
+    ];
+    for grpc in [false, true] {
+        for left in lefts {
+            // POST: no attempt bound under the deadline shortens `left`.
+            let mut parts = if grpc {
+                head(
+                    Method::POST,
+                    "http://api/svc/M",
+                    &[("content-type", "application/grpc")],
+                )
+            } else {
+                post()
+            };
+            let (call, token) = begin(policy(), &mut parts);
+            let mut sent = parts.clone();
+            let given = call.prepare_attempt_with(
+                &mut sent.headers,
+                &mut sent.extensions,
+                &token,
+                Some(left),
+            );
+            assert!(given.is_some());
+            assert_eq!(
+                BreakerFacts::sent(grpc, given),
+                BreakerFacts::of(&sent.headers, &convention),
+                "grpc {grpc}, left {left:?}"
+            );
+        }
+    }
+    let mut parts = get();
+    let (call, token) = begin(policy(), &mut parts);
+    let mut sent = parts.clone();
+    let given = call.prepare_attempt_with(&mut sent.headers, &mut sent.extensions, &token, None);
+    assert_eq!(given, None);
+    assert_eq!(
+        BreakerFacts::sent(false, given),
+        BreakerFacts::of(&sent.headers, &convention)
+    );
+}

@@ -45,15 +45,27 @@
 //!   let a duplicate run. When the map is full a new claim gets
 //!   [`StoreError::Full`](retrysafe_core::store::StoreError::Full) (the layer answers
 //!   503), after expired leases were swept out of the way;
-//! - **completed and `outcome_unknown` records** live in a moka cache bounded by bytes,
-//!   with LRU eviction. moka's default, TinyLFU, is deliberately not used: its
-//!   admission filter may refuse a fresh entry, and a refused completion is a key that
-//!   runs again.
+//! - **completed and `outcome_unknown` records** live in the store's own LRU, bounded
+//!   by bytes and changed under the same locks as the claims, so that no claim slips
+//!   in while a record is being pushed out. A record pushed out leaves a compact
+//!   *tombstone* until its retention ends: a copy of its request is refused (409
+//!   `response-evicted`), never run again. Only when the tombstones no longer fit are
+//!   the oldest dropped (reported, and measured by
+//!   [`MemoryStore::effective_retention`]), or, with
+//!   [`MemoryStore::fail_closed_when_full`], new claims are refused instead. The scopes
+//!   holding the most bytes are shrunk first, so one tenant's flood does not push out
+//!   another's records.
 //!
 //! All time is tokio time, so the store runs on tokio's paused clock in tests. See
 //! [`MemoryStore`] for the details.
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod inner;
+mod reconcile;
+mod retained;
+mod sketch;
 mod store;
+mod tombstones;
 
 pub use store::MemoryStore;

@@ -1,47 +1,14 @@
 //! [`MemoryStore`]: the store, its settings and its [`IdempotencyStore`] implementation.
 
-use std::collections::HashMap;
-use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use moka::notification::RemovalCause;
-use moka::policy::{EvictionPolicy, Expiry};
-use moka::sync::Cache;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
-use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
-};
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW, StoreError};
-use tokio::sync::{Notify, futures::OwnedNotified};
-use tokio::time::Instant;
+use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 
-/// The number of in-flight shards (selected by the first byte of the record id, which
-/// is a SHA-256 and so uniform).
-const SHARDS: usize = 16;
-
-/// Durations longer than this (a century) are clamped, so that instant arithmetic
-/// cannot overflow.
-const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
-
-/// How long after a record's own expiry moka may keep it before collecting it. moka
-/// measures real time; the record's expiry (tokio time) is what counts.
-const GC_MARGIN: Duration = Duration::from_secs(60);
-
-/// The size of a cache key: a [`RecordId`].
-const KEY_BYTES: u64 = 32;
-
-/// The record bytes of a cache entry. An `Arc<[u8]>`, not `Bytes`: moka clones the
-/// value on insert and on every read, and cloning a `Bytes` made from a `Vec` allocates
-/// a shared header for good, on top of a handle twice the size (see
-/// [`MemoryStore::ENTRY_OVERHEAD`]).
-type Blob = Arc<[u8]>;
-
-type HookFn = dyn Fn(&RecordId) + Send + Sync + 'static;
-type Shard = Mutex<HashMap<RecordId, InFlight>>;
+use crate::inner::{HookFn, Inner, Settings};
 
 /// The embedded default [`IdempotencyStore`]: in memory, for one process.
 ///
@@ -49,26 +16,53 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 ///   [`max_in_flight`](Self::max_in_flight) live claims a new claim gets
 ///   [`StoreError::Full`] (the layer answers 503). Before refusing, the store sweeps
 ///   claims whose lease has expired: one whose holder had not reached its commit point
-///   is dropped, any other becomes `outcome_unknown` for the retention of its claim.
-/// - Completed and `outcome_unknown` records live in a moka cache with LRU eviction,
-///   bounded by [`max_bytes`](Self::max_bytes). A record weighs its
-///   encoded length ([`Record::encoded_len`]) plus the 32-byte key plus
-///   [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD), the measured cost of the cache's own
-///   structures, so that the bound holds the store's real memory (plus a fixed part of
-///   well under a megabyte). A record evicted before its retention ends is reported to
-///   the [`on_evicted`](Self::on_evicted) hook.
-/// - Each record keeps its own expiry in tokio time, checked on every read; moka's
-///   expiry (real time, retention plus a minute) only collects garbage. Leases are tokio
-///   time too, and [`InProgress::lease_until_ms`] counts milliseconds since the store
-///   was created.
+///   is dropped, any other becomes `outcome_unknown` (reason `LeaseExpired`, not yet
+///   notified) for the retention of its claim.
+/// - Completed and `outcome_unknown` records live in the store's own LRU, bounded by
+///   three quarters of [`max_bytes`](Self::max_bytes) and changed only under the lock
+///   that every claim takes: no claim can land between a record's eviction and what
+///   replaces it. A record weighs its encoded length ([`Record::encoded_len`]) plus the
+///   32-byte key plus [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD), the cost of the store's
+///   own structures, so that the bound holds the store's real memory.
+/// - **Under pressure, records shrink; keys are not forgotten.** A record pushed out
+///   of the LRU leaves a *tombstone* ([`TOMBSTONE_BYTES`](Self::TOMBSTONE_BYTES): a
+///   16-byte truncated record id and an expiry bucket) until its retention ends: a copy
+///   of its request gets [`Record::Evicted`] (the layer answers 409
+///   `response-evicted` with `do-not-retry: 1`), never a second run. Tombstones have
+///   their own quarter of `max_bytes`. When they no longer fit, the oldest are dropped:
+///   each is reported to the [`on_evicted`](Self::on_evicted) hook and as a tracing
+///   event, and [`effective_retention`](Self::effective_retention) tells how far back
+///   the store still remembers every key. With
+///   [`fail_closed_when_full`](Self::fail_closed_when_full), tombstones are kept and new
+///   claims get [`StoreError::Full`] (503 `overloaded`) instead.
+///   [`sustained_key_rate`](Self::sustained_key_rate) (reported by
+///   [`build`](Self::build)) is the rate of new keys a configuration remembers for
+///   their whole retention.
+/// - **Fairness between scopes.** The store learns each record's scope from the claim's
+///   request information ([`Claim::request`]; a claim without one counts as one
+///   anonymous scope) and tracks the scopes holding the most bytes in a bounded
+///   heavy-hitters sketch (Space-Saving, 32 counters). Under pressure, the records of
+///   the heaviest scope shrink first, as long as it holds more than its share of the
+///   bound; its tombstones are also the first dropped. A scope under its share keeps
+///   its records while another floods. Fairness holds per principal: a client that can
+///   mint principals (new credentials at will) is many light scopes, and only the byte
+///   bound and the LRU protect the others from it.
+/// - Each record keeps its own expiry in tokio time, checked on every read; expired
+///   records are collected when read or when they reach the end of the LRU. Leases are
+///   tokio time too, and [`InProgress::lease_until_ms`](retrysafe_core::idempotency::InProgress::lease_until_ms)
+///   counts milliseconds since the store was created.
 /// - Repeated calls are recognised as the store trait describes: a completion that
-///   finds the same completed record succeeds, and the token of each release or
-///   `mark_unknown` is kept for
+///   finds the same completed record succeeds, and the token of each release,
+///   `mark_unknown` or settlement is kept for
 ///   [`RESEND_WINDOW`](retrysafe_core::store::RESEND_WINDOW) (about 60 bytes per release
 ///   in that window) so that the same call sent again succeeds.
+/// - It is a [`ReconcilableStore`](retrysafe_core::recovery::ReconcilableStore): a
+///   reconciler finds expired claims and `outcome_unknown` records by scanning the
+///   in-flight map and an index of the unknown records, and adopts them (copies then
+///   see [`Record::Resolving`]).
 /// - Every change to one record happens under that record's shard lock, so a claim sees
-///   the in-flight map and the cache in one step. Waiters are woken by a notifier per
-///   in-flight record (or when its lease expires).
+///   the in-flight map, the records and the tombstones in one step. Waiters are woken
+///   by a notifier per in-flight record (or when its lease expires).
 ///
 /// Cloning is cheap and shares the store.
 ///
@@ -76,7 +70,8 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 ///
 /// [`new`](Self::new) (or `default`) gives a store with the documented defaults. The
 /// setters ([`max_in_flight`](Self::max_in_flight), [`max_bytes`](Self::max_bytes),
-/// [`on_evicted`](Self::on_evicted)) take and return the store and never fail;
+/// [`on_evicted`](Self::on_evicted), [`fail_closed_when_full`](Self::fail_closed_when_full))
+/// take and return the store and never fail;
 /// [`build`](Self::build) validates them once and names every refused setting. They
 /// are meant to follow `new` directly: each returns a fresh, empty store with the
 /// changed setting (the bounds are fixed in the store's structures), so a store already
@@ -128,31 +123,39 @@ type Shard = Mutex<HashMap<RecordId, InFlight>>;
 /// ```
 #[derive(Clone, Debug)]
 pub struct MemoryStore {
-    inner: Arc<Inner>,
+    pub(crate) inner: Arc<Inner>,
 }
 
 impl MemoryStore {
     /// The default bound of the in-flight map: 10 000 claims.
     pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
 
-    /// The default byte bound of the completed-record cache: 64 MiB.
+    /// The default byte bound of the records and tombstones: 64 MiB.
     pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
-    /// The bytes a cached record costs beyond its encoded length and its 32-byte key,
-    /// measured with a counting allocator (`benches/memory.rs`; glibc malloc, 64-bit):
-    /// moka's per-entry structures (the key's `Arc`, the hash-table bucket and its share
-    /// of the bucket arrays, the entry and its policy information, the LRU and
-    /// timer-wheel nodes: seven allocations), the store's 32-byte value inside moka's
-    /// entry, the reference counts in front of the record's own allocation, and
-    /// malloc's chunk headers and rounding.
+    /// The bytes a kept record costs beyond its encoded length and its 32-byte key: its
+    /// slot in the record map (the key, the record's handle, expiry, scope and LRU
+    /// position: 80 bytes, at a load factor down to 7/16 just after the table grew),
+    /// its entries in the two LRU trees (by age, and by scope and age; B-tree leaves
+    /// filled about half when appended to), and the reference counts and malloc
+    /// rounding in front of the record's own allocation (glibc malloc, 64-bit).
     ///
-    /// From 10 000 to 1 000 000 records, with bodies of 1 B to 16 KiB, that is 391 to
-    /// 424 bytes per record, the most at 10 000 records for record sizes that round up
-    /// worst; this constant is above all of them, so that the weight
-    /// [`max_bytes`](Self::max_bytes) bounds is not less than the memory
-    /// the records hold. A store also holds a fixed 0.1 to 0.3 MB of its own (the cache's
-    /// tables and buffers) that no record's weight carries.
-    pub const ENTRY_OVERHEAD: u64 = 440;
+    /// Measured with a counting allocator (`tests/heap.rs`, 14 300 and 14 400 records,
+    /// on both sides of a growth of the record map): the store's structures take 220 to
+    /// 320 bytes per record beyond the record's own allocation (keys included), plus
+    /// malloc's chunk header and rounding of that allocation (8 to 23 bytes). This
+    /// constant, with the 32 bytes counted for the key, is above all of them, so that
+    /// the weight [`max_bytes`](Self::max_bytes) bounds is not less than the memory the
+    /// records hold. A store also holds a fixed few kilobytes of its own that no
+    /// record's weight carries.
+    pub const ENTRY_OVERHEAD: u64 = 400;
+
+    /// The bytes a tombstone costs: a 16-byte truncated record id and two 4-byte time
+    /// buckets in a hash table (at a load factor down to 7/16), and the whole 32-byte id
+    /// in its expiry bucket's list (given to the eviction hook), with room to grow:
+    /// about 100 bytes at the lowest load factor of the table (`tests/heap.rs` checks a
+    /// store of mostly tombstones against its weight).
+    pub const TOMBSTONE_BYTES: u64 = 128;
 
     /// A store with the default bounds and no eviction hook.
     ///
@@ -161,7 +164,7 @@ impl MemoryStore {
     /// let store = MemoryStore::new()
     ///     .max_in_flight(2_048)
     ///     .max_bytes(256 << 20)
-    ///     .on_evicted(|id| eprintln!("record {id:?} evicted before its retention"))
+    ///     .on_evicted(|id| eprintln!("record {id:?} forgotten before its retention"))
     ///     .build()
     ///     .unwrap();
     /// assert_eq!(store.in_flight_len(), 0);
@@ -193,25 +196,39 @@ impl MemoryStore {
         self.configure(|s| s.max_in_flight = max)
     }
 
-    /// The byte bound of the completed-record cache (default 64 MiB), weighed as
-    /// described on [`MemoryStore`]. The least recently used records are evicted past
-    /// it; a record heavier than the whole bound cannot be kept at all. Must be greater
-    /// than zero.
+    /// The byte bound of the completed and `outcome_unknown` records (three quarters)
+    /// and of their tombstones (one quarter), default 64 MiB, weighed as described on
+    /// [`MemoryStore`]. Past it, records shrink to tombstones, and then the oldest
+    /// tombstones are dropped. A response heavier than the whole record bound is not
+    /// kept at all (copies get `response-not-stored`). Must be greater than zero.
     pub fn max_bytes(self, max: u64) -> Self {
         self.configure(|s| s.max_bytes = max)
     }
 
-    /// A hook called with the id of each completed or `outcome_unknown` record evicted
-    /// for size before its retention ended (not on expiry, replacement or removal).
+    /// A hook called with the id of each record the store forgot before its retention
+    /// ended: a tombstone dropped because tombstones no longer fit (not on expiry,
+    /// replacement or removal). A copy of that record's request may run again.
     ///
-    /// It is called after the store call during which the cache evicted the record,
-    /// outside the store's locks; it should be quick and must not panic.
+    /// It is called after the store call that dropped the tombstone, outside the
+    /// store's locks; it should be quick and must not panic.
     pub fn on_evicted(self, hook: impl Fn(&RecordId) + Send + Sync + 'static) -> Self {
-        self.configure(|s| s.on_evicted = Some(Arc::new(hook)))
+        let hook: Arc<HookFn> = Arc::new(hook);
+        self.configure(|s| s.on_evicted = Some(hook))
+    }
+
+    /// Never forgets a key before its retention ends: when the tombstones fill their
+    /// share of [`max_bytes`](Self::max_bytes), new claims get [`StoreError::Full`] (the
+    /// layer answers 503 `overloaded`) until records expire, instead of dropping the
+    /// oldest tombstones. Claims already in flight still complete (their tombstones may
+    /// go over the share by at most [`max_in_flight`](Self::max_in_flight) of them).
+    pub fn fail_closed_when_full(self) -> Self {
+        self.configure(|s| s.fail_closed = true)
     }
 
     /// Validates the settings: refuses a zero [`max_in_flight`](Self::max_in_flight) and
-    /// a zero [`max_bytes`](Self::max_bytes), naming every refused one.
+    /// a zero [`max_bytes`](Self::max_bytes), naming every refused one. Reports (tracing
+    /// info) the [sustained key rate](Self::sustained_key_rate) of 1 KiB records kept
+    /// for 24 hours.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
         let settings = &self.inner.settings;
@@ -225,29 +242,72 @@ impl MemoryStore {
             "max_bytes",
             "must be greater than zero",
         );
-        v.finish(self)
+        let store = v.finish(self)?;
+        let day = Duration::from_secs(24 * 60 * 60);
+        tracing::info!(
+            target: "retrysafe::idempotency",
+            max_bytes = store.inner.settings.max_bytes,
+            fail_closed = store.inner.settings.fail_closed,
+            keys_per_second = store.sustained_key_rate(1024, day),
+            "MemoryStore remembers every key for 24 h at up to this rate of new keys \
+             (1 KiB records)"
+        );
+        Ok(store)
+    }
+
+    /// The sustained rate of new keys (per second) that this configuration remembers
+    /// for their whole `retention`, for records of `record_bytes` encoded bytes (about
+    /// the response body and headers plus 60): as many records as the record bound
+    /// holds, then as many tombstones as their share holds, spread over the retention.
+    /// Above it, tombstones are dropped before their retention ends (or, with
+    /// [`fail_closed_when_full`](Self::fail_closed_when_full), claims are refused).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use retrysafe_memory::MemoryStore;
+    /// let store = MemoryStore::new().max_bytes(64 << 20).build().unwrap();
+    /// let per_second = store.sustained_key_rate(1024, Duration::from_secs(24 * 3600));
+    /// assert!(per_second > 1.0 && per_second < 10.0, "{per_second}");
+    /// ```
+    pub fn sustained_key_rate(&self, record_bytes: u64, retention: Duration) -> f64 {
+        let bounds = self.inner.bounds();
+        let weight = record_bytes
+            .saturating_add(crate::retained::KEY_BYTES)
+            .saturating_add(Self::ENTRY_OVERHEAD);
+        let keys = bounds.records / weight + bounds.tombstones / Self::TOMBSTONE_BYTES;
+        keys as f64 / retention.as_secs_f64().max(f64::MIN_POSITIVE)
+    }
+
+    /// How far back the store still remembers every key: `None` while no tombstone has
+    /// been dropped before its retention ended (or every key so forgotten would have
+    /// expired by now); otherwise the time since the newest record whose tombstone was
+    /// dropped. A key completed longer ago than this may run again.
+    pub fn effective_retention(&self) -> Option<Duration> {
+        self.inner.effective_retention()
     }
 
     /// The number of in-flight claims held (live or with an expired lease not yet
     /// resolved).
     pub fn in_flight_len(&self) -> usize {
-        self.inner.in_flight.load(Ordering::Acquire)
+        self.inner.in_flight_len()
     }
 
-    /// The weighted size of the completed-record cache in bytes (see
-    /// [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD)), after running the cache's pending
-    /// maintenance so that it is accurate. Records past their retention that were not
-    /// read since still count until collected.
+    /// The weighted size of the completed and `outcome_unknown` records in bytes (see
+    /// [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD)). Records past their retention that were
+    /// not read since still count until collected.
     pub fn cached_bytes(&self) -> u64 {
-        self.inner.sync_cache();
-        self.inner.cache.weighted_size()
+        self.inner.retained_stats().0
     }
 
-    /// The number of records in the completed-record cache, after running its pending
-    /// maintenance (as for [`cached_bytes`](Self::cached_bytes)).
+    /// The number of completed and `outcome_unknown` records kept (tombstones not
+    /// counted).
     pub fn cached_len(&self) -> u64 {
-        self.inner.sync_cache();
-        self.inner.cache.entry_count()
+        self.inner.retained_stats().1
+    }
+
+    /// The number of tombstones kept.
+    pub fn tombstones_len(&self) -> u64 {
+        self.inner.retained_stats().2
     }
 }
 
@@ -257,562 +317,8 @@ impl Default for MemoryStore {
     }
 }
 
-/// The settings of a store, as given (validated by [`MemoryStore::build`]).
-#[derive(Clone)]
-struct Settings {
-    max_in_flight: usize,
-    max_bytes: u64,
-    on_evicted: Option<Arc<HookFn>>,
-}
-
-impl Default for Settings {
-    fn default() -> Self {
-        Settings {
-            max_in_flight: MemoryStore::DEFAULT_MAX_IN_FLIGHT,
-            max_bytes: MemoryStore::DEFAULT_MAX_BYTES,
-            on_evicted: None,
-        }
-    }
-}
-
-/// One in-flight claim.
-struct InFlight {
-    token: Token,
-    fingerprint: Fingerprint,
-    commit_point: CommitPoint,
-    lease_until: Instant,
-    /// The retention of an `outcome_unknown` record made from this claim when a sweep
-    /// finds its lease expired.
-    retention: Duration,
-    /// Created by the first waiter.
-    notify: Option<Arc<Notify>>,
-}
-
-impl InFlight {
-    fn new(claim: &Claim, now: Instant) -> Self {
-        InFlight {
-            token: claim.token,
-            fingerprint: claim.fingerprint,
-            commit_point: claim.commit_point,
-            lease_until: after(now, claim.lease),
-            retention: claim.retention,
-            notify: None,
-        }
-    }
-
-    fn record(&self, epoch: Instant) -> Record {
-        Record::InProgress(InProgress::new(
-            millis_since(epoch, self.lease_until),
-            self.token,
-            self.fingerprint,
-            self.commit_point,
-        ))
-    }
-
-    fn wake(&self) {
-        if let Some(n) = &self.notify {
-            n.notify_waiters();
-        }
-    }
-}
-
-/// The cache weight of an encoded record: its bytes, its key and the per-entry overhead.
-fn weight_of(encoded: &[u8]) -> u64 {
-    u64::try_from(encoded.len())
-        .unwrap_or(u64::MAX)
-        .saturating_add(KEY_BYTES)
-        .saturating_add(MemoryStore::ENTRY_OVERHEAD)
-}
-
-/// A completed or `outcome_unknown` record in the cache: 32 bytes inside moka's entry,
-/// so that the entry stays in a small allocation (the times are nanoseconds rather
-/// than an `Instant` and a `Duration` of 16 bytes each).
-#[derive(Clone)]
-struct Cached {
-    /// The encoded record ([`Record::encode`]).
-    bytes: Blob,
-    /// The end of its retention, in nanoseconds of tokio time since the store's epoch:
-    /// absent from then on.
-    expires_at: u64,
-    /// When moka may collect it, in nanoseconds (its retention plus a margin, real
-    /// time).
-    gc_after: u64,
-}
-
-impl Cached {
-    fn weight(&self) -> u32 {
-        u32::try_from(weight_of(&self.bytes)).unwrap_or(u32::MAX)
-    }
-}
-
-/// moka's per-entry expiry: garbage collection only.
-struct GcAfter;
-
-// moka's signature names `std::time::Instant`; it is not read here.
-impl Expiry<RecordId, Cached> for GcAfter {
-    fn expire_after_create(
-        &self,
-        _id: &RecordId,
-        value: &Cached,
-        _created_at: std::time::Instant,
-    ) -> Option<Duration> {
-        Some(Duration::from_nanos(value.gc_after))
-    }
-
-    fn expire_after_update(
-        &self,
-        _id: &RecordId,
-        value: &Cached,
-        _updated_at: std::time::Instant,
-        _duration_until_expiry: Option<Duration>,
-    ) -> Option<Duration> {
-        Some(Duration::from_nanos(value.gc_after))
-    }
-}
-
-/// The tokens that released a record or marked it `outcome_unknown`, each kept for
-/// [`RESEND_WINDOW`], so that the same call sent again is recognised. Expired entries
-/// are dropped whenever the map has doubled since the last pruning, so it holds about
-/// the releases and marks of the last window.
-#[derive(Default)]
-struct Recent {
-    tokens: HashMap<RecordId, (Token, Instant)>,
-    prune_at: usize,
-}
-
-impl Recent {
-    fn remember(&mut self, id: RecordId, token: Token, now: Instant) {
-        if self.tokens.len() >= self.prune_at {
-            self.tokens.retain(|_, (_, until)| *until > now);
-            self.prune_at = (self.tokens.len() * 2).max(64);
-        }
-        self.tokens.insert(id, (token, after(now, RESEND_WINDOW)));
-    }
-
-    fn recalls(&self, id: &RecordId, token: Token, now: Instant) -> bool {
-        matches!(self.tokens.get(id), Some((t, until)) if *t == token && *until > now)
-    }
-}
-
-/// Ids of records the cache evicted early, waiting for the hook.
-#[derive(Default)]
-struct Evictions {
-    pending: AtomicBool,
-    ids: Mutex<Vec<RecordId>>,
-}
-
-impl Evictions {
-    fn push(&self, id: RecordId) {
-        lock(&self.ids).push(id);
-        self.pending.store(true, Ordering::Release);
-    }
-}
-
-struct Inner {
-    shards: [Shard; SHARDS],
-    /// Entries across all shards; changed only under the entry's shard lock.
-    in_flight: AtomicUsize,
-    /// A lower bound on the earliest lease end (milliseconds since `epoch`) among the
-    /// in-flight entries: a full map is not swept before then, so refusing a claim stays
-    /// cheap while every claim is live.
-    sweep_after_ms: AtomicU64,
-    cache: Cache<RecordId, Cached>,
-    /// The tokens that recently released a record or marked it unknown. Locked after
-    /// a shard lock, never before.
-    recent: Mutex<Recent>,
-    evictions: Arc<Evictions>,
-    /// The bounds and the hook, as given.
-    settings: Settings,
-    epoch: Instant,
-}
-
-impl fmt::Debug for Inner {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Inner")
-            .field("in_flight", &self.in_flight.load(Ordering::Relaxed))
-            .field("max_in_flight", &self.settings.max_in_flight)
-            .field("cached", &self.cache.entry_count())
-            .field("max_bytes", &self.settings.max_bytes)
-            .field("on_evicted", &self.settings.on_evicted.is_some())
-            .finish_non_exhaustive()
-    }
-}
-
-impl Inner {
-    fn new(settings: Settings) -> Self {
-        let evictions = Arc::new(Evictions::default());
-        let epoch = Instant::now();
-        let mut builder = Cache::builder()
-            .max_capacity(settings.max_bytes)
-            .eviction_policy(EvictionPolicy::lru())
-            .weigher(|_id: &RecordId, value: &Cached| value.weight())
-            .expire_after(GcAfter);
-        {
-            let evictions = Arc::clone(&evictions);
-            builder = builder.eviction_listener(
-                move |id: Arc<RecordId>, value: Cached, cause: RemovalCause| {
-                    // Early means: for size, while the record was still current.
-                    if cause == RemovalCause::Size
-                        && value.expires_at > nanos_since(epoch, Instant::now())
-                    {
-                        evictions.push(*id);
-                    }
-                },
-            );
-        }
-        Inner {
-            shards: std::array::from_fn(|_| Mutex::new(HashMap::new())),
-            in_flight: AtomicUsize::new(0),
-            sweep_after_ms: AtomicU64::new(u64::MAX),
-            cache: builder.build(),
-            recent: Mutex::default(),
-            evictions,
-            settings,
-            epoch,
-        }
-    }
-
-    fn lock(&self, id: &RecordId) -> MutexGuard<'_, HashMap<RecordId, InFlight>> {
-        let [first, ..] = &self.shards;
-        let index = usize::from(id.as_bytes()[0]) % SHARDS;
-        lock(self.shards.get(index).unwrap_or(first))
-    }
-
-    fn millis(&self, t: Instant) -> u64 {
-        millis_since(self.epoch, t)
-    }
-
-    fn nanos(&self, t: Instant) -> u64 {
-        nanos_since(self.epoch, t)
-    }
-
-    /// Takes one slot of the in-flight bound, if one is free.
-    fn reserve_slot(&self) -> bool {
-        self.in_flight
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
-                (n < self.settings.max_in_flight).then_some(n + 1)
-            })
-            .is_ok()
-    }
-
-    fn free_slot(&self) {
-        self.in_flight.fetch_sub(1, Ordering::AcqRel);
-    }
-
-    /// Records a new lease end for the sweep gate.
-    fn lease_set(&self, lease_until: Instant) {
-        self.sweep_after_ms
-            .fetch_min(self.millis(lease_until), Ordering::Relaxed);
-    }
-
-    /// The unexpired cached record of `id`, encoded; an expired one is invalidated.
-    /// Called under the id's shard lock (the caller decodes after releasing it).
-    fn cached(&self, id: &RecordId, now: Instant) -> Option<Blob> {
-        let cached = self.cache.get(id)?;
-        if cached.expires_at <= self.nanos(now) {
-            self.cache.invalidate(id);
-            return None;
-        }
-        Some(cached.bytes)
-    }
-
-    /// What the cache keeps of an encoded record: a record heavier than the whole cache
-    /// would be evicted at once and a retry would run again, so it keeps the small "not
-    /// stored" marker instead.
-    fn stored_form(&self, bytes: Blob) -> Blob {
-        if weight_of(&bytes) <= self.settings.max_bytes {
-            return bytes;
-        }
-        match Record::decode(Bytes::copy_from_slice(&bytes)) {
-            Ok(Record::Completed(c)) => {
-                blob(&Record::Completed(Completed::new(c.fingerprint, None)))
-            }
-            _ => bytes,
-        }
-    }
-
-    /// Puts an encoded record (in its [stored form](Self::stored_form)) in the cache for
-    /// `retention`. Called under the id's shard lock.
-    fn put(&self, id: RecordId, bytes: Blob, now: Instant, retention: Duration) {
-        let retention = retention.min(MAX_SPAN);
-        self.cache.insert(
-            id,
-            Cached {
-                bytes,
-                expires_at: self.nanos(after(now, retention)),
-                gc_after: saturating_nanos(retention + GC_MARGIN),
-            },
-        );
-    }
-
-    /// Removes the in-flight entry of `id` if `token` holds it, freeing its slot and
-    /// waking its waiters.
-    fn take_holder(
-        &self,
-        map: &mut HashMap<RecordId, InFlight>,
-        id: &RecordId,
-        token: Token,
-    ) -> Result<InFlight, StoreError> {
-        match map.get(id) {
-            Some(entry) if entry.token == token => {}
-            _ => return Err(StoreError::StaleToken),
-        }
-        let entry = map.remove(id).ok_or(StoreError::StaleToken)?;
-        self.free_slot();
-        entry.wake();
-        Ok(entry)
-    }
-
-    fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
-        let mut swept = false;
-        loop {
-            match self.try_claim(id, claim) {
-                Found::Outcome(outcome) => return Ok(outcome),
-                Found::Cached(bytes) => return decode(bytes).map(|r| existing(r, false)),
-                Found::Full(now) => {
-                    // Sweep expired leases (outside this shard's lock), then look again.
-                    if swept || self.millis(now) < self.sweep_after_ms.load(Ordering::Relaxed) {
-                        return Err(StoreError::Full);
-                    }
-                    self.sweep();
-                    swept = true;
-                }
-            }
-        }
-    }
-
-    /// One atomic step of a claim, under the id's shard lock.
-    fn try_claim(&self, id: &RecordId, claim: &Claim) -> Found {
-        let mut map = self.lock(id);
-        let now = Instant::now();
-        let Some(entry) = map.get_mut(id) else {
-            if let Some(bytes) = self.cached(id, now) {
-                return Found::Cached(bytes);
-            }
-            if !self.reserve_slot() {
-                return Found::Full(now);
-            }
-            let entry = InFlight::new(claim, now);
-            self.lease_set(entry.lease_until);
-            map.insert(*id, entry);
-            return Found::Outcome(ClaimOutcome::Claimed { takeover: false });
-        };
-        if now < entry.lease_until {
-            let record = entry.record(self.epoch);
-            if claim.holds(&record) {
-                // The same claim again (its reply was lost): the caller holds it.
-                return Found::Outcome(ClaimOutcome::Claimed { takeover: false });
-            }
-            return Found::Outcome(existing(record, false));
-        }
-        if entry.commit_point.allows_takeover() && entry.fingerprint == claim.fingerprint {
-            // The holder stopped before its effect: this copy takes over and runs.
-            let notify = entry.notify.take();
-            *entry = InFlight {
-                notify,
-                ..InFlight::new(claim, now)
-            };
-            entry.wake();
-            self.lease_set(entry.lease_until);
-            return Found::Outcome(ClaimOutcome::Claimed { takeover: true });
-        }
-        if entry.fingerprint != claim.fingerprint {
-            // Not this request's record: left for the rightful copy (or a sweep).
-            return Found::Outcome(existing(entry.record(self.epoch), false));
-        }
-        // Past (or without) a commit point: the outcome cannot be known.
-        let fingerprint = entry.fingerprint;
-        if let Some(gone) = map.remove(id) {
-            self.free_slot();
-            gone.wake();
-        }
-        let record = unknown(fingerprint);
-        self.put(*id, blob(&record), now, claim.retention);
-        Found::Outcome(existing(record, true))
-    }
-
-    /// Resolves every in-flight entry whose lease has expired, one shard at a time:
-    /// before the commit point it is dropped, otherwise it becomes `outcome_unknown` for
-    /// its claim's retention.
-    fn sweep(&self) {
-        self.sweep_after_ms.store(u64::MAX, Ordering::Relaxed);
-        let mut earliest = u64::MAX;
-        let mut resolved = 0usize;
-        for shard in &self.shards {
-            let mut map = lock(shard);
-            let now = Instant::now();
-            let mut expired = Vec::new();
-            map.retain(|id, entry| {
-                if entry.lease_until <= now {
-                    expired.push((*id, entry.fingerprint, entry.commit_point, entry.retention));
-                    entry.wake();
-                    false
-                } else {
-                    earliest = earliest.min(self.millis(entry.lease_until));
-                    true
-                }
-            });
-            for (id, fingerprint, commit_point, retention) in expired {
-                self.free_slot();
-                resolved += 1;
-                if !commit_point.allows_takeover() {
-                    tracing::warn!(
-                        record = ?id,
-                        "in-flight claim expired past its commit point: outcome_unknown"
-                    );
-                    self.put(id, blob(&unknown(fingerprint)), now, retention);
-                }
-            }
-        }
-        self.sweep_after_ms.fetch_min(earliest, Ordering::Relaxed);
-        tracing::debug!(resolved, "swept expired in-flight claims");
-    }
-
-    fn complete(
-        &self,
-        id: &RecordId,
-        token: Token,
-        record: &Completed,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        // Encoded outside the lock: it copies the body.
-        let bytes = self.stored_form(blob(&Record::Completed(record.clone())));
-        let mut map = self.lock(id);
-        let now = Instant::now();
-        match self.take_holder(&mut map, id, token) {
-            Ok(_) => {
-                self.put(*id, bytes, now, retention);
-                Ok(())
-            }
-            // The same completion again (its reply was lost): already done.
-            Err(_) if self.cached(id, now).is_some_and(|c| c[..] == bytes[..]) => Ok(()),
-            Err(e) => Err(e),
-        }
-    }
-
-    fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        let mut map = self.lock(id);
-        let now = Instant::now();
-        match self.take_holder(&mut map, id, token) {
-            Ok(_) => {
-                lock(&self.recent).remember(*id, token, now);
-                Ok(())
-            }
-            // The same release again (its reply was lost): the record is still absent.
-            Err(_)
-                if !map.contains_key(id)
-                    && self.cached(id, now).is_none()
-                    && lock(&self.recent).recalls(id, token, now) =>
-            {
-                Ok(())
-            }
-            Err(e) => Err(e),
-        }
-    }
-
-    fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
-        let mut map = self.lock(id);
-        let entry = holder(&mut map, id, token)?;
-        entry.lease_until = after(Instant::now(), lease);
-        self.lease_set(entry.lease_until);
-        Ok(())
-    }
-
-    fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        let mut map = self.lock(id);
-        holder(&mut map, id, token)?.commit_point = CommitPoint::Passed;
-        Ok(())
-    }
-
-    fn mark_unknown(
-        &self,
-        id: &RecordId,
-        token: Token,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
-        let mut map = self.lock(id);
-        let now = Instant::now();
-        let gone = match self.take_holder(&mut map, id, token) {
-            Ok(gone) => gone,
-            // The same mark again (its reply was lost): the record is still unknown.
-            Err(_)
-                if self.cached(id, now).is_some_and(|c| is_unknown(&c))
-                    && lock(&self.recent).recalls(id, token, now) =>
-            {
-                return Ok(());
-            }
-            Err(e) => return Err(e),
-        };
-        lock(&self.recent).remember(*id, token, now);
-        self.put(*id, blob(&unknown(gone.fingerprint)), now, retention);
-        Ok(())
-    }
-
-    fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let bytes = {
-            let map = self.lock(id);
-            if let Some(entry) = map.get(id) {
-                return Ok(Some(entry.record(self.epoch)));
-            }
-            self.cached(id, Instant::now())
-        };
-        bytes.map(decode).transpose()
-    }
-
-    /// A notification of the in-flight record of `id` and when to stop waiting for it
-    /// (its lease end, or `max` from now); `None` when there is nothing to wait for.
-    fn waiter(&self, id: &RecordId, max: Duration) -> Option<(OwnedNotified, Instant)> {
-        let mut map = self.lock(id);
-        let entry = map.get_mut(id)?;
-        let now = Instant::now();
-        if entry.lease_until <= now {
-            return None;
-        }
-        let until = entry.lease_until.min(after(now, max));
-        let notify = Arc::clone(entry.notify.get_or_insert_with(Arc::default));
-        // A `Notified` receives every `notify_waiters` from its creation on, even before
-        // it is polled; it is created under the lock, under which every wake-up happens,
-        // so none is missed.
-        Some((notify.notified_owned(), until))
-    }
-
-    /// Runs the cache's pending maintenance (evictions included).
-    fn sync_cache(&self) {
-        self.cache.run_pending_tasks();
-        // One run applies what is queued; repeat a little if it left the cache over.
-        for _ in 0..4 {
-            if self.cache.weighted_size() <= self.settings.max_bytes {
-                break;
-            }
-            self.cache.run_pending_tasks();
-        }
-        self.flush_evicted();
-    }
-
-    /// Calls the hook for records the cache evicted early (outside every store lock).
-    fn flush_evicted(&self) {
-        if !self.evictions.pending.load(Ordering::Acquire)
-            || !self.evictions.pending.swap(false, Ordering::AcqRel)
-        {
-            return;
-        }
-        let ids = std::mem::take(&mut *lock(&self.evictions.ids));
-        for id in &ids {
-            tracing::warn!(
-                target: "retrysafe::idempotency",
-                event = "evicted",
-                record = ?id,
-                "completed idempotency record evicted before its retention (MemoryStore max_bytes)"
-            );
-            if let Some(hook) = &self.settings.on_evicted {
-                hook(id);
-            }
-        }
-    }
-}
-
 impl IdempotencyStore for MemoryStore {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         let outcome = self.inner.claim(id, claim);
         self.inner.flush_evicted();
         outcome
@@ -839,7 +345,16 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        self.inner.commit_point(id, token)
+        self.inner.commit_point(id, token, None)
+    }
+
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        self.inner.commit_point(id, token, Some(note))
     }
 
     async fn mark_unknown(
@@ -847,16 +362,24 @@ impl IdempotencyStore for MemoryStore {
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        let done = self.inner.mark_unknown(id, token, retention);
+        let done = self.inner.mark_unknown(id, token, retention, reason);
         self.inner.flush_evicted();
         done
     }
 
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        self.inner.mark_notified(id);
+        Ok(())
+    }
+
+    fn reconciled(&self) -> bool {
+        self.inner.reconcilers.any()
+    }
+
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
-        let record = self.inner.get(id);
-        self.inner.flush_evicted();
-        record
+        self.inner.get(id)
     }
 
     /// Waits on the record's notifier until it is completed, released, marked unknown
@@ -868,79 +391,4 @@ impl IdempotencyStore for MemoryStore {
         }
         Ok(())
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    // The critical sections do not panic; should one ever, its data is still whole.
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
-}
-
-/// The entry of `id` if `token` holds it.
-fn holder<'m>(
-    map: &'m mut HashMap<RecordId, InFlight>,
-    id: &RecordId,
-    token: Token,
-) -> Result<&'m mut InFlight, StoreError> {
-    map.get_mut(id)
-        .filter(|entry| entry.token == token)
-        .ok_or(StoreError::StaleToken)
-}
-
-/// What one step of a claim found.
-enum Found {
-    /// The answer.
-    Outcome(ClaimOutcome),
-    /// A cached record, still to be decoded (outside the lock).
-    Cached(Blob),
-    /// No free slot (at this instant).
-    Full(Instant),
-}
-
-/// Encodes a record into one allocation for the cache.
-fn blob(record: &Record) -> Blob {
-    // `Record::encode` writes a `Bytes` of exactly the encoded length; the copy into the
-    // `Arc` (its counts in front) is one `memcpy` of the record per store.
-    Blob::from(&record.encode()[..])
-}
-
-/// Decodes a cached record. Its body shares the cache's allocation (no copy).
-fn decode(bytes: Blob) -> Result<Record, StoreError> {
-    Record::decode(Bytes::from_owner(bytes)).map_err(StoreError::Corrupt)
-}
-
-fn existing(record: Record, became_unknown: bool) -> ClaimOutcome {
-    ClaimOutcome::Existing {
-        record,
-        became_unknown,
-    }
-}
-
-/// Whether an encoded record is `outcome_unknown`.
-fn is_unknown(bytes: &Blob) -> bool {
-    matches!(
-        Record::decode(Bytes::copy_from_slice(bytes)),
-        Ok(Record::OutcomeUnknown(_))
-    )
-}
-
-fn unknown(fingerprint: Fingerprint) -> Record {
-    Record::OutcomeUnknown(OutcomeUnknown::new(fingerprint))
-}
-
-fn after(now: Instant, d: Duration) -> Instant {
-    now + d.min(MAX_SPAN)
-}
-
-fn millis_since(epoch: Instant, t: Instant) -> u64 {
-    u64::try_from(t.saturating_duration_since(epoch).as_millis()).unwrap_or(u64::MAX)
-}
-
-/// Nanoseconds from `epoch` to `t`: enough for 584 years, and durations are clamped
-/// to a century.
-fn nanos_since(epoch: Instant, t: Instant) -> u64 {
-    saturating_nanos(t.saturating_duration_since(epoch))
-}
-
-fn saturating_nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

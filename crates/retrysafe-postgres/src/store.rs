@@ -6,18 +6,19 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{Reconcilers, Validate};
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId,
-    Token,
+    RequestInfo, Resolving, Token, UnknownReason,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, StoreError};
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use crate::replication::{self, SynchronousCommit};
 use crate::sql::{self, STATE_COMPLETED, STATE_IN_PROGRESS, STATE_UNKNOWN, Sql};
 
 /// Durations longer than this (a century) are clamped.
@@ -53,6 +54,11 @@ const CLAIM_ATTEMPTS: usize = 8;
 ///   replaced by the next claim) with its token for
 ///   [`RESEND_WINDOW`](retrysafe_core::store::RESEND_WINDOW) before the sweeper deletes
 ///   it;
+/// - the reconciler's calls ([`ReconcilableStore`](retrysafe_core::recovery::ReconcilableStore))
+///   are one statement each too (a completing settlement reads the fingerprint first);
+///   a live adoption makes every token call above fail with
+///   [`StoreError::StaleToken`], and reads and claims see
+///   [`Record::Resolving`];
 /// - all time comes from `clock_timestamp()`, the database's clock;
 /// - a record is absent from the end of its retention; the rows stay until deleted by
 ///   [`sweep_expired`](Self::sweep_expired) or a [sweeper](Self::spawn_sweeper).
@@ -89,6 +95,7 @@ struct Inner {
     pool: PgPool,
     sql: Sql,
     call_timeout: Duration,
+    reconcilers: Reconcilers,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -117,6 +124,7 @@ impl PostgresStore {
                 pool,
                 sql: Sql::new(None, sql::DEFAULT_TABLE),
                 call_timeout: Self::DEFAULT_CALL_TIMEOUT,
+                reconcilers: Reconcilers::default(),
             }),
         }
     }
@@ -146,23 +154,26 @@ impl PostgresStore {
 
     /// The SQL that [`migrate`](Self::migrate) runs, for users who run their own
     /// migrations: `CREATE SCHEMA IF NOT EXISTS` (when a schema is set),
-    /// `CREATE TABLE IF NOT EXISTS` and `CREATE INDEX IF NOT EXISTS`, each ending with
-    /// `;`.
+    /// `CREATE TABLE IF NOT EXISTS`, `CREATE INDEX IF NOT EXISTS` for the expiry,
+    /// `ALTER TABLE … ADD COLUMN IF NOT EXISTS` for the recovery columns, and
+    /// `CREATE INDEX IF NOT EXISTS` for the pending rows, each ending with `;`.
     ///
     /// ```
     /// use retrysafe_postgres::PostgresStore;
     /// let sql = PostgresStore::options().schema("app").table("keys").migration_sql().unwrap();
     /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.keys ("));
     /// assert!(sql.contains("ON app.keys (expires_at)"));
+    /// assert!(sql.contains("ALTER TABLE app.keys\n    ADD COLUMN IF NOT EXISTS request"));
     /// ```
     pub fn migration_sql(&self) -> String {
         self.inner.sql.migration_script()
     }
 
-    /// Creates the schema (when one is set), the table and its index if they do not
-    /// exist. Idempotent, and safe to run from several processes at once: it is one
-    /// script, run as one transaction under an advisory lock on the table name. Not
-    /// bounded by the call timeout.
+    /// Creates the schema (when one is set), the table and its indexes if they do not
+    /// exist, and adds the recovery columns to a table made by an earlier release (see
+    /// the [crate docs](crate#the-table)). Idempotent, and safe to run from several
+    /// processes at once: it is one script, run as one transaction under an advisory
+    /// lock on the table name. Not bounded by the call timeout.
     pub async fn migrate(&self) -> Result<(), sqlx::Error> {
         sqlx::raw_sql(&self.inner.sql.migrate)
             .execute(&self.inner.pool)
@@ -258,8 +269,18 @@ impl PostgresStore {
         })
     }
 
+    /// The rendered statements of the table.
+    pub(crate) fn sql(&self) -> &Sql {
+        &self.inner.sql
+    }
+
+    /// The count of reconcilers running for this store.
+    pub(crate) fn reconcilers(&self) -> &Reconcilers {
+        &self.inner.reconcilers
+    }
+
     /// Runs `f` under the call timeout: [`StoreError::Timeout`] when it runs out.
-    async fn call<T>(
+    pub(crate) async fn call<T>(
         &self,
         f: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
@@ -269,7 +290,7 @@ impl PostgresStore {
     }
 
     /// Runs a token-checked change: one row changed, or the token is stale.
-    async fn change(
+    pub(crate) async fn change(
         &self,
         query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
     ) -> Result<(), StoreError> {
@@ -334,8 +355,12 @@ impl SweeperHandle {
 /// - does not ping a connection before handing it out (sqlx's `test_before_acquire`,
 ///   which would add a round trip to every store call): a connection the server closed
 ///   fails one call with [`StoreError::Unavailable`] and is replaced;
-/// - sets the server's `statement_timeout` to the call timeout, so a statement the
-///   store gave up on does not keep running (and holding its connection) on the server;
+/// - sets the server's `statement_timeout` to the call timeout (twice that with a
+///   [`synchronous_commit`](Self::synchronous_commit) level that waits for a standby),
+///   so a statement the store gave up on does not keep running (and holding its
+///   connection) on the server;
+/// - reads the replication settings once ([`PostgresStore::check_replication`]) and
+///   logs a warning when a promoted standby could miss acknowledged records;
 /// - tries for [`connect_timeout`](Self::connect_timeout) (default 5 s) to open a
 ///   connection, and holds up to [`max_connections`](Self::max_connections)
 ///   (default 10).
@@ -366,6 +391,7 @@ pub struct PostgresStoreOptions {
     call_timeout: Duration,
     connect_timeout: Duration,
     max_connections: u32,
+    synchronous_commit: Option<SynchronousCommit>,
 }
 
 impl Default for PostgresStoreOptions {
@@ -376,6 +402,7 @@ impl Default for PostgresStoreOptions {
             call_timeout: PostgresStore::DEFAULT_CALL_TIMEOUT,
             connect_timeout: Duration::from_secs(5),
             max_connections: 10,
+            synchronous_commit: None,
         }
     }
 }
@@ -423,6 +450,37 @@ impl PostgresStoreOptions {
     /// pool. Must be greater than zero.
     pub fn max_connections(mut self, max: u32) -> Self {
         self.max_connections = max;
+        self
+    }
+
+    /// The `synchronous_commit` level of the connected pool's sessions (default: the
+    /// server's). With a synchronous standby named in the server's
+    /// `synchronous_standby_names`, [`SynchronousCommit::RemoteApply`] makes every claim,
+    /// commit point and completion wait, before it is acknowledged, until the standby
+    /// has applied it: a standby promoted after a failover then has every record the
+    /// store acknowledged. With asynchronous replication a promoted standby may miss
+    /// the last ones, and a copy of such a request runs again there.
+    ///
+    /// Set on each connection as it opens (a startup parameter, like
+    /// `statement_timeout`): no round trip per call; the transactional layer's
+    /// transactions on the store's pool commit at the same level. Only for a connected
+    /// pool; on a pool given to [`build`](Self::build), set it on the pool's connect
+    /// options (or the role, `ALTER ROLE … SET synchronous_commit`).
+    /// [`connect`](Self::connect) checks the server's settings and logs a warning when
+    /// they do not match ([`PostgresStore::check_replication`]).
+    ///
+    /// A commit that waits for the standby and is cancelled (by `statement_timeout` or
+    /// `pg_cancel_backend`) is committed on the primary but may be missing after a
+    /// promotion, and PostgreSQL answers such a COMMIT with success and a warning, not
+    /// an error. So with a level that waits for a standby, the connected pool sets the
+    /// server's `statement_timeout` to twice the call timeout: the store gives up first,
+    /// and a call that runs out of its call timeout is [`StoreError::Timeout`], which
+    /// the layer treats as an unknown outcome (a claim answered 503, a completion as
+    /// `completion_lost`), never as success. (A client that stalls for longer than
+    /// twice the call timeout could still read such a success.) End store sessions with
+    /// `pg_terminate_backend`, which fails the call, never with `pg_cancel_backend`.
+    pub fn synchronous_commit(mut self, level: SynchronousCommit) -> Self {
+        self.synchronous_commit = Some(level);
         self
     }
 
@@ -475,14 +533,28 @@ impl PostgresStoreOptions {
             .map_err(|e| sqlx::Error::Configuration(Box::new(e)))?;
         // Whole milliseconds, rounded up, so the server never gives up first.
         let statement_ms = self.call_timeout.min(MAX_SPAN).as_micros().div_ceil(1000);
-        let options = options.options([("statement_timeout", statement_ms.to_string())]);
+        let asked = self.synchronous_commit;
+        // A statement_timeout that ends a commit's wait for the standby makes the
+        // COMMIT answer success (with a warning) though the standby may not have it:
+        // with a level that waits, the server's timeout is twice the store's, so that
+        // the store gives up first and reports a timeout, an unknown outcome.
+        let statement_ms = match asked {
+            Some(level) if level.waits_for_standby() => statement_ms.saturating_mul(2),
+            _ => statement_ms,
+        };
+        let mut options = options.options([("statement_timeout", statement_ms.to_string())]);
+        if let Some(level) = asked {
+            options = options.options([("synchronous_commit", level.as_str())]);
+        }
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
             .acquire_timeout(self.connect_timeout.min(MAX_SPAN))
             .test_before_acquire(false)
             .connect_with(options)
             .await?;
-        Ok(self.store(pool, sql))
+        let store = self.store(pool, sql);
+        replication::warn_on_connect(&store, asked).await;
+        Ok(store)
     }
 
     /// The statements of the table, when the call timeout, the schema and the table
@@ -506,14 +578,16 @@ impl PostgresStoreOptions {
                 pool,
                 sql,
                 call_timeout: self.call_timeout,
+                reconcilers: Reconcilers::default(),
             }),
         }
     }
 }
 
 impl IdempotencyStore for PostgresStore {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         let sql = &self.inner.sql;
+        let request = claim.request.map(RequestInfo::encode);
         self.call(async {
             for _ in 0..CLAIM_ATTEMPTS {
                 let row = sqlx::query(&sql.claim)
@@ -523,6 +597,7 @@ impl IdempotencyStore for PostgresStore {
                     .bind(commit_point_code(claim.commit_point))
                     .bind(micros(claim.lease))
                     .bind(micros(claim.retention))
+                    .bind(request.as_deref())
                     .fetch_optional(&self.inner.pool)
                     .await
                     .map_err(db_error)?;
@@ -595,7 +670,24 @@ impl IdempotencyStore for PostgresStore {
         self.change(
             sqlx::query(&self.inner.sql.commit_point)
                 .bind(&id.as_bytes()[..])
-                .bind(token.to_bytes().to_vec()),
+                .bind(token.to_bytes().to_vec())
+                .bind(None::<&[u8]>),
+        )
+        .await
+    }
+
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        let note = note.get(..MAX_NOTE).unwrap_or(note);
+        self.change(
+            sqlx::query(&self.inner.sql.commit_point)
+                .bind(&id.as_bytes()[..])
+                .bind(token.to_bytes().to_vec())
+                .bind(note),
         )
         .await
     }
@@ -605,14 +697,33 @@ impl IdempotencyStore for PostgresStore {
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
         self.change(
             sqlx::query(&self.inner.sql.mark_unknown)
                 .bind(&id.as_bytes()[..])
                 .bind(token.to_bytes().to_vec())
-                .bind(micros(retention)),
+                .bind(micros(retention))
+                .bind(i32::from(reason.to_code())),
         )
         .await
+    }
+
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        // No row: the record was resolved or expired meanwhile; nothing to tell.
+        self.call(async {
+            sqlx::query(&self.inner.sql.mark_notified)
+                .bind(&id.as_bytes()[..])
+                .execute(&self.inner.pool)
+                .await
+                .map(drop)
+                .map_err(db_error)
+        })
+        .await
+    }
+
+    fn reconciled(&self) -> bool {
+        self.inner.reconcilers.any()
     }
 
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
@@ -644,7 +755,7 @@ fn commit_point_code(c: CommitPoint) -> i16 {
     }
 }
 
-fn commit_point_from_code(code: i16) -> Result<CommitPoint, DecodeError> {
+pub(crate) fn commit_point_from_code(code: i16) -> Result<CommitPoint, DecodeError> {
     match code {
         0 => Ok(CommitPoint::Undeclared),
         1 => Ok(CommitPoint::Before),
@@ -667,13 +778,18 @@ pub(crate) fn db_error(e: sqlx::Error) -> StoreError {
 }
 
 /// Reads the record columns of a row (`state, fingerprint, token, commit_point,
-/// lease_ms, record`). Total: a row that does not describe a record is
+/// lease_ms, record, adopt_ms`): a record under a live adoption is `resolving`. Total: a row that does not describe a record is
 /// [`StoreError::Corrupt`].
 pub(crate) fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
     let state: i16 = row.try_get("state").map_err(db_error)?;
     let fingerprint: Vec<u8> = row.try_get("fingerprint").map_err(db_error)?;
     let fingerprint = Fingerprint::from_bytes(exact(fingerprint, "fingerprint")?);
     let corrupt = StoreError::Corrupt;
+    let adopt_ms: Option<i64> = row.try_get("adopt_ms").map_err(db_error)?;
+    if let Some(ms) = adopt_ms {
+        let until_ms = u64::try_from(ms).map_err(|_| corrupt(DecodeError::Invalid("adoption")))?;
+        return Ok(Record::Resolving(Resolving::new(fingerprint, until_ms)));
+    }
     match state {
         STATE_IN_PROGRESS => {
             let token: Option<Vec<u8>> = row.try_get("token").map_err(db_error)?;
@@ -709,7 +825,10 @@ pub(crate) fn record_from_row(row: &PgRow) -> Result<Record, StoreError> {
 }
 
 /// A column that must hold exactly `N` bytes.
-fn exact<const N: usize>(bytes: Vec<u8>, what: &'static str) -> Result<[u8; N], StoreError> {
+pub(crate) fn exact<const N: usize>(
+    bytes: Vec<u8>,
+    what: &'static str,
+) -> Result<[u8; N], StoreError> {
     <[u8; N]>::try_from(bytes).map_err(|_| StoreError::Corrupt(DecodeError::Invalid(what)))
 }
 

@@ -34,7 +34,7 @@ use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
 
-fn claim(fp: u8, lease: Duration, retention: Duration) -> Claim {
+fn claim(fp: u8, lease: Duration, retention: Duration) -> Claim<'static> {
     Claim::new(
         Token::random(),
         Fingerprint::from_bytes([fp; 32]),
@@ -61,7 +61,7 @@ fn completed(fp: u8, body: &'static str) -> Completed {
 
 const HOUR: Duration = Duration::from_secs(3600);
 
-async fn must_claim(store: &impl IdempotencyStore, id: &RecordId, c: &Claim) {
+async fn must_claim(store: &impl IdempotencyStore, id: &RecordId, c: &Claim<'_>) {
     match store.claim(id, c).await.unwrap() {
         ClaimOutcome::Claimed { .. } => {}
         other => panic!("expected a claim, got {other:?}"),
@@ -122,7 +122,15 @@ async fn one_round_trip_per_call() {
         let other = fresh_id();
         let c = claim(2, HOUR, HOUR);
         must_claim(store, &other, &c).await; // 9
-        store.mark_unknown(&other, c.token, HOUR).await.unwrap(); // 10
+        store
+            .mark_unknown(
+                &other,
+                c.token,
+                HOUR,
+                retrysafe_core::idempotency::UnknownReason::ServiceError,
+            )
+            .await
+            .unwrap(); // 10
         let third = fresh_id();
         let c = claim(3, HOUR, HOUR);
         must_claim(store, &third, &c).await; // 11
@@ -272,7 +280,15 @@ async fn sweep_deletes_expired_rows_in_batches() {
         let id = fresh_id();
         let c = claim(1, HOUR, HOUR);
         must_claim(&*store, &id, &c).await;
-        store.mark_unknown(&id, c.token, tiny).await.unwrap();
+        store
+            .mark_unknown(
+                &id,
+                c.token,
+                tiny,
+                retrysafe_core::idempotency::UnknownReason::ServiceError,
+            )
+            .await
+            .unwrap();
     }
     // 3 abandoned claims, lease and retention 1 ms; 2 live claims.
     for _ in 0..3 {

@@ -98,6 +98,10 @@ pub struct ConfigReport {
     pub aof: Option<bool>,
     /// Whether RDB snapshots are scheduled (a non-empty `save`); `None` when unknown.
     pub rdb: Option<bool>,
+    /// Whether the node runs in Redis Cluster mode (`cluster-enabled yes`); `None` when
+    /// unknown. Making a store on a cluster node keeps the in-flight index as one key
+    /// per hash slot.
+    pub cluster: Option<bool>,
 }
 
 impl ConfigReport {
@@ -178,7 +182,7 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// Checks the server's configuration, where permitted: reads `maxmemory-policy`,
-    /// `appendonly` and `save` with `CONFIG GET` (one round trip). Making a store runs
+    /// `appendonly`, `save` and `cluster-enabled` with `CONFIG GET` (one round trip). Making a store runs
     /// it (and also refuses an unreadable policy) unless
     /// [`skip_config_check`](crate::RedisStoreOptions::skip_config_check) was set; call
     /// it again to read the report.
@@ -208,7 +212,7 @@ where
     pub async fn check_config(&self) -> Result<ConfigReport, CheckError> {
         let mut conn = self.connection().clone();
         let mut pipe = redis::pipe();
-        for name in ["maxmemory-policy", "appendonly", "save"] {
+        for name in ["maxmemory-policy", "appendonly", "save", "cluster-enabled"] {
             pipe.cmd("CONFIG").arg("GET").arg(name);
         }
         let reply: RedisResult<Vec<HashMap<String, String>>> =
@@ -227,6 +231,7 @@ where
                     eviction_policy: EvictionPolicy::Unknown,
                     aof: None,
                     rdb: None,
+                    cluster: None,
                 }
             }
             Err(e) => return Err(CheckError::Store(store_error(e))),
@@ -253,11 +258,15 @@ where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
     /// The check run when a store is made: [`check_config`](Self::check_config), and a
-    /// policy that could not be read is refused too.
+    /// policy that could not be read is refused too. A cluster node makes the store
+    /// keep its in-flight index per hash slot.
     pub(crate) async fn check_on_start(&self) -> Result<(), CheckError> {
         let report = self.check_config().await?;
         if report.eviction_policy == EvictionPolicy::Unknown {
             return Err(CheckError::EvictionPolicyUnreadable);
+        }
+        if report.cluster == Some(true) {
+            self.index_per_slot();
         }
         Ok(())
     }
@@ -278,8 +287,8 @@ where
     .await
 }
 
-/// The report from the three `CONFIG GET` replies (in order: `maxmemory-policy`,
-/// `appendonly`, `save`), each a map from the parameter to its value.
+/// The report from the `CONFIG GET` replies (in order: `maxmemory-policy`,
+/// `appendonly`, `save`, `cluster-enabled`), each a map from the parameter to its value.
 pub(crate) fn report_from(maps: &[HashMap<String, String>]) -> ConfigReport {
     let value = |i: usize, name: &str| maps.get(i).and_then(|m| m.get(name)).map(String::as_str);
     ConfigReport {
@@ -287,6 +296,7 @@ pub(crate) fn report_from(maps: &[HashMap<String, String>]) -> ConfigReport {
             .map_or(EvictionPolicy::Unknown, EvictionPolicy::parse),
         aof: value(1, "appendonly").map(|v| v.trim().eq_ignore_ascii_case("yes")),
         rdb: value(2, "save").map(|v| !v.trim().is_empty()),
+        cluster: value(3, "cluster-enabled").map(|v| v.trim().eq_ignore_ascii_case("yes")),
     }
 }
 
@@ -340,6 +350,7 @@ mod tests {
             map("maxmemory-policy", "allkeys-lru"),
             map("appendonly", "yes"),
             map("save", ""),
+            map("cluster-enabled", "yes"),
         ]);
         assert_eq!(
             r,
@@ -347,6 +358,7 @@ mod tests {
                 eviction_policy: EvictionPolicy::AllKeys("allkeys-lru".to_owned()),
                 aof: Some(true),
                 rdb: Some(false),
+                cluster: Some(true),
             }
         );
         assert_eq!(r.persistent(), Some(true));

@@ -27,7 +27,25 @@
 //! (claim, complete, release, renew, commit point, mark unknown) is one Lua script that
 //! checks the claim token and, for a claim, returns the existing record: one round
 //! trip per store call. Lease ends come from Redis's clock (`TIME`), expiry from `PX`.
-//! See [`RedisStore`] for the details.
+//!
+//! What recovery needs beside the record lives in a companion hash in the same hash
+//! slot, `…:meta`, with the record's expiry: the request's method, path and scope
+//! (and the key when the layer stores keys for resolution), the handler's resolution
+//! note, why an outcome is unknown, whether the reconcile hook was told, a reconciler's
+//! adoption, and the claim time. An in-flight index, a sorted set per key prefix
+//! (`{prefix}inflight`; on a cluster one per hash slot), lists the records that are pending (claims and unknown
+//! outcomes) by when each becomes due. The same scripts keep both, so the request path
+//! gains no round trip. See [`RedisStore`] for the details.
+//!
+//! # Recovery
+//!
+//! [`RedisStore`] is a
+//! [`ReconcilableStore`](retrysafe_core::recovery::ReconcilableStore): a
+//! [`Reconciler`](retrysafe_core::recovery::Reconciler) finds pending records in the
+//! index, adopts each with one script (the record's bytes are not touched, so a lapsed
+//! adoption leaves it exactly as it was), and settles it with another. While adopted,
+//! copies are told the record is being resolved and the late holder's calls are
+//! refused.
 //!
 //! # Redis requirements
 //!
@@ -45,12 +63,24 @@
 //! - **Durability**: a record is only as durable as Redis. Without persistence a
 //!   restart forgets every record, and copies of requests already served run again.
 //!   Use AOF (`appendonly yes`, `appendfsync everysec` loses at most about a second;
-//!   `always` nothing) or at least RDB snapshots. Replication is asynchronous: a
-//!   failover can lose the last writes, a recent claim among them.
+//!   `always` nothing) or at least RDB snapshots.
 //! - **Clocks**: leases are measured by the Redis server's clock only; app-server clocks
 //!   do not matter.
-//! - **Cluster**: supported (feature `cluster`, `RedisStore::connect_cluster`): each
-//!   record is one key and each script touches only that key.
+//! - **Cluster**: feature `cluster`, `RedisStore::connect_cluster`: each record, its
+//!   `:last` and `:meta` keys share the record id's hash tag, so each script runs on
+//!   the node that owns them. The in-flight index is then one key per hash slot,
+//!   `{prefix}inflight:{<tag>}`, the tag a short number that hashes to the slot of the
+//!   records it lists, so every script touches keys of one slot and record key names
+//!   are those of a single server. A reconciler walks the slots, 512 at a time, only
+//!   those whose scan lease it holds (16 leases of 1024 slots, taken for 30 s and
+//!   renewed by each walk, so several app servers' reconcilers split the work), and
+//!   drops index entries of expired records as it finds them. The cluster client
+//!   follows `MOVED` and `ASK` during resharding and may send a request again after a
+//!   lost connection: every script is idempotent per token.
+//! - **Replication**: asynchronous, so a failover can lose the last acknowledged
+//!   writes, a claim or a completion among them, and a copy of the request may then run
+//!   again. [`RedisStore::replicated_writes`] waits for replicas (`WAIT`) on each
+//!   claim, commit point and completion: it reduces that loss, it does not remove it.
 //!
 //! # Timeouts and failures
 //!
@@ -65,9 +95,12 @@
 //! The first call of each script after a server start (or `SCRIPT FLUSH`) takes two
 //! more round trips to load it.
 #![forbid(unsafe_code)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod check;
+mod recovery;
 mod scripts;
+mod slots;
 mod store;
 #[cfg(feature = "test-util")]
 pub mod test_util;

@@ -3,23 +3,31 @@
 use std::fmt;
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
 use rand::Rng;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::{IntoConnectionInfo, RedisError, RedisResult};
-use retrysafe_core::__private::Validate;
+use redis::{
+    ErrorKind, FromRedisValue, IntoConnectionInfo, RedisError, RedisResult, ScriptInvocation,
+    ServerErrorKind,
+};
+use retrysafe_core::__private::{Reconcilers, Validate};
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
-    Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Token,
+    Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Resolving, Token,
+    UnknownReason,
 };
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, RESEND_WINDOW, StoreError};
+use retrysafe_core::store::{
+    Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, RESEND_WINDOW, StoreError,
+};
 use retrysafe_core::wire::MAX_TIMEOUT;
 use tokio::time::Instant;
 
 use crate::CheckError;
-use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, SCRIPTS, TAKEN_OVER};
+use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, RESOLVING, SCRIPTS, TAKEN_OVER};
+use crate::slots::{SLOTS, slot_of_tag, tag_of_slot};
 
 /// The default key prefix.
 const DEFAULT_KEY_PREFIX: &str = "retrysafe:";
@@ -44,16 +52,38 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 ///
 /// - **Keys.** A record lives under `{prefix}{<record id in hex>}` (default prefix
 ///   `retrysafe:`); the braces are a Redis Cluster hash tag, so every key maps to the
-///   slot of its own record id and each script touches one key. See
-///   [`key`](Self::key). A release or `mark_unknown` also writes its token, for a
-///   minute ([`RESEND_WINDOW`]), under that key with `:last` appended, so that the same
-///   call sent again after a lost reply succeeds.
+///   slot of its own record id. See [`key`](Self::key). A release, `mark_unknown` or
+///   reconciler settlement also writes its token, for a minute ([`RESEND_WINDOW`]),
+///   under that key with `:last` appended, so that the same call sent again after a
+///   lost reply succeeds.
 /// - **Values.** The record's [`Record::encode`] blob: a record's size in Redis is its
-///   encoded length, and app servers of two releases read each other's records.
+///   encoded length, and app servers of two releases read each other's records. The
+///   scripts accept records at least as long as this release writes (a later release
+///   may append fields).
+/// - **Companion hash.** Under the record's key with `:meta` appended (the same hash
+///   tag), expiring with the record: `at` (claim time), `req` (the encoded
+///   [`RequestInfo`](retrysafe_core::idempotency::RequestInfo) of the claim), `note`
+///   (the [`commit_point_with`](IdempotencyStore::commit_point_with) note, at most
+///   [`MAX_NOTE`] bytes), `reason` (the [`UnknownReason`] code), `notified` (`0`/`1`),
+///   `atok` and `auntil` (a reconciler's adoption: token, end), `next` (when an unknown
+///   record is due again). Times are milliseconds of Redis `TIME`.
+/// - **In-flight index.** A sorted set, `{prefix}inflight` (on a Redis Cluster one
+///   per hash slot, `{prefix}inflight:{<tag>}`, in the slot of the records it lists),
+///   of the ids (hex) of pending records, scored by when each becomes due for a reconciler: a claim at its
+///   lease end, an unknown record at once (or, after a reconciler's pass, at its next
+///   pass); completed and released records leave it, and entries of records that
+///   expired are dropped when a scan finds them. The scripts that change a record keep
+///   it, so the request path gains no round trip.
 /// - **Transitions.** `claim`, `complete`, `release`, `renew`, `commit_point` and
 ///   `mark_unknown` are Lua scripts (`EVALSHA`, loaded on first use) that check the token
-///   and, for a claim, return the existing record: one round trip per call. `get` is one
-///   `GET`.
+///   and, for a claim, return the existing record: one round trip per call. `get` is
+///   one script too (it reports an adopted record as [`Record::Resolving`]).
+/// - **Recovery.** As a [`ReconcilableStore`](retrysafe_core::recovery::ReconcilableStore):
+///   `due` scans the index, `adopt` records an adoption in the companion hash without
+///   touching the record (so a lapsed adoption leaves it as it was), `settle` completes,
+///   deletes or defers the record; one script each. While an adoption is live, a claim
+///   answers [`Record::Resolving`] and every token call of the record's holder is
+///   refused as stale.
 /// - **Time.** Lease ends come from Redis's own clock (`TIME` inside the script), so
 ///   app-server clock skew cannot break a lease. Expiry is `PX`: an `in_progress` key
 ///   lives for its lease plus the claim's retention, so that an expired lease can still
@@ -104,12 +134,36 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 pub struct RedisStore<C = ConnectionManager> {
     conn: C,
     config: Arc<Config>,
+    replication: Option<Replication>,
+}
+
+/// The setting of [`RedisStore::replicated_writes`].
+#[derive(Debug, Clone, Copy)]
+struct Replication {
+    replicas: u32,
+    timeout: Duration,
+}
+
+impl Replication {
+    /// The `WAIT` timeout in ms: at least 1 (0 would block for ever), at most the call
+    /// timeout.
+    fn wait_millis(self, call_timeout: Duration) -> u64 {
+        millis(self.timeout.min(call_timeout)).max(1)
+    }
 }
 
 #[derive(Debug)]
 struct Config {
     prefix: String,
     call_timeout: Duration,
+    /// The reconcilers running for this store (shared by its clones).
+    reconcilers: Reconcilers,
+    /// Set on a Redis Cluster: the in-flight index is one key per hash slot.
+    per_slot: AtomicBool,
+    /// The slot where the next walk of a reconciler over the slots starts.
+    cursor: AtomicU16,
+    /// The token of this store's scan leases on a cluster.
+    owner: Token,
 }
 
 impl<C: Clone> Clone for RedisStore<C> {
@@ -117,7 +171,14 @@ impl<C: Clone> Clone for RedisStore<C> {
         RedisStore {
             conn: self.conn.clone(),
             config: Arc::clone(&self.config),
+            replication: self.replication,
         }
+    }
+}
+
+impl<C> RedisStore<C> {
+    fn per_slot_flag(&self) -> bool {
+        self.config.per_slot.load(Ordering::Relaxed)
     }
 }
 
@@ -127,6 +188,8 @@ impl<C> fmt::Debug for RedisStore<C> {
             .field("connection", &std::any::type_name::<C>())
             .field("key_prefix", &self.config.prefix)
             .field("call_timeout", &self.config.call_timeout)
+            .field("per_slot_index", &self.per_slot_flag())
+            .field("replicas", &self.replication.map_or(0, |r| r.replicas))
             .finish()
     }
 }
@@ -212,7 +275,7 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
             .build()
             .map_err(StoreError::unavailable)?;
         let conn = bounded(timeout * 5, client.get_async_connection()).await?;
-        RedisStoreOptions::new().build(conn).await
+        RedisStoreOptions::new().per_slot_index().build(conn).await
     }
 }
 
@@ -238,6 +301,180 @@ where
         format!("{}{{{}}}", self.config.prefix, id.to_hex())
     }
 
+    /// The key of the in-flight index that lists `id` while it is pending (a claim,
+    /// or an unknown outcome): a sorted set of record ids (hex) scored by when each
+    /// becomes due for a reconciler.
+    ///
+    /// On one server, one index per key prefix, `{prefix}inflight`. On a Redis Cluster
+    /// every script must touch keys of one slot, so there the index is one key per hash
+    /// slot, `{prefix}inflight:{<tag>}`, where the tag is a short number that hashes to
+    /// the slot of the record's own hash tag: record key names are the same in both
+    /// forms. (A record key always has a `{` right after the prefix, so the names
+    /// cannot meet.)
+    pub(crate) fn index_key(&self, id: &RecordId) -> String {
+        if self.config.per_slot.load(Ordering::Relaxed) {
+            slot_index_key(&self.config.prefix, slot_of_tag(&id.to_hex()))
+        } else {
+            single_index_key(&self.config.prefix)
+        }
+    }
+
+    /// Every index key (see [`index_key`](Self::index_key)). Per slot, the walk starts
+    /// at slot `from`, and the per-prefix key comes first: a store that found out it
+    /// runs on a cluster only when the cluster refused a script (`CROSSSLOT`) may have
+    /// listed records of that key's slot there before.
+    /// Each with its slot (`None` for the per-prefix key).
+    pub(crate) fn index_keys(&self, from: u16) -> Vec<(Option<u16>, String)> {
+        let single = (None, single_index_key(&self.config.prefix));
+        if !self.config.per_slot.load(Ordering::Relaxed) {
+            return vec![single];
+        }
+        let slots = (0..SLOTS).map(|i| (from % SLOTS + i) % SLOTS);
+        std::iter::once(single)
+            .chain(slots.map(|slot| (Some(slot), slot_index_key(&self.config.prefix, slot))))
+            .collect()
+    }
+
+    /// The key of the scan lease of the slots `group * SLOTS_PER_LEASE ..` on a
+    /// cluster: `{prefix}scan:{<tag>}`, in the first slot of the group.
+    pub(crate) fn scan_lease_key(&self, group: u16) -> String {
+        let slot = group.saturating_mul(SLOTS_PER_LEASE) % SLOTS;
+        format!("{}scan:{{{}}}", self.config.prefix, tag_of_slot(slot))
+    }
+
+    /// The token this store (and its clones) holds scan leases with.
+    pub(crate) fn owner(&self) -> Token {
+        self.config.owner
+    }
+
+    /// Keeps the in-flight index as one key per hash slot from now on.
+    pub(crate) fn index_per_slot(&self) {
+        if !self.config.per_slot.swap(true, Ordering::Relaxed) {
+            tracing::debug!(
+                target: "retrysafe::redis",
+                "Redis Cluster: the in-flight index is kept as one key per hash slot"
+            );
+        }
+    }
+
+    /// Whether the in-flight index is kept as one key per hash slot (on a Redis
+    /// Cluster).
+    pub(crate) fn per_slot(&self) -> bool {
+        self.config.per_slot.load(Ordering::Relaxed)
+    }
+
+    /// Where the next walk over the slots starts, and where the one after it will.
+    pub(crate) fn cursor(&self) -> &AtomicU16 {
+        &self.config.cursor
+    }
+
+    /// Runs the script `build` makes, with the index key of `id` appended as its last
+    /// key; with [`replicated_writes`](Self::replicated_writes) and `wait`, pipelined
+    /// with `WAIT`. Also returns whether enough replicas acknowledged the write (always
+    /// `true` without the setting). When a Redis Cluster refuses it because the index
+    /// lives in another slot (`CROSSSLOT`, refused before the script runs: a store
+    /// made without the configuration check does not know it runs on a cluster), the
+    /// store switches to one index key per slot and runs it again.
+    pub(crate) async fn indexed<T: FromRedisValue>(
+        &self,
+        id: &RecordId,
+        wait: bool,
+        build: impl Fn() -> ScriptInvocation<'static> + Sync,
+    ) -> Result<(T, bool), StoreError> {
+        let mut script = build();
+        script.key(self.index_key(id));
+        let timeout = self.config.call_timeout;
+        match tokio::time::timeout(timeout, self.run(&script, wait)).await {
+            Ok(Err(e)) if e.code() == Some("CROSSSLOT") && !self.per_slot() => {
+                self.index_per_slot();
+            }
+            Ok(reply) => return reply.map_err(store_error),
+            Err(_elapsed) => return Err(StoreError::Timeout),
+        }
+        let mut script = build();
+        script.key(self.index_key(id));
+        self.bounded(self.run(&script, wait)).await
+    }
+
+    /// Runs `script`, pipelined with `WAIT replicas timeout` when `wait` and replicated
+    /// writes are on: one round trip, on the connection of the primary that owns the
+    /// script's keys (a cluster connection routes a pipeline by its keyed command; the
+    /// keyless `WAIT` goes with it, not to every primary). The flag says whether enough
+    /// replicas acknowledged.
+    pub(crate) async fn run<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+        wait: bool,
+    ) -> RedisResult<(T, bool)> {
+        let mut conn = self.conn.clone();
+        let Some(r) = self.replication.filter(|r| wait && r.replicas > 0) else {
+            return Ok((script.invoke_async(&mut conn).await?, true));
+        };
+        let mut pipe = redis::pipe();
+        pipe.invoke_script(script)
+            .cmd("WAIT")
+            .arg(r.replicas)
+            .arg(r.wait_millis(self.config.call_timeout));
+        let (reply, acked): (T, u64) = match pipe.query_async(&mut conn).await {
+            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
+                script.load_async(&mut conn).await?;
+                pipe.query_async(&mut conn).await?
+            }
+            other => other?,
+        };
+        Ok((reply, acked >= u64::from(r.replicas)))
+    }
+
+    /// Writes pipelined with `WAIT`: each claim, commit point and completion is
+    /// acknowledged only once `replicas` replicas of the primary that holds the record
+    /// have it, or refused after `timeout` (clamped to at least 1 ms and at most the
+    /// [call timeout](RedisStoreOptions::call_timeout)). `replicas` 0 turns it off (the
+    /// default).
+    ///
+    /// Redis replicates asynchronously: a claim or a completion acknowledged by a
+    /// primary that dies before its replica has it is lost when the replica is
+    /// promoted, and a copy of the request may then run again. This setting
+    /// **reduces** that loss; it does not remove it (Redis's own documentation of
+    /// `WAIT` says so: a replica that acknowledged can still lose the write, and a
+    /// failover can promote another replica). The `WAIT` is pipelined with the script
+    /// on the connection of the record's primary (one round trip, plus the replicas'
+    /// acknowledgement), not sent to every primary, and not run inside the script,
+    /// where it does not block.
+    ///
+    /// - A **claim** (or a commit point) not acknowledged in time is released by the
+    ///   store (best effort) and refused as
+    ///   [`StoreError::Unavailable`](retrysafe_core::store::StoreError::Unavailable):
+    ///   the layer answers 503 `store-unavailable`, and nothing ran.
+    /// - A **completion** not acknowledged in time is refused the same way; the layer
+    ///   then returns the handler's real response and emits `completion_lost`.
+    /// - Releases, renewals and unknown outcomes are not waited for.
+    ///
+    /// Costs: each of those calls waits for the replicas' acknowledgement (a
+    /// replication round trip more).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use retrysafe_redis::RedisStore;
+    ///
+    /// let store = RedisStore::connect("redis://127.0.0.1:6379")
+    ///     .await?
+    ///     .replicated_writes(1, Duration::from_millis(100));
+    /// assert_eq!(store.replicas(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn replicated_writes(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replication = Some(Replication { replicas, timeout });
+        self
+    }
+
+    /// How many replicas must acknowledge a claim, commit point or completion (see
+    /// [`replicated_writes`](Self::replicated_writes)); 0 when the setting is off.
+    pub fn replicas(&self) -> u32 {
+        self.replication.map_or(0, |r| r.replicas)
+    }
+
     /// The key prefix.
     pub fn key_prefix(&self) -> &str {
         &self.config.prefix
@@ -253,8 +490,16 @@ where
         &self.conn
     }
 
+    /// The count of reconcilers running for this store (shared by its clones).
+    pub(crate) fn reconcilers(&self) -> &Reconcilers {
+        &self.config.reconcilers
+    }
+
     /// Awaits one request, bounded by the call timeout.
-    async fn bounded<T>(&self, fut: impl Future<Output = RedisResult<T>>) -> Result<T, StoreError> {
+    pub(crate) async fn bounded<T>(
+        &self,
+        fut: impl Future<Output = RedisResult<T>>,
+    ) -> Result<T, StoreError> {
         bounded(self.config.call_timeout, fut).await
     }
 
@@ -263,14 +508,63 @@ where
         let key = self.key(id);
         let mut conn = self.conn.clone();
         let live: i64 = self
-            .bounded(SCRIPTS.live.key(&key).invoke_async(&mut conn))
+            .bounded(
+                SCRIPTS
+                    .live
+                    .key(&key)
+                    .key(meta_key(&key))
+                    .invoke_async(&mut conn),
+            )
             .await?;
         Ok(live == 1)
     }
 }
 
+impl<C> RedisStore<C>
+where
+    C: ConnectionLike + Clone + Send + Sync + 'static,
+{
+    /// The commit point (with its note, if any): one script, waited for with
+    /// [`replicated_writes`](Self::replicated_writes).
+    async fn commit(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: Option<&[u8]>,
+    ) -> Result<(), StoreError> {
+        let key = self.key(id);
+        let mut script = SCRIPTS.commit_point.key(&key);
+        script.key(meta_key(&key)).arg(&token.to_bytes()[..]);
+        if let Some(note) = note {
+            script.arg(note);
+        }
+        let (reply, acked) = self.bounded(self.run(&script, true)).await?;
+        held(reply)?;
+        if !acked {
+            return Err(self.unreplicated(id, token, "commit point").await);
+        }
+        Ok(())
+    }
+
+    /// A claim or commit point that replicas did not acknowledge in time: released
+    /// (best effort; the handler has not acted on it), and refused.
+    async fn unreplicated(&self, id: &RecordId, token: Token, what: &str) -> StoreError {
+        if let Err(e) = self.release(id, token).await {
+            tracing::warn!(
+                target: "retrysafe::redis",
+                error = %e,
+                "could not release a {what} that replicas did not acknowledge"
+            );
+        }
+        StoreError::unavailable(format!(
+            "the {what} was not acknowledged by {} replica(s) in time",
+            self.replicas()
+        ))
+    }
+}
+
 /// The reply of a token-checking script: `Ok` when the token held the record.
-fn held(reply: i64) -> Result<(), StoreError> {
+pub(crate) fn held(reply: i64) -> Result<(), StoreError> {
     match reply {
         1 => Ok(()),
         _ => Err(StoreError::StaleToken),
@@ -281,7 +575,7 @@ impl<C> IdempotencyStore for RedisStore<C>
 where
     C: ConnectionLike + Clone + Send + Sync + 'static,
 {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         let key = self.key(id);
         let template = Record::InProgress(InProgress::new(
             0,
@@ -291,37 +585,50 @@ where
         ))
         .encode();
         let unknown = unknown(claim.fingerprint).encode();
-        let mut conn = self.conn.clone();
-        let (status, record): (i64, Vec<u8>) = self
-            .bounded(
-                SCRIPTS
-                    .claim
-                    .key(&key)
+        let request = claim.request.map(|r| r.encode()).unwrap_or_default();
+        let ((status, record, until_ms), acked): ((i64, Vec<u8>, u64), bool) = self
+            .indexed(id, true, || {
+                let mut script = SCRIPTS.claim.key(&key);
+                script
+                    .key(meta_key(&key))
                     .arg(&template[..])
                     .arg(millis(claim.lease))
                     .arg(retention_millis(claim.retention))
                     .arg(&unknown[..])
-                    .invoke_async(&mut conn),
-            )
+                    .arg(&request[..])
+                    .arg(id.to_hex());
+                script
+            })
             .await?;
-        match status {
-            CLAIMED => Ok(ClaimOutcome::Claimed { takeover: false }),
-            TAKEN_OVER => Ok(ClaimOutcome::Claimed { takeover: true }),
+        let outcome = match status {
+            CLAIMED => ClaimOutcome::Claimed { takeover: false },
+            TAKEN_OVER => ClaimOutcome::Claimed { takeover: true },
+            RESOLVING => ClaimOutcome::Existing {
+                record: resolving(record, until_ms)?,
+                became_unknown: false,
+            },
             EXISTING | BECAME_UNKNOWN => {
                 let record = decode(record)?;
                 if status == EXISTING && claim.holds(&record) {
                     // The same claim sent again (its reply was lost): the caller holds it.
-                    return Ok(ClaimOutcome::Claimed { takeover: false });
+                    ClaimOutcome::Claimed { takeover: false }
+                } else {
+                    ClaimOutcome::Existing {
+                        record,
+                        became_unknown: status == BECAME_UNKNOWN,
+                    }
                 }
-                Ok(ClaimOutcome::Existing {
-                    record,
-                    became_unknown: status == BECAME_UNKNOWN,
-                })
             }
-            other => Err(StoreError::unavailable(format!(
-                "unexpected claim script status {other}"
-            ))),
+            other => {
+                return Err(StoreError::unavailable(format!(
+                    "unexpected claim script status {other}"
+                )));
+            }
+        };
+        if !acked && matches!(outcome, ClaimOutcome::Claimed { .. }) {
+            return Err(self.unreplicated(id, claim.token, "claim").await);
         }
+        Ok(outcome)
     }
 
     async fn complete(
@@ -333,67 +640,76 @@ where
     ) -> Result<(), StoreError> {
         let key = self.key(id);
         let blob = Record::Completed(record.clone()).encode();
-        let mut conn = self.conn.clone();
-        let reply = self
-            .bounded(
-                SCRIPTS
-                    .complete
-                    .key(&key)
+        let (reply, acked) = self
+            .indexed(id, true, || {
+                let mut script = SCRIPTS.complete.key(&key);
+                script
+                    .key(meta_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(&blob[..])
                     .arg(retention_millis(retention))
-                    .invoke_async(&mut conn),
-            )
+                    .arg(id.to_hex());
+                script
+            })
             .await?;
-        held(reply)
+        held(reply)?;
+        if !acked {
+            return Err(StoreError::unavailable(format!(
+                "the completion was not acknowledged by {} replica(s) in time; it may be \
+                 lost on a failover",
+                self.replicas()
+            )));
+        }
+        Ok(())
     }
 
     async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
         let key = self.key(id);
-        let mut conn = self.conn.clone();
-        let reply = self
-            .bounded(
-                SCRIPTS
-                    .release
-                    .key(&key)
+        let (reply, _) = self
+            .indexed(id, false, || {
+                let mut script = SCRIPTS.release.key(&key);
+                script
                     .key(last_key(&key))
+                    .key(meta_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(millis(RESEND_WINDOW))
-                    .invoke_async(&mut conn),
-            )
+                    .arg(id.to_hex());
+                script
+            })
             .await?;
         held(reply)
     }
 
     async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
         let key = self.key(id);
-        let mut conn = self.conn.clone();
-        let reply = self
-            .bounded(
-                SCRIPTS
-                    .renew
-                    .key(&key)
+        let (reply, _) = self
+            .indexed(id, false, || {
+                let mut script = SCRIPTS.renew.key(&key);
+                script
+                    .key(meta_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(millis(lease))
-                    .invoke_async(&mut conn),
-            )
+                    .arg(id.to_hex());
+                script
+            })
             .await?;
         held(reply)
     }
 
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
-        let key = self.key(id);
-        let mut conn = self.conn.clone();
-        let reply = self
-            .bounded(
-                SCRIPTS
-                    .commit_point
-                    .key(&key)
-                    .arg(&token.to_bytes()[..])
-                    .invoke_async(&mut conn),
-            )
-            .await?;
-        held(reply)
+        self.commit(id, token, None).await
+    }
+
+    /// Also keeps the note (cut to [`MAX_NOTE`] bytes) in the record's meta hash, in
+    /// the same script.
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        let note = note.get(..MAX_NOTE).unwrap_or(note);
+        self.commit(id, token, Some(note)).await
     }
 
     async fn mark_unknown(
@@ -401,31 +717,64 @@ where
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
         let key = self.key(id);
-        let mut conn = self.conn.clone();
-        let reply = self
-            .bounded(
-                SCRIPTS
-                    .mark_unknown
-                    .key(&key)
+        let (reply, _) = self
+            .indexed(id, false, || {
+                let mut script = SCRIPTS.mark_unknown.key(&key);
+                script
                     .key(last_key(&key))
+                    .key(meta_key(&key))
                     .arg(&token.to_bytes()[..])
                     .arg(retention_millis(retention))
                     .arg(millis(RESEND_WINDOW))
-                    .invoke_async(&mut conn),
-            )
+                    .arg(reason.to_code())
+                    .arg(id.to_hex());
+                script
+            })
             .await?;
         held(reply)
     }
 
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        let key = self.key(id);
+        let mut conn = self.conn.clone();
+        let _: i64 = self
+            .bounded(
+                SCRIPTS
+                    .mark_notified
+                    .key(&key)
+                    .key(meta_key(&key))
+                    .invoke_async(&mut conn),
+            )
+            .await?;
+        Ok(())
+    }
+
+    fn reconciled(&self) -> bool {
+        self.config.reconcilers.any()
+    }
+
+    /// One script: the record, as [`Record::Resolving`] while a reconciler has adopted
+    /// it.
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         let key = self.key(id);
         let mut conn = self.conn.clone();
-        let bytes: Option<Vec<u8>> = self
-            .bounded(redis::cmd("GET").arg(&key).query_async(&mut conn))
+        let (exists, bytes, until_ms): (i64, Vec<u8>, u64) = self
+            .bounded(
+                SCRIPTS
+                    .read
+                    .key(&key)
+                    .key(meta_key(&key))
+                    .invoke_async(&mut conn),
+            )
             .await?;
-        bytes.map(decode).transpose()
+        match (exists, until_ms) {
+            (0, _) => Ok(None),
+            (_, 0) => decode(bytes).map(Some),
+            (_, until_ms) => resolving(bytes, until_ms).map(Some),
+        }
     }
 
     /// Polls with backoff (5 ms doubling to 100 ms, each pause jittered between half
@@ -481,6 +830,7 @@ pub struct RedisStoreOptions {
     prefix: String,
     call_timeout: Duration,
     check_config: bool,
+    per_slot_index: bool,
 }
 
 impl Default for RedisStoreOptions {
@@ -489,6 +839,7 @@ impl Default for RedisStoreOptions {
             prefix: DEFAULT_KEY_PREFIX.to_owned(),
             call_timeout: DEFAULT_CALL_TIMEOUT,
             check_config: true,
+            per_slot_index: false,
         }
     }
 }
@@ -522,6 +873,18 @@ impl RedisStoreOptions {
     /// can evict an in-flight claim, and a copy of its request would run again).
     pub fn skip_config_check(mut self) -> Self {
         self.check_config = false;
+        self
+    }
+
+    /// Keeps the reconcilers' in-flight index as one key per hash slot, as a Redis
+    /// Cluster needs (every script touches keys of one slot). Making a store finds
+    /// out by itself when its server is a cluster node (`cluster-enabled`, read by the
+    /// configuration check) and [`RedisStore::connect_cluster`] sets it; set it when
+    /// you [skip the check](Self::skip_config_check) on a cluster, so that the
+    /// reconcilers of every app server look for pending records in the same keys.
+    /// Record key names are the same either way.
+    pub fn per_slot_index(mut self) -> Self {
+        self.per_slot_index = true;
         self
     }
 
@@ -574,7 +937,12 @@ impl RedisStoreOptions {
             config: Arc::new(Config {
                 prefix: self.prefix,
                 call_timeout: self.call_timeout,
+                reconcilers: Reconcilers::default(),
+                per_slot: AtomicBool::new(self.per_slot_index),
+                cursor: AtomicU16::new(0),
+                owner: Token::random(),
             }),
+            replication: None,
         })
     }
 }
@@ -601,14 +969,44 @@ pub(crate) fn store_error(e: RedisError) -> StoreError {
     }
 }
 
+/// How many hash slots one scan lease covers (16 leases cover a cluster).
+pub(crate) const SLOTS_PER_LEASE: u16 = 1024;
+
+/// The in-flight index of a store on one server: `{prefix}inflight`.
+fn single_index_key(prefix: &str) -> String {
+    format!("{prefix}inflight")
+}
+
+/// The in-flight index of hash slot `slot` on a Redis Cluster:
+/// `{prefix}inflight:{<tag>}`, the tag a number that hashes to `slot`.
+fn slot_index_key(prefix: &str, slot: u16) -> String {
+    format!("{prefix}inflight:{{{}}}", tag_of_slot(slot))
+}
+
 /// The key that holds the token of the last release or `mark_unknown` of the record at
 /// `key`, for [`RESEND_WINDOW`]: `key` with `:last` appended (the same hash tag).
-fn last_key(key: &str) -> String {
+pub(crate) fn last_key(key: &str) -> String {
     format!("{key}:last")
 }
 
-fn decode(bytes: Vec<u8>) -> Result<Record, StoreError> {
+/// The key of the record's meta hash (request, note, reason, notified flag, adoption,
+/// claim time): `key` with `:meta` appended (the same hash tag), living as long as the
+/// record.
+pub(crate) fn meta_key(key: &str) -> String {
+    format!("{key}:meta")
+}
+
+pub(crate) fn decode(bytes: Vec<u8>) -> Result<Record, StoreError> {
     Record::decode(Bytes::from(bytes)).map_err(StoreError::Corrupt)
+}
+
+/// The record a reconciler adopted until `until_ms`, as readers see it.
+fn resolving(bytes: Vec<u8>, until_ms: u64) -> Result<Record, StoreError> {
+    let record = decode(bytes)?;
+    Ok(Record::Resolving(Resolving::new(
+        *record.fingerprint(),
+        until_ms,
+    )))
 }
 
 fn unknown(fingerprint: Fingerprint) -> Record {
@@ -616,12 +1014,12 @@ fn unknown(fingerprint: Fingerprint) -> Record {
 }
 
 /// Whole milliseconds of `d`, clamped to a century.
-fn millis(d: Duration) -> u64 {
+pub(crate) fn millis(d: Duration) -> u64 {
     u64::try_from(d.min(MAX_SPAN).as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Milliseconds of a key's time to live: at least 1 (`PX 0` is an error).
-fn retention_millis(d: Duration) -> u64 {
+pub(crate) fn retention_millis(d: Duration) -> u64 {
     millis(d).max(1)
 }
 

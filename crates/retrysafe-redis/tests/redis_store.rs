@@ -40,7 +40,7 @@ mod conformance {
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(60);
 
-fn claim_args(fingerprint: u8, commit_point: CommitPoint) -> Claim {
+fn claim_args(fingerprint: u8, commit_point: CommitPoint) -> Claim<'static> {
     Claim::new(
         Token::random(),
         Fingerprint::from_bytes([fingerprint; 32]),
@@ -78,13 +78,22 @@ async fn every_store_call_is_one_round_trip() {
     store.claim(&warm, &c).await.unwrap();
     store.renew(&warm, c.token, LEASE).await.unwrap();
     store.commit_point(&warm, c.token).await.unwrap();
-    store.mark_unknown(&warm, c.token, RETENTION).await.unwrap();
+    store
+        .mark_unknown(
+            &warm,
+            c.token,
+            RETENTION,
+            retrysafe_core::idempotency::UnknownReason::ServiceError,
+        )
+        .await
+        .unwrap();
     store
         .complete(&warm, c.token, &done(1), RETENTION)
         .await
         .ok();
     store.release(&warm, c.token).await.ok();
     store.wait(&warm, Duration::ZERO).await.unwrap();
+    store.get(&warm).await.unwrap();
     conn.take();
 
     let id = fresh_id();
@@ -141,7 +150,12 @@ async fn every_store_call_is_one_round_trip() {
     store.claim(&other, &c).await.unwrap();
     conn.take();
     store
-        .mark_unknown(&other, c.token, RETENTION)
+        .mark_unknown(
+            &other,
+            c.token,
+            RETENTION,
+            retrysafe_core::idempotency::UnknownReason::ServiceError,
+        )
         .await
         .unwrap();
     assert_eq!(conn.take(), 1, "mark_unknown");
@@ -201,7 +215,15 @@ async fn one_key_per_record_with_the_id_as_hash_tag() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    assert_eq!(keys, vec![key.clone()], "one key per record");
+    let mut keys = keys;
+    keys.sort();
+    let meta = format!("{key}:meta");
+    let index = format!("{prefix}inflight");
+    assert_eq!(
+        keys,
+        vec![index, key.clone(), meta],
+        "one key per record, its companion hash, and the in-flight index"
+    );
     let kind: String = redis::cmd("TYPE")
         .arg(&key)
         .query_async(&mut admin)
@@ -311,7 +333,8 @@ async fn an_expired_unclaimed_lease_past_its_commit_point_becomes_unknown() {
 async fn corrupt_values_are_reported_not_replayed() {
     let store = store().await;
     let mut admin = manager().await;
-    let cases: [(&[u8], StoreErrorKind); 4] = [
+    let cases: [(&[u8], StoreErrorKind); 5] = [
+        (b"", StoreErrorKind::Corrupt(DecodeError::Truncated)),
         (
             b"\x09\x01rest",
             StoreErrorKind::Corrupt(DecodeError::UnknownVersion(9)),

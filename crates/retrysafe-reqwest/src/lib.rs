@@ -13,6 +13,8 @@
 //!   every attempt.
 //! - [`CircuitBreakerMiddleware`] ([`breaker`]): fails fast while the downstream keeps
 //!   failing; counts only the callee's own faults.
+//! - [`ClientMiddlewares`] ([`client`]): the three in the standard order, with the
+//!   budget given once, in one call.
 //! - [`error`]: finds the typed errors ([`DeadlineExceeded`], [`CircuitOpen`],
 //!   [`BudgetExhausted`]) inside a `reqwest_middleware::Error`, whose `source()` skips
 //!   the middleware's payload.
@@ -94,12 +96,15 @@
 //! [`DeadlineExceeded`]: retrysafe_core::error::DeadlineExceeded
 //! [`CircuitOpen`]: retrysafe_core::error::CircuitOpen
 //! [`BudgetExhausted`]: retrysafe_core::error::BudgetExhausted
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod breaker;
+pub mod client;
 pub mod deadline;
 pub mod error;
 pub mod retry;
 
 pub use breaker::CircuitBreakerMiddleware;
+pub use client::ClientMiddlewares;
 pub use deadline::DeadlineMiddleware;
 pub use retry::RetryMiddleware;

@@ -35,7 +35,7 @@
 //!   records `downstream_gave_up` in the inherited context;
 //! - takes per-request overrides from the reqwest-middleware `Extensions`
 //!   (`RequestBuilder::with_extension`): [`NoRetry`], [`Idempotent`], [`Deadline`], a
-//!   [`RetryBudget`](retrysafe_core::budget::RetryBudget);
+//!   [`RetryBudget`];
 //! - calls [`on_retry`](RetryMiddleware::on_retry) / [`on_give_up`](RetryMiddleware::on_give_up),
 //!   emits `tracing` events, and runs retried attempts in a span carrying
 //!   `http.request.resend_count`.
@@ -90,6 +90,7 @@ use retrysafe_core::__private::{
     Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped,
     child_key_label,
 };
+use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, Failure};
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
@@ -174,6 +175,13 @@ impl RetryMiddleware {
     /// Called when the middleware gives up on a retryable failure.
     pub fn on_give_up(self, f: impl Fn(&GiveUpEvent) + Send + Sync + 'static) -> Self {
         self.map(|p| p.with_on_give_up(f))
+    }
+}
+
+impl RetryMiddleware {
+    /// The middleware with `budget` given to every call whose request carries none.
+    pub(crate) fn with_budget(self, budget: RetryBudget) -> Self {
+        self.map(|p| p.with_budget(budget).without_charge_mark())
     }
 }
 

@@ -10,7 +10,7 @@
 //! | local failure | gRPC status (with [`GrpcStatusLayer`]) | HTTP |
 //! |---|---|---|
 //! | [`DeadlineExceeded`] | 4 `DEADLINE_EXCEEDED` | the error |
-//! | [`BudgetExhausted`], [`CircuitOpen`] | 14 `UNAVAILABLE` | the error |
+//! | [`BudgetExhausted`], [`CircuitOpen`], [`Throttled`] | 14 `UNAVAILABLE` | the error |
 //!
 //! Every synthesised status carries `do-not-retry: 1`. Only a response body that can be
 //! empty (`Default`, like `tonic::body::Body`) can carry one.
@@ -47,7 +47,7 @@ use std::task::{Context, Poll, ready};
 
 use http::{HeaderValue, Request, Response, StatusCode};
 use retrysafe_core::__private::is_grpc;
-use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, Throttled, find};
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -159,11 +159,15 @@ impl<F> fmt::Debug for ResponseFuture<F> {
     }
 }
 
-/// The gRPC status of a local failure: 4 for a deadline, 14 for a breaker or budget.
+/// The gRPC status of a local failure: 4 for a deadline, 14 for a breaker, budget or
+/// throttle.
 fn grpc_code(error: &(dyn std::error::Error + 'static)) -> Option<u8> {
     if find::<DeadlineExceeded>(error).is_some() {
         Some(4)
-    } else if find::<BudgetExhausted>(error).is_some() || find::<CircuitOpen>(error).is_some() {
+    } else if find::<BudgetExhausted>(error).is_some()
+        || find::<CircuitOpen>(error).is_some()
+        || find::<Throttled>(error).is_some()
+    {
         Some(14)
     } else {
         None

@@ -159,7 +159,7 @@ impl Recorder {
         let unknown = Arc::clone(&self.unknown);
         layer
             .on_event(move |e: &IdempotencyEvent| events.lock().unwrap().push(e.kind))
-            .on_outcome_unknown(move |u: &UnknownOutcome| unknown.lock().unwrap().push(*u))
+            .on_outcome_unknown(move |u: &UnknownOutcome| unknown.lock().unwrap().push(u.clone()))
     }
     fn count(&self, kind: EventKind) -> usize {
         self.events

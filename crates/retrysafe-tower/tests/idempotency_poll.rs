@@ -95,8 +95,8 @@ async fn guarded_request_reaches_the_inner_service_once() {
 async fn inner_error_is_returned_and_the_outcome_is_unknown() {
     let seen: Arc<Mutex<Vec<UnknownOutcome>>> = Arc::default();
     let s = Arc::clone(&seen);
-    let layer =
-        IdempotencyLayer::in_memory().on_outcome_unknown(move |u| s.lock().unwrap().push(*u));
+    let layer = IdempotencyLayer::in_memory()
+        .on_outcome_unknown(move |u| s.lock().unwrap().push(u.clone()));
     let (mut svc, mut handle) =
         mock::spawn_with::<Req, Response<Full<Bytes>>, _, _>(move |s| layer.layer_service(s));
     handle.allow(2);

@@ -296,7 +296,17 @@ async fn run_case<S: IdempotencyStore>(
             ),
             Op::Release => plain(op, store.release(&h.id, h.old).await),
             Op::CommitPoint => plain(op, store.commit_point(&h.id, h.old).await),
-            Op::MarkUnknown => plain(op, store.mark_unknown(&h.id, h.old, retention).await),
+            Op::MarkUnknown => plain(
+                op,
+                store
+                    .mark_unknown(
+                        &h.id,
+                        h.old,
+                        retention,
+                        retrysafe_core::idempotency::UnknownReason::ServiceError,
+                    )
+                    .await,
+            ),
             Op::Claim => {
                 let claim = Claim::new(
                     h.new,

@@ -9,6 +9,7 @@ use tokio::time::Instant;
 
 use crate::classify::BreakerOutcome;
 use crate::error::CircuitOpen;
+use crate::hedge::HedgeRace;
 
 use super::config::BreakerConfig;
 use super::state::{State, StateChange, Word};
@@ -103,6 +104,8 @@ pub struct Permit {
     phase: Word,
     /// Recorded: the drop guard has nothing left to do.
     done: bool,
+    /// The hedge race of the call, if it is one copy of a hedged request.
+    race: Option<HedgeRace>,
 }
 
 impl CircuitBreaker {
@@ -182,6 +185,7 @@ impl CircuitBreaker {
             shared: self.shared.local(),
             phase: word,
             done: false,
+            race: None,
         }
     }
 
@@ -271,6 +275,14 @@ impl Permit {
         }
     }
 
+    /// Makes the permit's call one copy of a hedged request: dropped unrecorded after
+    /// `race` was settled (another copy won), it was cancelled by the hedge, which says
+    /// nothing about the callee — a probe is given back, not counted as a failure.
+    #[doc(hidden)]
+    pub fn in_race(&mut self, race: HedgeRace) {
+        self.race = Some(race);
+    }
+
     /// Whether this permit is a half-open probe (its result decides whether the breaker
     /// closes).
     #[doc(hidden)]
@@ -282,6 +294,12 @@ impl Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         if !self.done && self.phase.state() == State::HalfOpen {
+            if self.race.as_ref().is_some_and(HedgeRace::is_settled) {
+                tracing::debug!("circuit breaker probe cancelled by a hedge: given back");
+                self.shared
+                    .record_probe(self.phase, BreakerOutcome::Neutral, Duration::ZERO);
+                return;
+            }
             tracing::debug!("circuit breaker probe dropped without a result");
             self.shared.transition(Some(self.phase), State::Open);
         }

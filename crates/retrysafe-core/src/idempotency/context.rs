@@ -34,6 +34,8 @@ struct Inner {
     store_timeout: Duration,
     /// Set once the commit point was written; concurrent callers share one write.
     committed: tokio::sync::OnceCell<()>,
+    /// The resolution note given with the commit point, if any.
+    note: std::sync::OnceLock<bytes::Bytes>,
     sequence: AtomicU64,
     /// Set once a renewal of the lease was refused with a stale token.
     lease_lost: AtomicBool,
@@ -67,15 +69,30 @@ impl IdempotencyContext {
         store: Option<BoxStore>,
         store_timeout: Duration,
     ) -> Self {
+        let id = RecordId::new(&scope, &key);
+        Self::of_record(id, scope, key, token, store, store_timeout)
+    }
+
+    /// The context of the record `id`, which the caller has already derived from
+    /// `scope` and `key` (a layer that holds it need not hash it again).
+    pub(crate) fn of_record(
+        id: RecordId,
+        scope: Scope,
+        key: IdempotencyKey,
+        token: Token,
+        store: Option<BoxStore>,
+        store_timeout: Duration,
+    ) -> Self {
         IdempotencyContext {
             inner: Arc::new(Inner {
-                id: RecordId::new(&scope, &key),
+                id,
                 scope,
                 key,
                 token,
                 store,
                 store_timeout,
                 committed: tokio::sync::OnceCell::new(),
+                note: std::sync::OnceLock::new(),
                 sequence: AtomicU64::new(0),
                 lease_lost: AtomicBool::new(false),
                 lost: tokio::sync::Notify::new(),
@@ -112,6 +129,29 @@ impl IdempotencyContext {
     /// [lease was lost](IdempotencyContext::lease_lost) it fails without asking the
     /// store ([`StoreError::StaleToken`]), as the store would.
     pub async fn commit_point(&self) -> Result<(), StoreError> {
+        self.commit(None).await
+    }
+
+    /// [`commit_point`](IdempotencyContext::commit_point) with a resolution `note` (at
+    /// most [`MAX_NOTE`](crate::store::MAX_NOTE) bytes; longer notes are cut) that the
+    /// store keeps for a resolver, should this holder crash past this point: the
+    /// downstream's own key or id of the effect about to happen, say.
+    pub async fn commit_point_with(&self, note: impl AsRef<[u8]>) -> Result<(), StoreError> {
+        let note = note.as_ref();
+        let note = note.get(..crate::store::MAX_NOTE).unwrap_or(note);
+        self.commit(Some(note)).await?;
+        let _ = self.inner.note.set(bytes::Bytes::copy_from_slice(note));
+        Ok(())
+    }
+
+    /// The note written with the commit point, if any (what the reconcile hook is
+    /// told).
+    #[doc(hidden)]
+    pub fn resolution_note(&self) -> Option<bytes::Bytes> {
+        self.inner.note.get().cloned()
+    }
+
+    async fn commit(&self, note: Option<&[u8]>) -> Result<(), StoreError> {
         // Every caller, concurrent ones included, waits for the one write and sees its
         // result: nobody passes the commit point on the strength of a write that then
         // fails. A failed write is tried again by the next call.
@@ -124,7 +164,13 @@ impl IdempotencyContext {
                 let Some(store) = &self.inner.store else {
                     return Ok(());
                 };
-                let write = store.commit_point(&self.inner.id, self.inner.token);
+                let (id, token) = (&self.inner.id, self.inner.token);
+                let write = async {
+                    match note {
+                        Some(note) => store.commit_point_with(id, token, note).await,
+                        None => store.commit_point(id, token).await,
+                    }
+                };
                 match tokio::time::timeout(self.inner.store_timeout, write).await {
                     Ok(r) => r,
                     Err(_) => Err(StoreError::Timeout),

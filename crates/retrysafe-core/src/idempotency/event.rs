@@ -83,15 +83,63 @@ pub enum UnknownReason {
     Cancelled,
 }
 
+impl UnknownReason {
+    /// The reason as a number, for stores: 1 to 5 for the named reasons, the status
+    /// code for [`UnknownReason::Status`].
+    pub fn to_code(self) -> u16 {
+        match self {
+            UnknownReason::Status(s) => s.as_u16(),
+            UnknownReason::Panicked => 1,
+            UnknownReason::ServiceError => 2,
+            UnknownReason::BodyError => 3,
+            UnknownReason::LeaseExpired => 4,
+            UnknownReason::Cancelled => 5,
+        }
+    }
+
+    /// The reason of a code written by [`UnknownReason::to_code`]; `None` for any other
+    /// number.
+    pub fn from_code(code: u16) -> Option<Self> {
+        Some(match code {
+            1 => UnknownReason::Panicked,
+            2 => UnknownReason::ServiceError,
+            3 => UnknownReason::BodyError,
+            4 => UnknownReason::LeaseExpired,
+            5 => UnknownReason::Cancelled,
+            c => UnknownReason::Status(StatusCode::from_u16(c).ok()?),
+        })
+    }
+
+    /// A short name, e.g. `status_503` or `lease_expired`.
+    pub fn as_str(self) -> std::borrow::Cow<'static, str> {
+        match self {
+            UnknownReason::Status(s) => format!("status_{}", s.as_u16()).into(),
+            UnknownReason::Panicked => "panicked".into(),
+            UnknownReason::ServiceError => "service_error".into(),
+            UnknownReason::BodyError => "body_error".into(),
+            UnknownReason::LeaseExpired => "lease_expired".into(),
+            UnknownReason::Cancelled => "cancelled".into(),
+        }
+    }
+}
+
 /// A record that became `outcome_unknown`, for the reconcile hook: the application
 /// finds out what happened (for example from its own ledger) and repairs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+///
+/// The hook is told of every unknown outcome at least once, whoever made it (the layer,
+/// a store's sweep, a reconciler): hooks must be idempotent on [`record`](Self::record).
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct UnknownOutcome {
     /// The record.
     pub record: RecordId,
     /// Why.
     pub reason: UnknownReason,
+    /// What the store keeps of the request (scope, label, method, path, and the key
+    /// when the layer stores keys for resolution), when known.
+    pub request: Option<std::sync::Arc<super::RequestInfo>>,
+    /// The note the handler attached to its commit point, if any.
+    pub note: Option<bytes::Bytes>,
 }
 
 impl IdempotencyEvent {
@@ -104,6 +152,23 @@ impl IdempotencyEvent {
 impl UnknownOutcome {
     /// `record` became `outcome_unknown` for `reason`.
     pub fn new(record: RecordId, reason: UnknownReason) -> Self {
-        UnknownOutcome { record, reason }
+        UnknownOutcome {
+            record,
+            reason,
+            request: None,
+            note: None,
+        }
+    }
+
+    /// The same, with what is known of the request and the handler's note.
+    #[must_use]
+    pub fn with_request(
+        mut self,
+        request: Option<std::sync::Arc<super::RequestInfo>>,
+        note: Option<bytes::Bytes>,
+    ) -> Self {
+        self.request = request;
+        self.note = note;
+        self
     }
 }

@@ -50,23 +50,61 @@ fn hex(bytes: &[u8]) -> String {
 /// assert_ne!(Scope::from(&alice), Scope::from(&Principal::new("bob")));
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Principal(Arc<str>);
+pub struct Principal {
+    id: Arc<str>,
+    label: Option<Arc<str>>,
+}
 
 impl Principal {
-    /// A principal named `id`.
+    /// A principal named `id`. Only its hash is ever stored.
     pub fn new(id: impl Into<String>) -> Self {
-        Principal(Arc::from(id.into()))
+        Principal {
+            id: Arc::from(id.into()),
+            label: None,
+        }
+    }
+
+    /// A principal named `id` with a `label` that may be stored beside its records and
+    /// shown to a resolver, a reconcile hook and an operator (a tenant's name, say).
+    /// The label does not take part in the scope: the same `id` with any label is the
+    /// same scope. Never use a credential as the label.
+    ///
+    /// ```
+    /// use retrysafe_core::idempotency::{Principal, Scope};
+    /// let p = Principal::with_label("tenant-7f3a", "Acme Corp");
+    /// assert_eq!(p.label(), Some("Acme Corp"));
+    /// assert_eq!(Scope::from(&p), Scope::from(&Principal::new("tenant-7f3a")));
+    /// ```
+    pub fn with_label(id: impl Into<String>, label: impl Into<String>) -> Self {
+        Principal {
+            id: Arc::from(id.into()),
+            label: Some(Arc::from(label.into())),
+        }
     }
 
     /// The principal's name.
     pub fn as_str(&self) -> &str {
-        &self.0
+        &self.id
+    }
+
+    /// The label given with [`Principal::with_label`], if any.
+    pub fn label(&self) -> Option<&str> {
+        self.label.as_deref()
+    }
+
+    /// The label, shared.
+    #[doc(hidden)]
+    pub fn label_arc(&self) -> Option<Arc<str>> {
+        self.label.clone()
     }
 }
 
 impl fmt::Debug for Principal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Principal").field(&self.as_str()).finish()
+        f.debug_struct("Principal")
+            .field("id", &self.as_str())
+            .field("label", &self.label())
+            .finish()
     }
 }
 
@@ -104,6 +142,12 @@ impl Scope {
     /// The hash.
     pub fn as_bytes(&self) -> &[u8; 32] {
         &self.0
+    }
+
+    /// The scope whose hash is `hash` (as [`as_bytes`](Self::as_bytes) gave it), as a
+    /// store reads it back.
+    pub fn from_hash(hash: [u8; 32]) -> Self {
+        Scope(hash)
     }
 }
 
@@ -210,6 +254,9 @@ impl fmt::Debug for Token {
 pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
+    /// No request's fingerprint (all zero bytes): what a record that keeps none reports.
+    pub const NONE: Fingerprint = Fingerprint([0; 32]);
+
     /// A fingerprint from its bytes (as a store persisted them).
     pub const fn from_bytes(bytes: [u8; 32]) -> Self {
         Fingerprint(bytes)

@@ -14,6 +14,7 @@
 //! - [`StoredResponse`] and [`HeaderFilter`]: response capture;
 //! - the claim → wait → run → complete protocol of one guarded request, a state
 //!   machine that every idempotency engine drives (engine plumbing, not public API);
+//! - [`RequestInfo`]: what a store keeps of a claim's request, for recovery;
 //! - [`EventKind`] and [`UnknownReason`]: what the layers report;
 //! - [`IdempotencyContext`]: what a guarded handler sees.
 
@@ -21,6 +22,7 @@ mod context;
 mod decision;
 mod event;
 mod ids;
+mod info;
 #[doc(hidden)]
 pub mod protocol;
 mod record;
@@ -31,7 +33,8 @@ pub use decision::Disposition;
 pub use decision::NoEffect;
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
+pub use info::RequestInfo;
 pub use record::{
-    CommitPoint, Completed, DecodeError, HeaderFilter, InProgress, OutcomeUnknown, RECORD_VERSION,
-    Record, StoredResponse,
+    CommitPoint, Completed, DecodeError, Evicted, HeaderFilter, InProgress, OutcomeUnknown,
+    RECORD_VERSION, Record, Resolving, StoredResponse,
 };

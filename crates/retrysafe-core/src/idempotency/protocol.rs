@@ -70,6 +70,7 @@ pub struct Policy {
     unavailable_retry_after: Duration,
     fail_open: bool,
     rolls_back: bool,
+    reconciled: bool,
 }
 
 impl Default for Policy {
@@ -88,7 +89,17 @@ impl Policy {
             unavailable_retry_after: Duration::from_secs(1),
             fail_open: false,
             rolls_back: false,
+            reconciled: false,
         }
+    }
+
+    /// A reconciler resolves this store's pending records: a copy that finds one (an
+    /// `outcome_unknown` record, or one being resolved) is told to come back, 503
+    /// `outcome-pending` with `retry-after`, rather than 500 `outcome-unknown`.
+    #[must_use]
+    pub fn reconciled(mut self, on: bool) -> Self {
+        self.reconciled = on;
+        self
     }
 
     /// A copy that finds its key in flight waits for it up to `max` (counted from its
@@ -148,6 +159,7 @@ impl Policy {
             ProblemKind::StoreUnavailable | ProblemKind::Overloaded => {
                 problem.retry_after(self.unavailable_retry_after)
             }
+            ProblemKind::OutcomePending => problem.retry_after(self.in_flight_retry_after),
             ProblemKind::HandlerPanicked if self.rolls_back => problem.retryable(),
             _ => problem,
         }
@@ -413,6 +425,14 @@ impl Protocol {
     /// The answer a copy gets from the existing record of its key.
     fn found(&mut self, record: Record) -> Step {
         self.seen_record = true;
+        if let Record::Evicted(_) = record {
+            // Only a trace is left (no fingerprint to compare): the key ran.
+            return Step::Problem(self.policy.problem(
+                ProblemKind::ResponseEvicted,
+                "the request with this Idempotency-Key completed, but its response is no \
+                 longer stored; it will not be run again",
+            ));
+        }
         if record.fingerprint() != &self.fingerprint {
             self.note(Note::Event(EventKind::Mismatch));
             return Step::Problem(self.policy.problem(
@@ -436,12 +456,24 @@ impl Protocol {
                      too large to store",
                 ))
             }
-            Record::OutcomeUnknown(_) => Step::Problem(self.policy.problem(
+            Record::Resolving(_) => Step::Problem(self.pending_problem()),
+            Record::OutcomeUnknown(_) if self.policy.reconciled => {
+                Step::Problem(self.pending_problem())
+            }
+            Record::OutcomeUnknown(_) | Record::Evicted(_) => Step::Problem(self.policy.problem(
                 ProblemKind::OutcomeUnknown,
                 "the first request with this Idempotency-Key may or may not have taken \
                  effect; it will not be run again",
             )),
         }
+    }
+
+    fn pending_problem(&self) -> Problem {
+        self.policy.problem(
+            ProblemKind::OutcomePending,
+            "the outcome of the first request with this Idempotency-Key is being resolved; \
+             retry later to see it",
+        )
     }
 
     /// The key is in flight: report a conflict the first time, then wait while the

@@ -12,6 +12,8 @@ const TAG_IN_PROGRESS: u8 = 1;
 const TAG_COMPLETED: u8 = 2;
 const TAG_NOT_STORED: u8 = 3;
 const TAG_UNKNOWN: u8 = 4;
+const TAG_RESOLVING: u8 = 5;
+const TAG_EVICTED: u8 = 6;
 
 /// Whether the holder of a claim has passed the point after which its effect may have
 /// happened. Decides what a lease expiry means.
@@ -79,6 +81,38 @@ pub struct Completed {
     pub response: Option<StoredResponse>,
 }
 
+impl Completed {
+    /// The encoded form of `Record::Completed` of this completion, written from a
+    /// reference (a store that keeps the encoded record need not clone the response to
+    /// encode it).
+    pub(crate) fn encode_record(&self) -> Bytes {
+        let mut buf = BytesMut::with_capacity(
+            2 + 32
+                + self
+                    .response
+                    .as_ref()
+                    .map_or(0, StoredResponse::encoded_len),
+        );
+        buf.put_u8(RECORD_VERSION);
+        self.encode_into(&mut buf);
+        buf.freeze()
+    }
+
+    fn encode_into(&self, buf: &mut BytesMut) {
+        match &self.response {
+            Some(resp) => {
+                buf.put_u8(TAG_COMPLETED);
+                buf.put_slice(self.fingerprint.as_bytes());
+                resp.encode_into(buf);
+            }
+            None => {
+                buf.put_u8(TAG_NOT_STORED);
+                buf.put_slice(self.fingerprint.as_bytes());
+            }
+        }
+    }
+}
+
 /// A call whose outcome cannot be known: replayed as a stable problem, never re-run.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -121,6 +155,44 @@ impl OutcomeUnknown {
     }
 }
 
+/// A record that a reconciler adopted and is resolving (asking the downstream whether
+/// the effect happened): copies are told to come back later (503 `outcome-pending`).
+/// Stores report this state to readers; the record's prior state is kept underneath,
+/// and comes back if the adoption lapses.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Resolving {
+    /// The fingerprint of the request that created the record.
+    pub fingerprint: Fingerprint,
+    /// End of the adoption, in milliseconds of the store's own clock.
+    pub until_ms: u64,
+}
+
+impl Resolving {
+    /// A record of the request with `fingerprint`, adopted until `until_ms`.
+    pub fn new(fingerprint: Fingerprint, until_ms: u64) -> Self {
+        Resolving {
+            fingerprint,
+            until_ms,
+        }
+    }
+}
+
+/// The trace a store keeps of a completed record whose response it had to drop before
+/// the retention ended (a `MemoryStore` over its byte budget): the key ran, and it is
+/// never run again while the trace lasts; copies get 409 `response-evicted`. The trace
+/// keeps no fingerprint, so a copy with a different body is told the same.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Evicted {}
+
+impl Evicted {
+    /// The trace of an evicted record.
+    pub fn new() -> Self {
+        Evicted {}
+    }
+}
+
 /// The state of one record. A released record is simply absent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -131,6 +203,10 @@ pub enum Record {
     Completed(Completed),
     /// Outcome unknown.
     OutcomeUnknown(OutcomeUnknown),
+    /// Adopted by a reconciler, being resolved.
+    Resolving(Resolving),
+    /// Completed, but only a trace of it is left.
+    Evicted(Evicted),
 }
 
 /// Why bytes are not a record.
@@ -167,6 +243,8 @@ impl Record {
             Record::InProgress(r) => &r.fingerprint,
             Record::Completed(r) => &r.fingerprint,
             Record::OutcomeUnknown(r) => &r.fingerprint,
+            Record::Resolving(r) => &r.fingerprint,
+            Record::Evicted(_) => &Fingerprint::NONE,
         }
     }
 
@@ -176,12 +254,13 @@ impl Record {
         2 + 32
             + match self {
                 Record::InProgress(_) => 16 + 8 + 1,
+                Record::Resolving(_) => 8,
                 Record::Completed(Completed {
                     response: Some(r), ..
                 }) => r.encoded_len(),
-                Record::Completed(Completed { response: None, .. }) | Record::OutcomeUnknown(_) => {
-                    0
-                }
+                Record::Completed(Completed { response: None, .. })
+                | Record::OutcomeUnknown(_)
+                | Record::Evicted(_) => 0,
             }
     }
 
@@ -198,24 +277,19 @@ impl Record {
                 buf.put_u64(r.lease_until_ms);
                 buf.put_u8(r.commit_point.to_byte());
             }
-            Record::Completed(Completed {
-                fingerprint,
-                response: Some(resp),
-            }) => {
-                buf.put_u8(TAG_COMPLETED);
-                buf.put_slice(fingerprint.as_bytes());
-                resp.encode_into(&mut buf);
-            }
-            Record::Completed(Completed {
-                fingerprint,
-                response: None,
-            }) => {
-                buf.put_u8(TAG_NOT_STORED);
-                buf.put_slice(fingerprint.as_bytes());
-            }
+            Record::Completed(done) => done.encode_into(&mut buf),
             Record::OutcomeUnknown(r) => {
                 buf.put_u8(TAG_UNKNOWN);
                 buf.put_slice(r.fingerprint.as_bytes());
+            }
+            Record::Resolving(r) => {
+                buf.put_u8(TAG_RESOLVING);
+                buf.put_slice(r.fingerprint.as_bytes());
+                buf.put_u64(r.until_ms);
+            }
+            Record::Evicted(_) => {
+                buf.put_u8(TAG_EVICTED);
+                buf.put_slice(Fingerprint::NONE.as_bytes());
             }
         }
         buf.freeze()
@@ -251,6 +325,11 @@ impl Record {
                 response: None,
             }),
             TAG_UNKNOWN => Record::OutcomeUnknown(OutcomeUnknown { fingerprint }),
+            TAG_RESOLVING => Record::Resolving(Resolving {
+                fingerprint,
+                until_ms: u64::from_be_bytes(take_array(&mut bytes)?),
+            }),
+            TAG_EVICTED => Record::Evicted(Evicted {}),
             _ => return Err(DecodeError::Invalid("state tag")),
         };
         if bytes.has_remaining() {
@@ -481,5 +560,34 @@ impl HeaderFilter {
             || n.starts_with("x-ratelimit")
             || n.starts_with("x-rate-limit")
             || self.deny.contains(name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use http::{HeaderName, HeaderValue, StatusCode};
+
+    use super::*;
+
+    // The encoding a store writes from a reference is the record's own encoding.
+    #[test]
+    fn a_completion_encodes_as_its_record() {
+        let response = StoredResponse::new(
+            StatusCode::CREATED,
+            vec![(
+                HeaderName::from_static("content-type"),
+                HeaderValue::from_static("application/json"),
+            )],
+            Bytes::from_static(b"{\"id\":7}"),
+            Vec::new(),
+        );
+        for done in [
+            Completed::new(Fingerprint::from_bytes([3; 32]), Some(response)),
+            Completed::new(Fingerprint::from_bytes([4; 32]), None),
+        ] {
+            let record = Record::Completed(done.clone());
+            assert_eq!(done.encode_record(), record.encode());
+            assert_eq!(Record::decode(done.encode_record()).ok(), Some(record));
+        }
     }
 }

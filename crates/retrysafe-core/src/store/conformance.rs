@@ -31,9 +31,12 @@ use http::{HeaderName, HeaderValue, StatusCode};
 use super::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore, StoreError};
 use crate::idempotency::{
     CommitPoint, Completed, Fingerprint, OutcomeUnknown, Record, RecordId, Scope, StoredResponse,
-    Token,
+    Token, UnknownReason,
 };
 use crate::wire::IdempotencyKey;
+
+/// The reason the cases give for an unknown outcome.
+const WHY: UnknownReason = UnknownReason::ServiceError;
 
 /// How a conformance case lets time pass for a store.
 pub trait TestClock: Send + Sync {
@@ -167,13 +170,18 @@ fn fp(n: u8) -> Fingerprint {
     Fingerprint::from_bytes([n; 32])
 }
 
-fn claim_args(clock: &dyn TestClock, fingerprint: Fingerprint, commit_point: CommitPoint) -> Claim {
+fn claim_args(
+    clock: &dyn TestClock,
+    fingerprint: Fingerprint,
+    commit_point: CommitPoint,
+) -> Claim<'static> {
     Claim {
         token: Token::random(),
         fingerprint,
         lease: clock.lease(),
         retention: clock.lease() * 10,
         commit_point,
+        request: None,
     }
 }
 
@@ -196,14 +204,14 @@ fn completed(fingerprint: Fingerprint, body: &'static str) -> Completed {
     }
 }
 
-async fn must_claim<S: IdempotencyStore>(store: &S, id: &RecordId, c: &Claim) -> bool {
+async fn must_claim<S: IdempotencyStore>(store: &S, id: &RecordId, c: &Claim<'_>) -> bool {
     match store.claim(id, c).await.expect("claim") {
         ClaimOutcome::Claimed { takeover } => takeover,
         other => panic!("expected a claim, got {other:?}"),
     }
 }
 
-async fn existing<S: IdempotencyStore>(store: &S, id: &RecordId, c: &Claim) -> (Record, bool) {
+async fn existing<S: IdempotencyStore>(store: &S, id: &RecordId, c: &Claim<'_>) -> (Record, bool) {
     match store.claim(id, c).await.expect("claim") {
         ClaimOutcome::Existing {
             record,
@@ -300,7 +308,7 @@ pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock:
     assert_stale(store.release(&id, wrong).await, "release");
     assert_stale(store.renew(&id, wrong, clock.lease()).await, "renew");
     assert_stale(store.commit_point(&id, wrong).await, "commit_point");
-    assert_stale(store.mark_unknown(&id, wrong, r).await, "mark_unknown");
+    assert_stale(store.mark_unknown(&id, wrong, r, WHY).await, "mark_unknown");
     // Nothing changed.
     match store.get(&id).await.expect("get") {
         Some(Record::InProgress(p)) => {
@@ -329,7 +337,7 @@ pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock:
         .expect("complete");
     assert_stale(store.release(&id, c.token).await, "release after complete");
     assert_stale(
-        store.mark_unknown(&id, c.token, r).await,
+        store.mark_unknown(&id, c.token, r, WHY).await,
         "mark_unknown after complete",
     );
     assert_stale(
@@ -372,7 +380,7 @@ pub async fn stale_token_after_expiry_and_reclaim<S: IdempotencyStore>(
         "late commit_point",
     );
     assert_stale(
-        store.mark_unknown(&id, first.token, r).await,
+        store.mark_unknown(&id, first.token, r, WHY).await,
         "late mark_unknown",
     );
     store
@@ -521,7 +529,7 @@ pub async fn mark_unknown_is_final<S: IdempotencyStore>(store: Arc<S>, clock: &d
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
     store
-        .mark_unknown(&id, first.token, clock.lease() * 10)
+        .mark_unknown(&id, first.token, clock.lease() * 10, WHY)
         .await
         .expect("mark");
     let second = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -571,7 +579,7 @@ pub async fn unknown_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn T
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &first).await;
     store
-        .mark_unknown(&id, first.token, retention)
+        .mark_unknown(&id, first.token, retention, WHY)
         .await
         .expect("mark");
     clock.advance(retention / 2).await;
@@ -822,13 +830,16 @@ pub async fn repeated_mark_unknown_succeeds<S: IdempotencyStore>(
     let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&*store, &id, &c).await;
     let r = clock.lease() * 10;
-    store.mark_unknown(&id, c.token, r).await.expect("mark");
     store
-        .mark_unknown(&id, c.token, r)
+        .mark_unknown(&id, c.token, r, WHY)
+        .await
+        .expect("mark");
+    store
+        .mark_unknown(&id, c.token, r, WHY)
         .await
         .expect("the same mark again");
     assert_stale(
-        store.mark_unknown(&id, Token::random(), r).await,
+        store.mark_unknown(&id, Token::random(), r, WHY).await,
         "another token",
     );
     assert_stale(
@@ -930,9 +941,12 @@ pub async fn lost_replies_are_resent<S: IdempotencyStore>(store: Arc<S>, clock: 
     let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
     must_claim(&store, &id, &c).await;
     store.lose_next_replies(1);
-    lose("mark_unknown", store.mark_unknown(&id, c.token, r).await);
+    lose(
+        "mark_unknown",
+        store.mark_unknown(&id, c.token, r, WHY).await,
+    );
     store
-        .mark_unknown(&id, c.token, r)
+        .mark_unknown(&id, c.token, r, WHY)
         .await
         .expect("mark_unknown resent");
     assert!(matches!(

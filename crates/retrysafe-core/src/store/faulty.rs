@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Duration;
 
 use super::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use crate::idempotency::{Completed, Record, RecordId, Token};
+use crate::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 
 /// A fault-injecting store wrapper for tests: makes calls fail or slow down on demand.
 ///
@@ -12,12 +12,12 @@ use crate::idempotency::{Completed, Record, RecordId, Token};
 /// # async fn main() {
 /// # #[derive(Debug)] struct Dummy;
 /// # impl retrysafe_core::store::IdempotencyStore for Dummy {
-/// #   async fn claim(&self, _: &RecordId, _: &Claim) -> Result<retrysafe_core::store::ClaimOutcome, StoreError> { Ok(retrysafe_core::store::ClaimOutcome::Claimed { takeover: false }) }
+/// #   async fn claim(&self, _: &RecordId, _: &Claim<'_>) -> Result<retrysafe_core::store::ClaimOutcome, StoreError> { Ok(retrysafe_core::store::ClaimOutcome::Claimed { takeover: false }) }
 /// #   async fn complete(&self, _: &RecordId, _: Token, _: &retrysafe_core::idempotency::Completed, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn release(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn renew(&self, _: &RecordId, _: Token, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn commit_point(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
-/// #   async fn mark_unknown(&self, _: &RecordId, _: Token, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn mark_unknown(&self, _: &RecordId, _: Token, _: std::time::Duration, _: retrysafe_core::idempotency::UnknownReason) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn get(&self, _: &RecordId) -> Result<Option<retrysafe_core::idempotency::Record>, StoreError> { Ok(None) }
 /// # }
 /// use retrysafe_core::idempotency::{RecordId, Token};
@@ -155,7 +155,7 @@ impl<S: IdempotencyStore> FaultyStore<S> {
 }
 
 impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         self.run(false, self.inner.claim(id, claim)).await
     }
     async fn complete(
@@ -180,14 +180,30 @@ impl<S: IdempotencyStore> IdempotencyStore for FaultyStore<S> {
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
         self.run(false, self.inner.commit_point(id, token)).await
     }
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        self.run(false, self.inner.commit_point_with(id, token, note))
+            .await
+    }
     async fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        self.run(false, self.inner.mark_unknown(id, token, retention))
+        self.run(false, self.inner.mark_unknown(id, token, retention, reason))
             .await
+    }
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        self.run(false, self.inner.mark_notified(id)).await
+    }
+    fn reconciled(&self) -> bool {
+        self.inner.reconciled()
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.run(false, self.inner.get(id)).await

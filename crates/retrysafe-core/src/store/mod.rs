@@ -35,12 +35,16 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::idempotency::{CommitPoint, Completed, Fingerprint, Record, RecordId, Token};
+use crate::idempotency::{
+    CommitPoint, Completed, Fingerprint, Record, RecordId, RequestInfo, Token, UnknownReason,
+};
 
 #[cfg(feature = "test-util")]
 pub mod conformance;
 #[cfg(feature = "test-util")]
 mod faulty;
+#[cfg(feature = "test-util")]
+pub mod reconcile_conformance;
 #[cfg(feature = "test-util")]
 pub use faulty::FaultyStore;
 
@@ -49,6 +53,10 @@ pub use faulty::FaultyStore;
 /// rather than being refused as stale: one minute, far longer than any store call
 /// timeout.
 pub const RESEND_WINDOW: Duration = Duration::from_secs(60);
+
+/// The longest resolution note a handler may attach to its commit point
+/// ([`IdempotencyStore::commit_point_with`]): 1 KiB. Longer notes are cut.
+pub const MAX_NOTE: usize = 1024;
 
 /// A boxed error from a store backend.
 pub type BoxError = Box<dyn StdError + Send + Sync>;
@@ -110,7 +118,7 @@ impl StdError for StoreError {
 /// The arguments of a claim.
 #[non_exhaustive]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Claim {
+pub struct Claim<'a> {
     /// The new holder's token.
     pub token: Token,
     /// The request's fingerprint.
@@ -123,9 +131,12 @@ pub struct Claim {
     /// The initial commit-point state: [`CommitPoint::Before`] when the handler declares
     /// its commit point, [`CommitPoint::Undeclared`] otherwise.
     pub commit_point: CommitPoint,
+    /// What is known of the request, kept beside the record for recovery (a store that
+    /// reconciles keeps it while the record is pending).
+    pub request: Option<&'a RequestInfo>,
 }
 
-impl Claim {
+impl<'a> Claim<'a> {
     /// A claim by `token` for a request with `fingerprint`: a lease of `lease`, an
     /// unknown outcome (from an expired lease) kept for `retention`, and the initial
     /// commit-point state.
@@ -142,11 +153,19 @@ impl Claim {
             lease,
             retention,
             commit_point,
+            request: None,
         }
+    }
+
+    /// The same claim, with what is known of the request.
+    #[must_use]
+    pub fn with_request(mut self, request: &'a RequestInfo) -> Self {
+        self.request = Some(request);
+        self
     }
 }
 
-impl Claim {
+impl Claim<'_> {
     /// Whether `record` is this claim's own `in_progress` record (same token and
     /// fingerprint): the claim was applied before, and a store answers the repeated
     /// claim with [`ClaimOutcome::Claimed`].
@@ -186,7 +205,7 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
     fn claim(
         &self,
         id: &RecordId,
-        claim: &Claim,
+        claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
 
     /// Stores the completed record (kept for `retention`) if `token` still holds it.
@@ -220,14 +239,44 @@ pub trait IdempotencyStore: fmt::Debug + Send + Sync + 'static {
         token: Token,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Turns the record into `outcome_unknown` (kept for `retention`) if `token` still
-    /// holds it.
+    /// Records that the holder passed its commit point, with a resolution `note` (at
+    /// most [`MAX_NOTE`] bytes) kept for a resolver, if `token` still holds it. The
+    /// default ignores the note (a store that does not reconcile has no use for it).
+    fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = note;
+        self.commit_point(id, token)
+    }
+
+    /// Turns the record into `outcome_unknown` (kept for `retention`) for `reason` if
+    /// `token` still holds it. The record is not yet *notified*: see
+    /// [`mark_notified`](IdempotencyStore::mark_notified).
     fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Records that the reconcile hook was told of this `outcome_unknown` record, so
+    /// that a reconciler does not tell it again. The default does nothing (a store that
+    /// does not reconcile keeps no flag).
+    fn mark_notified(&self, id: &RecordId) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = id;
+        async { Ok(()) }
+    }
+
+    /// Whether a reconciler is running for this store: copies of pending records are
+    /// then told to come back (503 `outcome-pending`) instead of 500 `outcome-unknown`.
+    /// The default is `false`.
+    fn reconciled(&self) -> bool {
+        false
+    }
 
     /// The current record, `None` if absent (never claimed, released, or expired).
     /// An `in_progress` record is returned as stored, even when its lease has expired.
@@ -270,7 +319,7 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
     fn claim(
         &self,
         id: &RecordId,
-        claim: &Claim,
+        claim: &Claim<'_>,
     ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send {
         (**self).claim(id, claim)
     }
@@ -305,13 +354,28 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
         (**self).commit_point(id, token)
     }
+    fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).commit_point_with(id, token, note)
+    }
     fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> impl Future<Output = Result<(), StoreError>> + Send {
-        (**self).mark_unknown(id, token, retention)
+        (**self).mark_unknown(id, token, retention, reason)
+    }
+    fn mark_notified(&self, id: &RecordId) -> impl Future<Output = Result<(), StoreError>> + Send {
+        (**self).mark_notified(id)
+    }
+    fn reconciled(&self) -> bool {
+        (**self).reconciled()
     }
     fn get(
         &self,
@@ -332,7 +396,8 @@ impl<S: IdempotencyStore> IdempotencyStore for Arc<S> {
 #[doc(hidden)]
 pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {
     /// See [`IdempotencyStore::claim`].
-    fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim) -> StoreFuture<'a, ClaimOutcome>;
+    fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim<'a>)
+    -> StoreFuture<'a, ClaimOutcome>;
     /// See [`IdempotencyStore::complete`].
     fn complete<'a>(
         &'a self,
@@ -347,13 +412,25 @@ pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {
     fn renew<'a>(&'a self, id: &'a RecordId, token: Token, lease: Duration) -> StoreFuture<'a, ()>;
     /// See [`IdempotencyStore::commit_point`].
     fn commit_point<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::commit_point_with`].
+    fn commit_point_with<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        note: &'a [u8],
+    ) -> StoreFuture<'a, ()>;
     /// See [`IdempotencyStore::mark_unknown`].
     fn mark_unknown<'a>(
         &'a self,
         id: &'a RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::mark_notified`].
+    fn mark_notified<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, ()>;
+    /// See [`IdempotencyStore::reconciled`].
+    fn reconciled(&self) -> bool;
     /// See [`IdempotencyStore::get`].
     fn get<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, Option<Record>>;
     /// See [`IdempotencyStore::wait`].
@@ -361,7 +438,11 @@ pub trait DynIdempotencyStore: fmt::Debug + Send + Sync + 'static {
 }
 
 impl<S: IdempotencyStore> DynIdempotencyStore for S {
-    fn claim<'a>(&'a self, id: &'a RecordId, claim: &'a Claim) -> StoreFuture<'a, ClaimOutcome> {
+    fn claim<'a>(
+        &'a self,
+        id: &'a RecordId,
+        claim: &'a Claim<'a>,
+    ) -> StoreFuture<'a, ClaimOutcome> {
         Box::pin(IdempotencyStore::claim(self, id, claim))
     }
     fn complete<'a>(
@@ -384,13 +465,30 @@ impl<S: IdempotencyStore> DynIdempotencyStore for S {
     fn commit_point<'a>(&'a self, id: &'a RecordId, token: Token) -> StoreFuture<'a, ()> {
         Box::pin(IdempotencyStore::commit_point(self, id, token))
     }
+    fn commit_point_with<'a>(
+        &'a self,
+        id: &'a RecordId,
+        token: Token,
+        note: &'a [u8],
+    ) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::commit_point_with(self, id, token, note))
+    }
     fn mark_unknown<'a>(
         &'a self,
         id: &'a RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> StoreFuture<'a, ()> {
-        Box::pin(IdempotencyStore::mark_unknown(self, id, token, retention))
+        Box::pin(IdempotencyStore::mark_unknown(
+            self, id, token, retention, reason,
+        ))
+    }
+    fn mark_notified<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, ()> {
+        Box::pin(IdempotencyStore::mark_notified(self, id))
+    }
+    fn reconciled(&self) -> bool {
+        IdempotencyStore::reconciled(self)
     }
     fn get<'a>(&'a self, id: &'a RecordId) -> StoreFuture<'a, Option<Record>> {
         Box::pin(IdempotencyStore::get(self, id))
@@ -426,7 +524,7 @@ impl BoxStore {
 }
 
 impl IdempotencyStore for BoxStore {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         self.0.claim(id, claim).await
     }
     async fn complete(
@@ -447,13 +545,28 @@ impl IdempotencyStore for BoxStore {
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
         self.0.commit_point(id, token).await
     }
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        self.0.commit_point_with(id, token, note).await
+    }
     async fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        self.0.mark_unknown(id, token, retention).await
+        self.0.mark_unknown(id, token, retention, reason).await
+    }
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        self.0.mark_notified(id).await
+    }
+    fn reconciled(&self) -> bool {
+        self.0.reconciled()
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.0.get(id).await

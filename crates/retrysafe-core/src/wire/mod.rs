@@ -22,6 +22,7 @@ mod flags;
 mod key;
 mod retry_after;
 mod timeout;
+pub(crate) use timeout::timeout_as_read;
 
 pub use convention::Convention;
 pub use flags::{

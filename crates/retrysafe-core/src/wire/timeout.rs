@@ -122,8 +122,34 @@ const GRPC_UNITS: [(char, u128); 6] = [
     ('m', 1_000_000),
     ('S', 1_000_000_000),
     ('M', 60 * 1_000_000_000),
-    ('H', 60 * 60 * 1_000_000_000),
+    ('H', GRPC_HOUR),
 ];
+
+/// An hour in nanoseconds, the coarsest `grpc-timeout` unit.
+const GRPC_HOUR: u128 = 60 * 60 * 1_000_000_000;
+
+/// What a reader of the timeout header written for `left` gets back — the parse of
+/// [`encode_request_timeout_ms`] or [`encode_grpc_timeout`] — without writing or parsing
+/// it: whole milliseconds, or the `grpc-timeout` unit's multiple, clamped to
+/// [`MAX_TIMEOUT`].
+#[inline]
+pub(crate) fn timeout_as_read(left: Duration, grpc: bool) -> Duration {
+    if !grpc {
+        let left = left.min(MAX_TIMEOUT);
+        return Duration::new(left.as_secs(), left.subsec_millis() * 1_000_000);
+    }
+    let nanos = left.as_nanos();
+    let read = GRPC_UNITS
+        .iter()
+        .find_map(|&(_, unit)| {
+            let amount = nanos / unit;
+            (amount <= GRPC_MAX_AMOUNT).then_some(amount * unit)
+        })
+        .unwrap_or(GRPC_MAX_AMOUNT * GRPC_HOUR);
+    let secs = u64::try_from(read / 1_000_000_000).unwrap_or(u64::MAX);
+    let subsec = u32::try_from(read % 1_000_000_000).unwrap_or(0);
+    Duration::new(secs, subsec).min(MAX_TIMEOUT)
+}
 
 /// Encodes the time left as `grpc-timeout` in the finest unit that fits in 8 digits,
 /// rounding *down*: the encoded value never exceeds `left`.

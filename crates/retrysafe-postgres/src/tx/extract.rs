@@ -3,8 +3,10 @@
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::sync::Arc;
+use std::sync::atomic::AtomicU32;
 
 use http::Extensions;
+use retrysafe_core::idempotency::IdempotencyContext;
 use retrysafe_tower::idempotency::{Problem, ProblemKind};
 use sqlx::postgres::PgConnection;
 use tokio::sync::{Mutex, OwnedMappedMutexGuard, OwnedMutexGuard};
@@ -16,12 +18,13 @@ use super::txn::LayerTx;
 /// A request extension (private type: only the layer can put one there). The guard
 /// locks the slot for as long as it lives; the layer takes the transaction back out
 /// after the handler, which only succeeds when no guard is alive.
+/// It also counts the entries the request enqueued, so each gets its own child key.
 #[derive(Clone)]
-pub(crate) struct TxSlot(Arc<Mutex<Option<LayerTx>>>);
+pub(crate) struct TxSlot(Arc<Mutex<Option<LayerTx>>>, Arc<AtomicU32>);
 
 impl TxSlot {
     pub(crate) fn new(tx: LayerTx) -> Self {
-        TxSlot(Arc::new(Mutex::new(Some(tx))))
+        TxSlot(Arc::new(Mutex::new(Some(tx))), Arc::default())
     }
 
     /// Takes the transaction back. `None` when a guard is still alive (the handler
@@ -66,6 +69,10 @@ impl TxSlot {
 /// the effect commit together rests on the layer's single commit.
 pub struct IdempotentTx {
     guard: OwnedMappedMutexGuard<Option<LayerTx>, LayerTx>,
+    /// The record guarding the request (none for a request without a key).
+    pub(crate) context: Option<IdempotencyContext>,
+    /// Entries enqueued by this request so far.
+    pub(crate) enqueued: Arc<AtomicU32>,
 }
 
 impl IdempotentTx {
@@ -82,7 +89,11 @@ impl IdempotentTx {
             .map_err(|_| IdempotentTxRejection::InUse)?;
         let guard = OwnedMutexGuard::try_map(locked, Option::as_mut)
             .map_err(|_| IdempotentTxRejection::Finished)?;
-        Ok(IdempotentTx { guard })
+        Ok(IdempotentTx {
+            guard,
+            context: extensions.get::<IdempotencyContext>().cloned(),
+            enqueued: Arc::clone(&slot.1),
+        })
     }
 }
 

@@ -58,13 +58,23 @@ up AS (
         lease_until  = excluded.lease_until,
         takeovers    = 0,
         expires_at   = excluded.expires_at,
-        record       = NULL
+        record       = NULL,
+        request      = NULL,
+        note         = NULL,
+        unknown_reason = NULL,
+        notified     = NULL,
+        adopt_token  = NULL,
+        adopt_until  = NULL,
+        next_pass    = NULL,
+        claimed_at   = NULL
     WHERE r.expires_at <= (SELECT t FROM c)
     RETURNING {RECORD_COLUMNS}
 )
-SELECT l.locked, x.mine, x.state, x.fingerprint, x.token, x.commit_point, x.lease_ms, x.record
+SELECT l.locked, x.mine, x.state, x.fingerprint, x.token, x.commit_point, x.lease_ms, x.record,
+       x.adopt_ms
 FROM l LEFT JOIN (
-    SELECT true AS mine, state, fingerprint, token, commit_point, lease_ms, record FROM up
+    SELECT true AS mine, state, fingerprint, token, commit_point, lease_ms, record, adopt_ms
+    FROM up
     UNION ALL
     SELECT false, {RECORD_COLUMNS}
     FROM {t} r, c
@@ -73,7 +83,7 @@ FROM l LEFT JOIN (
         );
         let probe = format!(
             "SELECT pg_try_advisory_xact_lock($2::int8) AS free,
-       x.state, x.fingerprint, x.token, x.commit_point, x.lease_ms, x.record
+       x.state, x.fingerprint, x.token, x.commit_point, x.lease_ms, x.record, x.adopt_ms
 FROM (SELECT 1) one LEFT JOIN (
     SELECT {RECORD_COLUMNS} FROM {t} r WHERE r.k = $1 AND r.expires_at > clock_timestamp()
 ) x ON true"

@@ -11,10 +11,12 @@
 
 use std::ops::Deref;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use retrysafe_core::idempotency::{Completed, Record, RecordId, Token};
+use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
+use retrysafe_core::recovery::{PendingRecord, ReconcilableStore, Settlement};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
@@ -160,7 +162,7 @@ impl Drop for TestStore {
 }
 
 impl IdempotencyStore for TestStore {
-    async fn claim(&self, id: &RecordId, claim: &Claim) -> Result<ClaimOutcome, StoreError> {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
         self.store.claim(id, claim).await
     }
     async fn complete(
@@ -181,19 +183,127 @@ impl IdempotencyStore for TestStore {
     async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
         self.store.commit_point(id, token).await
     }
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        self.store.commit_point_with(id, token, note).await
+    }
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        self.store.mark_notified(id).await
+    }
+    fn reconciled(&self) -> bool {
+        self.store.reconciled()
+    }
     async fn mark_unknown(
         &self,
         id: &RecordId,
         token: Token,
         retention: Duration,
+        reason: UnknownReason,
     ) -> Result<(), StoreError> {
-        self.store.mark_unknown(id, token, retention).await
+        self.store.mark_unknown(id, token, retention, reason).await
     }
     async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
         self.store.get(id).await
     }
     async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
         self.store.wait(id, max).await
+    }
+}
+
+/// A [`TestStore`] shared by clones (a reconciler holds one): the schema is dropped
+/// with the last clone.
+#[derive(Debug, Clone)]
+pub struct SharedStore(pub Arc<TestStore>);
+
+/// An isolated store (see [`isolated_store`]) that a reconciler can hold.
+pub async fn shared_store() -> SharedStore {
+    SharedStore(Arc::new(isolated_store(|b| b).await))
+}
+
+impl IdempotencyStore for SharedStore {
+    async fn claim(&self, id: &RecordId, claim: &Claim<'_>) -> Result<ClaimOutcome, StoreError> {
+        self.0.claim(id, claim).await
+    }
+    async fn complete(
+        &self,
+        id: &RecordId,
+        token: Token,
+        record: &Completed,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        self.0.complete(id, token, record, retention).await
+    }
+    async fn release(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.release(id, token).await
+    }
+    async fn renew(&self, id: &RecordId, token: Token, lease: Duration) -> Result<(), StoreError> {
+        self.0.renew(id, token, lease).await
+    }
+    async fn commit_point(&self, id: &RecordId, token: Token) -> Result<(), StoreError> {
+        self.0.commit_point(id, token).await
+    }
+    async fn commit_point_with(
+        &self,
+        id: &RecordId,
+        token: Token,
+        note: &[u8],
+    ) -> Result<(), StoreError> {
+        self.0.commit_point_with(id, token, note).await
+    }
+    async fn mark_unknown(
+        &self,
+        id: &RecordId,
+        token: Token,
+        retention: Duration,
+        reason: UnknownReason,
+    ) -> Result<(), StoreError> {
+        self.0.mark_unknown(id, token, retention, reason).await
+    }
+    async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
+        self.0.mark_notified(id).await
+    }
+    fn reconciled(&self) -> bool {
+        self.0.reconciled()
+    }
+    async fn get(&self, id: &RecordId) -> Result<Option<Record>, StoreError> {
+        self.0.get(id).await
+    }
+    async fn wait(&self, id: &RecordId, max: Duration) -> Result<(), StoreError> {
+        self.0.wait(id, max).await
+    }
+}
+
+impl ReconcilableStore for SharedStore {
+    async fn due(&self, stale: Duration, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        self.0.store.due(stale, limit).await
+    }
+    async fn adopt(
+        &self,
+        id: &RecordId,
+        token: Token,
+        hold: Duration,
+        stale: Option<Duration>,
+    ) -> Result<Option<PendingRecord>, StoreError> {
+        self.0.store.adopt(id, token, hold, stale).await
+    }
+    async fn peek(&self, id: &RecordId) -> Result<Option<PendingRecord>, StoreError> {
+        self.0.store.peek(id).await
+    }
+    async fn settle(
+        &self,
+        id: &RecordId,
+        token: Token,
+        settlement: Settlement,
+        notified: bool,
+    ) -> Result<(), StoreError> {
+        self.0.store.settle(id, token, settlement, notified).await
+    }
+    fn set_reconciled(&self, running: bool) {
+        self.0.store.set_reconciled(running);
     }
 }
 

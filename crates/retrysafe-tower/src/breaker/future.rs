@@ -12,7 +12,7 @@ use http::{HeaderMap, Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::__private::{BreakerFacts, Local};
 use retrysafe_core::breaker::Permit;
-use retrysafe_core::classify::{BreakerOutcome, Failure, RequestFacts};
+use retrysafe_core::classify::{BreakerOutcome, Classification, Classifier, Failure, RequestFacts};
 use retrysafe_core::error::CircuitOpen;
 use tokio::time::Instant;
 use tower_service::Service;
@@ -55,14 +55,21 @@ where
 {
     /// An admitted call of `request` on `service`: called at once when `service` is
     /// ready already (polled with a no-op waker: the future polls it again with the
-    /// caller's waker when it is not), else awaiting its readiness in the future.
-    pub(crate) fn admitted(mut service: S, request: Request<ReqB>, mut call: Call) -> Self
+    /// caller's waker when it is not), else awaiting its readiness in the future. `now`
+    /// is a clock reading the caller just made, if any, to time the call from.
+    #[inline]
+    pub(crate) fn admitted(
+        mut service: S,
+        request: Request<ReqB>,
+        mut call: Call,
+        now: Option<Instant>,
+    ) -> Self
     where
         S::Error: Into<BoxError>,
     {
         let state = match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
             Poll::Ready(Ok(())) => {
-                call.start();
+                call.start(now);
                 State::Calling {
                     future: service.call(request),
                     call: Some(call),
@@ -156,7 +163,7 @@ where
                 return Poll::Ready(Ok(None));
             };
             let (mut service, request) = *boxed;
-            call.start();
+            call.start(None);
             let future = service.call(request);
             Poll::Ready(Ok(Some(State::Calling {
                 future,
@@ -235,53 +242,67 @@ impl Call {
     }
 
     /// The inner service is being called now (readiness waits are not the callee's
-    /// slowness, nor part of the time the callee was given).
-    fn start(&mut self) {
+    /// slowness, nor part of the time the callee was given), as read at `now` when the
+    /// caller just read the clock.
+    fn start(&mut self, now: Option<Instant>) {
         if self.timed || self.facts.carries_deadline() {
-            self.started = Some(Instant::now());
+            self.started = Some(now.unwrap_or_else(Instant::now));
         }
     }
 
-    /// The facts to classify with now: a deadline the request carried is spent when
-    /// the callee's answer comes at (or near) its end — a timeout then is the caller's.
-    fn facts(&self) -> RequestFacts {
-        self.facts.after(self.started.map(|s| s.elapsed()))
+    /// The time since [`start`](Self::start) (one clock read; none when untimed).
+    fn elapsed(&self) -> Option<Duration> {
+        self.started.map(|s| s.elapsed())
     }
 
     /// Records `outcome` with the time since [`start`](Self::start).
     pub(crate) fn record(self, outcome: BreakerOutcome) {
-        let elapsed = match self.started {
-            Some(started) if self.timed => started.elapsed(),
+        let elapsed = if self.timed { self.elapsed() } else { None };
+        self.record_after(outcome, elapsed);
+    }
+
+    /// Records `outcome` of a call that took `elapsed` (read once for the facts too).
+    fn record_after(self, outcome: BreakerOutcome, elapsed: Option<Duration>) {
+        let elapsed = match elapsed {
+            Some(elapsed) if self.timed => elapsed,
             _ => Duration::ZERO,
         };
         self.permit.record(outcome, elapsed);
     }
 
+    /// Classifies the answer with `classify` given the facts as they stand now (a
+    /// deadline the request carried is spent when the answer comes at, or near, its end:
+    /// a timeout then is the caller's), and records it: one clock read for both, and
+    /// none for a success the time cannot change (an untimed call, a classifier that
+    /// reads the spent deadline for failures only).
+    fn settle(self, classify: impl Fn(&dyn Classifier, &RequestFacts) -> Classification) {
+        let classifier = &*self.config.classifier;
+        if !self.timed && !classifier.reads_spent_on_success() {
+            let c = classify(classifier, &self.facts.after(None));
+            if c.is_success() {
+                self.permit.record(c.breaker_outcome(), Duration::ZERO);
+                return;
+            }
+        }
+        let elapsed = self.elapsed();
+        let c = classify(&*self.config.classifier, &self.facts.after(elapsed));
+        self.record_after(c.breaker_outcome(), elapsed);
+    }
+
     /// The call failed with `error` (no response, or a broken response stream).
     pub(crate) fn failed(self, error: &(dyn StdError + 'static)) {
-        let c = self
-            .config
-            .classifier
-            .classify_failure(failure_of(error), &self.facts());
-        self.record(c.breaker_outcome());
+        let failure = failure_of(error);
+        self.settle(|c, facts| c.classify_failure(failure, facts));
     }
 
     /// The response stream broke after the head.
     pub(crate) fn stream_failed(self) {
-        let c = self
-            .config
-            .classifier
-            .classify_failure(Failure::Other, &self.facts());
-        self.record(c.breaker_outcome());
+        self.settle(|c, facts| c.classify_failure(Failure::Other, facts));
     }
 
     /// The trailers at the end of the response stream (empty when it ended without).
     pub(crate) fn trailers(self, trailers: &HeaderMap) {
-        let c = self
-            .config
-            .classifier
-            .classify_trailers(trailers, &self.facts());
-        self.record(c.breaker_outcome());
+        self.settle(|c, facts| c.classify_trailers(trailers, facts));
     }
 
     /// The response head arrived: records its outcome now, or — for a gRPC response
@@ -293,12 +314,7 @@ impl Call {
         {
             return response.map(|body| ResponseBody::pending(body, self));
         }
-        let c = self.config.classifier.classify_response(
-            response.status(),
-            response.headers(),
-            &self.facts(),
-        );
-        self.record(c.breaker_outcome());
+        self.settle(|c, facts| c.classify_response(response.status(), response.headers(), facts));
         response.map(ResponseBody::plain)
     }
 }

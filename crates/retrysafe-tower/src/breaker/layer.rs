@@ -104,6 +104,14 @@ impl CircuitBreakerLayer {
     }
 }
 
+#[cfg(feature = "client")]
+impl CircuitBreakerLayer {
+    /// The configuration every service of this layer shares.
+    pub(crate) fn config(&self) -> &Striped<Config> {
+        &self.config
+    }
+}
+
 impl Clone for CircuitBreakerLayer {
     fn clone(&self) -> Self {
         CircuitBreakerLayer {

@@ -75,14 +75,20 @@
 
 mod body;
 mod future;
+#[cfg(feature = "client")]
+mod guarded;
 mod keyed;
 mod layer;
 mod service;
 
 pub use self::body::ResponseBody;
 pub use self::future::ResponseFuture;
+#[cfg(feature = "client")]
+pub(crate) use self::guarded::Guarded;
 pub use self::keyed::{DEFAULT_MAX_KEYS, KeyedBreakers};
 pub use self::layer::CircuitBreakerLayer;
+#[cfg(feature = "client")]
+pub(crate) use self::layer::Config;
 pub use self::service::CircuitBreakerService;
 pub use retrysafe_core::breaker::{
     BreakerConfig, CircuitBreaker, SlidingWindow, State, StateChange,

@@ -4,8 +4,9 @@ use std::fmt;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use retrysafe_core::__private::{BreakerFacts, Striped};
+use retrysafe_core::__private::{BreakerFacts, HedgeRace, Striped};
 use retrysafe_core::breaker::CircuitBreaker;
+use retrysafe_core::error::CircuitOpen;
 use tower_service::Service;
 
 use super::body::ResponseBody;
@@ -86,21 +87,31 @@ where
             }
         };
         match acquired {
-            Ok(permit) => {
+            Ok(mut permit) => {
+                if let Some(race) = request.extensions().get::<HedgeRace>() {
+                    permit.in_race(race.clone());
+                }
                 let facts = BreakerFacts::of(request.headers(), &config.convention);
                 ResponseFuture::admitted(
                     self.inner.clone(),
                     request,
                     Call::new(permit, facts, config.local(), timed),
+                    None,
                 )
             }
-            Err(open) => {
-                tracing::debug!(
-                    retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
-                    "request refused: circuit open"
-                );
-                ResponseFuture::refused(open)
-            }
+            Err(open) => refused(open),
         }
     }
+}
+
+/// A refusal: logged, answered at once.
+pub(crate) fn refused<S, ReqB>(open: CircuitOpen) -> ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    tracing::debug!(
+        retry_in_ms = u64::try_from(open.retry_in().as_millis()).unwrap_or(u64::MAX),
+        "request refused: circuit open"
+    );
+    ResponseFuture::refused(open)
 }

@@ -149,20 +149,7 @@ where
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
 
-        // The soonest of: ours, the request's own, the inherited one.
-        // One clock read for ours and the expiry check (the timeout is used as at most 30
-        // days, so the sum cannot overflow in practice; saturate anyway).
-        let now = Instant::now();
-        let timeout = self.timeout.min(MAX_TIMEOUT);
-        let ours = Deadline::at(now.checked_add(timeout).unwrap_or(now));
-        let mut deadline = ours.tighten(request.extensions().get::<Deadline>().copied());
-        if let Some(inherited) =
-            CallContext::inherited(request.extensions()).and_then(|c| c.deadline())
-        {
-            deadline = deadline.tighten(Some(inherited));
-        }
-        request.extensions_mut().insert(deadline);
-
+        let (deadline, now) = settle(self.timeout, request.extensions_mut());
         let state = if deadline.instant() <= now {
             // No attempt starts that cannot finish in time.
             State::Expired
@@ -190,6 +177,26 @@ where
             _marker: PhantomData,
         }
     }
+}
+
+/// Sets the call's [`Deadline`] extension to the soonest of: now plus `timeout`, the
+/// request's own, the inherited one; returns it with the one clock read it took (the
+/// timeout is used as at most 30 days, so the sum cannot overflow in practice; it
+/// saturates anyway).
+/// The deadline `timeout` after `now` (used as at most 30 days).
+pub(crate) fn deadline_after(timeout: Duration, now: Instant) -> Deadline {
+    let timeout = timeout.min(MAX_TIMEOUT);
+    Deadline::at(now.checked_add(timeout).unwrap_or(now))
+}
+
+fn settle(timeout: Duration, extensions: &mut http::Extensions) -> (Deadline, Instant) {
+    let now = Instant::now();
+    let mut deadline = deadline_after(timeout, now).tighten(extensions.get::<Deadline>().copied());
+    if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
+        deadline = deadline.tighten(Some(inherited));
+    }
+    extensions.insert(deadline);
+    (deadline, now)
 }
 
 pin_project! {

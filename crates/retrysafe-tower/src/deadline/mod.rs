@@ -142,6 +142,8 @@ mod client;
 mod server;
 
 pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
+#[cfg(feature = "client")]
+pub(crate) use client::deadline_after;
 pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
 pub use retrysafe_core::Deadline;
 pub use retrysafe_core::error::DeadlineExceeded;

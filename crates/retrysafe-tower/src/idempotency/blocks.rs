@@ -233,10 +233,10 @@ where
     let mut acc = Accumulator::default();
     let mut trailers: Option<HeaderMap> = None;
     loop {
-        let frame = match tokio::time::timeout_at(until, body.frame()).await {
-            Ok(Some(frame)) => frame,
-            Ok(None) => break,
-            Err(_) => {
+        let frame = match super::timer::until(until, body.frame()).await {
+            Some(Some(frame)) => frame,
+            Some(None) => break,
+            None => {
                 return CapturedBody::TooLarge(ResponseBody::prefixed(
                     [Some(acc.freeze()), None],
                     body,

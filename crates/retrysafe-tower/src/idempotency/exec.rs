@@ -14,10 +14,12 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::Body;
+use retrysafe_core::__private::idempotency_context;
 use retrysafe_core::__private::protocol::Protocol;
 use retrysafe_core::__private::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Fingerprint, IdempotencyContext, RecordId, Token,
+    CommitPoint, Completed, Fingerprint, IdempotencyContext, Principal, RecordId, RequestInfo,
+    Token,
 };
 use retrysafe_core::store::{BoxStore, Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_core::{ConfigError, Deadline};
@@ -28,6 +30,7 @@ use super::body::{RequestBody, ResponseBody};
 use super::engine::{Engine, abandon, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
 use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
+use super::timer;
 
 /// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
 /// [`IdempotencyStore`]: claim the key (a lease and a token), run the handler with the
@@ -44,6 +47,8 @@ pub struct StoreBackend {
     pub(crate) fail_open: bool,
     pub(crate) commit_point: CommitPoint,
     pub(crate) on_outcome_unknown: Option<ReconcileHook>,
+    /// Keep the raw key beside pending records, for a resolver.
+    pub(crate) store_keys: bool,
 }
 
 impl fmt::Debug for StoreBackend {
@@ -83,13 +88,19 @@ impl StoreBackend {
         call: impl Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
         let limit = Deadline::bound(deadline, self.store_timeout);
-        match tokio::time::timeout(limit, call).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout),
-        }
+        timer::within(limit, call)
+            .await
+            .unwrap_or(Err(StoreError::Timeout))
     }
 
-    fn reconcile(&self, guard: &Guard, record: &RecordId, reason: UnknownReason) {
+    fn reconcile(
+        &self,
+        guard: &Guard,
+        record: &RecordId,
+        reason: UnknownReason,
+        info: &RequestInfo,
+        note: Option<Bytes>,
+    ) {
         tracing::warn!(
             target: "retrysafe::idempotency",
             event = EventKind::OutcomeUnknown.as_str(),
@@ -99,7 +110,14 @@ impl StoreBackend {
         );
         guard.emit(EventKind::OutcomeUnknown, record);
         if let Some(f) = &self.on_outcome_unknown {
-            f(&UnknownOutcome::new(*record, reason));
+            let request = Some(Arc::new(info.clone()));
+            f(&UnknownOutcome::new(*record, reason).with_request(request, note));
+            // Told: a reconciler need not tell it again (best effort; at worst it is
+            // told twice).
+            let (store, id, timeout) = (self.store.clone(), *record, self.store_timeout);
+            guard.shared.tracker.spawn(async move {
+                let _ = tokio::time::timeout(timeout, store.mark_notified(&id)).await;
+            });
         }
     }
 }
@@ -111,7 +129,10 @@ async fn execute<H: Handler>(
     handler: H,
     request: GuardedRequest,
 ) -> Answer<H> {
-    let policy = guard.policy().fail_open(backend.fail_open);
+    let policy = guard
+        .policy()
+        .fail_open(backend.fail_open)
+        .reconciled(backend.store.reconciled());
     let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
     let mut engine = StoreEngine::new(guard, backend, &request);
     match negotiate(guard, &mut protocol, &mut engine).await {
@@ -144,8 +165,11 @@ struct StoreEngine<'a> {
     /// The handler's view of the claim (set by `run`): the renewal task marks its
     /// lease lost there.
     context: Option<IdempotencyContext>,
-    /// When the handler (and the capture of its response) must be done by.
-    cap: Instant,
+    /// When the handler (and the capture of its response) must be done by (set by
+    /// `run`).
+    cap: Option<Instant>,
+    /// What the store keeps of the request for recovery.
+    info: RequestInfo,
 }
 
 impl<'a> StoreEngine<'a> {
@@ -162,7 +186,8 @@ impl<'a> StoreEngine<'a> {
             lease: None,
             renewal: None,
             context: None,
-            cap: Instant::now(),
+            cap: None,
+            info: request_info(backend, request),
         }
     }
 
@@ -181,7 +206,8 @@ impl<'a> StoreEngine<'a> {
         // context (as a task-local and an extension), now carrying the record, so
         // outbound client layers derive child keys and report back when they give up.
         let (req, call_context) = request.into_request(|scope, key| {
-            let context = IdempotencyContext::new(
+            let context = idempotency_context(
+                self.id,
                 scope,
                 key,
                 token,
@@ -193,7 +219,7 @@ impl<'a> StoreEngine<'a> {
         });
         let claimed_at = Instant::now();
         self.claimed_at = Some(claimed_at);
-        self.cap = claimed_at + backend.max_execution;
+        self.cap = Some(claimed_at + backend.max_execution);
         let outcome = {
             let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
             // Pinned here and polled in place: the handler's future is never moved. It
@@ -213,7 +239,7 @@ impl<'a> StoreEngine<'a> {
     /// Awaits the handler with its lease renewed; `None` once it was cancelled: when
     /// `max_execution` has passed, or its lease was lost.
     async fn supervised<F: Future>(&mut self, mut work: Pin<&mut F>) -> Option<F::Output> {
-        let cap = self.cap;
+        let cap = self.cap();
         if let Some(out) = self.until_renewal(work.as_mut(), Some(cap)).await {
             return Some(out);
         }
@@ -296,11 +322,16 @@ impl<'a> StoreEngine<'a> {
         self.renewal = Some(Renewal::spawn(
             self.backend,
             (self.id, self.token),
-            self.cap,
+            self.cap(),
             lease,
             self.context.clone(),
         ));
         None
+    }
+
+    /// When the handler and the capture of its response must be done by.
+    fn cap(&self) -> Instant {
+        self.cap.unwrap_or_else(Instant::now)
     }
 
     /// The end of the claim's lease, as last renewed.
@@ -323,7 +354,8 @@ impl Engine for StoreEngine<'_> {
             backend.lease,
             self.retention,
             backend.commit_point,
-        );
+        )
+        .with_request(&self.info);
         let outcome = backend
             .bounded(self.deadline, backend.store.claim(&self.id, &claim))
             .await;
@@ -360,7 +392,7 @@ impl Engine for StoreEngine<'_> {
     where
         B: Body<Data = Bytes> + Send,
     {
-        let cap = self.cap;
+        let cap = self.cap();
         self.renewed(std::pin::pin!(guard.capture(response, cap)))
             .await
     }
@@ -379,8 +411,11 @@ impl Engine for StoreEngine<'_> {
             (Settle::Release, _) => {
                 write_with_retry(backend, until, || store.release(id, token)).await
             }
-            (Settle::MarkUnknown(_), _) => {
-                write_with_retry(backend, until, || store.mark_unknown(id, token, retention)).await
+            (Settle::MarkUnknown(reason), _) => {
+                write_with_retry(backend, until, || {
+                    store.mark_unknown(id, token, retention, reason)
+                })
+                .await
             }
             _ => Ok(()),
         };
@@ -395,7 +430,14 @@ impl Engine for StoreEngine<'_> {
     fn note(&mut self, guard: &Guard, note: Note) {
         match note {
             Note::Event(kind) => guard.emit(kind, &self.id),
-            Note::Unknown(reason) => self.backend.reconcile(guard, &self.id, reason),
+            Note::Unknown(reason) => {
+                let note = self
+                    .context
+                    .as_ref()
+                    .and_then(IdempotencyContext::resolution_note);
+                self.backend
+                    .reconcile(guard, &self.id, reason, &self.info, note);
+            }
             Note::ReleaseClaim => {
                 // The claim may have landed and only its reply been lost: take it back,
                 // best effort and in the background, retried while its lease lasts, so
@@ -410,6 +452,27 @@ impl Engine for StoreEngine<'_> {
             }
             _ => {}
         }
+    }
+}
+
+/// What the store keeps of a guarded request: scope, the principal's label, method,
+/// path, and the key when the layer stores keys for resolution.
+fn request_info(backend: &StoreBackend, request: &GuardedRequest) -> RequestInfo {
+    let label = request
+        .parts
+        .extensions
+        .get::<Principal>()
+        .and_then(Principal::label_arc);
+    let info = RequestInfo::new(
+        request.scope,
+        request.parts.method.clone(),
+        request.parts.uri.path(),
+    )
+    .with_label(label);
+    if backend.store_keys {
+        info.with_key(request.key.clone())
+    } else {
+        info
     }
 }
 

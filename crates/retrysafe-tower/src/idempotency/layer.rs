@@ -126,6 +126,7 @@ impl IdempotencyLayer {
             fail_open: false,
             commit_point: CommitPoint::Undeclared,
             on_outcome_unknown: None,
+            store_keys: false,
         })
     }
 
@@ -187,13 +188,27 @@ impl IdempotencyLayer {
         self.store_config(|c| c.commit_point = CommitPoint::Before)
     }
 
-    /// The reconcile hook: called once for every record that becomes
-    /// `outcome_unknown`, so the application can find out what happened.
+    /// The reconcile hook: called for every record this layer makes `outcome_unknown`
+    /// (a claim finding an expired lease past its commit point included), so the
+    /// application can find out what happened. After it returns, the record is marked
+    /// *notified* in the store (in the background), so a reconciler with the same hook
+    /// does not tell it again; a crash in between means it is told twice: hooks are
+    /// idempotent on the record id. Records made unknown elsewhere (a store's sweep)
+    /// reach the hook of a [`Reconciler`](retrysafe_core::recovery::Reconciler).
     pub fn on_outcome_unknown<F>(self, f: F) -> Self
     where
         F: Fn(&UnknownOutcome) + Send + Sync + 'static,
     {
         self.store_config(|c| c.on_outcome_unknown = Some(Arc::new(f)))
+    }
+
+    /// Keep the raw idempotency key beside each pending record (off by default: stores
+    /// hold hashes, not keys), so that a
+    /// [`Resolver`](retrysafe_core::recovery::Resolver) can look the effect up in the
+    /// downstream by (scope, key). Only while the record is pending (in progress or
+    /// unknown); a completed record keeps no key.
+    pub fn store_keys_for_resolution(self) -> Self {
+        self.store_config(|c| c.store_keys = true)
     }
 }
 

@@ -103,6 +103,7 @@ mod layer;
 mod problem;
 mod service;
 mod slots;
+mod timer;
 
 pub use body::{RequestBody, ResponseBody};
 pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};

@@ -24,6 +24,7 @@ use super::guard::{Answer, Backend, Call, Guard, Guarded, GuardedRequest, Handle
 use super::layer::IdempotencyLayer;
 use super::problem::ProblemKind;
 use super::slots::Slot;
+use super::timer;
 
 type Res<B> = Response<ResponseBody<B>>;
 
@@ -224,12 +225,11 @@ where
     let permit = slot(guard, scope)?;
     let deadline = parts.extensions.get::<Deadline>().copied();
     let patience = Deadline::bound(deadline, config.request_body_timeout);
-    let buffered =
-        tokio::time::timeout(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
+    let buffered = timer::within(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
     match buffered {
-        Ok(Ok(b)) => Ok((permit, b)),
-        Ok(Err(problem)) => Err(Box::new(guard.problem(problem))),
-        Err(_) => Err(Box::new(guard.problem_of(
+        Some(Ok(b)) => Ok((permit, b)),
+        Some(Err(problem)) => Err(Box::new(guard.problem(problem))),
+        None => Err(Box::new(guard.problem_of(
             ProblemKind::BodyTimeout,
             "the request body did not arrive in time",
         ))),

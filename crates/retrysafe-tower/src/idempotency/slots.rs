@@ -8,10 +8,11 @@
 //! however many scopes come and go.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
+use retrysafe_core::__private::DigestHash;
 use retrysafe_core::idempotency::Scope;
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Shards of the per-scope counts: enough that two busy scopes rarely share a lock.
 const SHARDS: usize = 16;
@@ -25,7 +26,9 @@ pub(crate) fn default_share(bound: usize) -> usize {
 /// The slots of a layer: the bound, and what each scope holds of it.
 #[derive(Debug)]
 pub(crate) struct Slots {
-    permits: Arc<Semaphore>,
+    /// Slots taken. Nobody waits for a slot (a request finding none is answered 503),
+    /// so a count is enough: a semaphore would lock its waiter list on every release.
+    taken: Arc<AtomicUsize>,
     bound: usize,
     scopes: Arc<ScopeCounts>,
 }
@@ -33,7 +36,7 @@ pub(crate) struct Slots {
 impl Slots {
     pub(crate) fn new(bound: usize) -> Self {
         Slots {
-            permits: Arc::new(Semaphore::new(bound)),
+            taken: Arc::new(AtomicUsize::new(0)),
             bound,
             scopes: Arc::new(ScopeCounts::new()),
         }
@@ -57,9 +60,13 @@ impl Slots {
             None => None,
         };
         // On failure `scope` is dropped here, and gives its count back.
-        let permit = Arc::clone(&self.permits).try_acquire_owned().ok()?;
+        self.taken
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+                (n < self.bound).then_some(n + 1)
+            })
+            .ok()?;
         Some(Slot {
-            _permit: permit,
+            taken: Arc::clone(&self.taken),
             _scope: scope,
         })
     }
@@ -68,24 +75,32 @@ impl Slots {
 /// One slot of the bound, held by a guarded request until its work is done.
 #[derive(Debug)]
 pub(crate) struct Slot {
-    _permit: OwnedSemaphorePermit,
+    taken: Arc<AtomicUsize>,
     _scope: Option<ScopeHold>,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.taken.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// How many slots each scope holds, in shards.
 #[derive(Debug)]
 struct ScopeCounts {
-    shards: Vec<Mutex<HashMap<Scope, usize>>>,
+    shards: Vec<Mutex<HashMap<Scope, usize, DigestHash>>>,
 }
 
 impl ScopeCounts {
     fn new() -> Self {
         ScopeCounts {
-            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            shards: (0..SHARDS)
+                .map(|_| Mutex::new(HashMap::default()))
+                .collect(),
         }
     }
 
-    fn shard(&self, scope: &Scope) -> Option<MutexGuard<'_, HashMap<Scope, usize>>> {
+    fn shard(&self, scope: &Scope) -> Option<MutexGuard<'_, HashMap<Scope, usize, DigestHash>>> {
         let i = usize::from(scope.as_bytes()[0]) % SHARDS;
         // A panic while a shard was locked cannot leave a count half-written.
         let shard = self.shards.get(i)?;
@@ -166,7 +181,7 @@ mod tests {
         assert!(slots.acquire(None, 3).is_some());
         drop(held);
         assert_eq!(len(&slots), 0, "no entry for a scope that holds nothing");
-        assert_eq!(slots.permits.available_permits(), 4);
+        assert_eq!(slots.taken.load(Ordering::Acquire), 0);
     }
 
     #[test]

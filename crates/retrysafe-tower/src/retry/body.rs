@@ -43,6 +43,8 @@ type BoxError = Box<dyn StdError + Send + Sync>;
 const CAPPED: u8 = 1;
 /// `Shared::flags` bit: the inner body failed.
 const FAILED: u8 = 2;
+/// `Shared::flags` bit: the wrapped body has ended; every byte of it was read.
+const COMPLETE: u8 = 4;
 
 /// A request body that can be replayed for a retry, copied lazily up to a cap.
 ///
@@ -232,7 +234,17 @@ impl<B> ReplayBody<B> {
     pub fn is_replayable(&self) -> bool {
         match &self.kind {
             Kind::Empty => true,
-            Kind::Shared(handle) => handle.shared.flags() == 0,
+            Kind::Shared(handle) => handle.shared.flags() & (CAPPED | FAILED) == 0,
+        }
+    }
+
+    /// Whether the whole body is held in the copy: the wrapped body has ended, and the
+    /// copy was neither capped nor failed. A clone then replays it without waiting for
+    /// any other attempt (a hedge is sent only then).
+    pub fn is_buffered(&self) -> bool {
+        match &self.kind {
+            Kind::Empty => true,
+            Kind::Shared(handle) => handle.shared.flags() == COMPLETE,
         }
     }
 
@@ -486,9 +498,19 @@ impl Cursor {
             }
             None => {
                 state.inner.set(None);
+                shared.set_flag(COMPLETE);
                 return Poll::Ready(None);
             }
         };
+        if state
+            .inner
+            .as_ref()
+            .get_ref()
+            .as_ref()
+            .is_some_and(Body::is_end_stream)
+        {
+            shared.set_flag(COMPLETE);
+        }
         if let Some(data) = frame.data_ref() {
             let len = data.len() as u64;
             *state.frames += 1;

@@ -13,31 +13,44 @@ use retrysafe_core::strategy::{GiveUp, RetryToken};
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
+use super::attempts::{Attempts, Plain, Sent};
 use super::body::ReplayBody;
 use super::transport::failure_of;
 use crate::local::BoxError;
 
 pin_project! {
     /// The response future of [`RetryService`](super::RetryService).
-    #[project = ResponseFutureProj]
     pub struct ResponseFuture<S, B>
     where
         S: Service<Request<ReplayBody<B>>>,
     {
         #[pin]
-        state: State<S::Future>,
+        inner: Driver<Plain<S>, B>,
+    }
+}
+
+pin_project! {
+    /// The retry loop over attempts made by `A`: the [`ResponseFuture`] of the
+    /// [`RetryService`](super::RetryService), and the fused client stack's.
+    #[project = DriverProj]
+    pub(crate) struct Driver<A, B>
+    where
+        A: Attempts<B>,
+    {
+        #[pin]
+        state: State<A::Future>,
         // The attempt timeout, the backoff, or the deadline while awaiting readiness.
         // Made on first need: a call answered at once never touches the timer wheel.
         #[pin]
         timer: Option<Sleep>,
         armed: bool,
-        service: S,
+        service: A,
         template: http::request::Parts,
         body: ReplayBody<B>,
         token: Option<RetryToken>,
         // What only a retry needs, made on the first retry (a call that does not retry
         // keeps the future small and allocates nothing for it).
-        retry: Option<Box<Retrying<S::Response>>>,
+        retry: Option<Box<Retrying<A::Response>>>,
         // The planner's state of this call (retrysafe-core).
         call: RetryCall,
     }
@@ -62,6 +75,18 @@ struct Retrying<Res> {
     span: tracing::Span,
 }
 
+/// What a [`Driver`] does with an attempt's outcome.
+enum Next {
+    /// Answer with the outcome as it is.
+    Answer,
+    /// Answer as a give-up does.
+    GiveUp,
+    /// Retry with this token.
+    Retry(RetryToken),
+    /// Nothing to decide with: polled after completion.
+    Done,
+}
+
 enum Outcome<R> {
     Response(Response<R>),
     Error(BoxError),
@@ -72,29 +97,54 @@ impl<S, B> ResponseFuture<S, B>
 where
     S: Service<Request<ReplayBody<B>>>,
 {
+    pub(crate) fn new(inner: Driver<Plain<S>, B>) -> Self {
+        ResponseFuture { inner }
+    }
+}
+
+impl<A, B> Driver<A, B>
+where
+    A: Attempts<B>,
+{
+    /// Starts the call: its first attempt made at once, unless the deadline is spent
+    /// already. `now` is the clock reading the caller's deadline was made from, if it
+    /// read the clock for one (the first attempt's timeout header needs no second read).
     pub(crate) fn start(
-        mut service: S,
+        mut service: A,
         template: http::request::Parts,
         body: ReplayBody<B>,
         token: RetryToken,
         call: RetryCall,
+        now: Option<Instant>,
     ) -> Self {
         let backup = body.clone();
-        // One clock read for the check and the timeout header.
-        let left = call.time_left();
+        // One clock read for the check, the timeout header and the breaker's timing.
+        let (at, left) = match now {
+            Some(now) => (
+                Some(now),
+                call.deadline()
+                    .map(|d| d.instant().saturating_duration_since(now)),
+            ),
+            None => read_time_left(&call),
+        };
         let state = if RetryCall::too_late_with(left) {
             State::Failed {
                 error: Some(Box::new(DeadlineExceeded::new())),
             }
         } else {
             let mut parts = template.clone();
-            call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
-            let request = Request::from_parts(parts, body);
+            let timeout =
+                call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
+            let sent = Sent {
+                at,
+                timeout,
+                grpc: call.is_grpc(),
+            };
             State::Calling {
-                future: service.call(request),
+                future: service.attempt(Request::from_parts(parts, body), sent),
             }
         };
-        ResponseFuture {
+        Driver {
             state,
             timer: None,
             armed: false,
@@ -105,6 +155,22 @@ where
             retry: None,
             call,
         }
+    }
+}
+
+/// The clock reading and the time left before the call's deadline: one read, none
+/// without a deadline.
+#[inline]
+fn read_time_left(call: &RetryCall) -> (Option<Instant>, Option<Duration>) {
+    match call.deadline() {
+        Some(deadline) => {
+            let now = Instant::now();
+            (
+                Some(now),
+                Some(deadline.instant().saturating_duration_since(now)),
+            )
+        }
+        None => (None, None),
     }
 }
 
@@ -124,6 +190,19 @@ where
     type Output = Result<Response<R>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().inner.poll(cx)
+    }
+}
+
+impl<A, B, R> Future for Driver<A, B>
+where
+    A: Attempts<B, Response = Response<R>>,
+    A::Error: Into<BoxError>,
+    B: Body,
+{
+    type Output = Result<Response<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
@@ -134,8 +213,7 @@ where
                         let _entered = this.retry.as_ref().map(|r| r.span.enter());
                         future.poll(cx)
                     };
-                    let outcome = ready!(this.attempt_outcome(polled, cx));
-                    if let Some(answer) = this.decide(outcome) {
+                    if let Some(answer) = ready!(this.attempt_over(polled, cx)) {
                         return Poll::Ready(answer);
                     }
                 }
@@ -156,17 +234,56 @@ where
 
 type Answer<R> = Result<Response<R>, BoxError>;
 
-impl<S, B, R> ResponseFutureProj<'_, S, B>
+impl<A, B, R> DriverProj<'_, A, B>
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-    S::Error: Into<BoxError>,
+    A: Attempts<B, Response = Response<R>>,
+    A::Error: Into<BoxError>,
     B: Body,
 {
+    /// `Calling`: decides on what the attempt produced, once it produced something or
+    /// its timer fired; the answer, or `None` when a retry was scheduled. A response is
+    /// decided on where it lies (it is the answer more often than not).
+    #[inline]
+    fn attempt_over(
+        &mut self,
+        polled: Poll<Result<Response<R>, A::Error>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Answer<R>>> {
+        let (next, outcome) = match polled {
+            Poll::Ready(Ok(response)) => {
+                *self.armed = false;
+                let next = self.decide(Seen::response(response.status(), response.headers()));
+                if let Next::Answer = next {
+                    self.state.set(State::Failed { error: None });
+                    return Poll::Ready(Some(Ok(response)));
+                }
+                (next, Outcome::Response(response))
+            }
+            polled => {
+                let outcome = ready!(self.attempt_outcome(polled, cx));
+                (self.decide(outcome.seen()), outcome)
+            }
+        };
+        Poll::Ready(match next {
+            Next::Answer => {
+                self.state.set(State::Failed { error: None });
+                Some(outcome.into_answer())
+            }
+            Next::GiveUp => Some(self.gave_up(outcome)),
+            Next::Retry(next) => {
+                self.schedule_retry(next, outcome);
+                None
+            }
+            Next::Done => Some(Err(polled_after_completion())),
+        })
+    }
+
     /// `Calling`: what the attempt produced, once it produced something or its timer
     /// (the attempt timeout) fired.
+    #[inline]
     fn attempt_outcome(
         &mut self,
-        polled: Poll<Result<Response<R>, S::Error>>,
+        polled: Poll<Result<Response<R>, A::Error>>,
         cx: &mut Context<'_>,
     ) -> Poll<Outcome<R>> {
         let outcome = match polled {
@@ -205,18 +322,13 @@ where
         }
     }
 
-    /// `Calling`, the attempt over: asks the planner what to do with `outcome`; the
-    /// answer, or `None` when a retry was scheduled.
-    fn decide(&mut self, outcome: Outcome<R>) -> Option<Answer<R>> {
+    /// `Calling`, the attempt over: asks the planner what to do with the outcome it has `seen`.
+    #[inline]
+    fn decide(&mut self, seen: Seen<'_>) -> Next {
         let Some(token) = self.token.take() else {
-            return Some(Err(polled_after_completion()));
+            return Next::Done;
         };
         let last = self.retry.as_ref().and_then(|r| r.last.as_ref());
-        let seen = match &outcome {
-            Outcome::Response(r) => Seen::response(r.status(), r.headers()),
-            Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
-            Outcome::TimedOut => Seen::TimedOut,
-        };
         let decision = self.call.decide(
             seen,
             token,
@@ -224,20 +336,10 @@ where
             last.map(Response::status),
         );
         match decision {
-            Decision::Retry(next) => {
-                self.schedule_retry(next, outcome);
-                None
-            }
-            Decision::Success => Some(self.finish(outcome.into_answer())),
-            Decision::Final => Some(self.finish(outcome.into_answer())),
-            Decision::GiveUp(_) => Some(self.gave_up(outcome)),
+            Decision::Retry(next) => Next::Retry(next),
+            Decision::Success | Decision::Final => Next::Answer,
+            Decision::GiveUp(_) => Next::GiveUp,
         }
-    }
-
-    /// Ends the call with `answer`.
-    fn finish(&mut self, answer: Answer<R>) -> Answer<R> {
-        self.state.set(State::Failed { error: None });
-        answer
     }
 
     /// `Calling`, given up on a retryable failure: the last real response, marked; or,
@@ -298,11 +400,11 @@ where
             // The deadline may have passed during the backoff or the wait. One clock
             // read for the check and the timeout header.
             Poll::Ready(Ok(())) => {
-                let left = self.call.time_left();
+                let (at, left) = read_time_left(self.call);
                 if RetryCall::too_late_with(left) {
                     return Poll::Ready(Some(self.out_of_time()));
                 }
-                left
+                (at, left)
             }
             Poll::Ready(Err(e)) => {
                 self.state.set(State::Failed { error: None });
@@ -332,20 +434,29 @@ where
     }
 
     /// `Readying`, the inner service ready: makes the attempt of the current token with
-    /// `left` read for its timeout header (`Calling`); `Err` with the answer when there
-    /// is no token (a poll after completion).
-    fn start_retry(&mut self, left: Option<Duration>) -> Result<(), Answer<R>> {
+    /// the time `left` read at `at` for its timeout header (`Calling`); `Err` with the
+    /// answer when there is no token (a poll after completion).
+    fn start_retry(
+        &mut self,
+        (at, left): (Option<Instant>, Option<Duration>),
+    ) -> Result<(), Answer<R>> {
         let Some(token) = self.token.as_ref() else {
             self.state.set(State::Failed { error: None });
             return Err(Err(polled_after_completion()));
         };
         let mut parts = self.template.clone();
-        self.call
-            .prepare_attempt_with(&mut parts.headers, &mut parts.extensions, token, left);
+        let timeout =
+            self.call
+                .prepare_attempt_with(&mut parts.headers, &mut parts.extensions, token, left);
+        let sent = Sent {
+            at,
+            timeout,
+            grpc: self.call.is_grpc(),
+        };
         let request = Request::from_parts(parts, self.body.clone());
         let future = {
             let _entered = self.retry.as_ref().map(|r| r.span.enter());
-            self.service.call(request)
+            self.service.attempt(request, sent)
         };
         self.state.set(State::Calling { future });
         Ok(())
@@ -361,8 +472,18 @@ where
 }
 
 impl<R> Outcome<R> {
+    /// What the planner is told of the outcome.
+    fn seen(&self) -> Seen<'_> {
+        match self {
+            Outcome::Response(r) => Seen::response(r.status(), r.headers()),
+            Outcome::Error(e) => Seen::Failure(failure_of(&**e)),
+            Outcome::TimedOut => Seen::TimedOut,
+        }
+    }
+
     /// The outcome as it is: a response, unmarked; a failure, its error; a time-out, a
     /// [`DeadlineExceeded`].
+    #[inline]
     fn into_answer(self) -> Answer<R> {
         match self {
             Outcome::Response(r) => Ok(r),
@@ -397,7 +518,21 @@ where
     S: Service<Request<ReplayBody<B>>> + fmt::Debug,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let inner = &self.inner;
         f.debug_struct("ResponseFuture")
+            .field("service", &inner.service.0)
+            .field("token", &inner.token)
+            .field("call", &inner.call)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<A, B> fmt::Debug for Driver<A, B>
+where
+    A: Attempts<B> + fmt::Debug,
+{
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Driver")
             .field("service", &self.service)
             .field("token", &self.token)
             .field("call", &self.call)

@@ -133,6 +133,21 @@ impl RetryLayer {
     }
 }
 
+#[cfg(feature = "client")]
+impl RetryLayer {
+    /// The layer as part of a fused client stack: `budget` is the budget of every call
+    /// whose request carries none, and attempts carry no mark for a budget layer below
+    /// (there is none).
+    pub(crate) fn fused(self, budget: retrysafe_core::budget::RetryBudget) -> Self {
+        self.map(|p| p.with_budget(budget).without_charge_mark())
+    }
+
+    /// The configuration every service of this layer shares.
+    pub(crate) fn config(&self) -> &Arc<Config> {
+        &self.config
+    }
+}
+
 impl Clone for RetryLayer {
     fn clone(&self) -> Self {
         RetryLayer {

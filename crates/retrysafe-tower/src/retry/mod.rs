@@ -79,14 +79,23 @@
 //! # }
 //! ```
 
+// The attempt driver's hooks for the breaker (`Attempts`, `Sent`) serve the fused stack
+// of the `client` feature; without it the plain retry path leaves some of them unused.
+#![cfg_attr(not(feature = "client"), allow(dead_code, unused_imports))]
+
+mod attempts;
 mod body;
 mod future;
 mod layer;
 mod service;
 mod transport;
 
+pub(crate) use attempts::{Attempts, Sent};
 pub use body::ReplayBody;
+pub(crate) use future::Driver;
 pub use future::ResponseFuture;
+#[cfg(feature = "client")]
+pub(crate) use layer::Config;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
 pub use retrysafe_core::backoff::{Backoff, Jitter};
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
@@ -94,4 +103,6 @@ pub use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryStrategy, StandardRetryStrategy,
 };
 pub use service::RetryService;
+#[cfg(feature = "client")]
+pub(crate) use service::begin;
 pub use transport::failure_of;

@@ -5,10 +5,12 @@ use std::task::{Context, Poll};
 use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::RetryPolicy;
+use retrysafe_core::Deadline;
 use tower_service::Service;
 
+use super::attempts::{Attempts, Plain};
 use super::body::ReplayBody;
-use super::future::ResponseFuture;
+use super::future::{Driver, ResponseFuture};
 use super::layer::{Config, MAX_REPLAY_CAP};
 use crate::local::BoxError;
 
@@ -64,9 +66,31 @@ where
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
-        let (mut parts, body) = request.into_parts();
-        let (call, token) = RetryPolicy::begin(&self.config.policy, &mut parts);
-        let body = ReplayBody::new(body, self.config.replay_cap.min(MAX_REPLAY_CAP));
-        ResponseFuture::start(service, parts, body, token, call)
+        let (parts, body) = request.into_parts();
+        ResponseFuture::new(begin(&self.config, parts, body, None, |_| Plain(service)))
     }
+}
+
+/// Starts a call of `parts` and `body` (the attempts' maker, ready or not, made by
+/// `attempts` from the head as the planner leaves it): the planner's `begin`, the body
+/// made replayable, the first attempt. `within` is a deadline of the caller's own and
+/// the clock reading it was made from (so the first attempt's timeout header needs no
+/// second read), if it has one.
+pub(crate) fn begin<A, B>(
+    config: &Config,
+    mut parts: http::request::Parts,
+    body: B,
+    within: Option<(Deadline, tokio::time::Instant)>,
+    attempts: impl FnOnce(&http::request::Parts) -> A,
+) -> Driver<A, B>
+where
+    A: Attempts<B>,
+    B: Body,
+{
+    let (call, token) =
+        RetryPolicy::begin_within(&config.policy, &mut parts, within.map(|(d, _)| d));
+    let now = within.map(|(_, now)| now);
+    let body = ReplayBody::new(body, config.replay_cap.min(MAX_REPLAY_CAP));
+    let attempts = attempts(&parts);
+    Driver::start(attempts, parts, body, token, call, now)
 }

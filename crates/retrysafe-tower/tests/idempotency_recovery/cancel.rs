@@ -54,7 +54,7 @@ async fn a_handler_past_max_execution_is_cancelled_before_its_effect() {
         let unknown = Arc::clone(&unknown);
         IdempotencyLayer::in_memory()
             .max_execution(Duration::from_secs(5))
-            .on_outcome_unknown(move |u| unknown.lock().unwrap().push(*u))
+            .on_outcome_unknown(move |u| unknown.lock().unwrap().push(u.clone()))
             .build()
             .unwrap()
     };

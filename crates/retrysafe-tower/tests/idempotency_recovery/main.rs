@@ -1,6 +1,6 @@
 //! Recovery of the store-backed IdempotencyLayer under pressure: the fair share of the
 //! in-flight bound per scope (`fairness`), and handlers cancelled past their time or
-//! after their lease was lost (`cancel`). On tokio's paused clock, with `oneshot`.
+//! after their lease was lost (`cancel`), and a reconciler over the store (`reconcile`). On tokio's paused clock, with `oneshot`.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -10,6 +10,7 @@
 
 mod cancel;
 mod fairness;
+mod reconcile;
 
 use std::future::Future;
 use std::pin::Pin;

@@ -1,5 +1,7 @@
 //! Test and bench support (feature `test-util`): a Redis connection that counts the
-//! requests it sends, so tests and benches can count a store's round trips.
+//! requests it sends, so tests and benches can count a store's round trips; and
+//! [`LocalCluster`], a Redis Cluster of 3 primaries and 3 replicas on loopback ports,
+//! for tests of the store on a cluster and across failovers.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -72,3 +74,7 @@ impl ConnectionLike for CountingConnection {
         self.inner.get_db()
     }
 }
+
+mod cluster;
+
+pub use cluster::{ClusterError, LocalCluster};

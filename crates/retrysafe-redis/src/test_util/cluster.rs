@@ -1,0 +1,446 @@
+//! [`LocalCluster`]: a Redis Cluster of `redis-server` processes on loopback ports.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+/// How long to wait, at most, for a node to listen or for the cluster to settle.
+const SETTLE: Duration = Duration::from_secs(60);
+
+/// The pause between two looks at a node or the cluster.
+const POLL: Duration = Duration::from_millis(50);
+
+/// Why a [`LocalCluster`] could not be made or changed.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ClusterError(String);
+
+impl fmt::Display for ClusterError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ClusterError {}
+
+fn error(what: impl Into<String>) -> ClusterError {
+    ClusterError(what.into())
+}
+
+/// A Redis Cluster of 3 primaries and 3 replicas (one each), `redis-server` processes
+/// on loopback ports of their own, made with `redis-cli --cluster create` in a
+/// temporary directory; stopped (SIGKILL) and removed when dropped, or when the test
+/// process exits (a watchdog shell does it for a cluster that is never dropped, such as
+/// [`shared`](Self::shared)'s).
+///
+/// Nodes run with `cluster-node-timeout` 1000 ms, `cluster-replica-validity-factor 0`
+/// (a replica may always be promoted), `cluster-require-full-coverage no`,
+/// `maxmemory-policy noeviction` and no persistence. Needs `redis-server` and
+/// `redis-cli` (Redis 7; Debian package `redis-server`) on the `PATH`: without them
+/// making one fails, saying so.
+///
+/// ```no_run
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// use retrysafe_redis::RedisStore;
+/// use retrysafe_redis::test_util::LocalCluster;
+///
+/// let cluster = LocalCluster::start()?;
+/// assert_eq!(cluster.urls().len(), 6);
+/// let store = RedisStore::connect_cluster(cluster.urls()).await?;
+/// # let _ = store;
+/// # Ok(()) }
+/// ```
+pub struct LocalCluster {
+    dir: PathBuf,
+    nodes: Vec<Node>,
+    watchdog: Option<Child>,
+}
+
+struct Node {
+    port: u16,
+    bus: u16,
+    child: Option<Child>,
+}
+
+impl fmt::Debug for LocalCluster {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("LocalCluster")
+            .field("dir", &self.dir)
+            .field("ports", &self.ports())
+            .finish_non_exhaustive()
+    }
+}
+
+impl LocalCluster {
+    /// Starts six nodes, makes them a cluster of three primaries with one replica each,
+    /// and returns once every node reports `cluster_state:ok` and every replica is in
+    /// sync with its primary.
+    pub fn start() -> Result<LocalCluster, ClusterError> {
+        check_tools()?;
+        let dir = std::env::temp_dir().join(format!(
+            "retrysafe-cluster-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&dir).map_err(|e| error(format!("{}: {e}", dir.display())))?;
+        let mut cluster = LocalCluster {
+            dir,
+            nodes: Vec::new(),
+            watchdog: None,
+        };
+        cluster.watchdog = Some(watchdog(&cluster.dir)?);
+        let ports = free_ports(12)?;
+        for pair in ports.chunks_exact(2) {
+            if let [port, bus] = *pair {
+                cluster.nodes.push(Node {
+                    port,
+                    bus,
+                    child: None,
+                });
+            }
+        }
+        for i in 0..cluster.nodes.len() {
+            cluster.spawn(i)?;
+        }
+        cluster.create()?;
+        cluster.wait_healthy()?;
+        Ok(cluster)
+    }
+
+    /// One cluster per test process, started on first use and stopped when the
+    /// process exits: for tests that only use it (not those that kill nodes).
+    ///
+    /// # Panics
+    ///
+    /// When the cluster cannot be started (the message says why: a missing
+    /// `redis-server` or `redis-cli`, say). A test that needs it fails; it never skips.
+    pub fn shared() -> &'static LocalCluster {
+        static SHARED: OnceLock<LocalCluster> = OnceLock::new();
+        SHARED.get_or_init(|| {
+            LocalCluster::start().unwrap_or_else(|e| {
+                #[allow(clippy::panic)]
+                {
+                    panic!("cannot start a local Redis Cluster: {e}")
+                }
+            })
+        })
+    }
+
+    /// The URL of every node, `redis://127.0.0.1:PORT`.
+    pub fn urls(&self) -> Vec<String> {
+        self.ports()
+            .into_iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// The port of every node, in the order they were made.
+    pub fn ports(&self) -> Vec<u16> {
+        self.nodes.iter().map(|n| n.port).collect()
+    }
+
+    /// The ports of the nodes that are primaries now and that own slots.
+    pub fn primaries(&self) -> Result<Vec<u16>, ClusterError> {
+        let mut out = Vec::new();
+        for node in self.nodes.iter().filter(|n| n.child.is_some()) {
+            let role = cli(node.port, &["ROLE"])?;
+            if role.lines().next() == Some("master") && !out.contains(&node.port) {
+                out.push(node.port);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Kills the node on `port` (SIGKILL: no shutdown, no save), as a crash would.
+    pub fn kill(&mut self, port: u16) -> Result<(), ClusterError> {
+        let node = self
+            .nodes
+            .iter_mut()
+            .find(|n| n.port == port)
+            .ok_or_else(|| error(format!("no node on port {port}")))?;
+        if let Some(mut child) = node.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        Ok(())
+    }
+
+    /// Starts the node on `port` again (after [`kill`](Self::kill)): it rejoins the
+    /// cluster, as a replica once another node was promoted in its place. Returns once
+    /// the cluster is healthy again (see [`wait_healthy`](Self::wait_healthy)).
+    pub fn restart(&mut self, port: u16) -> Result<(), ClusterError> {
+        let i = self
+            .nodes
+            .iter()
+            .position(|n| n.port == port)
+            .ok_or_else(|| error(format!("no node on port {port}")))?;
+        self.spawn(i)?;
+        self.wait_healthy()
+    }
+
+    /// Moves `slots` hash slots from the primary on port `from` to the primary on port
+    /// `to` with `redis-cli --cluster reshard` (keys migrate with `MIGRATE`; clients see
+    /// `ASK` and then `MOVED`), and returns once every node agrees on the result.
+    pub fn reshard(&self, from: u16, to: u16, slots: u16) -> Result<(), ClusterError> {
+        let id = |port: u16| cli(port, &["CLUSTER", "MYID"]).map(|s| s.trim().to_owned());
+        let (from_id, to_id) = (id(from)?, id(to)?);
+        let entry = format!("127.0.0.1:{from}");
+        let slots = slots.to_string();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "reshard", &entry, "--cluster-from", &from_id])
+            .args([
+                "--cluster-to",
+                &to_id,
+                "--cluster-slots",
+                &slots,
+                "--cluster-yes",
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| error(format!("cannot run redis-cli: {e}")))?;
+        if !out.status.success() {
+            return Err(error(format!(
+                "redis-cli --cluster reshard failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        wait_until("the nodes to agree on the slots", &self.dir, || {
+            cli(from, &["--cluster", "check", &entry]).is_ok()
+        })
+    }
+
+    /// Waits until every live node reports `cluster_state:ok`, the cluster has three
+    /// primaries, and every primary has a replica in sync (`ROLE` lists it).
+    pub fn wait_healthy(&self) -> Result<(), ClusterError> {
+        wait_until("the cluster to be healthy", &self.dir, || {
+            let live: Vec<u16> = self
+                .nodes
+                .iter()
+                .filter(|n| n.child.is_some())
+                .map(|n| n.port)
+                .collect();
+            for port in &live {
+                let info = cli(*port, &["CLUSTER", "INFO"]).unwrap_or_default();
+                if !info.contains("cluster_state:ok") {
+                    return false;
+                }
+            }
+            let Ok(primaries) = self.primaries() else {
+                return false;
+            };
+            let synced = primaries.iter().all(|p| {
+                cli(*p, &["INFO", "replication"])
+                    .is_ok_and(|i| i.contains("connected_slaves:1") && i.contains("state=online"))
+            });
+            primaries.len() == 3 && synced
+        })
+    }
+
+    /// Waits until a node other than `old` is a primary for the slots `old` served:
+    /// the cluster counts three primaries among its live nodes, all `cluster_state:ok`.
+    pub fn wait_promoted(&self, old: u16) -> Result<(), ClusterError> {
+        wait_until("a replica to be promoted", &self.dir, || {
+            let Ok(primaries) = self.primaries() else {
+                return false;
+            };
+            let ok = primaries.iter().all(|p| {
+                cli(*p, &["CLUSTER", "INFO"]).is_ok_and(|i| i.contains("cluster_state:ok"))
+            });
+            ok && primaries.len() == 3 && !primaries.contains(&old)
+        })
+    }
+
+    /// Starts node `i` and waits until it answers `PING`.
+    fn spawn(&mut self, i: usize) -> Result<(), ClusterError> {
+        let dir = self.dir.clone();
+        let node = self
+            .nodes
+            .get_mut(i)
+            .ok_or_else(|| error(format!("no node {i}")))?;
+        let (port, bus) = (node.port.to_string(), node.bus.to_string());
+        let data = dir.join(&port);
+        std::fs::create_dir_all(&data).map_err(|e| error(format!("{}: {e}", data.display())))?;
+        let child = Command::new("redis-server")
+            .args([
+                "--port",
+                &port,
+                "--cluster-port",
+                &bus,
+                "--bind",
+                "127.0.0.1",
+            ])
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+            ])
+            .args(["--cluster-node-timeout", "1000"])
+            .args(["--cluster-replica-validity-factor", "0"])
+            .args(["--cluster-require-full-coverage", "no"])
+            .args(["--appendonly", "no", "--save", ""])
+            .args(["--maxmemory-policy", "noeviction", "--protected-mode", "no"])
+            .arg("--dir")
+            .arg(&data)
+            .arg("--logfile")
+            .arg(data.join("redis.log"))
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| error(format!("cannot start redis-server: {e}")))?;
+        let pid_file = dir.join(format!("{port}.pid"));
+        std::fs::write(&pid_file, child.id().to_string())
+            .map_err(|e| error(format!("{}: {e}", pid_file.display())))?;
+        node.child = Some(child);
+        let port = node.port;
+        let log = data.join("redis.log");
+        let mut exited = None;
+        let nodes = &mut self.nodes;
+        let up = wait_until("redis-server to answer PING", &dir, || {
+            let child = nodes.get_mut(i).and_then(|n| n.child.as_mut());
+            if let Some(Ok(Some(status))) = child.map(Child::try_wait) {
+                exited = Some(status);
+                return true;
+            }
+            cli(port, &["PING"]).is_ok_and(|r| r.trim() == "PONG")
+        });
+        if let Some(status) = exited {
+            let log = std::fs::read_to_string(&log).unwrap_or_default();
+            return Err(error(format!(
+                "redis-server on port {port} exited ({status}): {}",
+                log.lines().rev().take(5).collect::<Vec<_>>().join(" / ")
+            )));
+        }
+        up
+    }
+
+    fn create(&self) -> Result<(), ClusterError> {
+        let mut args = vec!["--cluster".to_owned(), "create".to_owned()];
+        args.extend(self.ports().iter().map(|p| format!("127.0.0.1:{p}")));
+        args.extend(["--cluster-replicas", "1", "--cluster-yes"].map(str::to_owned));
+        let out = Command::new("redis-cli")
+            .args(&args)
+            .stdin(Stdio::null())
+            .output()
+            .map_err(|e| error(format!("cannot run redis-cli: {e}")))?;
+        if !out.status.success() {
+            return Err(error(format!(
+                "redis-cli --cluster create failed: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            )));
+        }
+        Ok(())
+    }
+
+    /// The directory of the nodes' data and logs.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+impl Drop for LocalCluster {
+    fn drop(&mut self) {
+        for node in &mut self.nodes {
+            if let Some(mut child) = node.child.take() {
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        if let Some(mut w) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Calls `done` every [`POLL`] until it says so, for at most [`SETTLE`].
+fn wait_until(what: &str, dir: &Path, mut done: impl FnMut() -> bool) -> Result<(), ClusterError> {
+    let tries = SETTLE.as_millis() / POLL.as_millis();
+    for _ in 0..tries {
+        if done() {
+            return Ok(());
+        }
+        // Synchronous on purpose: `shared` makes the cluster in a static
+        // initializer, outside any runtime.
+        #[allow(clippy::disallowed_methods)]
+        std::thread::sleep(POLL);
+    }
+    Err(error(format!(
+        "timed out after {SETTLE:?} waiting for {what} (logs in {})",
+        dir.display()
+    )))
+}
+
+/// Fails, saying what to install, when `redis-server` or `redis-cli` cannot be run.
+fn check_tools() -> Result<(), ClusterError> {
+    for tool in ["redis-server", "redis-cli"] {
+        let ran = Command::new(tool)
+            .arg("--version")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        if !ran.is_ok_and(|s| s.success()) {
+            return Err(error(format!(
+                "{tool} is not installed (or not on the PATH): a local Redis Cluster needs \
+                 redis-server and redis-cli 7 (Debian package redis-server)"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A shell that waits for this process to exit, then kills every node whose pid file
+/// is in `dir` and removes `dir`.
+fn watchdog(dir: &Path) -> Result<Child, ClusterError> {
+    let script = format!(
+        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+         for f in '{dir}'/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; \
+         rm -rf '{dir}'",
+        pid = std::process::id(),
+        dir = dir.display()
+    );
+    Command::new("sh")
+        .args(["-c", &script])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| error(format!("cannot start the cluster's watchdog shell: {e}")))
+}
+
+/// `n` distinct free TCP ports on 127.0.0.1 (all bound at once, read, released).
+fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
+    let listeners = (0..n)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| error(format!("no free port: {e}")))?;
+    listeners
+        .iter()
+        .map(|l| l.local_addr().map(|a| a.port()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| error(format!("no free port: {e}")))
+}
+
+/// `redis-cli -p port args…`: its output, or why it failed.
+fn cli(port: u16, args: &[&str]) -> Result<String, ClusterError> {
+    let out = Command::new("redis-cli")
+        .args(["-p", &port.to_string()])
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+        .map_err(|e| error(format!("cannot run redis-cli: {e}")))?;
+    if out.status.success() {
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    } else {
+        Err(error(format!("redis-cli -p {port} {args:?} failed")))
+    }
+}

@@ -1,0 +1,152 @@
+//! Middleware in the standard client order, given in one call: [`ClientMiddlewares`].
+//!
+//! The reqwest twin of the tower `ClientLayers`: the deadline, the retry (which charges
+//! the budget, given once) and the breaker, added to a `reqwest_middleware`
+//! [`ClientBuilder`] outermost first — `DeadlineMiddleware` → `RetryMiddleware` →
+//! `CircuitBreakerMiddleware` → reqwest. Breakers per host come from
+//! [`per_authority`](ClientMiddlewares::per_authority).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicUsize, Ordering};
+//! use std::time::Duration;
+//! use axum::http::{HeaderMap, StatusCode};
+//! use retrysafe_core::breaker::BreakerConfig;
+//! use retrysafe_core::budget::RetryBudget;
+//! use retrysafe_reqwest::ClientMiddlewares;
+//!
+//! // Busy on the first request; every attempt carries the time left.
+//! let hits = Arc::new(AtomicUsize::new(0));
+//! let seen = hits.clone();
+//! let app = axum::Router::new().route(
+//!     "/items",
+//!     axum::routing::get(move |headers: HeaderMap| async move {
+//!         assert!(headers.contains_key("request-timeout-ms"));
+//!         match seen.fetch_add(1, Ordering::SeqCst) {
+//!             0 => StatusCode::SERVICE_UNAVAILABLE,
+//!             _ => StatusCode::OK,
+//!         }
+//!     }),
+//! );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let url = format!("http://{}/items", listener.local_addr().unwrap());
+//! tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+//!
+//! let budget = RetryBudget::ratio();
+//! let client = ClientMiddlewares::new()
+//!     .deadline(Duration::from_secs(2))
+//!     .budget(budget.clone())
+//!     .per_authority(BreakerConfig::default())
+//!     .build()
+//!     .unwrap()
+//!     .client(reqwest::Client::new());
+//!
+//! assert_eq!(client.get(&url).send().await.unwrap().status(), 200);
+//! assert_eq!(hits.load(Ordering::SeqCst), 2);
+//!
+//! // Every bad setting is named.
+//! let error = ClientMiddlewares::new().deadline(Duration::ZERO).build().unwrap_err();
+//! assert_eq!(error.fields().collect::<Vec<_>>(), ["deadline"]);
+//! # }
+//! ```
+
+use std::time::Duration;
+
+use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use retrysafe_core::__private::Validate;
+use retrysafe_core::ConfigError;
+use retrysafe_core::breaker::BreakerConfig;
+use retrysafe_core::budget::RetryBudget;
+
+use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+
+/// The deadline, retry and breaker middleware in the standard order, with the budget
+/// given once; see the [module docs](self).
+#[derive(Clone, Debug)]
+#[must_use]
+pub struct ClientMiddlewares {
+    deadline: Option<Duration>,
+    retry: RetryMiddleware,
+    budget: RetryBudget,
+    breaker: CircuitBreakerMiddleware,
+}
+
+impl ClientMiddlewares {
+    /// The standard order with the defaults of each piece: no deadline of its own (the
+    /// inherited one, else the strategy's default timeouts), [`RetryMiddleware::new`],
+    /// a [`RetryBudget::ratio`] of its own and [`CircuitBreakerMiddleware::default`].
+    pub fn new() -> Self {
+        ClientMiddlewares {
+            deadline: None,
+            retry: RetryMiddleware::new(),
+            budget: RetryBudget::ratio(),
+            breaker: CircuitBreakerMiddleware::default(),
+        }
+    }
+
+    /// Bounds each whole call by `timeout` (greater than zero, at most 30 days, checked
+    /// by [`build`](Self::build)), as a [`DeadlineMiddleware`] outermost.
+    pub fn deadline(mut self, timeout: Duration) -> Self {
+        self.deadline = Some(timeout);
+        self
+    }
+
+    /// The retry middleware: strategy, classifier, keys, hooks. Its strategy's own
+    /// budget is not used: every call charges the [`budget`](Self::budget).
+    pub fn retry(mut self, retry: RetryMiddleware) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The retry budget, given once (default: a [`RetryBudget::ratio`] of its own).
+    /// Share one handle between every client of the same downstream.
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The breaker middleware.
+    pub fn breaker(mut self, breaker: CircuitBreakerMiddleware) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    /// One breaker per authority (`host:port`) of the request URL, each configured by
+    /// `config` ([`CircuitBreakerMiddleware::per_authority`]).
+    pub fn per_authority(self, config: BreakerConfig) -> Self {
+        self.breaker(CircuitBreakerMiddleware::per_authority(config))
+    }
+
+    /// Checks the settings: the error names every one out of range.
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        if let Some(timeout) = self.deadline {
+            v.timeout(timeout, "deadline");
+        }
+        v.finish(self)
+    }
+
+    /// Adds the middleware to `builder`, outermost first.
+    pub fn apply(self, builder: ClientBuilder) -> ClientBuilder {
+        let builder = match self.deadline {
+            Some(timeout) => builder.with(DeadlineMiddleware::new(timeout)),
+            None => builder,
+        };
+        builder
+            .with(self.retry.with_budget(self.budget))
+            .with(self.breaker)
+    }
+
+    /// A client of `client` with the middleware (and no other).
+    pub fn client(self, client: reqwest::Client) -> ClientWithMiddleware {
+        self.apply(ClientBuilder::new(client)).build()
+    }
+}
+
+impl Default for ClientMiddlewares {
+    fn default() -> Self {
+        Self::new()
+    }
+}

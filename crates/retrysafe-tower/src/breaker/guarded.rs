@@ -1,0 +1,104 @@
+//! The fused client stack's way through the breaker (see [`Guarded`]).
+
+use std::fmt;
+use std::task::{Context, Poll};
+
+use http::{Request, Response};
+use retrysafe_core::__private::{BreakerFacts, Local, Striped};
+use retrysafe_core::breaker::CircuitBreaker;
+use retrysafe_core::wire::Convention;
+use tower_service::Service;
+
+use super::body::ResponseBody;
+use super::future::{Call, ResponseFuture};
+use super::layer::{Breakers, Config};
+use super::service::refused;
+use crate::local::BoxError;
+use crate::retry::{Attempts, ReplayBody, Sent};
+
+/// The fused client stack's attempts through the breaker: the breaker is chosen once per
+/// call, and each attempt hands it what the retry planner knows already (gRPC or not, the
+/// timeout its header carries, the clock reading it was computed from) instead of the
+/// breaker reading the attempt's headers and the clock again.
+pub(crate) struct Guarded<S> {
+    inner: S,
+    config: Local<Config>,
+    /// The breaker of the call: the request's own, the layer's one, or its key's.
+    breaker: CircuitBreaker,
+    timed: bool,
+    /// The breaker reads timeout headers by the names the planner writes them with:
+    /// the planner's word is as good as a parse.
+    same_names: bool,
+}
+
+impl<S> Guarded<S> {
+    /// Whether a breaker of `config` reads timeout headers by the names the planner
+    /// writes them with (`names`): checked once per service, not per call.
+    pub(crate) fn same_names(config: &Config, names: &Convention) -> bool {
+        config.convention.request_timeout_ms() == names.request_timeout_ms()
+            && config.convention.grpc_timeout() == names.grpc_timeout()
+    }
+
+    /// The attempts of one call of the request with head `parts` on `inner`, guarded by
+    /// the breakers of `config`; `same_names` as [`same_names`](Self::same_names) says.
+    pub(crate) fn new(
+        inner: S,
+        config: &Striped<Config>,
+        parts: &http::request::Parts,
+        same_names: bool,
+    ) -> Self {
+        let breaker = match (parts.extensions.get::<CircuitBreaker>(), &config.breakers) {
+            (Some(breaker), _) | (None, Breakers::One(breaker)) => breaker.clone(),
+            (None, Breakers::Keyed(select)) => select.select(parts),
+        };
+        Guarded {
+            inner,
+            timed: breaker.config().slow_call_duration().is_some(),
+            same_names,
+            config: config.local(),
+            breaker,
+        }
+    }
+}
+
+impl<S, ReqB, ResB> Attempts<ReqB> for Guarded<S>
+where
+    S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, ReplayBody<ReqB>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // As the breaker service: readiness is awaited in the attempt, once admitted.
+        Poll::Ready(Ok(()))
+    }
+
+    #[inline]
+    fn attempt(&mut self, request: Request<ReplayBody<ReqB>>, sent: Sent) -> Self::Future {
+        match self.breaker.try_acquire() {
+            Ok(permit) => {
+                let facts = if self.same_names {
+                    BreakerFacts::sent(sent.grpc, sent.timeout)
+                } else {
+                    BreakerFacts::of(request.headers(), &self.config.convention)
+                };
+                let call = Call::new(permit, facts, self.config.clone(), self.timed);
+                let clone = self.inner.clone();
+                let service = std::mem::replace(&mut self.inner, clone);
+                ResponseFuture::admitted(service, request, call, sent.at)
+            }
+            Err(open) => refused(open),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Guarded<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Guarded")
+            .field("inner", &self.inner)
+            .field("breaker", &self.breaker)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,128 @@
+//! The builder: [`ClientLayers`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+use retrysafe_core::__private::Validate;
+use retrysafe_core::ConfigError;
+use retrysafe_core::budget::RetryBudget;
+use tower_layer::Layer;
+
+use super::service::ClientService;
+use crate::breaker::CircuitBreakerLayer;
+use crate::retry::RetryLayer;
+
+/// The standard client order — deadline → retry → budget → breaker → transport — as
+/// one layer making one fused service; see the [module docs](super).
+#[must_use]
+#[derive(Clone)]
+pub struct ClientLayers {
+    deadline: Option<Duration>,
+    /// The retry layer as given, kept to re-apply the budget when either changes.
+    retry: RetryLayer,
+    budget: RetryBudget,
+    breaker: CircuitBreakerLayer,
+    /// `retry` with `budget` given to it: what the services share.
+    fused: RetryLayer,
+}
+
+impl ClientLayers {
+    /// The standard order with the defaults of each piece: no deadline of its own (the
+    /// request's or the inherited one, else the strategy's default timeouts),
+    /// [`RetryLayer::new`], a [`RetryBudget::ratio`] of its own, and
+    /// [`CircuitBreakerLayer::default`] (a breaker of its own).
+    pub fn new() -> Self {
+        let budget = RetryBudget::ratio();
+        ClientLayers {
+            deadline: None,
+            retry: RetryLayer::new(),
+            fused: RetryLayer::new().fused(budget.clone()),
+            budget,
+            breaker: CircuitBreakerLayer::default(),
+        }
+    }
+
+    /// Bounds each whole call by `timeout`, as a [`DeadlineLayer`](crate::deadline::DeadlineLayer)
+    /// outermost would (greater than zero, at most 30 days, checked by
+    /// [`build`](Self::build); a longer one is used as 30 days).
+    pub fn deadline(mut self, timeout: Duration) -> Self {
+        self.deadline = Some(timeout);
+        self
+    }
+
+    /// The retry layer: strategy, classifier, keys, hooks. Its strategy's own budget is
+    /// not used: every call charges the [`budget`](Self::budget) of the stack (or a
+    /// [`RetryBudget`] extension of its request).
+    pub fn retry(mut self, retry: RetryLayer) -> Self {
+        self.fused = retry.clone().fused(self.budget.clone());
+        self.retry = retry;
+        self
+    }
+
+    /// The retry budget, given once: the retry layer charges it and no separate budget
+    /// layer is needed (default: a [`RetryBudget::ratio`] of its own). Share one handle
+    /// between every client of the same downstream.
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
+        self.fused = self.retry.clone().fused(budget.clone());
+        self.budget = budget;
+        self
+    }
+
+    /// The breaker layer, plain or keyed per authority
+    /// ([`CircuitBreakerLayer::keyed`] with
+    /// [`KeyedBreakers::per_authority`](crate::breaker::KeyedBreakers::per_authority)).
+    pub fn breaker(mut self, breaker: CircuitBreakerLayer) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    /// Checks the settings: the error names every one out of range (`deadline`, and the
+    /// retry layer's).
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        if let Some(timeout) = self.deadline {
+            v.timeout(timeout, "deadline");
+        }
+        v.take(self.retry.clone().build());
+        v.finish(self)
+    }
+}
+
+impl ClientLayers {
+    /// The header names of the retry layer (for the gRPC status answers).
+    #[cfg(feature = "tonic")]
+    pub(crate) fn retry_convention(&self) -> &retrysafe_core::wire::Convention {
+        self.fused.config().policy.convention()
+    }
+}
+
+impl Default for ClientLayers {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for ClientLayers {
+    type Service = ClientService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        ClientService::new(
+            inner,
+            Arc::clone(self.fused.config()),
+            self.breaker.config().clone(),
+            self.deadline,
+        )
+    }
+}
+
+impl fmt::Debug for ClientLayers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientLayers")
+            .field("deadline", &self.deadline)
+            .field("retry", &self.fused)
+            .field("budget", &self.budget)
+            .field("breaker", &self.breaker)
+            .finish()
+    }
+}

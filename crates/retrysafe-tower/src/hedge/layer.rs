@@ -1,0 +1,250 @@
+use std::borrow::Cow;
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use retrysafe_core::__private::Validate;
+use retrysafe_core::ConfigError;
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::classify::{Classifier, DefaultClassifier};
+use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
+use retrysafe_core::wire::Convention;
+use tower_layer::Layer;
+
+use super::HedgeService;
+use crate::retry::DEFAULT_REPLAY_CAP;
+
+/// The most hedges per request.
+const MAX_HEDGES: u32 = 10;
+/// The window of the latency percentile.
+const PERCENTILE_WINDOW: Duration = Duration::from_secs(30);
+
+/// Sends more copies of a slow safe request and keeps the first acceptable answer,
+/// within a retry budget; see the [module docs](super).
+///
+/// Clones of a layer (and every service it makes) share its latency window, budget and
+/// counts.
+#[must_use]
+#[derive(Clone)]
+pub struct HedgeLayer {
+    pub(super) config: Arc<Config>,
+}
+
+pub(super) struct Config {
+    pub(super) name: Cow<'static, str>,
+    pub(super) delay: HedgeDelay,
+    /// The quantile of a percentile delay, as set (checked by `build`).
+    pub(super) quantile: f64,
+    pub(super) max_hedges: u32,
+    pub(super) keyed: bool,
+    pub(super) budget: RetryBudget,
+    pub(super) classifier: Arc<dyn Classifier>,
+    pub(super) convention: Convention,
+    pub(super) replay_cap: usize,
+    pub(super) counts: Counts,
+}
+
+/// The shared counts behind [`HedgeStats`].
+#[derive(Default)]
+pub(super) struct Counts {
+    pub(super) sent: AtomicU64,
+    pub(super) won: AtomicU64,
+    pub(super) refused: AtomicU64,
+}
+
+impl Counts {
+    pub(super) fn add(counter: &AtomicU64) {
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// What a [`HedgeLayer`] did so far (every clone and service of it together).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct HedgeStats {
+    /// Hedges sent.
+    pub sent: u64,
+    /// Calls a hedge answered first.
+    pub won: u64,
+    /// Hedges the budget refused.
+    pub budget_refusals: u64,
+}
+
+impl HedgeLayer {
+    /// A layer named `default`: one hedge after the p95 of the last 30 s of latencies
+    /// (at least 10 ms; none before 20 samples), safe requests only (not keyed POSTs),
+    /// a ratio budget of its own ([`RetryBudget::ratio`]), the [`DefaultClassifier`],
+    /// and a body copy of up to 64 KiB.
+    pub fn new() -> Self {
+        HedgeLayer {
+            config: Arc::new(Config {
+                name: Cow::Borrowed("default"),
+                delay: HedgeDelay::Percentile(LatencyTracker::new(0.95, PERCENTILE_WINDOW)),
+                quantile: 0.95,
+                max_hedges: 1,
+                keyed: false,
+                budget: RetryBudget::ratio(),
+                classifier: Arc::new(DefaultClassifier::default()),
+                convention: Convention::default(),
+                replay_cap: DEFAULT_REPLAY_CAP,
+                counts: Counts::default(),
+            }),
+        }
+    }
+
+    fn map(self, f: impl FnOnce(&mut Config)) -> Self {
+        let old = &self.config;
+        let mut config = Config {
+            name: old.name.clone(),
+            delay: old.delay.clone(),
+            quantile: old.quantile,
+            max_hedges: old.max_hedges,
+            keyed: old.keyed,
+            budget: old.budget.clone(),
+            classifier: Arc::clone(&old.classifier),
+            convention: old.convention.clone(),
+            replay_cap: old.replay_cap,
+            counts: Counts::default(),
+        };
+        f(&mut config);
+        HedgeLayer {
+            config: Arc::new(config),
+        }
+    }
+
+    /// The name in events (default `default`).
+    pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
+        let name = name.into();
+        self.map(|c| c.name = name)
+    }
+
+    /// Hedges after a fixed `delay`.
+    pub fn delay(self, delay: Duration) -> Self {
+        self.map(|c| c.delay = HedgeDelay::Fixed(delay))
+    }
+
+    /// Hedges after the `quantile` (from 0 to 1, exclusive of 0; 0.95 for p95) of the
+    /// latencies of the last 30 s, at least 10 ms; no hedge before 20 samples.
+    pub fn percentile(self, quantile: f64) -> Self {
+        self.map(|c| {
+            c.quantile = quantile;
+            c.delay = HedgeDelay::Percentile(LatencyTracker::new(quantile, PERCENTILE_WINDOW));
+        })
+    }
+
+    /// Copies sent at most per request besides the first, from 1 to 10 (default 1),
+    /// each one a delay after the one before.
+    pub fn max_hedges(self, max: u32) -> Self {
+        self.map(|c| c.max_hedges = max)
+    }
+
+    /// Also hedges requests of other methods (POST, PATCH) that carry an
+    /// `Idempotency-Key`. Off by default: against an `IdempotencyLayer`, a hedge of a
+    /// keyed request mostly meets a 409 or a wait — load without gain.
+    pub fn hedge_keyed_requests(self) -> Self {
+        self.map(|c| c.keyed = true)
+    }
+
+    /// The budget every hedge is withdrawn from. Share the one of the `RetryLayer`
+    /// below: the layer puts it on every request it passes (as the `RetryBudget`
+    /// extension, unless the request has one), so the retry layer charges the request
+    /// and its retries to it too, and hedges and retries together stay within it.
+    pub fn budget(self, budget: RetryBudget) -> Self {
+        self.map(|c| c.budget = budget)
+    }
+
+    /// The classifier that tells an acceptable answer (one a retry layer would not
+    /// retry) from a retryable failure (default: [`DefaultClassifier`]).
+    pub fn classifier(self, classifier: impl Classifier) -> Self {
+        self.map(|c| c.classifier = Arc::new(classifier))
+    }
+
+    /// The header names (`retry-attempt`, `idempotency-key`), also given to the default
+    /// classifier.
+    pub fn convention(self, convention: Convention) -> Self {
+        self.map(|c| {
+            c.classifier = Arc::new(DefaultClassifier::new(convention.clone()));
+            c.convention = convention;
+        })
+    }
+
+    /// The cap of the request-body copy (default 64 KiB): a larger body is not hedged.
+    pub fn max_replay_body(self, bytes: usize) -> Self {
+        self.map(|c| c.replay_cap = bytes)
+    }
+
+    /// Checks the settings: the error names every one out of range (`max_hedges`,
+    /// `percentile`, `delay`, `max_replay_body`).
+    pub fn build(self) -> Result<Self, ConfigError> {
+        let mut v = Validate::new();
+        let c = &self.config;
+        v.check(
+            (1..=MAX_HEDGES).contains(&c.max_hedges),
+            "max_hedges",
+            "must be from 1 to 10",
+        );
+        match &c.delay {
+            HedgeDelay::Fixed(d) => v.timeout(*d, "delay"),
+            _ => v.check(
+                c.quantile > 0.0 && c.quantile <= 1.0,
+                "percentile",
+                "must be greater than 0 and at most 1",
+            ),
+        }
+        v.check(
+            c.replay_cap <= 1 << 30,
+            "max_replay_body",
+            "must be at most 1 GiB",
+        );
+        v.finish(self)
+    }
+
+    /// What the layer did so far.
+    pub fn stats(&self) -> HedgeStats {
+        let c = &self.config.counts;
+        HedgeStats {
+            sent: c.sent.load(Ordering::Relaxed),
+            won: c.won.load(Ordering::Relaxed),
+            budget_refusals: c.refused.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The budget hedges are withdrawn from.
+    pub fn retry_budget(&self) -> &RetryBudget {
+        &self.config.budget
+    }
+}
+
+impl Default for HedgeLayer {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<S> Layer<S> for HedgeLayer {
+    type Service = HedgeService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        HedgeService::new(inner, Arc::clone(&self.config))
+    }
+}
+
+impl fmt::Debug for HedgeLayer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.config, f)
+    }
+}
+
+impl fmt::Debug for Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HedgeLayer")
+            .field("name", &self.name)
+            .field("delay", &self.delay)
+            .field("max_hedges", &self.max_hedges)
+            .field("keyed", &self.keyed)
+            .field("budget", &self.budget)
+            .field("replay_cap", &self.replay_cap)
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,138 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{Method, Request, Response};
+use http_body::Body;
+use retrysafe_core::__private::HedgeRace;
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::classify::RequestFacts;
+use retrysafe_core::strategy::{Idempotent, NoRetry};
+use retrysafe_core::{CallContext, Deadline};
+use tower_service::Service;
+
+use super::future::ResponseFuture;
+use super::layer::Config;
+use crate::local::BoxError;
+use crate::retry::ReplayBody;
+
+/// The service of a [`HedgeLayer`](super::HedgeLayer).
+pub struct HedgeService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> HedgeService<S> {
+    pub(super) fn new(inner: S, config: Arc<Config>) -> Self {
+        HedgeService { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: Clone> Clone for HedgeService<S> {
+    fn clone(&self) -> Self {
+        HedgeService {
+            inner: self.inner.clone(),
+            config: Arc::clone(&self.config),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for HedgeService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HedgeService")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for HedgeService<S>
+where
+    S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    ReqB: Body,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S, ReqB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let clone = self.inner.clone();
+        let mut service = std::mem::replace(&mut self.inner, clone);
+        let (mut parts, body) = request.into_parts();
+        if parts.extensions.get::<RetryBudget>().is_none() {
+            parts.extensions.insert(self.config.budget.clone());
+        }
+        match hedgeable(&self.config, &parts) {
+            Some((facts, deadline)) => {
+                // Every copy's breaker sees a cancellation by the hedge as neutral.
+                parts.extensions.insert(HedgeRace::new());
+                let first = ReplayBody::new(body, self.config.replay_cap.min(1 << 30));
+                // The first copy holds the wrapped body and streams it; the hedges
+                // replay what it read.
+                let body = first.clone();
+                let template = parts.clone();
+                let primary = service.call(Request::from_parts(parts, first));
+                let next = self.inner.clone();
+                let request = super::future::Copyable {
+                    template,
+                    body,
+                    facts,
+                    deadline,
+                };
+                ResponseFuture::hedged(primary, next, request, &self.config)
+            }
+            None => {
+                let body = ReplayBody::new(body, 0);
+                ResponseFuture::plain(service.call(Request::from_parts(parts, body)))
+            }
+        }
+    }
+}
+
+/// The facts of a request this layer may hedge, or `None`: a request that is not safe
+/// to repeat (a keyed POST is, with `hedge_keyed_requests`), one that asks for no
+/// retry, or one whose caller is the retry point (only it may add attempts).
+fn hedgeable(
+    config: &Config,
+    parts: &http::request::Parts,
+) -> Option<(RequestFacts, Option<Deadline>)> {
+    let ext = &parts.extensions;
+    if ext.get::<NoRetry>().is_some() {
+        return None;
+    }
+    let context = CallContext::inherited(ext);
+    if context
+        .as_ref()
+        .is_some_and(CallContext::caller_is_retry_point)
+    {
+        return None;
+    }
+    let mut facts = RequestFacts::of(&parts.method, &parts.headers, &config.convention);
+    let declared = ext.get::<Idempotent>().is_some();
+    let keyed_only = !parts.method.is_idempotent() && !declared && facts.has_key;
+    if keyed_only && !config.keyed {
+        return None;
+    }
+    if !(parts.method.is_idempotent() || declared || facts.has_key)
+        || parts.method == Method::CONNECT
+    {
+        return None;
+    }
+    facts.safe = true;
+    let deadline = ext
+        .get::<Deadline>()
+        .copied()
+        .or_else(|| context.as_ref().and_then(CallContext::deadline));
+    facts.deadline_sent = deadline.is_some() || facts.deadline_sent;
+    Some((facts, deadline))
+}

@@ -1,0 +1,145 @@
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use http::{Request, Response, StatusCode};
+use pin_project_lite::pin_project;
+use retrysafe_core::classify::RequestFacts;
+use retrysafe_core::error::Throttled;
+use tower_service::Service;
+
+use super::layer::Config;
+use crate::local::BoxError;
+
+/// The service of an [`AdaptiveThrottleLayer`](super::AdaptiveThrottleLayer).
+#[derive(Clone)]
+pub struct AdaptiveThrottleService<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S> AdaptiveThrottleService<S> {
+    pub(super) fn new(inner: S, config: Arc<Config>) -> Self {
+        AdaptiveThrottleService { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for AdaptiveThrottleService<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AdaptiveThrottleService")
+            .field("inner", &self.inner)
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for AdaptiveThrottleService<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<ResB>;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        let config = &self.config;
+        if !config.throttle.admit(config.draws.next()) {
+            tracing::debug!(name = %config.name, "call throttled locally");
+            return ResponseFuture {
+                kind: Kind::Rejected,
+            };
+        }
+        let facts = if retrysafe_core::__private::is_grpc(request.headers()) {
+            RequestFacts::SAFE.grpc()
+        } else {
+            RequestFacts::SAFE
+        };
+        ResponseFuture {
+            kind: Kind::Called {
+                future: self.inner.call(request),
+                config: Arc::clone(config),
+                facts,
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`AdaptiveThrottleService`].
+    pub struct ResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F> {
+        Rejected,
+        Called {
+            #[pin]
+            future: F,
+            config: Arc<Config>,
+            facts: RequestFacts,
+        },
+    }
+}
+
+impl<F, ResB, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<ResB>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Rejected => Poll::Ready(Err(Box::new(Throttled::new()))),
+            KindProj::Called {
+                future,
+                config,
+                facts,
+            } => {
+                let result = ready!(future.poll(cx));
+                if let Ok(response) = &result
+                    && accepted(config, response, facts)
+                {
+                    config.throttle.record_accept();
+                }
+                Poll::Ready(result.map_err(Into::into))
+            }
+        }
+    }
+}
+
+/// Whether the callee accepted the call: neither a throttle nor an overload.
+fn accepted<B>(config: &Config, response: &Response<B>, facts: &RequestFacts) -> bool {
+    let headers = response.headers();
+    let c = config
+        .classifier
+        .classify_response(response.status(), headers, facts);
+    let overloaded = response.status() == StatusCode::SERVICE_UNAVAILABLE
+        || (facts.grpc
+            && headers
+                .get("grpc-status")
+                .is_some_and(|v| v.as_bytes() == b"14" || v.as_bytes() == b"8"));
+    !c.throttle && !overloaded
+}
+
+impl<F> fmt::Debug for ResponseFuture<F> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ResponseFuture").finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,371 @@
+//! Tests of the `HedgeLayer` on tokio's paused clock, so every delay is exact: which
+//! requests are hedged, when, with which headers, what wins, the budget, the retry
+//! point, the deadline, the percentile delay, and the `RetryLayer` below.
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs,
+    unreachable_pub
+)]
+
+use std::convert::Infallible;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
+use retrysafe_core::strategy::{Idempotent, NoRetry};
+use retrysafe_core::{CallContext, Deadline};
+use retrysafe_tower::hedge::HedgeLayer;
+use retrysafe_tower::retry::RetryLayer;
+use tokio::time::Instant;
+use tower::{ServiceBuilder, ServiceExt};
+
+/// What the callee saw of one call: its `retry-attempt` header.
+type Seen = Arc<Mutex<Vec<Option<String>>>>;
+
+/// A callee that reads the body, then answers the n-th call (0-based) after `waits[n]` ms with
+/// `statuses[n]` (200 past the end of either), recording each call's `retry-attempt`.
+fn callee<B>(
+    waits: &'static [u64],
+    statuses: &'static [u16],
+    seen: &Seen,
+) -> impl tower::Service<Request<B>, Response = Response<String>, Error = Infallible, Future = impl Send>
++ Clone
++ Send
+where
+    B: http_body::Body + Send + 'static,
+    B::Data: Send,
+{
+    let seen = Arc::clone(seen);
+    tower::service_fn(move |req: Request<B>| {
+        let n = {
+            let mut seen = seen.lock().unwrap();
+            seen.push(
+                req.headers()
+                    .get("retry-attempt")
+                    .map(|v| v.to_str().unwrap().to_owned()),
+            );
+            seen.len() - 1
+        };
+        async move {
+            // Read the body first, as a server does: a hedge waits for it.
+            let _ = req.into_body().collect().await;
+            let wait = waits.get(n).copied().unwrap_or(0);
+            tokio::time::sleep(Duration::from_millis(wait)).await;
+            let status = statuses.get(n).copied().unwrap_or(200);
+            let response = Response::builder()
+                .status(status)
+                .body(format!("call {n}"))
+                .unwrap();
+            Ok::<_, Infallible>(response)
+        }
+    })
+}
+
+fn get() -> Request<String> {
+    Request::get("http://api/items")
+        .body(String::new())
+        .unwrap()
+}
+
+fn fixed(ms: u64) -> HedgeLayer {
+    HedgeLayer::new()
+        .delay(Duration::from_millis(ms))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_slow_get_is_hedged_and_the_first_answer_wins() {
+    let seen = Seen::default();
+    let layer = fixed(20);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[100, 5], &[], &seen));
+    let started = Instant::now();
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(response.body(), "call 1");
+    assert_eq!(started.elapsed(), Duration::from_millis(25));
+    assert_eq!(*seen.lock().unwrap(), [None, Some("2".to_owned())]);
+    let stats = layer.stats();
+    assert_eq!((stats.sent, stats.won, stats.budget_refusals), (1, 1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_fast_answer_sends_no_hedge() {
+    let seen = Seen::default();
+    let layer = fixed(20);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[10], &[], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(layer.stats().sent, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn max_hedges_are_sent_one_delay_apart() {
+    let seen = Seen::default();
+    let layer = fixed(10).max_hedges(2).build().unwrap();
+    let svc =
+        ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(callee(&[100, 100, 5], &[], &seen));
+    let started = Instant::now();
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 2");
+    assert_eq!(started.elapsed(), Duration::from_millis(25));
+    assert_eq!(
+        *seen.lock().unwrap(),
+        [None, Some("2".to_owned()), Some("3".to_owned())]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_retryable_answer_does_not_win() {
+    // The hedge answers 503 first; the slow first copy's 200 wins.
+    let seen = Seen::default();
+    let layer = fixed(20);
+    let svc =
+        ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(callee(&[50, 1], &[200, 503], &seen));
+    let started = Instant::now();
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(
+        (response.status(), response.body().as_str()),
+        (StatusCode::OK, "call 0")
+    );
+    assert_eq!(started.elapsed(), Duration::from_millis(50));
+    assert_eq!(layer.stats().won, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_4xx_is_acceptable() {
+    let seen = Seen::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20))
+        .service(callee(&[50, 1], &[200, 404], &seen));
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(
+        response.status(),
+        StatusCode::NOT_FOUND,
+        "a 4xx is not retried: it wins"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn unsafe_requests_are_never_hedged() {
+    let post = || {
+        Request::post("http://api/pay")
+            .body(String::from("{}"))
+            .unwrap()
+    };
+    let keyed = || {
+        Request::post("http://api/pay")
+            .header("idempotency-key", "k1")
+            .body(String::from("{}"))
+            .unwrap()
+    };
+    for (layer, request, calls) in [
+        (fixed(20), post(), 1),
+        (fixed(20), keyed(), 1),
+        (fixed(20).hedge_keyed_requests(), keyed(), 2),
+        (fixed(20).hedge_keyed_requests(), post(), 1),
+    ] {
+        let seen = Seen::default();
+        let svc = ServiceBuilder::new()
+            .layer(layer)
+            .service(callee(&[100, 5], &[], &seen));
+        svc.oneshot(request).await.unwrap();
+        assert_eq!(seen.lock().unwrap().len(), calls);
+    }
+    // Declared idempotent: hedged; `NoRetry`: not.
+    for (mark_idempotent, calls) in [(true, 2), (false, 1)] {
+        let seen = Seen::default();
+        let svc = ServiceBuilder::new()
+            .layer(fixed(20))
+            .service(callee(&[100, 5], &[], &seen));
+        let mut request = post();
+        if mark_idempotent {
+            request.extensions_mut().insert(Idempotent);
+        } else {
+            *request.method_mut() = Method::GET;
+            request.extensions_mut().insert(NoRetry);
+        }
+        svc.oneshot(request).await.unwrap();
+        assert_eq!(seen.lock().unwrap().len(), calls);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hop_that_is_not_the_retry_point_does_not_hedge() {
+    let seen = Seen::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20))
+        .service(callee(&[100, 5], &[], &seen));
+    let mut request = get();
+    request
+        .extensions_mut()
+        .insert(CallContext::new().with_caller_is_retry_point(true));
+    svc.oneshot(request).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_budget_pays_for_hedges_and_refusals_are_counted() {
+    // No floor and no deposits: nothing to pay with.
+    let budget = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0));
+    let seen = Seen::default();
+    let layer = fixed(20).budget(budget.clone());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[100, 5], &[], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(layer.stats().budget_refusals, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_a_retry_layer_below_one_deposit_per_request_and_the_hedge_is_withdrawn() {
+    let budget = RetryBudget::ratio_with(
+        RatioConfig::default()
+            .with_min_per_sec(0)
+            .with_retry_ratio(1.0),
+    );
+    let seen = Seen::default();
+    let layer = fixed(20).budget(budget.clone());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .layer(RetryLayer::new())
+        .service(callee(&[100, 5], &[200, 200], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 1");
+    match budget.snapshot() {
+        BudgetSnapshot::Ratio {
+            deposits,
+            withdrawals,
+            ..
+        } => assert_eq!((deposits, withdrawals), (1, 1)),
+        other => panic!("{other:?}"),
+    }
+    // The hedge is sent once by the retry layer: a 503 to it is not retried.
+    let seen = Seen::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20).budget(budget.clone()))
+        .layer(RetryLayer::new())
+        .service(callee(&[100, 1], &[200, 503], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_hedge_past_the_deadline() {
+    let seen = Seen::default();
+    let layer = fixed(20);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[100, 5], &[], &seen));
+    let mut request = get();
+    request
+        .extensions_mut()
+        .insert(Deadline::after(Duration::from_millis(15)));
+    svc.oneshot(request).await.unwrap();
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(layer.stats().sent, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_percentile_delay_waits_for_samples_and_has_a_floor() {
+    let seen = Seen::default();
+    let layer = HedgeLayer::new().build().unwrap();
+    // 20 answers of 1 ms, then one of 100 ms: hedged at the 10 ms floor.
+    let waits: &'static [u64] = Box::leak(
+        std::iter::repeat_n(1, 20)
+            .chain([100, 1])
+            .collect::<Vec<_>>()
+            .into_boxed_slice(),
+    );
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(waits, &[], &seen));
+    for _ in 0..20 {
+        svc.clone().oneshot(get()).await.unwrap();
+    }
+    assert_eq!(layer.stats().sent, 0, "no hedge before 20 samples");
+    let started = Instant::now();
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 21");
+    assert_eq!(started.elapsed(), Duration::from_millis(11));
+    assert_eq!(layer.stats().sent, 1);
+}
+
+#[test]
+fn build_names_every_bad_field() {
+    let e = HedgeLayer::new()
+        .max_hedges(0)
+        .percentile(1.5)
+        .max_replay_body(usize::MAX)
+        .build()
+        .unwrap_err();
+    assert_eq!(
+        e.fields().collect::<Vec<_>>(),
+        ["max_hedges", "percentile", "max_replay_body"]
+    );
+    let e = HedgeLayer::new().delay(Duration::ZERO).build().unwrap_err();
+    assert_eq!(e.fields().collect::<Vec<_>>(), ["delay"]);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_cancelled_loser_is_neutral_to_a_half_open_breaker() {
+    use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
+    use retrysafe_tower::breaker::CircuitBreakerLayer;
+
+    let config = BreakerConfig::default()
+        .with_minimum_calls(2)
+        .with_half_open_probes(2);
+    let breaker = CircuitBreaker::new(config);
+    // Open it with two failures.
+    let seen = Seen::default();
+    let failing = ServiceBuilder::new()
+        .layer(CircuitBreakerLayer::new(breaker.clone()))
+        .service(callee(&[], &[502, 502], &seen));
+    for _ in 0..2 {
+        let _ = failing.clone().oneshot(get()).await.unwrap();
+    }
+    assert_eq!(breaker.state(), State::Open);
+    tokio::time::advance(Duration::from_secs(5)).await;
+
+    // Half-open: the slow first copy and the hedge are the two probes; the hedge wins
+    // and the first copy is cancelled: given back, not counted as a failure.
+    let seen = Seen::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20))
+        .layer(CircuitBreakerLayer::new(breaker.clone()))
+        .service(callee(&[100, 5], &[], &seen));
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    assert_eq!(seen.lock().unwrap().len(), 2);
+    assert_ne!(
+        breaker.state(),
+        State::Open,
+        "not reopened by the cancelled copy"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_below_does_not_end_the_call() {
+    use retrysafe_core::budget::RetryBudget;
+    use retrysafe_tower::budget::RetryBudgetLayer;
+
+    // A budget layer below with an empty budget of its own refuses the hedge (marked
+    // retry-attempt 2, paid for in another budget): the first copy's answer comes.
+    let seen = Seen::default();
+    let empty = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0));
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20))
+        .layer(RetryBudgetLayer::new(empty))
+        .service(callee(&[100, 5], &[], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+}

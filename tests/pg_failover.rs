@@ -1,0 +1,426 @@
+//! A PostgreSQL streaming standby promoted under load: keyed POSTs go through two app
+//! instances (each an `IdempotencyLayer` over its own `PostgresStore`) to a private
+//! primary with one standby (`pg_basebackup`, on loopback ports of their own); the
+//! primary is stopped at once (`pg_ctl -m immediate`, as a crash), the standby is
+//! promoted, and a TCP forwarder in front of them sends new connections to it.
+//!
+//! Each logical request is sent to one instance until it gets a final answer (409 and
+//! 503 are retried); a 201 is then sent again to the other instance, as a client whose
+//! reply was lost would. The handler counts its effects per key; a key with two
+//! effects is a claim or completion acknowledged by the primary and missing on the
+//! promoted standby.
+//!
+//! Two runs: asynchronous replication (measured: it may or may not lose a write in a
+//! short run), and a synchronous standby with `synchronous_commit = remote_apply`
+//! (`PostgresStoreOptions::synchronous_commit`), which must have no key with two
+//! effects. One JSON line per run (`--nocapture`). `PG_FAILOVER_PROMOTIONS` (default 1
+//! per run; each promotion is a fresh primary and standby), `PG_FAILOVER_CONCURRENCY`
+//! (default 16).
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::print_stdout,
+    clippy::indexing_slicing,
+    missing_docs
+)]
+
+mod example_bin;
+mod support;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::Request;
+use axum::http::{HeaderMap, StatusCode};
+use axum::routing::post;
+use retrysafe_core::idempotency::{CommitPoint, Fingerprint, Token};
+use retrysafe_core::store::conformance::fresh_id;
+use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
+use retrysafe_postgres::{PostgresStore, SynchronousCommit};
+use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
+use support::private::PrivatePg;
+use tokio::net::{TcpListener, TcpStream};
+use tower::ServiceExt;
+
+/// How long one logical request keeps trying (409, 503) before it is given up.
+const PATIENCE: Duration = Duration::from_secs(40);
+
+/// The pause between two tries of one logical request.
+const PAUSE: Duration = Duration::from_millis(25);
+
+type Effects = Arc<Mutex<HashMap<String, u32>>>;
+
+fn env_number(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// A TCP forwarder on 127.0.0.1 whose upstream port can be switched: connections made
+/// after [`switch`](Self::switch) go to the new upstream.
+struct Forwarder {
+    port: u16,
+    upstream: Arc<AtomicU16>,
+}
+
+impl Forwarder {
+    async fn start(upstream: u16) -> Forwarder {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = Arc::new(AtomicU16::new(upstream));
+        let upstream = Arc::clone(&target);
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let port = target.load(Ordering::SeqCst);
+                tokio::spawn(async move {
+                    if let Ok(mut server) = TcpStream::connect(("127.0.0.1", port)).await {
+                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                    }
+                });
+            }
+        });
+        Forwarder { port, upstream }
+    }
+
+    fn switch(&self, port: u16) {
+        self.upstream.store(port, Ordering::SeqCst);
+    }
+}
+
+/// Runs each statement on its own (`ALTER SYSTEM` refuses a transaction block).
+async fn execute(url: &str, statements: &[&str]) {
+    use retrysafe_postgres::sqlx::{self, Connection};
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    for statement in statements {
+        sqlx::raw_sql(statement).execute(&mut conn).await.unwrap();
+    }
+}
+
+async fn scalar(url: &str, query: &str) -> i64 {
+    use retrysafe_postgres::sqlx::{self, Connection};
+    let mut conn = sqlx::PgConnection::connect(url).await.unwrap();
+    sqlx::query_scalar(query)
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// A primary (with a synchronous standby named when `sync`) and its standby,
+/// streaming.
+async fn pair(sync: bool) -> (PrivatePg, PrivatePg) {
+    let primary = PrivatePg::start().await;
+    let store = PostgresStore::connect(&primary.url()).await.unwrap();
+    store.migrate().await.unwrap();
+    // Named after the base backup, so that the promoted standby does not wait for a
+    // standby of its own.
+    let standby = primary.standby().await;
+    if sync {
+        execute(
+            &primary.url(),
+            &[
+                "ALTER SYSTEM SET synchronous_standby_names = '*'",
+                "SELECT pg_reload_conf()",
+            ],
+        )
+        .await;
+    }
+    let state = if sync { "sync" } else { "async" };
+    let query = format!(
+        "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' \
+         AND sync_state = '{state}'"
+    );
+    support::eventually("the standby to stream", Duration::from_secs(30), || async {
+        (scalar(&primary.url(), &query).await == 1).then_some(())
+    })
+    .await;
+    (primary, standby)
+}
+
+/// One app instance: its own pool (through the forwarder), its own layer.
+async fn instance(url: &str, sync: bool, effects: &Effects) -> Router {
+    let mut options = PostgresStore::options()
+        .connect_timeout(Duration::from_secs(1))
+        .max_connections(8);
+    if sync {
+        options = options.synchronous_commit(SynchronousCommit::RemoteApply);
+    }
+    let store = options.connect(url).await.unwrap();
+    if sync {
+        let report = store.check_replication().await.unwrap();
+        assert!(report.survives_promotion(), "{report:?}");
+    }
+    let layer = IdempotencyLayer::new(store)
+        .lease(Duration::from_secs(4))
+        .build()
+        .unwrap();
+    let effects = Arc::clone(effects);
+    Router::new()
+        .route(
+            "/pay",
+            post(move |headers: HeaderMap| async move {
+                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
+                *effects.lock().unwrap().entry(key).or_insert(0) += 1;
+                (StatusCode::CREATED, "paid")
+            }),
+        )
+        .layer(layer)
+        .layer(axum::middleware::map_request(
+            |mut req: Request| async move {
+                req.extensions_mut().insert(Principal::new("tenant-1"));
+                req
+            },
+        ))
+}
+
+#[derive(Debug, Default)]
+struct Tally {
+    logical: AtomicU64,
+    created: AtomicU64,
+    replayed_copies: AtomicU64,
+    unknown: AtomicU64,
+    unavailable_tries: AtomicU64,
+    given_up: AtomicU64,
+}
+
+async fn final_status(app: &Router, key: &str, tally: &Tally) -> Option<(StatusCode, bool)> {
+    let tries = PATIENCE.as_millis() / PAUSE.as_millis();
+    for _ in 0..tries {
+        let req = Request::post("/pay")
+            .header("idempotency-key", key)
+            .body(Body::from("pay 10"))
+            .unwrap();
+        let res = app.clone().oneshot(req).await.unwrap();
+        let replayed = res.headers().contains_key("idempotent-replayed");
+        match res.status() {
+            StatusCode::CONFLICT => {}
+            StatusCode::SERVICE_UNAVAILABLE => {
+                tally.unavailable_tries.fetch_add(1, Ordering::Relaxed);
+            }
+            status => return Some((status, replayed)),
+        }
+        tokio::time::sleep(PAUSE).await;
+    }
+    None
+}
+
+async fn worker(apps: [Router; 2], run: String, n: u64, stop: Arc<AtomicBool>, tally: Arc<Tally>) {
+    let mut i = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let key = format!("{run}-{n}-{i}");
+        let (first, other) = if i.is_multiple_of(2) { (0, 1) } else { (1, 0) };
+        i += 1;
+        tally.logical.fetch_add(1, Ordering::Relaxed);
+        match final_status(&apps[first], &key, &tally).await {
+            Some((StatusCode::CREATED, _)) => {
+                tally.created.fetch_add(1, Ordering::Relaxed);
+                match final_status(&apps[other], &key, &tally).await {
+                    Some((StatusCode::CREATED, true)) => {
+                        tally.replayed_copies.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Some((StatusCode::INTERNAL_SERVER_ERROR, _)) => {
+                        tally.unknown.fetch_add(1, Ordering::Relaxed);
+                    }
+                    _ => {}
+                }
+            }
+            Some((StatusCode::INTERNAL_SERVER_ERROR, _)) => {
+                tally.unknown.fetch_add(1, Ordering::Relaxed);
+            }
+            Some(_) => {}
+            None => {
+                tally.given_up.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+/// One promotion under load; the tally grows, the effects map is this promotion's.
+async fn promotion(sync: bool, tally: &Arc<Tally>) -> u64 {
+    let (primary, standby) = pair(sync).await;
+    let forwarder = Forwarder::start(primary.port).await;
+    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", forwarder.port);
+    let effects = Effects::default();
+    let apps = [
+        instance(&url, sync, &effects).await,
+        instance(&url, sync, &effects).await,
+    ];
+    let stop = Arc::new(AtomicBool::new(false));
+    let run = Token::random().to_hex()[..8].to_owned();
+    let mut workers = Vec::new();
+    for n in 0..env_number("PG_FAILOVER_CONCURRENCY", 16) {
+        workers.push(tokio::spawn(worker(
+            apps.clone(),
+            run.clone(),
+            n,
+            Arc::clone(&stop),
+            Arc::clone(tally),
+        )));
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    primary.stop_immediate().await;
+    standby.promote().await;
+    forwarder.switch(standby.port);
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in workers {
+        w.await.unwrap();
+    }
+    let effects = effects.lock().unwrap();
+    effects.values().filter(|&&n| n >= 2).count() as u64
+}
+
+async fn run(sync: bool, promotions: u64) -> u64 {
+    let tally = Arc::new(Tally::default());
+    let mut duplicates = 0;
+    for _ in 0..promotions {
+        duplicates += promotion(sync, &tally).await;
+    }
+    let t = &tally;
+    println!(
+        "{{\"synchronous_commit\": \"{}\", \"promotions\": {promotions}, \"logical\": {}, \
+         \"created\": {}, \"replayed_copies\": {}, \"keys_with_two_effects\": {duplicates}, \
+         \"outcome_unknown\": {}, \"unavailable_tries\": {}, \"given_up\": {}}}",
+        if sync { "remote_apply" } else { "async" },
+        t.logical.load(Ordering::Relaxed),
+        t.created.load(Ordering::Relaxed),
+        t.replayed_copies.load(Ordering::Relaxed),
+        t.unknown.load(Ordering::Relaxed),
+        t.unavailable_tries.load(Ordering::Relaxed),
+        t.given_up.load(Ordering::Relaxed),
+    );
+    assert!(
+        t.created.load(Ordering::Relaxed) > 0,
+        "the load went through"
+    );
+    duplicates
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_synchronous_standby_keeps_every_key_to_one_effect_across_promotion() {
+    let promotions = env_number("PG_FAILOVER_PROMOTIONS", 1);
+    let _without = run(false, promotions).await;
+    let with = run(true, promotions).await;
+    assert_eq!(with, 0, "keys with two effects with remote_apply");
+}
+
+/// With a synchronous standby named that never connects, a write waits for ever: the
+/// store gives up after its call timeout and says so (the layer: an unknown outcome),
+/// it never reports success, though PostgreSQL answers a wait cancelled by its
+/// `statement_timeout` with success (and a warning).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_waiting_for_a_standby_is_a_timeout_never_a_success() {
+    let primary = PrivatePg::start().await;
+    execute(
+        &primary.url(),
+        &[
+            "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+            "SELECT pg_reload_conf()",
+        ],
+    )
+    .await;
+    let store = PostgresStore::options()
+        .call_timeout(Duration::from_millis(300))
+        .synchronous_commit(SynchronousCommit::RemoteApply)
+        .connect(&primary.url())
+        .await
+        .unwrap();
+    let report = store.check_replication().await.unwrap();
+    assert_eq!(
+        report.synchronous_commit,
+        Some(SynchronousCommit::RemoteApply)
+    );
+    assert_eq!(report.synchronous_standby_names, "nobody");
+    assert_eq!(report.synchronous_standbys, 0);
+    // The table is made without waiting (a session of its own, local commits).
+    execute(
+        &primary.url(),
+        &["SET synchronous_commit = local", &store.migration_sql()],
+    )
+    .await;
+    let claim = Claim::new(
+        Token::random(),
+        Fingerprint::from_bytes([5; 32]),
+        Duration::from_secs(10),
+        Duration::from_secs(60),
+        CommitPoint::Before,
+    );
+    let outcome = store.claim(&fresh_id(), &claim).await;
+    assert!(matches!(outcome, Err(StoreError::Timeout)), "{outcome:?}");
+
+    // Why: PostgreSQL's statement_timeout cancels the wait, and the COMMIT then
+    // answers success (with a warning) though the standby may not have it. The store
+    // sets the server's timeout above its own call timeout, so that it gives up first.
+    use retrysafe_postgres::sqlx::{self, Connection};
+    let mut conn = sqlx::PgConnection::connect(&primary.url()).await.unwrap();
+    for set in [
+        "SET statement_timeout = 100",
+        "SET synchronous_commit = remote_apply",
+    ] {
+        sqlx::raw_sql(set).execute(&mut conn).await.unwrap();
+    }
+    let commit = sqlx::raw_sql("SELECT txid_current()").execute(&mut conn);
+    let waited = tokio::time::timeout(Duration::from_secs(5), commit).await;
+    assert!(
+        matches!(waited, Ok(Ok(_))),
+        "a cancelled wait answers success: {waited:?}"
+    );
+}
+
+/// The cost of synchronous replication on a guarded request (a claim and a completion),
+/// as multiples of one store round trip (a `get`), sequential calls: asynchronous
+/// streaming against a synchronous standby with `remote_apply`. Prints one JSON line
+/// (`--nocapture`); asserts nothing about time. `COST_CALLS` (default 300).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_of_synchronous_replication_in_round_trips() {
+    let calls: u32 = std::env::var("COST_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    let mean = |total: Duration| total.as_secs_f64() * 1e6 / f64::from(calls);
+    let mut figures = Vec::new();
+    for sync in [false, true] {
+        let (primary, _standby) = pair(sync).await;
+        let mut options = PostgresStore::options();
+        if sync {
+            options = options.synchronous_commit(SynchronousCommit::RemoteApply);
+        }
+        let store = options.connect(&primary.url()).await.unwrap();
+        let started = tokio::time::Instant::now();
+        for _ in 0..calls {
+            store.get(&fresh_id()).await.unwrap();
+        }
+        let round_trip = mean(started.elapsed());
+        let started = tokio::time::Instant::now();
+        for _ in 0..calls {
+            let id = fresh_id();
+            let claim = Claim::new(
+                Token::random(),
+                Fingerprint::from_bytes([6; 32]),
+                Duration::from_secs(10),
+                Duration::from_secs(60),
+                CommitPoint::Before,
+            );
+            store.claim(&id, &claim).await.unwrap();
+            let done = retrysafe_core::idempotency::Completed::new(claim.fingerprint, None);
+            store
+                .complete(&id, claim.token, &done, Duration::from_secs(60))
+                .await
+                .unwrap();
+        }
+        figures.push((round_trip, mean(started.elapsed())));
+    }
+    let [(rt_async, g_async), (rt_sync, g_sync)] = [figures[0], figures[1]];
+    println!(
+        "{{\"calls\": {calls}, \"round_trip_us\": {rt_async:.0}, \"guarded_async_us\": {g_async:.0}, \
+         \"guarded_remote_apply_us\": {g_sync:.0}, \"guarded_async_round_trips\": {:.2}, \
+         \"guarded_remote_apply_round_trips\": {:.2}, \"round_trip_sync_us\": {rt_sync:.0}}}",
+        g_async / rt_async,
+        g_sync / rt_async
+    );
+    assert!(g_async > 0.0 && g_sync > 0.0);
+}
