@@ -243,11 +243,14 @@
 //!   `retrysafe::reqwest`.
 //! - `propagate` (default): [`PropagateLayer`].
 //! - `edge` (default): [`EdgeLayer`].
+//! - `metrics` (default): metrics through the `metrics` facade, for any recorder; names,
+//!   labels and the attempt-number extension in [`observe`].
 //! - `full`: everything.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub use retrysafe_core as core;
 pub use retrysafe_core::budget::RetryBudget;
+pub use retrysafe_core::observe;
 pub use retrysafe_core::strategy::StandardRetryStrategy;
 pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
 pub use retrysafe_tower::local;

@@ -42,6 +42,7 @@ pub mod error;
 mod hash;
 pub mod hedge;
 pub mod idempotency;
+pub mod observe;
 pub mod problem;
 pub mod recovery;
 pub mod retry;

@@ -1,0 +1,368 @@
+//! What an operator sees of retrysafe: instance names, the attempt number of each
+//! request, and the metrics.
+//!
+//! Every layer, breaker, budget, store and reconciler takes `.name(…)` (a [`Name`],
+//! `default` unless set); its events, hooks, spans and metrics carry it.
+//!
+//! # Metrics
+//!
+//! With the cargo feature `metrics`, retrysafe records through the
+//! [`metrics`](https://docs.rs/metrics) facade, so any recorder serves them (the
+//! Prometheus exporter `metrics-exporter-prometheus`, OpenTelemetry through
+//! `metrics-exporter-opentelemetry`, …). Handles are resolved when a layer, store or
+//! reconciler is built: **install the recorder before building them**. Without the
+//! feature nothing is recorded and nothing is paid.
+//!
+//! | Metric | Kind | Labels | What it counts |
+//! |---|---|---|---|
+//! | `retrysafe_client_attempts_total` | counter | `name`, `outcome` | attempts a client call made: `outcome` is `success`, `failure` (a retryable failure), `rejected` (an answer not to retry: 4xx, `do-not-retry`), `error` (no response) |
+//! | `retrysafe_client_retries_total` | counter | `name`, `reason` | retries sent: `reason` is `status` (a retryable status), `error` (a connection or protocol error), `pushback` (the server asked to retry later) |
+//! | `retrysafe_budget_refusals_total` | counter | `name` | retries the budget refused |
+//! | `retrysafe_breaker_state` | gauge | `name` | 0 closed, 1 half-open, 2 open |
+//! | `retrysafe_breaker_rejections_total` | counter | `name` | calls an open breaker refused |
+//! | `retrysafe_deadline_exceeded_total` | counter | `name` | calls that ran out of time |
+//! | `retrysafe_hedges_total` | counter | `name`, `outcome` | hedges: `won`, `lost`, `refused` (by the budget) |
+//! | `retrysafe_throttle_rejections_total` | counter | `name` | calls the adaptive throttle refused locally |
+//! | `retrysafe_idempotency_requests_total` | counter | `name`, `decision` | guarded requests by decision: `first`, `replay`, `in_flight`, `mismatch`, `unknown`, `takeover`, `pending` (resolving), `evicted`, `invalid` (a bad key or body), `unavailable` (the store failed or the layer is full) |
+//! | `retrysafe_idempotency_outcome_unknown_total` | counter | `name`, `reason` | records that became `outcome_unknown`: `reason` as [`UnknownReason::as_str`](crate::idempotency::UnknownReason::as_str) (`status_503`, `panicked`, `lease_expired`, …) |
+//! | `retrysafe_idempotency_store_seconds` | histogram | `name`, `op` | store round trips of the layer: `op` is `get`, `claim`, `complete`, `release`, `mark_unknown`, `commit_point`, `renew` |
+//! | `retrysafe_reconciler_resolutions_total` | counter | `name`, `resolution` | records a reconciler settled or looked at: `happened`, `did_not_happen`, `released` (before a commit point), `unknown`, `error` |
+//! | `retrysafe_reconciler_pending` | gauge | `name` | records due for resolution at the reconciler's last pass |
+//! | `retrysafe_memory_store_bytes` | gauge | `name` | bytes the `MemoryStore` holds |
+//! | `retrysafe_memory_store_effective_retention_seconds` | gauge | `name` | how long the `MemoryStore` keeps a record at the current key rate |
+//! | `retrysafe_outbox_backlog` | gauge | `name` | outbox rows not yet delivered, at the relay's last poll |
+//!
+//! The `name` label is the instance's [`Name`]. Keyed breakers report per key only
+//! through their hooks, never as a label (the keys are unbounded).
+
+use std::borrow::Cow;
+use std::fmt;
+
+/// The name of a layer, breaker, budget, store or reconciler in events, spans and
+/// metrics (the `name` label). `default` unless set.
+///
+/// ```
+/// use retrysafe_core::observe::Name;
+///
+/// assert_eq!(Name::default().as_str(), "default");
+/// assert_eq!(Name::new("payments-api").to_string(), "payments-api");
+/// ```
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Name(Cow<'static, str>);
+
+impl Name {
+    /// A name.
+    pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
+        Name(name.into())
+    }
+
+    /// The name as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Default for Name {
+    fn default() -> Self {
+        Name(Cow::Borrowed("default"))
+    }
+}
+
+impl fmt::Debug for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+impl fmt::Display for Name {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl From<&'static str> for Name {
+    fn from(name: &'static str) -> Self {
+        Name::new(name)
+    }
+}
+
+impl From<String> for Name {
+    fn from(name: String) -> Self {
+        Name::new(name)
+    }
+}
+
+impl From<Cow<'static, str>> for Name {
+    fn from(name: Cow<'static, str>) -> Self {
+        Name(name)
+    }
+}
+
+/// The 1-based number of the attempt a request is, in its extensions: the client
+/// layers (`RetryLayer`, `ClientLayers`, `HedgeLayer`, the reqwest middlewares) put it
+/// on every attempt they send, hedges included, so the transport's own client span
+/// can record OpenTelemetry's `http.request.resend_count` (attempt − 1).
+///
+/// ```
+/// use retrysafe_core::observe::AttemptNumber;
+///
+/// let mut extensions = http::Extensions::new();
+/// assert_eq!(AttemptNumber::of(&extensions), None);
+/// extensions.insert(AttemptNumber::new(3));
+/// let attempt = AttemptNumber::of(&extensions).unwrap();
+/// assert_eq!(attempt.get(), 3);
+/// assert_eq!(attempt.resend_count(), 2);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct AttemptNumber(u32);
+
+impl AttemptNumber {
+    /// Attempt `n` (1 for the first; 0 is taken as 1).
+    pub fn new(n: u32) -> Self {
+        AttemptNumber(n.max(1))
+    }
+
+    /// The attempt's number, from 1.
+    pub fn get(self) -> u32 {
+        self.0
+    }
+
+    /// How many attempts were sent before this one: OpenTelemetry's
+    /// `http.request.resend_count`.
+    pub fn resend_count(self) -> u32 {
+        self.0 - 1
+    }
+
+    /// The attempt number in `extensions`, if a client layer put one there.
+    pub fn of(extensions: &http::Extensions) -> Option<Self> {
+        extensions.get::<AttemptNumber>().copied()
+    }
+}
+
+/// Metric names, as in the table of the [module docs](self).
+pub mod names {
+    /// Counter `{name, outcome}`.
+    pub const CLIENT_ATTEMPTS_TOTAL: &str = "retrysafe_client_attempts_total";
+    /// Counter `{name, reason}`.
+    pub const CLIENT_RETRIES_TOTAL: &str = "retrysafe_client_retries_total";
+    /// Counter `{name}`.
+    pub const BUDGET_REFUSALS_TOTAL: &str = "retrysafe_budget_refusals_total";
+    /// Gauge `{name}`: 0 closed, 1 half-open, 2 open.
+    pub const BREAKER_STATE: &str = "retrysafe_breaker_state";
+    /// Counter `{name}`.
+    pub const BREAKER_REJECTIONS_TOTAL: &str = "retrysafe_breaker_rejections_total";
+    /// Counter `{name}`.
+    pub const DEADLINE_EXCEEDED_TOTAL: &str = "retrysafe_deadline_exceeded_total";
+    /// Counter `{name, outcome}`.
+    pub const HEDGES_TOTAL: &str = "retrysafe_hedges_total";
+    /// Counter `{name}`.
+    pub const THROTTLE_REJECTIONS_TOTAL: &str = "retrysafe_throttle_rejections_total";
+    /// Counter `{name, decision}`.
+    pub const IDEMPOTENCY_REQUESTS_TOTAL: &str = "retrysafe_idempotency_requests_total";
+    /// Counter `{name, reason}`.
+    pub const IDEMPOTENCY_OUTCOME_UNKNOWN_TOTAL: &str =
+        "retrysafe_idempotency_outcome_unknown_total";
+    /// Histogram `{name, op}`, seconds.
+    pub const IDEMPOTENCY_STORE_SECONDS: &str = "retrysafe_idempotency_store_seconds";
+    /// Counter `{name, resolution}`.
+    pub const RECONCILER_RESOLUTIONS_TOTAL: &str = "retrysafe_reconciler_resolutions_total";
+    /// Gauge `{name}`.
+    pub const RECONCILER_PENDING: &str = "retrysafe_reconciler_pending";
+    /// Gauge `{name}`, bytes.
+    pub const MEMORY_STORE_BYTES: &str = "retrysafe_memory_store_bytes";
+    /// Gauge `{name}`, seconds.
+    pub const MEMORY_STORE_EFFECTIVE_RETENTION_SECONDS: &str =
+        "retrysafe_memory_store_effective_retention_seconds";
+    /// Gauge `{name}`.
+    pub const OUTBOX_BACKLOG: &str = "retrysafe_outbox_backlog";
+
+    /// Every metric name, for a recorder's descriptions or bucket configuration.
+    pub const ALL: [&str; 16] = [
+        CLIENT_ATTEMPTS_TOTAL,
+        CLIENT_RETRIES_TOTAL,
+        BUDGET_REFUSALS_TOTAL,
+        BREAKER_STATE,
+        BREAKER_REJECTIONS_TOTAL,
+        DEADLINE_EXCEEDED_TOTAL,
+        HEDGES_TOTAL,
+        THROTTLE_REJECTIONS_TOTAL,
+        IDEMPOTENCY_REQUESTS_TOTAL,
+        IDEMPOTENCY_OUTCOME_UNKNOWN_TOTAL,
+        IDEMPOTENCY_STORE_SECONDS,
+        RECONCILER_RESOLUTIONS_TOTAL,
+        RECONCILER_PENDING,
+        MEMORY_STORE_BYTES,
+        MEMORY_STORE_EFFECTIVE_RETENTION_SECONDS,
+        OUTBOX_BACKLOG,
+    ];
+}
+
+/// Metric handles for the retrysafe crates, resolved once when an instance is built.
+/// Without the feature `metrics` they are empty and every call on them compiles to
+/// nothing. Not part of the public API.
+#[doc(hidden)]
+pub mod handles {
+    use super::Name;
+
+    /// The labels of a handle: `name` first, then at most one more.
+    #[cfg(feature = "metrics")]
+    fn labels(
+        name: &Name,
+        extra: Option<(&'static str, &'static str)>,
+    ) -> Vec<(&'static str, String)> {
+        let mut labels = vec![("name", name.as_str().to_owned())];
+        if let Some((key, value)) = extra {
+            labels.push((key, value.to_owned()));
+        }
+        labels
+    }
+
+    /// A counter handle.
+    #[derive(Clone, Default)]
+    pub struct Counter {
+        #[cfg(feature = "metrics")]
+        inner: Option<metrics::Counter>,
+    }
+
+    impl Counter {
+        /// Counter `metric{name="…"}`, or with one more label `key="value"`.
+        pub fn new(
+            metric: &'static str,
+            name: &Name,
+            extra: Option<(&'static str, &'static str)>,
+        ) -> Self {
+            #[cfg(feature = "metrics")]
+            {
+                let labels = labels(name, extra);
+                Counter {
+                    inner: Some(metrics::counter!(metric, &labels)),
+                }
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                let _ = (metric, name, extra);
+                Counter {}
+            }
+        }
+
+        /// Adds one.
+        #[inline]
+        pub fn increment(&self) {
+            #[cfg(feature = "metrics")]
+            if let Some(c) = &self.inner {
+                c.increment(1);
+            }
+        }
+    }
+
+    impl std::fmt::Debug for Counter {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Counter")
+        }
+    }
+
+    /// A gauge handle.
+    #[derive(Clone, Default)]
+    pub struct Gauge {
+        #[cfg(feature = "metrics")]
+        inner: Option<metrics::Gauge>,
+    }
+
+    impl Gauge {
+        /// Gauge `metric{name="…"}`.
+        pub fn new(metric: &'static str, name: &Name) -> Self {
+            #[cfg(feature = "metrics")]
+            {
+                let labels = labels(name, None);
+                Gauge {
+                    inner: Some(metrics::gauge!(metric, &labels)),
+                }
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                let _ = (metric, name);
+                Gauge {}
+            }
+        }
+
+        /// Sets the value.
+        #[inline]
+        pub fn set(&self, value: f64) {
+            #[cfg(feature = "metrics")]
+            if let Some(g) = &self.inner {
+                g.set(value);
+            }
+            #[cfg(not(feature = "metrics"))]
+            let _ = value;
+        }
+    }
+
+    impl std::fmt::Debug for Gauge {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Gauge")
+        }
+    }
+
+    /// A histogram handle.
+    #[derive(Clone, Default)]
+    pub struct Histogram {
+        #[cfg(feature = "metrics")]
+        inner: Option<metrics::Histogram>,
+    }
+
+    impl Histogram {
+        /// Histogram `metric{name="…", key="value"}`.
+        pub fn new(
+            metric: &'static str,
+            name: &Name,
+            extra: Option<(&'static str, &'static str)>,
+        ) -> Self {
+            #[cfg(feature = "metrics")]
+            {
+                let labels = labels(name, extra);
+                Histogram {
+                    inner: Some(metrics::histogram!(metric, &labels)),
+                }
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                let _ = (metric, name, extra);
+                Histogram {}
+            }
+        }
+
+        /// Records a value.
+        #[inline]
+        pub fn record(&self, value: f64) {
+            #[cfg(feature = "metrics")]
+            if let Some(h) = &self.inner {
+                h.record(value);
+            }
+            #[cfg(not(feature = "metrics"))]
+            let _ = value;
+        }
+
+        /// Whether recording does anything (the feature is on); lets a caller skip a
+        /// clock read that only the histogram needs.
+        #[inline]
+        pub fn enabled(&self) -> bool {
+            #[cfg(feature = "metrics")]
+            {
+                self.inner.is_some()
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                false
+            }
+        }
+    }
+
+    impl std::fmt::Debug for Histogram {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Histogram")
+        }
+    }
+
+    /// Whether the crate was built with the feature `metrics`.
+    pub const ENABLED: bool = cfg!(feature = "metrics");
+}
