@@ -328,6 +328,7 @@ criterion_group!(benches, one_thread, two_threads);
 /// in `_2t` splits the `n` calls over two threads sharing the service. Otherwise the
 /// criterion benches.
 fn main() {
+    recorder::install_if_asked();
     if let (Ok(name), Ok(calls)) = (
         std::env::var("CLIENT_BENCH_CASE"),
         std::env::var("CLIENT_BENCH_CALLS"),
@@ -345,6 +346,8 @@ fn main() {
     Criterion::default().configure_from_args().final_summary();
 }
 
+#[path = "support/recorder.rs"]
+mod recorder;
 #[path = "support/tower_policy.rs"]
 mod tower_policy;
 use tower_policy::TowerPolicy;

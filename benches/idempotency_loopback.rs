@@ -87,6 +87,7 @@ const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 const WARMUP_PER_CONN: usize = 20;
 
 fn main() -> Res<()> {
+    recorder::install_if_asked();
     let workers = env_usize("IDEM_LOOPBACK_WORKERS", 2)?;
     match std::env::var("IDEM_LOOPBACK_SERVE").as_deref() {
         Ok("routes") => return serve_routes(workers),
@@ -517,6 +518,8 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
 
 #[path = "support/http1.rs"]
 mod http1;
+#[path = "support/recorder.rs"]
+mod recorder;
 use http1::{Sender, open_http};
 
 #[path = "support/load.rs"]
