@@ -2,10 +2,7 @@
 //! layer (which inserts the `Principal`, the key's scope) around an `IdempotencyLayer`
 //! on the embedded `MemoryStore`. The program serves on 127.0.0.1:0, sends the same
 //! request twice and a changed one once, prints what came back, and exits.
-//!
-//! ```text
-//! cargo run --example axum_server
-//! ```
+//! Run it with `cargo run --example axum_server`.
 #![allow(clippy::print_stdout)]
 
 use std::sync::Arc;

@@ -2,10 +2,7 @@
 //! retry, charging a shared budget → breaker per host), from `ClientMiddlewares`.
 //! The program starts a local server on 127.0.0.1:0 that is busy (503) on its first
 //! call, POSTs once, prints what the server saw, and exits.
-//!
-//! ```text
-//! cargo run --example reqwest_client
-//! ```
+//! Run it with `cargo run --example reqwest_client`.
 #![allow(clippy::print_stdout)]
 
 use std::sync::{Arc, Mutex, PoisonError};

@@ -2,10 +2,7 @@
 //! `ClientLayers::grpc()` over a `Channel` (deadline → retry → budget → breaker, the
 //! body adapter and the `tonic::Status` mapping inside). The program starts the stock
 //! tonic-health server on 127.0.0.1:0, checks it, and exits.
-//!
-//! ```text
-//! cargo run --example tonic_client
-//! ```
+//! Run it with `cargo run --example tonic_client`.
 #![allow(clippy::print_stdout)]
 
 use std::time::Duration;
