@@ -305,3 +305,9 @@ pub mod recovery {
 
 #[cfg(feature = "idempotency")]
 pub use retrysafe_tower::server;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
