@@ -1,4 +1,3 @@
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,6 +8,8 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
+use retrysafe_core::observe::handles::Counter;
+use retrysafe_core::observe::{Name, names};
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
@@ -32,7 +33,7 @@ pub struct HedgeLayer {
 }
 
 pub(super) struct Config {
-    pub(super) name: Cow<'static, str>,
+    pub(super) name: Name,
     pub(super) delay: HedgeDelay,
     /// The quantile of a percentile delay, as set (checked by `build`).
     pub(super) quantile: f64,
@@ -43,6 +44,76 @@ pub(super) struct Config {
     pub(super) convention: Convention,
     pub(super) replay_cap: usize,
     pub(super) counts: Counts,
+    /// `retrysafe_hedges_total{name, outcome}`: won, lost, refused.
+    pub(super) metrics: [Counter; 3],
+    pub(super) on_hedge: Option<HedgeHook>,
+}
+
+type HedgeHook = Arc<dyn Fn(&HedgeEvent) + Send + Sync>;
+
+/// What became of a hedge ([`HedgeEvent::outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HedgeOutcome {
+    /// The hedge's answer won the race.
+    Won,
+    /// The hedge was sent and another copy's answer ended the call.
+    Lost,
+    /// The retry budget refused the hedge: it was not sent.
+    Refused,
+}
+
+impl HedgeOutcome {
+    /// The outcome as the `outcome` label of `retrysafe_hedges_total`: `won`, `lost`,
+    /// `refused`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HedgeOutcome::Won => "won",
+            HedgeOutcome::Lost => "lost",
+            HedgeOutcome::Refused => "refused",
+        }
+    }
+}
+
+/// A hedge that won, lost or was refused, as the [`on_hedge`](HedgeLayer::on_hedge)
+/// hook sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct HedgeEvent {
+    /// The layer's name.
+    pub name: Name,
+    /// What became of the hedge.
+    pub outcome: HedgeOutcome,
+}
+
+impl Config {
+    /// Counts `n` hedges of `outcome` and calls the hook for each.
+    pub(super) fn hedges(&self, outcome: HedgeOutcome, n: u32) {
+        for _ in 0..n {
+            self.metrics[outcome as usize].increment();
+            if let Some(hook) = &self.on_hedge {
+                hook(&HedgeEvent {
+                    name: self.name.clone(),
+                    outcome,
+                });
+            }
+        }
+    }
+}
+
+fn metrics(name: &Name) -> [Counter; 3] {
+    let counter = |outcome: HedgeOutcome| {
+        Counter::new(
+            names::HEDGES_TOTAL,
+            name,
+            Some(("outcome", outcome.as_str())),
+        )
+    };
+    [
+        counter(HedgeOutcome::Won),
+        counter(HedgeOutcome::Lost),
+        counter(HedgeOutcome::Refused),
+    ]
 }
 
 /// The shared counts behind [`HedgeStats`].
@@ -79,7 +150,7 @@ impl HedgeLayer {
     pub fn new() -> Self {
         HedgeLayer {
             config: Arc::new(Config {
-                name: Cow::Borrowed("default"),
+                name: Name::default(),
                 delay: HedgeDelay::Percentile(LatencyTracker::new(0.95, PERCENTILE_WINDOW)),
                 quantile: 0.95,
                 max_hedges: 1,
@@ -89,6 +160,8 @@ impl HedgeLayer {
                 convention: Convention::default(),
                 replay_cap: DEFAULT_REPLAY_CAP,
                 counts: Counts::default(),
+                metrics: metrics(&Name::default()),
+                on_hedge: None,
             }),
         }
     }
@@ -106,15 +179,27 @@ impl HedgeLayer {
             convention: old.convention.clone(),
             replay_cap: old.replay_cap,
             counts: Counts::default(),
+            metrics: old.metrics.clone(),
+            on_hedge: old.on_hedge.clone(),
         };
+        let name = config.name.clone();
         f(&mut config);
+        if config.name != name {
+            config.metrics = metrics(&config.name);
+        }
         HedgeLayer {
             config: Arc::new(config),
         }
     }
 
-    /// The name in events (default `default`).
-    pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
+    /// Calls `f` on every hedge that won, lost or was refused by the budget.
+    pub fn on_hedge(self, f: impl Fn(&HedgeEvent) + Send + Sync + 'static) -> Self {
+        self.map(|c| c.on_hedge = Some(Arc::new(f)))
+    }
+
+    /// The name in events, hooks and metrics (`retrysafe_hedges_total`, whose handles
+    /// are resolved here; default `default`).
+    pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.map(|c| c.name = name)
     }
