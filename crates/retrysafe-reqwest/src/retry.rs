@@ -37,8 +37,11 @@
 //!   (`RequestBuilder::with_extension`): [`NoRetry`], [`Idempotent`], [`Deadline`], a
 //!   [`RetryBudget`];
 //! - calls [`on_retry`](RetryMiddleware::on_retry) / [`on_give_up`](RetryMiddleware::on_give_up),
-//!   emits `tracing` events, and runs retried attempts in a span carrying
-//!   `http.request.resend_count`.
+//!   emits `tracing` events, and runs each call in one `retrysafe.call` span (INFO:
+//!   `name`, `attempts`, `give_up`, `budget`, `breaker`); every attempt carries its
+//!   [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the `Extensions`, for
+//!   a reqwest-tracing span below to record `http.request.resend_count` (see
+//!   [`observe::AttemptNumber`](retrysafe_core::observe::AttemptNumber)).
 //!
 //! Failures it generates itself are `reqwest_middleware::Error::Middleware` holding a
 //! [`DeadlineExceeded`]; errors from below (reqwest's, or another middleware's) are
@@ -124,6 +127,13 @@ impl RetryMiddleware {
         self
     }
 
+    /// The middleware's name (default `default`): the `name` of its `retrysafe.call`
+    /// spans, its hook events and its metrics (`retrysafe_client_attempts_total`,
+    /// `retrysafe_client_retries_total`), whose handles are resolved here.
+    pub fn name(self, name: impl Into<retrysafe_core::observe::Name>) -> Self {
+        self.map(|p| p.with_name(name))
+    }
+
     /// The retry strategy (attempts, backoff, budget, default timeouts).
     pub fn strategy(self, strategy: impl RetryStrategy) -> Self {
         self.map(|p| p.with_strategy(strategy))
@@ -179,6 +189,11 @@ impl RetryMiddleware {
 }
 
 impl RetryMiddleware {
+    /// The name given with [`name`](Self::name).
+    pub(crate) fn name_of(&self) -> &retrysafe_core::observe::Name {
+        self.policy.name()
+    }
+
     /// The middleware with `budget` given to every call whose request carries none.
     pub(crate) fn with_budget(self, budget: RetryBudget) -> Self {
         self.map(|p| p.with_budget(budget).without_charge_mark())
@@ -207,46 +222,60 @@ impl Middleware for RetryMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (mut call, mut token) = RetryPolicy::begin(
+        let (call, token) = RetryPolicy::begin(
             &self.policy,
             &mut Head {
                 request: &mut request,
                 extensions: &mut *extensions,
             },
         );
-        if call.too_late() {
-            return Err(deadline_exceeded());
-        }
-        let mut attempts = Attempts::new(request, extensions);
-        loop {
-            let result = attempts.send(&mut call, &token, next.clone()).await;
-            let last = attempts.last.as_ref().map(Response::status);
-            let outcome = match &result {
-                Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
-                Some(Err(error)) => Outcome::Failure(failure_of(error)),
-                None => Outcome::TimedOut,
-            };
-            match call.decide(outcome, token, attempts.replayable(), last) {
-                Decision::Success | Decision::Final => return as_is(result),
-                Decision::GiveUp(_) => return attempts.given_up(&call, result),
-                Decision::Retry(next_token) => {
-                    if let Some(Ok(response)) = result {
-                        attempts.last = Some(response);
-                    }
-                    token = next_token;
+        // The attempts run in the call's `retrysafe.call` span.
+        let span = call.span().clone();
+        run(call, token, request, extensions, next)
+            .instrument(span)
+            .await
+    }
+}
+
+/// The retry loop of one call.
+async fn run(
+    mut call: RetryCall,
+    mut token: RetryToken,
+    request: Request,
+    extensions: &mut Extensions,
+    next: Next<'_>,
+) -> Result<Response> {
+    if call.too_late() {
+        return Err(deadline_exceeded());
+    }
+    let mut attempts = Attempts::new(request, extensions);
+    loop {
+        let result = attempts.send(&mut call, &token, next.clone()).await;
+        let last = attempts.last.as_ref().map(Response::status);
+        let outcome = match &result {
+            Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
+            Some(Err(error)) => Outcome::Failure(failure_of(error)),
+            None => Outcome::TimedOut,
+        };
+        match call.decide(outcome, token, attempts.replayable(), last) {
+            Decision::Success | Decision::Final => return as_is(result),
+            Decision::GiveUp(_) => return attempts.given_up(&call, result),
+            Decision::Retry(next_token) => {
+                if let Some(Ok(response)) = result {
+                    attempts.last = Some(response);
                 }
+                token = next_token;
             }
-            if !token.delay().is_zero() {
-                tokio::time::sleep(token.delay()).await;
-            }
-            if call.too_late() {
-                return attempts.out_of_time(&call, &token);
-            }
+        }
+        if !token.delay().is_zero() {
+            tokio::time::sleep(token.delay()).await;
+        }
+        if call.too_late() {
+            return attempts.out_of_time(&call, &token);
         }
     }
 }
 
-/// The attempts of one call: what each is made from, and the last real response.
 struct Attempts<'a> {
     /// The first attempt's request, until it is sent.
     first: Option<Request>,
@@ -297,13 +326,9 @@ impl<'a> Attempts<'a> {
         if token.attempt() >= 2 {
             self.extensions.clone_from(&self.base);
         }
+        // Also puts the attempt's `AttemptNumber` in the extensions.
         call.prepare_attempt(attempt.headers_mut(), self.extensions, token);
-        let span = if token.attempt() >= 2 {
-            RetryCall::attempt_span(token)
-        } else {
-            tracing::Span::none()
-        };
-        let sent = next.run(attempt, self.extensions).instrument(span);
+        let sent = next.run(attempt, self.extensions);
         let result = match call.attempt_until() {
             Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
             None => Some(sent.await),
