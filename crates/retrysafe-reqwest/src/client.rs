@@ -127,7 +127,12 @@ impl ClientMiddlewares {
     /// The retry middleware: strategy, classifier, keys, hooks. Its strategy's own
     /// budget is not used: every call charges the [`budget`](Self::budget).
     pub fn retry(mut self, retry: RetryMiddleware) -> Self {
-        self.retry = retry;
+        // An unnamed retry middleware takes the stack's name.
+        self.retry = if retry.name_of() == &Name::default() && self.name != Name::default() {
+            retry.name(self.name.clone())
+        } else {
+            retry
+        };
         self
     }
 

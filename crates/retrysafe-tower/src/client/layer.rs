@@ -113,7 +113,13 @@ impl ClientLayers {
     /// not used: every call charges the [`budget`](Self::budget) of the stack (or a
     /// [`RetryBudget`] extension of its request).
     pub fn retry(mut self, retry: RetryLayer) -> Self {
-        self.retry = retry;
+        // An unnamed retry layer takes the stack's name.
+        let name = self.expiry.name();
+        self.retry = if retry.name_of() == &Name::default() && name != &Name::default() {
+            retry.name(name.clone())
+        } else {
+            retry
+        };
         self.refused()
     }
 
