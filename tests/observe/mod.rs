@@ -95,6 +95,8 @@ impl Values {
 #[derive(Debug, Clone)]
 pub struct SeenSpan {
     pub name: &'static str,
+    /// The parent's name, if the span has a parent.
+    pub parent: Option<&'static str>,
     pub fields: HashMap<&'static str, String>,
 }
 
@@ -130,13 +132,20 @@ impl<S> tracing_subscriber::Layer<S> for Spans
 where
     S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
 {
-    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _: Context<'_, S>) {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let parent = match attrs.parent() {
+            Some(parent) => ctx.span(parent),
+            None if attrs.is_contextual() => ctx.lookup_current(),
+            None => None,
+        }
+        .map(|span| span.name());
         let mut fields = HashMap::new();
         attrs.record(&mut Fields(&mut fields));
         let mut spans = self.spans.lock().unwrap();
         self.ids.lock().unwrap().insert(id.clone(), spans.len());
         spans.push(SeenSpan {
             name: attrs.metadata().name(),
+            parent,
             fields,
         });
     }
