@@ -83,6 +83,77 @@
 //! assert_eq!(hits.load(Ordering::SeqCst), 2);
 //! # }
 //! ```
+//!
+//! # Tracing each attempt
+//!
+//! Every call runs in one `retrysafe.call` span (INFO; `name`, `attempts`, `give_up`,
+//! `budget`, `breaker`). Every attempt carries its
+//! [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the middleware
+//! `Extensions`, so a reqwest-tracing span backend placed **after** this middleware
+//! records OpenTelemetry's `http.request.resend_count` on resent requests:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use axum::http::StatusCode;
+//! use http::Extensions;
+//! use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
+//! use retrysafe_core::observe::AttemptNumber;
+//! use retrysafe_reqwest::retry::RetryMiddleware;
+//! use tracing::Span;
+//!
+//! /// reqwest-tracing's span of one attempt, with the resend count of a retry.
+//! struct AttemptSpans;
+//!
+//! impl ReqwestOtelSpanBackend for AttemptSpans {
+//!     fn on_request_start(request: &reqwest::Request, extensions: &mut Extensions) -> Span {
+//!         let span = tracing::info_span!(
+//!             "HTTP",
+//!             http.request.method = %request.method(),
+//!             url.full = %request.url(),
+//!             http.request.resend_count = tracing::field::Empty,
+//!         );
+//!         if let Some(attempt) = AttemptNumber::of(extensions) {
+//!             if attempt.resend_count() > 0 {
+//!                 span.record("http.request.resend_count", attempt.resend_count());
+//!             }
+//!         }
+//!         span
+//!     }
+//!
+//!     fn on_request_end(
+//!         span: &Span,
+//!         outcome: &reqwest_middleware::Result<reqwest::Response>,
+//!         _: &mut Extensions,
+//!     ) {
+//!         reqwest_tracing::default_on_request_end(span, outcome);
+//!     }
+//! }
+//!
+//! // A server that fails once with 503, then answers 200.
+//! let hits = Arc::new(AtomicU32::new(0));
+//! let app = axum::Router::new().route(
+//!     "/items",
+//!     axum::routing::get(move || {
+//!         let n = hits.fetch_add(1, Ordering::SeqCst);
+//!         async move { if n == 0 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
+//!     }),
+//! );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let addr = listener.local_addr().unwrap();
+//! tokio::spawn(async move { axum::serve(listener, app).await });
+//!
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(RetryMiddleware::new().name("inventory"))
+//!     // After the retry middleware: one span per attempt.
+//!     .with(TracingMiddleware::<AttemptSpans>::new())
+//!     .build();
+//! let response = client.get(format!("http://{addr}/items")).send().await.unwrap();
+//! assert_eq!(response.status(), 200);
+//! # }
+//! ```
 
 use std::fmt;
 
