@@ -40,7 +40,8 @@ mod observe;
 use client_forms::Form;
 use observe::Recorder;
 
-type Stack = BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, BoxError>;
+type Stack =
+    BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, BoxError>;
 
 /// What the scripted transport answers next.
 #[derive(Debug, Clone, Copy)]
@@ -94,9 +95,7 @@ impl Script {
                 *response.status_mut() = match answer.unwrap_or(Answer::Status(200)) {
                     Answer::Status(status) => StatusCode::from_u16(status).unwrap(),
                     Answer::Pushback(seconds) => {
-                        response
-                            .headers_mut()
-                            .insert("retry-after", seconds.into());
+                        response.headers_mut().insert("retry-after", seconds.into());
                         StatusCode::SERVICE_UNAVAILABLE
                     }
                     Answer::Slow(delay, status) => {
@@ -174,13 +173,25 @@ const MINUTE: Duration = Duration::from_secs(60);
 
 async fn a_retry_counts_each_attempt_and_the_retry_by_reason(form: Form) {
     let recorder = Recorder::new();
-    let script = Script::new(&[Answer::Pushback(1), Answer::Status(503), Answer::Status(200)]);
+    let script = Script::new(&[
+        Answer::Pushback(1),
+        Answer::Status(503),
+        Answer::Status(200),
+    ]);
     let retries = Arc::new(Mutex::new(Vec::new()));
     let seen = retries.clone();
     let client = recorder.build(|| {
         let budget = budget();
         let retry = RetryLayer::new().on_retry(move |e| seen.lock().unwrap().push(e.clone()));
-        stack(form, &script, retry, strategy(3, &budget), budget, breaker(), MINUTE)
+        stack(
+            form,
+            &script,
+            retry,
+            strategy(3, &budget),
+            budget,
+            breaker(),
+            MINUTE,
+        )
     });
 
     let response = client.oneshot(get()).await.unwrap();
@@ -190,11 +201,23 @@ async fn a_retry_counts_each_attempt_and_the_retry_by_reason(form: Form) {
     let m = recorder.read();
     let attempts = names::CLIENT_ATTEMPTS_TOTAL;
     let retried = names::CLIENT_RETRIES_TOTAL;
-    assert_eq!(m.counter(attempts, &[("name", "api"), ("outcome", "failure")]), 2);
-    assert_eq!(m.counter(attempts, &[("name", "api"), ("outcome", "success")]), 1);
+    assert_eq!(
+        m.counter(attempts, &[("name", "api"), ("outcome", "failure")]),
+        2
+    );
+    assert_eq!(
+        m.counter(attempts, &[("name", "api"), ("outcome", "success")]),
+        1
+    );
     assert_eq!(m.total(attempts), 3);
-    assert_eq!(m.counter(retried, &[("name", "api"), ("reason", "pushback")]), 1);
-    assert_eq!(m.counter(retried, &[("name", "api"), ("reason", "status")]), 1);
+    assert_eq!(
+        m.counter(retried, &[("name", "api"), ("reason", "pushback")]),
+        1
+    );
+    assert_eq!(
+        m.counter(retried, &[("name", "api"), ("reason", "status")]),
+        1
+    );
     assert_eq!(m.total(retried), 2);
     assert_eq!(m.total(names::BUDGET_REFUSALS_TOTAL), 0);
     let retries = retries.lock().unwrap();
@@ -214,7 +237,15 @@ async fn a_give_up_counts_every_failed_attempt_and_calls_the_hook_with_the_name(
     let client = recorder.build(|| {
         let budget = budget();
         let retry = RetryLayer::new().on_give_up(move |e| seen.lock().unwrap().push(e.clone()));
-        stack(form, &script, retry, strategy(2, &budget), budget, breaker(), MINUTE)
+        stack(
+            form,
+            &script,
+            retry,
+            strategy(2, &budget),
+            budget,
+            breaker(),
+            MINUTE,
+        )
     });
 
     let response = client.oneshot(get()).await.unwrap();
@@ -224,9 +255,18 @@ async fn a_give_up_counts_every_failed_attempt_and_calls_the_hook_with_the_name(
 
     let m = recorder.read();
     let attempts = names::CLIENT_ATTEMPTS_TOTAL;
-    assert_eq!(m.counter(attempts, &[("name", "api"), ("outcome", "failure")]), 2);
+    assert_eq!(
+        m.counter(attempts, &[("name", "api"), ("outcome", "failure")]),
+        2
+    );
     assert_eq!(m.total(attempts), 2);
-    assert_eq!(m.counter(names::CLIENT_RETRIES_TOTAL, &[("name", "api"), ("reason", "status")]), 1);
+    assert_eq!(
+        m.counter(
+            names::CLIENT_RETRIES_TOTAL,
+            &[("name", "api"), ("reason", "status")]
+        ),
+        1
+    );
     assert_eq!(m.total(names::CLIENT_RETRIES_TOTAL), 1);
     let give_ups = give_ups.lock().unwrap();
     assert_eq!(give_ups.len(), 1);
@@ -245,7 +285,15 @@ async fn a_budget_refusal_counts_under_the_budget_name(form: Form) {
         let budget = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0))
             .with_name("api-budget")
             .with_on_refusal(move |r| seen.lock().unwrap().push(r.name.to_string()));
-        stack(form, &script, RetryLayer::new(), strategy(3, &budget), budget, breaker(), MINUTE)
+        stack(
+            form,
+            &script,
+            RetryLayer::new(),
+            strategy(3, &budget),
+            budget,
+            breaker(),
+            MINUTE,
+        )
     });
 
     let response = client.oneshot(get()).await.unwrap();
@@ -253,9 +301,18 @@ async fn a_budget_refusal_counts_under_the_budget_name(form: Form) {
     assert_eq!(script.attempts(), [Some(1)]);
 
     let m = recorder.read();
-    assert_eq!(m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "api-budget")]), 1);
+    assert_eq!(
+        m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "api-budget")]),
+        1
+    );
     assert_eq!(m.total(names::BUDGET_REFUSALS_TOTAL), 1);
-    assert_eq!(m.counter(names::CLIENT_ATTEMPTS_TOTAL, &[("name", "api"), ("outcome", "failure")]), 1);
+    assert_eq!(
+        m.counter(
+            names::CLIENT_ATTEMPTS_TOTAL,
+            &[("name", "api"), ("outcome", "failure")]
+        ),
+        1
+    );
     assert_eq!(m.total(names::CLIENT_RETRIES_TOTAL), 0);
     assert_eq!(*refusals.lock().unwrap(), ["api-budget"]);
 }
@@ -285,7 +342,15 @@ async fn an_open_breaker_refuses_counts_and_reports_its_state(form: Form) {
                         .push((rejection.name.to_string(), rejection.state));
                 }),
         );
-        stack(form, &script, RetryLayer::new(), strategy(1, &budget), budget, breaker, MINUTE)
+        stack(
+            form,
+            &script,
+            RetryLayer::new(),
+            strategy(1, &budget),
+            budget,
+            breaker,
+            MINUTE,
+        )
     });
 
     for _ in 0..2 {
@@ -297,9 +362,15 @@ async fn an_open_breaker_refuses_counts_and_reports_its_state(form: Form) {
     assert_eq!(script.attempts().len(), 2);
 
     let m = recorder.read();
-    assert_eq!(m.counter(names::BREAKER_REJECTIONS_TOTAL, &[("name", "api-breaker")]), 1);
+    assert_eq!(
+        m.counter(names::BREAKER_REJECTIONS_TOTAL, &[("name", "api-breaker")]),
+        1
+    );
     assert_eq!(m.total(names::BREAKER_REJECTIONS_TOTAL), 1);
-    assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "api-breaker")]), Some(2.0));
+    assert_eq!(
+        m.gauge(names::BREAKER_STATE, &[("name", "api-breaker")]),
+        Some(2.0)
+    );
     assert_eq!(
         *changes.lock().unwrap(),
         [("api-breaker".to_owned(), State::Closed, State::Open)]
@@ -330,25 +401,44 @@ async fn a_deadline_expiry_counts_once_under_the_stack_name(form: Form) {
     assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
 
     let m = recorder.read();
-    assert_eq!(m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "api")]), 1);
+    assert_eq!(
+        m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "api")]),
+        1
+    );
     assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 1);
 }
 
-both_forms!(a_retry_counts_each_attempt_and_the_retry_by_reason, start_paused = true);
+both_forms!(
+    a_retry_counts_each_attempt_and_the_retry_by_reason,
+    start_paused = true
+);
 both_forms!(
     a_give_up_counts_every_failed_attempt_and_calls_the_hook_with_the_name,
     start_paused = true
 );
-both_forms!(a_budget_refusal_counts_under_the_budget_name, start_paused = true);
-both_forms!(an_open_breaker_refuses_counts_and_reports_its_state, start_paused = true);
-both_forms!(a_deadline_expiry_counts_once_under_the_stack_name, start_paused = true);
+both_forms!(
+    a_budget_refusal_counts_under_the_budget_name,
+    start_paused = true
+);
+both_forms!(
+    an_open_breaker_refuses_counts_and_reports_its_state,
+    start_paused = true
+);
+both_forms!(
+    a_deadline_expiry_counts_once_under_the_stack_name,
+    start_paused = true
+);
 
 /// `ClientLayers::name` names the parts it made itself: the retry layer, the budget and
 /// the breaker.
 #[tokio::test(start_paused = true)]
 async fn client_layers_name_their_own_parts() {
     let recorder = Recorder::new();
-    let script = Script::new(&[Answer::Status(503), Answer::Status(503), Answer::Status(503)]);
+    let script = Script::new(&[
+        Answer::Status(503),
+        Answer::Status(503),
+        Answer::Status(503),
+    ]);
     let client = recorder.build(|| ClientLayers::new().name("svc").layer(script.service()));
 
     let response = client.oneshot(get()).await.unwrap();
@@ -356,13 +446,29 @@ async fn client_layers_name_their_own_parts() {
     assert_eq!(script.attempts(), [Some(1), Some(2), Some(3)]);
 
     let m = recorder.read();
-    assert_eq!(m.counter(names::CLIENT_ATTEMPTS_TOTAL, &[("name", "svc"), ("outcome", "failure")]), 3);
-    assert_eq!(m.counter(names::CLIENT_RETRIES_TOTAL, &[("name", "svc"), ("reason", "status")]), 2);
+    assert_eq!(
+        m.counter(
+            names::CLIENT_ATTEMPTS_TOTAL,
+            &[("name", "svc"), ("outcome", "failure")]
+        ),
+        3
+    );
+    assert_eq!(
+        m.counter(
+            names::CLIENT_RETRIES_TOTAL,
+            &[("name", "svc"), ("reason", "status")]
+        ),
+        2
+    );
     assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "svc")]), Some(0.0));
 }
 
 /// The stack behind a hedge layer named `h`: a retry layer of one attempt.
-fn hedged(recorder: &Recorder, script: &Script, layer: impl FnOnce() -> HedgeLayer) -> BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError> {
+fn hedged(
+    recorder: &Recorder,
+    script: &Script,
+    layer: impl FnOnce() -> HedgeLayer,
+) -> BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, BoxError> {
     recorder.build(|| {
         BoxCloneSyncService::new(
             ServiceBuilder::new()
@@ -405,7 +511,9 @@ async fn hedges_count_as_won_lost_and_refused_and_carry_their_attempt_number() {
         HedgeLayer::new()
             .name("h")
             .delay(Duration::from_millis(10))
-            .budget(RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0)))
+            .budget(RetryBudget::ratio_with(
+                RatioConfig::default().with_min_per_sec(0),
+            ))
             .on_hedge(move |e| seen.lock().unwrap().push((e.name.to_string(), e.outcome)))
     });
     let response = client.oneshot(get()).await.unwrap();
@@ -416,7 +524,10 @@ async fn hedges_count_as_won_lost_and_refused_and_carry_their_attempt_number() {
     let hedges = names::HEDGES_TOTAL;
     assert_eq!(m.counter(hedges, &[("name", "h"), ("outcome", "won")]), 1);
     assert_eq!(m.counter(hedges, &[("name", "h"), ("outcome", "lost")]), 1);
-    assert_eq!(m.counter(hedges, &[("name", "h"), ("outcome", "refused")]), 1);
+    assert_eq!(
+        m.counter(hedges, &[("name", "h"), ("outcome", "refused")]),
+        1
+    );
     assert_eq!(m.total(hedges), 3);
     let h = || "h".to_owned();
     assert_eq!(
@@ -478,8 +589,14 @@ async fn without_a_name_every_metric_is_named_default() {
     client.oneshot(get()).await.unwrap();
     let m = recorder.read();
     let attempts = names::CLIENT_ATTEMPTS_TOTAL;
-    assert_eq!(m.counter(attempts, &[("name", "default"), ("outcome", "failure")]), 1);
-    assert_eq!(m.counter(attempts, &[("name", "default"), ("outcome", "success")]), 1);
+    assert_eq!(
+        m.counter(attempts, &[("name", "default"), ("outcome", "failure")]),
+        1
+    );
+    assert_eq!(
+        m.counter(attempts, &[("name", "default"), ("outcome", "success")]),
+        1
+    );
 }
 
 /// The reqwest form, over loopback: a server answering from a script (200 once it runs
@@ -487,9 +604,9 @@ async fn without_a_name_every_metric_is_named_default() {
 mod reqwest_form {
     use super::*;
     use axum::Router;
+    use reqwest_middleware::ClientWithMiddleware;
     use retrysafe::core::strategy::GiveUp;
     use retrysafe::reqwest::{CircuitBreakerMiddleware, ClientMiddlewares, RetryMiddleware};
-    use reqwest_middleware::ClientWithMiddleware;
 
     async fn scripted(answers: &[u16]) -> String {
         let script = Arc::new(Mutex::new(answers.iter().copied().collect::<VecDeque<_>>()));
@@ -515,7 +632,10 @@ mod reqwest_form {
         format!("http://{addr}/items")
     }
 
-    fn client(recorder: &Recorder, stack: impl FnOnce() -> ClientMiddlewares) -> ClientWithMiddleware {
+    fn client(
+        recorder: &Recorder,
+        stack: impl FnOnce() -> ClientMiddlewares,
+    ) -> ClientWithMiddleware {
         recorder.build(|| stack().client(reqwest::Client::new()))
     }
 
@@ -541,10 +661,22 @@ mod reqwest_form {
 
         let m = recorder.read();
         let attempts = names::CLIENT_ATTEMPTS_TOTAL;
-        assert_eq!(m.counter(attempts, &[("name", "rq"), ("outcome", "failure")]), 3);
-        assert_eq!(m.counter(attempts, &[("name", "rq"), ("outcome", "success")]), 1);
+        assert_eq!(
+            m.counter(attempts, &[("name", "rq"), ("outcome", "failure")]),
+            3
+        );
+        assert_eq!(
+            m.counter(attempts, &[("name", "rq"), ("outcome", "success")]),
+            1
+        );
         assert_eq!(m.total(attempts), 4);
-        assert_eq!(m.counter(names::CLIENT_RETRIES_TOTAL, &[("name", "rq"), ("reason", "status")]), 2);
+        assert_eq!(
+            m.counter(
+                names::CLIENT_RETRIES_TOTAL,
+                &[("name", "rq"), ("reason", "status")]
+            ),
+            2
+        );
         assert_eq!(m.total(names::CLIENT_RETRIES_TOTAL), 2);
         let give_ups = give_ups.lock().unwrap();
         assert_eq!(give_ups.len(), 1);
@@ -556,19 +688,19 @@ mod reqwest_form {
     async fn a_budget_refusal() {
         let recorder = Recorder::new();
         let client = client(&recorder, || {
-            ClientMiddlewares::new()
-                .name("rq")
-                .retry(retry(3))
-                .budget(
-                    RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0))
-                        .with_name("rq-budget"),
-                )
+            ClientMiddlewares::new().name("rq").retry(retry(3)).budget(
+                RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0))
+                    .with_name("rq-budget"),
+            )
         });
         let url = scripted(&[503]).await;
         assert_eq!(client.get(&url).send().await.unwrap().status(), 503);
 
         let m = recorder.read();
-        assert_eq!(m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "rq-budget")]), 1);
+        assert_eq!(
+            m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "rq-budget")]),
+            1
+        );
         assert_eq!(m.total(names::BUDGET_REFUSALS_TOTAL), 1);
         assert_eq!(m.total(names::CLIENT_RETRIES_TOTAL), 0);
     }
@@ -595,8 +727,14 @@ mod reqwest_form {
         assert!(refused.to_string().contains("circuit"), "{refused}");
 
         let m = recorder.read();
-        assert_eq!(m.counter(names::BREAKER_REJECTIONS_TOTAL, &[("name", "rq-breaker")]), 1);
-        assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "rq-breaker")]), Some(2.0));
+        assert_eq!(
+            m.counter(names::BREAKER_REJECTIONS_TOTAL, &[("name", "rq-breaker")]),
+            1
+        );
+        assert_eq!(
+            m.gauge(names::BREAKER_STATE, &[("name", "rq-breaker")]),
+            Some(2.0)
+        );
     }
 
     #[tokio::test]
@@ -610,10 +748,16 @@ mod reqwest_form {
         });
         let url = scripted(&[0]).await;
         let error = client.get(&url).send().await.unwrap_err();
-        assert!(matches!(&error, reqwest_middleware::Error::Middleware(e) if e.is::<DeadlineExceeded>()), "{error:?}");
+        assert!(
+            matches!(&error, reqwest_middleware::Error::Middleware(e) if e.is::<DeadlineExceeded>()),
+            "{error:?}"
+        );
 
         let m = recorder.read();
-        assert_eq!(m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "rq")]), 1);
+        assert_eq!(
+            m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "rq")]),
+            1
+        );
         assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 1);
     }
 }

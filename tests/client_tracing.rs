@@ -26,11 +26,11 @@ use http::{Extensions, Request, StatusCode};
 use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
 use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::observe::AttemptNumber;
 use retrysafe::reqwest::{ClientMiddlewares, RetryMiddleware};
 use retrysafe::{ClientLayers, ReplayBody, RetryLayer, StandardRetryStrategy};
-use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceBuilder, ServiceExt};
 use tower_http::trace::TraceLayer;
@@ -108,7 +108,8 @@ fn assert_spans(spans: &Spans) {
 
 async fn tower_http_trace_layer_below_the_retry_records_the_resend_count(form: Form) {
     let spans = Spans::default();
-    let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
     let addr = flaky().await;
 
     // The transport's own span per attempt: tower-http's TraceLayer, *below* the retry.
@@ -125,13 +126,23 @@ async fn tower_http_trace_layer_below_the_retry_records_the_resend_count(form: F
     let status = match form {
         Form::Separate => {
             let retry = RetryLayer::new().name("api").strategy(strategy());
-            retry.layer(transport).oneshot(request).await.unwrap().status()
+            retry
+                .layer(transport)
+                .oneshot(request)
+                .await
+                .unwrap()
+                .status()
         }
         Form::Fused => {
             let layers = ClientLayers::new()
                 .name("api")
                 .retry(RetryLayer::new().strategy(strategy()));
-            layers.layer(transport).oneshot(request).await.unwrap().status()
+            layers
+                .layer(transport)
+                .oneshot(request)
+                .await
+                .unwrap()
+                .status()
         }
     };
     assert_eq!(status, StatusCode::OK);
@@ -161,13 +172,16 @@ impl ReqwestOtelSpanBackend for AttemptSpans {
 #[tokio::test]
 async fn reqwest_tracing_after_the_retry_middleware_records_the_resend_count() {
     let spans = Spans::default();
-    let _guard = tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
     let addr = flaky().await;
 
     let client = ClientMiddlewares::new()
         .name("api")
         .retry(RetryMiddleware::new().strategy(strategy()))
-        .apply(reqwest_middleware::ClientBuilder::new(reqwest::Client::new()))
+        .apply(reqwest_middleware::ClientBuilder::new(
+            reqwest::Client::new(),
+        ))
         .with(TracingMiddleware::<AttemptSpans>::new())
         .build();
     let response = client

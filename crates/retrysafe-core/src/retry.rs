@@ -14,8 +14,10 @@ use tokio::time::Instant;
 
 use crate::budget::RetryBudget;
 use crate::classify::{
-    Classification, Classifier, DefaultClassifier, DelayHint, Failure, FaultSide, RequestFacts, is_grpc,
+    Classification, Classifier, DefaultClassifier, DelayHint, Failure, FaultSide, RequestFacts,
+    is_grpc,
 };
+use crate::deadline::ExpiryObserver;
 use crate::hedge::HedgeCopy;
 use crate::idempotency::Token;
 use crate::observe::handles::Counter;
@@ -29,7 +31,6 @@ use crate::wire::{
     Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, RETRY_POINT_CALLER, encode_grpc_timeout,
     encode_request_timeout_ms, encode_retry_attempt, parse_grpc_timeout, parse_request_timeout_ms,
 };
-use crate::deadline::ExpiryObserver;
 use crate::{CallContext, Deadline};
 
 /// A retry about to happen, as the `on_retry` hook sees it.
@@ -176,10 +177,15 @@ pub struct RetryPolicy {
 /// The counters of a retrying client, resolved once per name.
 #[derive(Debug)]
 struct RetryMetrics {
-    /// `attempts_total` by outcome: success, failure, rejected, error.
-    attempts: [Counter; 4],
-    /// `retries_total` by reason: status, error, pushback.
-    retries: [Counter; 3],
+    /// `attempts_total` by outcome.
+    success: Counter,
+    failure: Counter,
+    rejected: Counter,
+    error: Counter,
+    /// `retries_total` by reason.
+    retry_status: Counter,
+    retry_error: Counter,
+    retry_pushback: Counter,
 }
 
 impl RetryMetrics {
@@ -194,24 +200,34 @@ impl RetryMetrics {
         let retry =
             |reason| Counter::new(names::CLIENT_RETRIES_TOTAL, name, Some(("reason", reason)));
         RetryMetrics {
-            attempts: [
-                attempt("success"),
-                attempt("failure"),
-                attempt("rejected"),
-                attempt("error"),
-            ],
-            retries: [retry("status"), retry("error"), retry("pushback")],
+            success: attempt("success"),
+            failure: attempt("failure"),
+            rejected: attempt("rejected"),
+            error: attempt("error"),
+            retry_status: retry("status"),
+            retry_error: retry("error"),
+            retry_pushback: retry("pushback"),
+        }
+    }
+
+    /// The counter of attempts with `outcome`.
+    fn attempts(&self, outcome: AttemptOutcome) -> &Counter {
+        match outcome {
+            AttemptOutcome::Success => &self.success,
+            AttemptOutcome::Failure => &self.failure,
+            AttemptOutcome::Rejected => &self.rejected,
+            AttemptOutcome::Error => &self.error,
         }
     }
 }
 
-/// The outcome label of an attempt (the index into [`RetryMetrics::attempts`]).
+/// The outcome label of an attempt.
 #[derive(Clone, Copy)]
 enum AttemptOutcome {
-    Success = 0,
-    Failure = 1,
-    Rejected = 2,
-    Error = 3,
+    Success,
+    Failure,
+    Rejected,
+    Error,
 }
 
 impl Default for RetryPolicy {
@@ -919,7 +935,7 @@ impl RetryCall {
     /// Counts one attempt's outcome.
     #[inline]
     fn count_attempt(&self, outcome: AttemptOutcome) {
-        self.policy.metrics.attempts[outcome as usize].increment();
+        self.policy.metrics.attempts(outcome).increment();
     }
 
     /// What the classifier makes of `outcome`.
@@ -1024,14 +1040,15 @@ impl RetryCall {
             status = status.map(|s| s.as_u16()),
             "retrying"
         );
+        let metrics = &self.policy.metrics;
         let reason = if !matches!(classification.delay, DelayHint::Backoff) {
-            2 // pushback
+            &metrics.retry_pushback
         } else if status.is_some() {
-            0 // status
+            &metrics.retry_status
         } else {
-            1 // error
+            &metrics.retry_error
         };
-        self.policy.metrics.retries[reason].increment();
+        reason.increment();
         if next.budget_id().is_some() {
             self.record("budget", &"granted");
         }

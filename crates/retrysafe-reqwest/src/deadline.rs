@@ -74,8 +74,8 @@ use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
 use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
-use retrysafe_core::observe::Name;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::observe::Name;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 
 use retrysafe_tower::deadline::DeadlineBody;

@@ -1,8 +1,8 @@
 //! The breaker handle, its permits and its state machine.
 
 use std::fmt;
-use std::sync::{Arc, PoisonError};
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, SeqCst};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;

@@ -5,10 +5,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use retrysafe_core::__private::{ExpiryObserver, Validate};
-use retrysafe_core::breaker::BreakerConfig;
-use retrysafe_core::observe::Name;
 use retrysafe_core::ConfigError;
+use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::observe::Name;
 use tower_layer::Layer;
 
 use super::service::ClientService;

@@ -12,8 +12,8 @@ use http::{Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
-use retrysafe_core::observe::Name;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::observe::Name;
 use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
@@ -66,10 +66,7 @@ impl<W> DeadlineLayer<W> {
 
     /// Calls `f` on every call that ends with a [`DeadlineExceeded`] error (the
     /// deadline passed, here or in a layer below).
-    pub fn on_expiry(
-        mut self,
-        f: impl Fn(&DeadlineExpiry) + Send + Sync + 'static,
-    ) -> Self {
+    pub fn on_expiry(mut self, f: impl Fn(&DeadlineExpiry) + Send + Sync + 'static) -> Self {
         self.expiry = Arc::new(ExpiryObserver::clone(&self.expiry).with_hook(f));
         self
     }
@@ -87,7 +84,7 @@ impl<W> DeadlineLayer<W> {
     pub fn bound_body(self) -> DeadlineLayer<BoundBody> {
         DeadlineLayer {
             timeout: self.timeout,
-            expiry: self.expiry.clone(),
+            expiry: self.expiry,
             _marker: PhantomData,
         }
     }

@@ -16,9 +16,9 @@ use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
 use super::layer::{Config, Counts, HedgeOutcome};
-use retrysafe_core::observe::AttemptNumber;
 use crate::local::BoxError;
 use crate::retry::{ReplayBody, failure_of};
+use retrysafe_core::observe::AttemptNumber;
 
 /// The least time left on the deadline for a hedge to start.
 const MIN_HEDGE_TIME: Duration = Duration::from_millis(1);

@@ -44,8 +44,8 @@ pub(super) struct Config {
     pub(super) convention: Convention,
     pub(super) replay_cap: usize,
     pub(super) counts: Counts,
-    /// `retrysafe_hedges_total{name, outcome}`: won, lost, refused.
-    pub(super) metrics: [Counter; 3],
+    /// `retrysafe_hedges_total{name, outcome}`.
+    pub(super) metrics: HedgeMetrics,
     pub(super) on_hedge: Option<HedgeHook>,
 }
 
@@ -90,7 +90,7 @@ impl Config {
     /// Counts `n` hedges of `outcome` and calls the hook for each.
     pub(super) fn hedges(&self, outcome: HedgeOutcome, n: u32) {
         for _ in 0..n {
-            self.metrics[outcome as usize].increment();
+            self.metrics.of(outcome).increment();
             if let Some(hook) = &self.on_hedge {
                 hook(&HedgeEvent {
                     name: self.name.clone(),
@@ -101,7 +101,25 @@ impl Config {
     }
 }
 
-fn metrics(name: &Name) -> [Counter; 3] {
+/// The counters of `retrysafe_hedges_total`, one per outcome.
+#[derive(Clone)]
+pub(super) struct HedgeMetrics {
+    won: Counter,
+    lost: Counter,
+    refused: Counter,
+}
+
+impl HedgeMetrics {
+    fn of(&self, outcome: HedgeOutcome) -> &Counter {
+        match outcome {
+            HedgeOutcome::Won => &self.won,
+            HedgeOutcome::Lost => &self.lost,
+            HedgeOutcome::Refused => &self.refused,
+        }
+    }
+}
+
+fn metrics(name: &Name) -> HedgeMetrics {
     let counter = |outcome: HedgeOutcome| {
         Counter::new(
             names::HEDGES_TOTAL,
@@ -109,11 +127,11 @@ fn metrics(name: &Name) -> [Counter; 3] {
             Some(("outcome", outcome.as_str())),
         )
     };
-    [
-        counter(HedgeOutcome::Won),
-        counter(HedgeOutcome::Lost),
-        counter(HedgeOutcome::Refused),
-    ]
+    HedgeMetrics {
+        won: counter(HedgeOutcome::Won),
+        lost: counter(HedgeOutcome::Lost),
+        refused: counter(HedgeOutcome::Refused),
+    }
 }
 
 /// The shared counts behind [`HedgeStats`].

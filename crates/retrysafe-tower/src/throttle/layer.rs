@@ -101,11 +101,7 @@ impl AdaptiveThrottleLayer {
         AdaptiveThrottleLayer {
             config: Arc::new(Config {
                 name: Name::default(),
-                rejections: Counter::new(
-                    names::THROTTLE_REJECTIONS_TOTAL,
-                    &Name::default(),
-                    None,
-                ),
+                rejections: Counter::new(names::THROTTLE_REJECTIONS_TOTAL, &Name::default(), None),
                 on_rejection: None,
                 settings,
                 throttle: AdaptiveThrottle::new(settings),
