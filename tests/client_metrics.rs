@@ -220,6 +220,15 @@ async fn a_retry_counts_each_attempt_and_the_retry_by_reason(form: Form) {
     );
     assert_eq!(m.total(retried), 2);
     assert_eq!(m.total(names::BUDGET_REFUSALS_TOTAL), 0);
+    // Renamed parts leave no series behind under the name `default`.
+    assert!(m.names_with_label("name", "default").is_empty());
+    // Every part's series are there from the start.
+    assert!(m.has(names::BUDGET_REFUSALS_TOTAL, &[("name", "api-budget")]));
+    assert!(m.has(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "api")]));
+    assert_eq!(
+        m.gauge(names::BREAKER_STATE, &[("name", "api-breaker")]),
+        Some(0.0)
+    );
     let retries = retries.lock().unwrap();
     assert_eq!(retries.len(), 2);
     assert!(retries.iter().all(|e| e.name.as_str() == "api"));
@@ -461,6 +470,14 @@ async fn client_layers_name_their_own_parts() {
         2
     );
     assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "svc")]), Some(0.0));
+    // Nothing is left behind under the name the stack had before it was named.
+    assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "default")]), None);
+    assert_eq!(
+        m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "svc")]),
+        0
+    );
+    let defaults: Vec<_> = m.names_with_label("name", "default");
+    assert!(defaults.is_empty(), "{defaults:?}");
 }
 
 /// The stack behind a hedge layer named `h`: a retry layer of one attempt.

@@ -78,6 +78,20 @@ impl Values {
         }
     }
 
+    /// The metrics with the label `key="value"`.
+    pub fn names_with_label(&self, key: &str, value: &str) -> Vec<String> {
+        self.0
+            .keys()
+            .filter(|(_, labels)| labels.iter().any(|(k, v)| k == key && v == value))
+            .map(|(name, _)| name.clone())
+            .collect()
+    }
+
+    /// Whether `metric{labels}` was resolved (registered with the recorder).
+    pub fn has(&self, metric: &str, labels: &[(&str, &str)]) -> bool {
+        self.get(metric, labels).is_some()
+    }
+
     /// Every counter of `metric`, summed (whatever the labels).
     pub fn total(&self, metric: &str) -> u64 {
         self.0

@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use crate::observe::handles::Counter;
+use crate::observe::handles::{Counter, Lazy};
 use crate::observe::{Name, names};
 use crate::wire::MAX_TIMEOUT;
 
@@ -89,12 +89,14 @@ pub struct DeadlineExpiry {
 type ExpiryHook = Arc<dyn Fn(&DeadlineExpiry) + Send + Sync>;
 
 /// How a deadline layer reports expiries: its name, its counter
-/// (`retrysafe_deadline_exceeded_total{name}`, resolved when made) and its hook.
+/// (`retrysafe_deadline_exceeded_total{name}`, resolved by
+/// [`resolve_metrics`](Self::resolve_metrics) when the layer is built, else at the
+/// first expiry) and its hook.
 #[doc(hidden)]
 #[derive(Clone, Default)]
 pub struct ExpiryObserver {
     name: Name,
-    counter: Counter,
+    counter: Lazy<Counter>,
     hook: Option<ExpiryHook>,
 }
 
@@ -102,7 +104,7 @@ impl ExpiryObserver {
     /// The observer of the layer `name`.
     pub fn new(name: Name) -> Self {
         ExpiryObserver {
-            counter: Counter::new(names::DEADLINE_EXCEEDED_TOTAL, &name, None),
+            counter: Lazy::default(),
             name,
             hook: None,
         }
@@ -129,10 +131,20 @@ impl ExpiryObserver {
         &self.name
     }
 
+    /// Resolves the counter now, against the recorder installed now.
+    pub fn resolve_metrics(&self) {
+        let _ = self.counter();
+    }
+
+    fn counter(&self) -> &Counter {
+        self.counter
+            .get(|| Counter::new(names::DEADLINE_EXCEEDED_TOTAL, &self.name, None))
+    }
+
     /// Counts a call that ran out of time and calls the hook.
     #[cold]
     pub fn expired(&self) {
-        self.counter.increment();
+        self.counter().increment();
         tracing::Span::current().record("deadline", "exceeded");
         if let Some(hook) = &self.hook {
             hook(&DeadlineExpiry {

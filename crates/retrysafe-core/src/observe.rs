@@ -10,8 +10,10 @@
 //! [`metrics`](https://docs.rs/metrics) facade, so any recorder serves them (the
 //! Prometheus exporter `metrics-exporter-prometheus`, OpenTelemetry through
 //! `metrics-exporter-opentelemetry`, …). Handles are resolved when a layer, store or
-//! reconciler is built: **install the recorder before building them**. Without the
-//! feature nothing is recorded and nothing is paid.
+//! reconciler is built — for the client layers, when the layer makes its service
+//! (`Layer::layer`), or when a reqwest stack is applied (`ClientMiddlewares::apply`;
+//! a middleware added on its own, at its first call): **install the recorder before
+//! building them**. Without the feature nothing is recorded and nothing is paid.
 //!
 //! | Metric | Kind | Labels | What it counts |
 //! |---|---|---|---|
@@ -392,6 +394,63 @@ pub mod handles {
     impl std::fmt::Debug for Histogram {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.write_str("Histogram")
+        }
+    }
+
+    /// Handles made once, on first need or ahead of it ([`Lazy::get`] from a
+    /// layer's `Layer::layer`): the builder methods of a layer may still rename it
+    /// after its constructor, and handles made by the constructor would leave a series
+    /// named `default` behind. Clones share the handles. Without the feature `metrics`,
+    /// the empty handles themselves: no state and nothing to check.
+    pub struct Lazy<T> {
+        #[cfg(feature = "metrics")]
+        cell: std::sync::Arc<std::sync::OnceLock<T>>,
+        #[cfg(not(feature = "metrics"))]
+        empty: T,
+    }
+
+    impl<T: Default> Default for Lazy<T> {
+        fn default() -> Self {
+            Lazy {
+                #[cfg(feature = "metrics")]
+                cell: std::sync::Arc::default(),
+                #[cfg(not(feature = "metrics"))]
+                empty: T::default(),
+            }
+        }
+    }
+
+    impl<T: Clone> Clone for Lazy<T> {
+        fn clone(&self) -> Self {
+            Lazy {
+                #[cfg(feature = "metrics")]
+                cell: self.cell.clone(),
+                #[cfg(not(feature = "metrics"))]
+                empty: self.empty.clone(),
+            }
+        }
+    }
+
+    impl<T> Lazy<T> {
+        /// The handles, made by `make` the first time (against the recorder installed
+        /// then).
+        #[inline]
+        pub fn get(&self, make: impl FnOnce() -> T) -> &T {
+            #[cfg(feature = "metrics")]
+            {
+                self.cell.get_or_init(make)
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                let _ = make;
+                &self.empty
+            }
+        }
+    }
+
+    impl<T> std::fmt::Debug for Lazy<T> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Lazy")
         }
     }
 

@@ -20,7 +20,7 @@ use crate::classify::{
 use crate::deadline::ExpiryObserver;
 use crate::hedge::HedgeCopy;
 use crate::idempotency::Token;
-use crate::observe::handles::Counter;
+use crate::observe::handles::{Counter, Lazy};
 use crate::observe::{AttemptNumber, Name, names};
 use crate::strategy::{
     GiveUp, Idempotent, MIN_ATTEMPT_TIME, NoRetry, RetryCharged, RetryStrategy, RetryToken,
@@ -168,14 +168,15 @@ pub struct RetryPolicy {
     /// Whether attempts carry the [`RetryCharged`] mark (for a budget layer below).
     charge_mark: bool,
     name: Name,
-    /// The metric handles of `name`, resolved when the name is set.
-    metrics: Arc<RetryMetrics>,
+    /// The metric handles of `name`, resolved once the layer is built
+    /// ([`resolve_metrics`](Self::resolve_metrics)), or on first use.
+    metrics: Lazy<RetryMetrics>,
     /// Reports calls that ran out of time, for a stack with a deadline of its own.
     expiry: Option<ExpiryObserver>,
 }
 
 /// The counters of a retrying client, resolved once per name.
-#[derive(Debug)]
+#[derive(Debug, Clone, Default)]
 struct RetryMetrics {
     /// `attempts_total` by outcome.
     success: Counter,
@@ -253,7 +254,7 @@ impl RetryPolicy {
             budget: None,
             charge_mark: true,
             name: Name::default(),
-            metrics: Arc::new(RetryMetrics::new(&Name::default())),
+            metrics: Lazy::default(),
             expiry: None,
         }
     }
@@ -267,13 +268,31 @@ impl RetryPolicy {
         self
     }
 
-    /// The name of the calls' span, hook events and metrics (default `default`); the
-    /// metric handles are resolved here.
+    /// The name of the calls' span, hook events and metrics (default `default`).
     #[must_use]
     pub fn with_name(mut self, name: impl Into<Name>) -> Self {
         self.name = name.into();
-        self.metrics = Arc::new(RetryMetrics::new(&self.name));
+        self.metrics = Lazy::default();
         self
+    }
+
+    /// Resolves the metric handles now, against the recorder installed now (else at the
+    /// first call): for an adapter, when its layer or stack is built. Those of the
+    /// budget given with [`with_budget`](Self::with_budget) and of the expiry observer
+    /// too.
+    pub fn resolve_metrics(&self) {
+        let _ = self.metrics();
+        if let Some(budget) = &self.budget {
+            budget.resolve_metrics();
+        }
+        if let Some(expiry) = &self.expiry {
+            expiry.resolve_metrics();
+        }
+    }
+
+    #[inline]
+    fn metrics(&self) -> &RetryMetrics {
+        self.metrics.get(|| RetryMetrics::new(&self.name))
     }
 
     /// The name given with [`with_name`](Self::with_name).
@@ -935,7 +954,7 @@ impl RetryCall {
     /// Counts one attempt's outcome.
     #[inline]
     fn count_attempt(&self, outcome: AttemptOutcome) {
-        self.policy.metrics.attempts(outcome).increment();
+        self.policy.metrics().attempts(outcome).increment();
     }
 
     /// What the classifier makes of `outcome`.
@@ -1040,7 +1059,7 @@ impl RetryCall {
             status = status.map(|s| s.as_u16()),
             "retrying"
         );
-        let metrics = &self.policy.metrics;
+        let metrics = self.policy.metrics();
         let reason = if !matches!(classification.delay, DelayHint::Backoff) {
             &metrics.retry_pushback
         } else if status.is_some() {

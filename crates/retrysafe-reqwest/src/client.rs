@@ -97,9 +97,8 @@ impl ClientMiddlewares {
 
     /// The stack's name (default `default`): the `name` of its deadline middleware, and
     /// by default of its other parts — the retry middleware unless it was named, the
-    /// budget and the breaker unless they were given. Metric handles are resolved here
-    /// (the deadline's when the stack is applied): name the stack after installing the
-    /// recorder.
+    /// budget and the breaker unless they were given. Metric handles are resolved when
+    /// the stack is applied ([`apply`](Self::apply), [`client`](Self::client)).
     pub fn name(mut self, name: impl Into<Name>) -> Self {
         let name = name.into();
         if self.own_budget {
@@ -166,13 +165,19 @@ impl ClientMiddlewares {
 
     /// Adds the middleware to `builder`, outermost first.
     pub fn apply(self, builder: ClientBuilder) -> ClientBuilder {
+        // Every handle is resolved here, against the recorder installed now.
         let builder = match self.deadline {
-            Some(timeout) => builder.with(DeadlineMiddleware::new(timeout).name(self.name)),
+            Some(timeout) => {
+                let deadline = DeadlineMiddleware::new(timeout).name(self.name);
+                deadline.resolve_metrics();
+                builder.with(deadline)
+            }
             None => builder,
         };
-        builder
-            .with(self.retry.with_budget(self.budget))
-            .with(self.breaker)
+        let retry = self.retry.with_budget(self.budget);
+        retry.resolve_metrics();
+        self.breaker.resolve_metrics();
+        builder.with(retry).with(self.breaker)
     }
 
     /// A client of `client` with the middleware (and no other).

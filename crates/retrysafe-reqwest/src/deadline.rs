@@ -104,10 +104,16 @@ impl DeadlineMiddleware {
     }
 
     /// The middleware's name (default `default`): the `name` of its expiry events and
-    /// of `retrysafe_deadline_exceeded_total`, whose handle is resolved here.
+    /// of `retrysafe_deadline_exceeded_total`, whose handle is resolved when a
+    /// `ClientMiddlewares` stack is applied, or at the first expiry.
     pub fn name(mut self, name: impl Into<Name>) -> Self {
         self.expiry = self.expiry.renamed(name.into());
         self
+    }
+
+    /// Resolves the expiry counter (else at the first expiry).
+    pub(crate) fn resolve_metrics(&self) {
+        self.expiry.resolve_metrics();
     }
 
     /// Calls `f` on every call that ends with a [`DeadlineExceeded`] error (the

@@ -200,7 +200,8 @@ impl RetryMiddleware {
 
     /// The middleware's name (default `default`): the `name` of its `retrysafe.call`
     /// spans, its hook events and its metrics (`retrysafe_client_attempts_total`,
-    /// `retrysafe_client_retries_total`), whose handles are resolved here.
+    /// `retrysafe_client_retries_total`), whose handles are resolved when a
+    /// `ClientMiddlewares` stack is applied, or at the middleware's first call.
     pub fn name(self, name: impl Into<retrysafe_core::observe::Name>) -> Self {
         self.map(|p| p.with_name(name))
     }
@@ -268,6 +269,11 @@ impl RetryMiddleware {
     /// The middleware with `budget` given to every call whose request carries none.
     pub(crate) fn with_budget(self, budget: RetryBudget) -> Self {
         self.map(|p| p.with_budget(budget).without_charge_mark())
+    }
+
+    /// Resolves the metric handles (else at the first call).
+    pub(crate) fn resolve_metrics(&self) {
+        self.policy.resolve_metrics();
     }
 }
 

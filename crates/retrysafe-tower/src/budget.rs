@@ -156,6 +156,7 @@ impl<S> Layer<S> for RetryBudgetLayer {
     type Service = RetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.config.budget.resolve_metrics();
         RetryBudgetService::new(inner, &self.config)
     }
 }

@@ -10,7 +10,7 @@ use tokio::time::Instant;
 use crate::classify::BreakerOutcome;
 use crate::error::CircuitOpen;
 use crate::hedge::HedgeRace;
-use crate::observe::handles::{Counter, Gauge};
+use crate::observe::handles::{Counter, Gauge, Lazy};
 use crate::observe::{Name, names};
 
 use super::config::BreakerConfig;
@@ -89,12 +89,18 @@ struct Shared {
     max_open_nanos: u64,
     half_open_timeout_nanos: u64,
     config: BreakerConfig,
-    metrics: Arc<BreakerMetrics>,
+    metrics: Metrics,
+}
+
+/// The metric handles of a breaker: its own, or those of its map of keyed breakers.
+enum Metrics {
+    Own(Lazy<BreakerMetrics>),
+    Shared(Arc<BreakerMetrics>),
 }
 
 /// The metric handles of a breaker (or of a map of keyed breakers), resolved once.
 #[doc(hidden)]
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct BreakerMetrics {
     /// `retrysafe_breaker_state{name}`; empty for keyed breakers.
     state: Gauge,
@@ -106,16 +112,14 @@ impl BreakerMetrics {
     /// The handles of the breaker `name`; `gauge`: whether it reports its state (a map
     /// of keyed breakers does not: one gauge cannot say the state of every key).
     pub fn new(name: &Name, gauge: bool) -> Self {
-        let metrics = BreakerMetrics {
+        BreakerMetrics {
             state: if gauge {
                 Gauge::new(names::BREAKER_STATE, name)
             } else {
                 Gauge::default()
             },
             rejections: Counter::new(names::BREAKER_REJECTIONS_TOTAL, name, None),
-        };
-        metrics.state.set(0.0);
-        metrics
+        }
     }
 }
 
@@ -152,8 +156,10 @@ impl CircuitBreaker {
     /// A breaker with `config`, closed. [`BreakerConfig::build`] checks a configuration;
     /// one that was never built is used with each field brought into its range.
     pub fn new(config: BreakerConfig) -> Self {
-        let metrics = Arc::new(BreakerMetrics::new(config.name(), true));
-        Self::with_metrics(config, metrics)
+        let metrics = Metrics::Own(Lazy::default());
+        CircuitBreaker {
+            shared: Striped::new(Shared::new(config.clamped(), metrics)),
+        }
     }
 
     /// A breaker counting into `metrics` (resolved once for a map of keyed breakers,
@@ -161,8 +167,16 @@ impl CircuitBreaker {
     #[doc(hidden)]
     pub fn with_metrics(config: BreakerConfig, metrics: Arc<BreakerMetrics>) -> Self {
         CircuitBreaker {
-            shared: Striped::new(Shared::new(config.clamped(), metrics)),
+            shared: Striped::new(Shared::new(config.clamped(), Metrics::Shared(metrics))),
         }
+    }
+
+    /// Resolves the breaker's metric handles now, against the recorder installed now
+    /// (else at its first change of state or refusal), and sets its state gauge: for a
+    /// layer or stack using the breaker, when it is built.
+    #[doc(hidden)]
+    pub fn resolve_metrics(&self) {
+        let _ = self.shared.metrics();
     }
 
     /// Counts a refusal and calls the hook: the breaker was in `state`, a call may be
@@ -170,7 +184,7 @@ impl CircuitBreaker {
     #[cold]
     fn refused(&self, state: State, retry_after: Duration) -> CircuitOpen {
         let shared = &self.shared;
-        shared.metrics.rejections.increment();
+        shared.metrics().rejections.increment();
         tracing::Span::current().record("breaker", "rejected");
         if let Some(hook) = shared.config.on_rejection() {
             hook(&BreakerRejection {
@@ -383,7 +397,7 @@ impl fmt::Debug for Permit {
 
 impl Shared {
     /// The state of a breaker with `config`, every field in range ([`BreakerConfig::clamped`]).
-    fn new(config: BreakerConfig, metrics: Arc<BreakerMetrics>) -> Self {
+    fn new(config: BreakerConfig, metrics: Metrics) -> Self {
         let rate = |percent: f64| {
             #[allow(
                 clippy::cast_possible_truncation,
@@ -412,6 +426,20 @@ impl Shared {
             half_open_timeout_nanos: nanos(config.half_open_timeout()),
             config,
             metrics,
+        }
+    }
+
+    /// The metric handles, made on first need with the gauge set to the state then.
+    fn metrics(&self) -> &BreakerMetrics {
+        match &self.metrics {
+            Metrics::Shared(metrics) => metrics,
+            Metrics::Own(lazy) => lazy.get(|| {
+                let metrics = BreakerMetrics::new(self.config.name(), true);
+                metrics
+                    .state
+                    .set(gauge_value(Word(self.hot.0.state.load(Acquire)).state()));
+                metrics
+            }),
         }
     }
 
@@ -583,7 +611,7 @@ impl Shared {
         if from == to {
             return;
         }
-        self.metrics.state.set(gauge_value(to));
+        self.metrics().state.set(gauge_value(to));
         let change = StateChange {
             name: self.config.name().clone(),
             from,

@@ -397,7 +397,8 @@ impl BreakerConfig {
 
     /// The breaker's name (default `default`): the `name` of its events, hooks and
     /// metrics (`retrysafe_breaker_state`, `retrysafe_breaker_rejections_total`, whose
-    /// handles are resolved when the breaker is made).
+    /// handles are resolved when a layer using the breaker is built, or at its first
+    /// change of state or refusal).
     #[must_use]
     pub fn with_name(mut self, name: impl Into<Name>) -> Self {
         self.name = name.into();

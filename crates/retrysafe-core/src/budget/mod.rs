@@ -106,7 +106,7 @@ use std::time::Duration;
 
 use crate::ConfigError;
 use crate::config::Validate;
-use crate::observe::handles::Counter;
+use crate::observe::handles::{Counter, Lazy};
 use crate::observe::{Name, names};
 
 use self::bucket::TokenBucket;
@@ -152,8 +152,9 @@ pub struct RetryBudget {
 struct Shared {
     kind: Inner,
     name: Name,
-    /// `retrysafe_budget_refusals_total{name}`, resolved with the name.
-    refusals: Counter,
+    /// `retrysafe_budget_refusals_total{name}`, resolved when a layer using the budget
+    /// is built, or at the first refusal.
+    refusals: Lazy<Counter>,
     on_refusal: Option<RefusalHook>,
 }
 
@@ -509,7 +510,7 @@ impl RetryBudget {
     fn from_parts(kind: Inner, name: Name, on_refusal: Option<RefusalHook>) -> Self {
         RetryBudget {
             inner: Arc::new(Shared {
-                refusals: Counter::new(names::BUDGET_REFUSALS_TOTAL, &name, None),
+                refusals: Lazy::default(),
                 kind,
                 name,
                 on_refusal,
@@ -532,7 +533,7 @@ impl RetryBudget {
     }
 
     /// Names the budget (default `default`): the `name` of its refusal events and of
-    /// `retrysafe_budget_refusals_total`, whose handle is resolved here.
+    /// `retrysafe_budget_refusals_total`.
     ///
     /// Name a budget as you make it, before cloning it: this returns a new budget of the
     /// same configuration, fresh, which shares nothing with earlier clones.
@@ -561,10 +562,24 @@ impl RetryBudget {
         &self.inner.name
     }
 
+    /// Resolves the refusal counter now, against the recorder installed now (else at
+    /// the first refusal): for a layer or stack using the budget, when it is built.
+    #[doc(hidden)]
+    pub fn resolve_metrics(&self) {
+        let _ = self.refusals();
+    }
+
+    fn refusals(&self) -> &Counter {
+        let shared = &self.inner;
+        shared
+            .refusals
+            .get(|| Counter::new(names::BUDGET_REFUSALS_TOTAL, &shared.name, None))
+    }
+
     /// Counts a refused withdrawal of `cost` and calls the hook.
     #[cold]
     fn refused(&self, cost: RetryCost) {
-        self.inner.refusals.increment();
+        self.refusals().increment();
         if let Some(hook) = &self.inner.on_refusal {
             hook(&BudgetRefusal {
                 name: self.inner.name.clone(),

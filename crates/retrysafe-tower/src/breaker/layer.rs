@@ -82,6 +82,13 @@ impl Default for CircuitBreakerLayer {
 }
 
 impl CircuitBreakerLayer {
+    /// Resolves the breaker's metric handles (a keyed map's are, when it is made).
+    pub(crate) fn resolve_metrics(&self) {
+        if let Breakers::One(breaker) = &self.config.breakers {
+            breaker.resolve_metrics();
+        }
+    }
+
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
         let mut config = Config::clone(&self.config);
         f(&mut config);
@@ -124,6 +131,7 @@ impl<S> Layer<S> for CircuitBreakerLayer {
     type Service = CircuitBreakerService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.resolve_metrics();
         CircuitBreakerService::from_config(inner, self.config.clone())
     }
 }

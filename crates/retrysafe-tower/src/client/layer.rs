@@ -67,7 +67,7 @@ impl ClientLayers {
     /// The stack's name (default `default`): the `name` of its deadline expiries
     /// (`retrysafe_deadline_exceeded_total`), and by default of its parts — the retry
     /// layer unless it was named, the budget and the breaker unless they were given.
-    /// Metric handles are resolved here: name the stack after installing the recorder.
+    /// Metric handles are resolved when the stack makes its service (`Layer::layer`).
     ///
     /// ```
     /// use retrysafe_tower::client::ClientLayers;
@@ -171,6 +171,8 @@ impl<S> Layer<S> for ClientLayers {
     type Service = ClientService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.fused.config().policy.resolve_metrics();
+        self.breaker.resolve_metrics();
         ClientService::new(
             inner,
             Arc::clone(self.fused.config()),

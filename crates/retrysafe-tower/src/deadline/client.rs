@@ -58,7 +58,8 @@ impl DeadlineLayer {
 
 impl<W> DeadlineLayer<W> {
     /// The layer's name (default `default`): the `name` of its expiry events and of
-    /// `retrysafe_deadline_exceeded_total`, whose handle is resolved here.
+    /// `retrysafe_deadline_exceeded_total`, whose handle is resolved when the layer makes
+    /// its service.
     pub fn name(mut self, name: impl Into<Name>) -> Self {
         self.expiry = Arc::new(self.expiry.renamed(name.into()));
         self
@@ -114,6 +115,7 @@ impl<S, W> Layer<S> for DeadlineLayer<W> {
     type Service = DeadlineService<S, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.expiry.resolve_metrics();
         DeadlineService {
             inner,
             timeout: self.timeout,

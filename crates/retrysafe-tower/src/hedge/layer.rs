@@ -8,7 +8,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
-use retrysafe_core::observe::handles::Counter;
+use retrysafe_core::observe::handles::{Counter, Lazy};
 use retrysafe_core::observe::{Name, names};
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
@@ -44,8 +44,9 @@ pub(super) struct Config {
     pub(super) convention: Convention,
     pub(super) replay_cap: usize,
     pub(super) counts: Counts,
-    /// `retrysafe_hedges_total{name, outcome}`.
-    pub(super) metrics: HedgeMetrics,
+    /// `retrysafe_hedges_total{name, outcome}`, resolved when the layer makes its
+    /// service.
+    pub(super) metrics: Lazy<HedgeMetrics>,
     pub(super) on_hedge: Option<HedgeHook>,
 }
 
@@ -87,10 +88,14 @@ pub struct HedgeEvent {
 }
 
 impl Config {
+    fn metrics(&self) -> &HedgeMetrics {
+        self.metrics.get(|| metrics(&self.name))
+    }
+
     /// Counts `n` hedges of `outcome` and calls the hook for each.
     pub(super) fn hedges(&self, outcome: HedgeOutcome, n: u32) {
         for _ in 0..n {
-            self.metrics.of(outcome).increment();
+            self.metrics().of(outcome).increment();
             if let Some(hook) = &self.on_hedge {
                 hook(&HedgeEvent {
                     name: self.name.clone(),
@@ -102,7 +107,7 @@ impl Config {
 }
 
 /// The counters of `retrysafe_hedges_total`, one per outcome.
-#[derive(Clone)]
+#[derive(Clone, Default)]
 pub(super) struct HedgeMetrics {
     won: Counter,
     lost: Counter,
@@ -178,7 +183,7 @@ impl HedgeLayer {
                 convention: Convention::default(),
                 replay_cap: DEFAULT_REPLAY_CAP,
                 counts: Counts::default(),
-                metrics: metrics(&Name::default()),
+                metrics: Lazy::default(),
                 on_hedge: None,
             }),
         }
@@ -203,7 +208,7 @@ impl HedgeLayer {
         let name = config.name.clone();
         f(&mut config);
         if config.name != name {
-            config.metrics = metrics(&config.name);
+            config.metrics = Lazy::default();
         }
         HedgeLayer {
             config: Arc::new(config),
@@ -216,7 +221,7 @@ impl HedgeLayer {
     }
 
     /// The name in events, hooks and metrics (`retrysafe_hedges_total`, whose handles
-    /// are resolved here; default `default`).
+    /// are resolved when the layer makes its service; default `default`).
     pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.map(|c| c.name = name)
@@ -329,6 +334,8 @@ impl<S> Layer<S> for HedgeLayer {
     type Service = HedgeService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let _ = self.config.metrics();
+        self.config.budget.resolve_metrics();
         HedgeService::new(inner, Arc::clone(&self.config))
     }
 }

@@ -62,7 +62,8 @@ impl RetryLayer {
 
     /// The layer's name (default `default`): the `name` of its `retrysafe.call` spans,
     /// its hook events and its metrics (`retrysafe_client_attempts_total`,
-    /// `retrysafe_client_retries_total`), whose handles are resolved here.
+    /// `retrysafe_client_retries_total`), whose handles are resolved when the layer
+    /// makes its service.
     pub fn name(self, name: impl Into<retrysafe_core::observe::Name>) -> Self {
         self.map(|p| p.with_name(name))
     }
@@ -181,6 +182,7 @@ impl<S> Layer<S> for RetryLayer {
     type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.config.policy.resolve_metrics();
         RetryService::from_config(inner, self.config.clone())
     }
 }

@@ -6,7 +6,7 @@ use std::time::Duration;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::observe::handles::Counter;
+use retrysafe_core::observe::handles::{Counter, Lazy};
 use retrysafe_core::observe::{Name, names};
 use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 use retrysafe_core::wire::Convention;
@@ -31,8 +31,9 @@ pub(super) struct Config {
     pub(super) throttle: AdaptiveThrottle,
     pub(super) classifier: Arc<dyn Classifier>,
     pub(super) draws: Draws,
-    /// `retrysafe_throttle_rejections_total{name}`.
-    pub(super) rejections: Counter,
+    /// `retrysafe_throttle_rejections_total{name}`, resolved when the layer makes its
+    /// service.
+    pub(super) rejections: Lazy<Counter>,
     pub(super) on_rejection: Option<RejectionHook>,
 }
 
@@ -50,10 +51,15 @@ pub struct ThrottleRejection {
 }
 
 impl Config {
+    fn rejections(&self) -> &Counter {
+        self.rejections
+            .get(|| Counter::new(names::THROTTLE_REJECTIONS_TOTAL, &self.name, None))
+    }
+
     /// Counts a local rejection and calls the hook.
     #[cold]
     pub(super) fn rejected(&self) {
-        self.rejections.increment();
+        self.rejections().increment();
         if let Some(hook) = &self.on_rejection {
             hook(&ThrottleRejection {
                 name: self.name.clone(),
@@ -101,7 +107,7 @@ impl AdaptiveThrottleLayer {
         AdaptiveThrottleLayer {
             config: Arc::new(Config {
                 name: Name::default(),
-                rejections: Counter::new(names::THROTTLE_REJECTIONS_TOTAL, &Name::default(), None),
+                rejections: Lazy::default(),
                 on_rejection: None,
                 settings,
                 throttle: AdaptiveThrottle::new(settings),
@@ -125,7 +131,7 @@ impl AdaptiveThrottleLayer {
         let name = config.name.clone();
         f(&mut config);
         if config.name != name {
-            config.rejections = Counter::new(names::THROTTLE_REJECTIONS_TOTAL, &config.name, None);
+            config.rejections = Lazy::default();
         }
         AdaptiveThrottleLayer {
             config: Arc::new(config),
@@ -138,7 +144,7 @@ impl AdaptiveThrottleLayer {
     }
 
     /// The name in events, hooks and metrics (`retrysafe_throttle_rejections_total`,
-    /// whose handle is resolved here; default `default`).
+    /// whose handle is resolved when the layer makes its service; default `default`).
     pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.map(|c| c.name = name)
@@ -209,6 +215,7 @@ impl<S> Layer<S> for AdaptiveThrottleLayer {
     type Service = AdaptiveThrottleService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let _ = self.config.rejections();
         AdaptiveThrottleService::new(inner, Arc::clone(&self.config))
     }
 }
