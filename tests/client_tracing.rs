@@ -192,3 +192,70 @@ async fn reqwest_tracing_after_the_retry_middleware_records_the_resend_count() {
     assert_eq!(response.status(), StatusCode::OK);
     assert_spans(&spans);
 }
+
+/// The verdicts of the budget and the breaker, recorded on the call's span as they
+/// happen (no network: a transport answering 503).
+async fn budget_and_breaker_verdicts_are_recorded_on_the_call_span(form: Form) {
+    use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker};
+    use retrysafe::core::budget::RatioConfig;
+    use retrysafe::{CircuitBreakerLayer, RetryBudget, RetryBudgetLayer};
+    use tower::util::BoxCloneSyncService;
+
+    let spans = Spans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let transport = tower::service_fn(|_: Request<ReplayBody<Full<Bytes>>>| async {
+        let response = http::Response::builder()
+            .status(503)
+            .body(Full::new(Bytes::new()));
+        Ok::<_, tower::BoxError>(response.unwrap())
+    });
+    let stack = |budget: RetryBudget, breaker: CircuitBreaker| match form {
+        Form::Separate => BoxCloneSyncService::new(
+            ServiceBuilder::new()
+                .layer(
+                    RetryLayer::new()
+                        .name("api")
+                        .strategy(strategy().budget(budget.clone())),
+                )
+                .layer(RetryBudgetLayer::new(budget))
+                .layer(CircuitBreakerLayer::new(breaker))
+                .service(transport),
+        ),
+        Form::Fused => BoxCloneSyncService::new(
+            ClientLayers::new()
+                .name("api")
+                .retry(RetryLayer::new().strategy(strategy()))
+                .budget(budget)
+                .breaker(CircuitBreakerLayer::new(breaker))
+                .layer(transport),
+        ),
+    };
+    let get = || {
+        Request::get("http://api.test/items")
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+
+    // A budget with nothing to spend: the retry is refused.
+    let empty = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0));
+    let client = stack(empty, CircuitBreaker::default());
+    let response = client.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+
+    // An open breaker: the call is refused before any attempt.
+    let open = CircuitBreaker::new(BreakerConfig::default());
+    open.force_open();
+    let client = stack(RetryBudget::ratio(), open);
+    client.oneshot(get()).await.unwrap_err();
+
+    let calls = spans.named("retrysafe.call");
+    assert_eq!(calls.len(), 2, "{calls:?}");
+    assert_eq!(calls[0].fields["attempts"], "1");
+    assert_eq!(calls[0].fields["budget"], "refused");
+    assert_eq!(calls[0].fields["give_up"], "budget_exhausted");
+    assert_eq!(calls[1].fields["breaker"], "rejected");
+    assert!(!calls[1].fields.contains_key("give_up"), "{:?}", calls[1]);
+}
+
+both_forms!(budget_and_breaker_verdicts_are_recorded_on_the_call_span);

@@ -138,7 +138,10 @@ where
                 timeout,
                 grpc: call.is_grpc(),
             };
-            let _entered = call.span().enter();
+            // In the call's span, as every later attempt is: a breaker or budget below
+            // records its verdict on it.
+            let span = call.span();
+            let _entered = (!span.is_disabled()).then(|| span.enter());
             State::Calling {
                 future: service.attempt(Request::from_parts(parts, body), sent),
             }
