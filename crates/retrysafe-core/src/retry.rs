@@ -482,6 +482,9 @@ impl RetryPolicy {
             breaker = tracing::field::Empty,
             deadline = tracing::field::Empty,
         );
+        // Boxed, and only when enabled: a disabled span adds a word to every call's
+        // future, not the span's five.
+        let span = (!span.is_disabled()).then(|| Box::new(span));
         let call = RetryCall {
             policy: policy.local(),
             facts,
@@ -725,8 +728,8 @@ pub struct RetryCall {
     started: Option<Instant>,
     /// The attempts numbered before this call's first ([`AttemptNumber`]).
     attempt_base: u32,
-    /// The `retrysafe.call` span.
-    span: tracing::Span,
+    /// The `retrysafe.call` span, when enabled.
+    span: Option<Box<tracing::Span>>,
 }
 
 impl RetryCall {
@@ -757,8 +760,9 @@ impl RetryCall {
 
     /// The call's `retrysafe.call` span (INFO): enter it while the call's attempts are
     /// made and polled, so the layers below record their verdicts on it.
-    pub fn span(&self) -> &tracing::Span {
-        &self.span
+    /// `None` when the span is disabled (no subscriber wants it).
+    pub fn span(&self) -> Option<&tracing::Span> {
+        self.span.as_deref()
     }
 
     /// The call ended with a [`DeadlineExceeded`](crate::error::DeadlineExceeded)
@@ -772,8 +776,8 @@ impl RetryCall {
 
     /// Records `value` as the span's `field` (nothing when the span is disabled).
     fn record(&self, field: &str, value: &dyn tracing::Value) {
-        if !self.span.is_disabled() {
-            self.span.record(field, value);
+        if let Some(span) = &self.span {
+            span.record(field, value);
         }
     }
 

@@ -307,7 +307,7 @@ impl Middleware for RetryMiddleware {
             },
         );
         // The attempts run in the call's `retrysafe.call` span.
-        let span = call.span().clone();
+        let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
         run(call, token, request, extensions, next)
             .instrument(span)
             .await

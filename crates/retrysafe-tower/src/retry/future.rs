@@ -140,8 +140,7 @@ where
             };
             // In the call's span, as every later attempt is: a breaker or budget below
             // records its verdict on it.
-            let span = call.span();
-            let _entered = (!span.is_disabled()).then(|| span.enter());
+            let _entered = call.span().map(tracing::Span::enter);
             State::Calling {
                 future: service.attempt(Request::from_parts(parts, body), sent),
             }
@@ -208,8 +207,7 @@ where
         let mut this = self.project();
         // The call's span, entered while its attempts are polled (a disabled span is
         // neither cloned nor entered).
-        let span = this.call.span();
-        let _entered = (!span.is_disabled()).then(|| span.clone().entered());
+        let _entered = this.call.span().map(|span| span.clone().entered());
         let answer = ready!(this.poll_call(cx));
         if let Err(error) = &answer
             && error.is::<DeadlineExceeded>()
