@@ -800,11 +800,12 @@ impl RetryCall {
         left.is_some_and(|left| left < MIN_ATTEMPT_TIME)
     }
 
-    /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
-    /// `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt of a budgeted
-    /// token, the [`RetryCharged`] extension; with a deadline, the time left (or the
-    /// strategy's attempt bound under a deadline, if shorter) as `request-timeout-ms`
-    /// (or `grpc-timeout`), rounded down.
+    /// Sets the per-attempt headers of the attempt of `token`: on every attempt its
+    /// [`AttemptNumber`] extension (recorded as the call span's `attempts`); on attempts
+    /// 2 and later `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt
+    /// of a budgeted token, the [`RetryCharged`] extension; with a deadline, the time
+    /// left (or the strategy's attempt bound under a deadline, if shorter) as
+    /// `request-timeout-ms` (or `grpc-timeout`), rounded down.
     pub fn prepare_attempt(
         &self,
         headers: &mut HeaderMap,
