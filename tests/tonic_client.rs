@@ -55,6 +55,8 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{Layer, ServiceBuilder};
 
 mod client_forms;
+#[allow(dead_code)]
+mod observe;
 use client_forms::Form;
 use tower::util::{BoxCloneSyncService, MapRequestLayer};
 
@@ -615,3 +617,58 @@ mod a_budget_layer_that_refuses_a_retry_is_unavailable {
 }
 both_forms!(an_exhausted_shared_budget_returns_the_last_answer_marked);
 both_forms!(nothing_listening_is_unavailable_not_unknown);
+
+// ---------------------------------------------------------------------------------------
+// Metrics of the gRPC form
+// ---------------------------------------------------------------------------------------
+
+/// `ClientLayers::name(…).grpc()` counts a retried check under the stack's name.
+#[tokio::test]
+async fn the_grpc_stack_counts_attempts_and_retries_under_its_name() {
+    use retrysafe::observe::names;
+
+    let script = Script::new([Step::Fail(Code::Unavailable, None)]);
+    let addr = serve(&script, None).await;
+    let recorder = observe::Recorder::new();
+    let mut client = recorder.build(|| {
+        let strategy = StandardRetryStrategy::new()
+            .backoff(Backoff::new(
+                Duration::from_millis(1),
+                Duration::from_millis(5),
+                Jitter::Full,
+            ))
+            .seed(6);
+        let layers = ClientLayers::new().name("health").retry(
+            RetryLayer::new()
+                .strategy(strategy)
+                .idempotent_if(is_health_method),
+        );
+        let stack: Stack = BoxCloneSyncService::new(layers.grpc().layer(channel(addr)));
+        HealthClient::new(stack)
+    });
+
+    assert_eq!(check(&mut client).await.unwrap(), ServingStatus::Serving);
+    assert_eq!(script.calls(), 2);
+
+    let m = recorder.read();
+    let attempts = names::CLIENT_ATTEMPTS_TOTAL;
+    assert_eq!(
+        m.counter(attempts, &[("name", "health"), ("outcome", "failure")]),
+        1
+    );
+    assert_eq!(
+        m.counter(attempts, &[("name", "health"), ("outcome", "success")]),
+        1
+    );
+    assert_eq!(m.total(attempts), 2);
+    let retries = names::CLIENT_RETRIES_TOTAL;
+    assert_eq!(
+        m.counter(retries, &[("name", "health"), ("reason", "status")]),
+        1
+    );
+    assert_eq!(m.total(retries), 1);
+    assert_eq!(
+        m.gauge(names::BREAKER_STATE, &[("name", "health")]),
+        Some(0.0)
+    );
+}

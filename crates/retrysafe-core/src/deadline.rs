@@ -1,7 +1,10 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::time::Instant;
 
+use crate::observe::handles::{Counter, Lazy};
+use crate::observe::{Name, names};
 use crate::wire::MAX_TIMEOUT;
 
 /// The instant by which a call must be finished: a request extension and a field of the
@@ -70,5 +73,91 @@ impl Deadline {
             Some(d) => timeout.min(d.remaining()),
             None => timeout,
         }
+    }
+}
+
+/// A call that ran out of time (it ended with a
+/// [`DeadlineExceeded`](crate::error::DeadlineExceeded) error), as the `on_expiry` hook
+/// of a deadline layer or middleware sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct DeadlineExpiry {
+    /// The name of the layer or middleware whose call ran out of time.
+    pub name: Name,
+}
+
+type ExpiryHook = Arc<dyn Fn(&DeadlineExpiry) + Send + Sync>;
+
+/// How a deadline layer reports expiries: its name, its counter
+/// (`retrysafe_deadline_exceeded_total{name}`, resolved by
+/// [`resolve_metrics`](Self::resolve_metrics) when the layer is built, else at the
+/// first expiry) and its hook.
+#[doc(hidden)]
+#[derive(Clone, Default)]
+pub struct ExpiryObserver {
+    name: Name,
+    counter: Lazy<Counter>,
+    hook: Option<ExpiryHook>,
+}
+
+impl ExpiryObserver {
+    /// The observer of the layer `name`.
+    pub fn new(name: Name) -> Self {
+        ExpiryObserver {
+            counter: Lazy::default(),
+            name,
+            hook: None,
+        }
+    }
+
+    /// The same, calling `hook` on every expiry.
+    #[must_use]
+    pub fn with_hook(mut self, hook: impl Fn(&DeadlineExpiry) + Send + Sync + 'static) -> Self {
+        self.hook = Some(Arc::new(hook));
+        self
+    }
+
+    /// The same hook under another name (its counter resolved anew).
+    #[must_use]
+    pub fn renamed(&self, name: Name) -> Self {
+        ExpiryObserver {
+            hook: self.hook.clone(),
+            ..Self::new(name)
+        }
+    }
+
+    /// The name.
+    pub fn name(&self) -> &Name {
+        &self.name
+    }
+
+    /// Resolves the counter now, against the recorder installed now.
+    pub fn resolve_metrics(&self) {
+        let _ = self.counter();
+    }
+
+    fn counter(&self) -> &Counter {
+        self.counter
+            .get(|| Counter::new(names::DEADLINE_EXCEEDED_TOTAL, &self.name, None))
+    }
+
+    /// Counts a call that ran out of time and calls the hook.
+    #[cold]
+    pub fn expired(&self) {
+        self.counter().increment();
+        tracing::Span::current().record("deadline", "exceeded");
+        if let Some(hook) = &self.hook {
+            hook(&DeadlineExpiry {
+                name: self.name.clone(),
+            });
+        }
+    }
+}
+
+impl std::fmt::Debug for ExpiryObserver {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExpiryObserver")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
     }
 }

@@ -64,6 +64,7 @@ pub mod __private {
     pub use crate::budget::BudgetId;
     pub use crate::classify::{BreakerFacts, is_grpc};
     pub use crate::config::Validate;
+    pub use crate::deadline::ExpiryObserver;
     pub use crate::hash::{DigestHash, DigestHasher};
     pub use crate::hedge::{HedgeCopy, HedgeRace};
 
@@ -103,7 +104,7 @@ pub mod __private {
     pub use crate::stripe::{Local, MAX_ANCHORS, Striped};
 }
 pub use context::{CallContext, Scoped};
-pub use deadline::Deadline;
+pub use deadline::{Deadline, DeadlineExpiry};
 /// The clock of the loom models (`tests/loom_*.rs`); only under `--cfg loom`.
 #[cfg(loom)]
 #[doc(hidden)]

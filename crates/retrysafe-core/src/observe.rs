@@ -10,19 +10,20 @@
 //! [`metrics`](https://docs.rs/metrics) facade, so any recorder serves them (the
 //! Prometheus exporter `metrics-exporter-prometheus`, OpenTelemetry through
 //! `metrics-exporter-opentelemetry`, …). Handles are resolved when a layer, store or
-//! reconciler is built: **install the recorder before building them**. Without the
-//! feature nothing is recorded and nothing is paid.
+//! reconciler is built — for the client layers, when the layer makes its service
+//! (`Layer::layer`), or when a reqwest stack is applied (`ClientMiddlewares::apply`;
+//! a middleware added on its own, at its first call): **install the recorder before
+//! building them**. Without the feature nothing is recorded and nothing is paid.
 //!
 //! | Metric | Kind | Labels | What it counts |
 //! |---|---|---|---|
-//! | `retrysafe_client_attempts_total` | counter | `name`, `outcome` | attempts a client call made: `outcome` is `success`, `failure` (a retryable failure), `rejected` (an answer not to retry: 4xx, `do-not-retry`), `error` (no response) |
-//! | `retrysafe_client_retries_total` | counter | `name`, `reason` | retries sent: `reason` is `status` (a retryable status), `error` (a connection or protocol error), `pushback` (the server asked to retry later) |
-//! | `retrysafe_budget_refusals_total` | counter | `name` | retries the budget refused |
-//! | `retrysafe_breaker_state` | gauge | `name` | 0 closed, 1 half-open, 2 open |
-//! | `retrysafe_breaker_rejections_total` | counter | `name` | calls an open breaker refused |
-//! | `retrysafe_deadline_exceeded_total` | counter | `name` | calls that ran out of time |
-//! | `retrysafe_hedges_total` | counter | `name`, `outcome` | hedges: `won`, `lost`, `refused` (by the budget) |
-//! | `retrysafe_throttle_rejections_total` | counter | `name` | calls the adaptive throttle refused locally |
+//! | `retrysafe_client_attempts_total` | counter | `name`, `outcome` | attempts a client call made (counted when the planner decides on them): `outcome` is `success`, `failure` (a failed response that was retried or given up on), `rejected` (a failed response not to retry: 4xx, `do-not-retry`, a request not safe to repeat), `error` (no response: a transport error, a time-out, a local refusal from below) |
+//! | `retrysafe_client_retries_total` | counter | `name`, `reason` | retries decided: `reason` is `pushback` (the server said when: `retry-after`, `grpc-retry-pushback-ms`), else `status` (a retryable response) or `error` (no response) |
+//! | `retrysafe_budget_refusals_total` | counter | `name` | withdrawals the budget refused: retries (by a retry layer or a budget layer) and hedges; `name` is the budget's |
+//! | `retrysafe_breaker_state` | gauge | `name` | 0 closed (or disabled), 1 half-open, 2 open (or forced open); set when the breaker is made and on every change; not reported by keyed breakers |
+//! | `retrysafe_breaker_rejections_total` | counter | `name` | calls an open (or half-open, every probe out) breaker refused; keyed breakers count under their configuration's name |
+//! | `retrysafe_deadline_exceeded_total` | counter | `name` | calls of a deadline layer or middleware (or `ClientLayers`) that ended with `DeadlineExceeded` |
+//! | `retrysafe_hedges_total` | counter | `name`, `outcome` | hedges: `won` (its answer ended the call), `lost` (sent, and another copy's answer ended the call), `refused` (by the budget: not sent) |
 //! | `retrysafe_idempotency_requests_total` | counter | `name`, `decision` | guarded requests by decision: `first`, `replay`, `in_flight`, `mismatch`, `unknown`, `takeover`, `pending` (resolving), `evicted`, `invalid` (a bad key or body), `unavailable` (the store failed or the layer is full) |
 //! | `retrysafe_idempotency_outcome_unknown_total` | counter | `name`, `reason` | records that became `outcome_unknown`: `reason` as [`UnknownReason::as_str`](crate::idempotency::UnknownReason::as_str) (`status_503`, `panicked`, `lease_expired`, …) |
 //! | `retrysafe_idempotency_store_seconds` | histogram | `name`, `op` | store round trips of the layer: `op` is `get`, `claim`, `complete`, `release`, `mark_unknown`, `commit_point`, `renew` |
@@ -34,6 +35,15 @@
 //!
 //! The `name` label is the instance's [`Name`]. Keyed breakers report per key only
 //! through their hooks, never as a label (the keys are unbounded).
+//!
+//! # Tracing
+//!
+//! Each client call runs in one `retrysafe.call` span (level INFO: one atomic load
+//! when disabled) with the fields `name`, `attempts` (the attempts sent so far),
+//! `give_up` (why it gave up: [`GiveUp::as_str`](crate::strategy::GiveUp::as_str)),
+//! `budget` (`granted`, `refused`), `breaker` (`rejected`) and `deadline`
+//! (`exceeded`), recorded as they happen. The attempts are traced by the transport,
+//! through [`AttemptNumber`].
 
 use std::borrow::Cow;
 use std::fmt;
@@ -102,6 +112,30 @@ impl From<Cow<'static, str>> for Name {
 /// layers (`RetryLayer`, `ClientLayers`, `HedgeLayer`, the reqwest middlewares) put it
 /// on every attempt they send, hedges included, so the transport's own client span
 /// can record OpenTelemetry's `http.request.resend_count` (attempt − 1).
+///
+/// The recipe: make the transport's span *below* the retry — tower-http's
+/// `TraceLayer::new_for_http().make_span_with(…)` under the `RetryLayer` or
+/// `ClientLayers`, or a reqwest-tracing `ReqwestOtelSpanBackend` in a
+/// `TracingMiddleware` added after the `RetryMiddleware` (it reads the middleware
+/// `Extensions`) — and record `http.request.resend_count` from this number when it is
+/// above zero (the conventions set it on resent requests only). The docs of
+/// `retrysafe_tower::retry` and `retrysafe_reqwest::retry` show both, in full. The
+/// span of the whole call, `retrysafe.call`, never carries the count. In short:
+///
+/// ```
+/// use retrysafe_core::observe::AttemptNumber;
+///
+/// /// The transport's span of one attempt (`extensions`: the request's, or reqwest
+/// /// middleware's).
+/// fn attempt_span(extensions: &http::Extensions) -> tracing::Span {
+///     let span = tracing::info_span!("HTTP", http.request.resend_count = tracing::field::Empty);
+///     if let Some(attempt) = AttemptNumber::of(extensions).filter(|a| a.resend_count() > 0) {
+///         span.record("http.request.resend_count", attempt.resend_count());
+///     }
+///     span
+/// }
+/// # let _ = attempt_span(&http::Extensions::new());
+/// ```
 ///
 /// ```
 /// use retrysafe_core::observe::AttemptNumber;
@@ -360,6 +394,63 @@ pub mod handles {
     impl std::fmt::Debug for Histogram {
         fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
             f.write_str("Histogram")
+        }
+    }
+
+    /// Handles made once, on first need or ahead of it ([`Lazy::get`] from a
+    /// layer's `Layer::layer`): the builder methods of a layer may still rename it
+    /// after its constructor, and handles made by the constructor would leave a series
+    /// named `default` behind. Clones share the handles. Without the feature `metrics`,
+    /// the empty handles themselves: no state and nothing to check.
+    pub struct Lazy<T> {
+        #[cfg(feature = "metrics")]
+        cell: std::sync::Arc<std::sync::OnceLock<T>>,
+        #[cfg(not(feature = "metrics"))]
+        empty: T,
+    }
+
+    impl<T: Default> Default for Lazy<T> {
+        fn default() -> Self {
+            Lazy {
+                #[cfg(feature = "metrics")]
+                cell: std::sync::Arc::default(),
+                #[cfg(not(feature = "metrics"))]
+                empty: T::default(),
+            }
+        }
+    }
+
+    impl<T: Clone> Clone for Lazy<T> {
+        fn clone(&self) -> Self {
+            Lazy {
+                #[cfg(feature = "metrics")]
+                cell: self.cell.clone(),
+                #[cfg(not(feature = "metrics"))]
+                empty: self.empty.clone(),
+            }
+        }
+    }
+
+    impl<T> Lazy<T> {
+        /// The handles, made by `make` the first time (against the recorder installed
+        /// then).
+        #[inline]
+        pub fn get(&self, make: impl FnOnce() -> T) -> &T {
+            #[cfg(feature = "metrics")]
+            {
+                self.cell.get_or_init(make)
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                let _ = make;
+                &self.empty
+            }
+        }
+    }
+
+    impl<T> std::fmt::Debug for Lazy<T> {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Lazy")
         }
     }
 

@@ -14,10 +14,14 @@ use tokio::time::Instant;
 
 use crate::budget::RetryBudget;
 use crate::classify::{
-    Classification, Classifier, DefaultClassifier, Failure, FaultSide, RequestFacts, is_grpc,
+    Classification, Classifier, DefaultClassifier, DelayHint, Failure, FaultSide, RequestFacts,
+    is_grpc,
 };
+use crate::deadline::ExpiryObserver;
 use crate::hedge::HedgeCopy;
 use crate::idempotency::Token;
+use crate::observe::handles::{Counter, Lazy};
+use crate::observe::{AttemptNumber, Name, names};
 use crate::strategy::{
     GiveUp, Idempotent, MIN_ATTEMPT_TIME, NoRetry, RetryCharged, RetryStrategy, RetryToken,
     StandardRetryStrategy,
@@ -30,9 +34,11 @@ use crate::wire::{
 use crate::{CallContext, Deadline};
 
 /// A retry about to happen, as the `on_retry` hook sees it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct RetryEvent {
+    /// The name of the retrying layer or middleware.
+    pub name: Name,
     /// The 1-based number of the attempt about to be made (2 for the first retry).
     pub attempt: u32,
     /// The delay before it.
@@ -44,9 +50,11 @@ pub struct RetryEvent {
 }
 
 /// Giving up on a retryable failure, as the `on_give_up` hook sees it.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[non_exhaustive]
 pub struct GiveUpEvent {
+    /// The name of the retrying layer or middleware.
+    pub name: Name,
     /// The attempts made.
     pub attempts: u32,
     /// Why it gave up.
@@ -159,6 +167,68 @@ pub struct RetryPolicy {
     budget: Option<RetryBudget>,
     /// Whether attempts carry the [`RetryCharged`] mark (for a budget layer below).
     charge_mark: bool,
+    name: Name,
+    /// The metric handles of `name`, resolved once the layer is built
+    /// ([`resolve_metrics`](Self::resolve_metrics)), or on first use.
+    metrics: Lazy<RetryMetrics>,
+    /// Reports calls that ran out of time, for a stack with a deadline of its own.
+    expiry: Option<ExpiryObserver>,
+}
+
+/// The counters of a retrying client, resolved once per name.
+#[derive(Debug, Clone, Default)]
+struct RetryMetrics {
+    /// `attempts_total` by outcome.
+    success: Counter,
+    failure: Counter,
+    rejected: Counter,
+    error: Counter,
+    /// `retries_total` by reason.
+    retry_status: Counter,
+    retry_error: Counter,
+    retry_pushback: Counter,
+}
+
+impl RetryMetrics {
+    fn new(name: &Name) -> Self {
+        let attempt = |outcome| {
+            Counter::new(
+                names::CLIENT_ATTEMPTS_TOTAL,
+                name,
+                Some(("outcome", outcome)),
+            )
+        };
+        let retry =
+            |reason| Counter::new(names::CLIENT_RETRIES_TOTAL, name, Some(("reason", reason)));
+        RetryMetrics {
+            success: attempt("success"),
+            failure: attempt("failure"),
+            rejected: attempt("rejected"),
+            error: attempt("error"),
+            retry_status: retry("status"),
+            retry_error: retry("error"),
+            retry_pushback: retry("pushback"),
+        }
+    }
+
+    /// The counter of attempts with `outcome`.
+    fn attempts(&self, outcome: AttemptOutcome) -> &Counter {
+        match outcome {
+            AttemptOutcome::Success => &self.success,
+            AttemptOutcome::Failure => &self.failure,
+            AttemptOutcome::Rejected => &self.rejected,
+            AttemptOutcome::Error => &self.error,
+        }
+    }
+}
+
+/// The outcome label of an attempt.
+#[derive(Clone, Copy)]
+enum AttemptOutcome {
+    Success,
+    Failure,
+    Rejected,
+    Error,
 }
 
 impl Default for RetryPolicy {
@@ -183,7 +253,51 @@ impl RetryPolicy {
             on_give_up: None,
             budget: None,
             charge_mark: true,
+            name: Name::default(),
+            metrics: Lazy::default(),
+            expiry: None,
         }
+    }
+
+    /// Reports the calls that end with a
+    /// [`DeadlineExceeded`](crate::error::DeadlineExceeded) error to `observer` (a fused
+    /// stack's deadline).
+    #[must_use]
+    pub fn with_expiry_observer(mut self, observer: ExpiryObserver) -> Self {
+        self.expiry = Some(observer);
+        self
+    }
+
+    /// The name of the calls' span, hook events and metrics (default `default`).
+    #[must_use]
+    pub fn with_name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self.metrics = Lazy::default();
+        self
+    }
+
+    /// Resolves the metric handles now, against the recorder installed now (else at the
+    /// first call): for an adapter, when its layer or stack is built. Those of the
+    /// budget given with [`with_budget`](Self::with_budget) and of the expiry observer
+    /// too.
+    pub fn resolve_metrics(&self) {
+        let _ = self.metrics();
+        if let Some(budget) = &self.budget {
+            budget.resolve_metrics();
+        }
+        if let Some(expiry) = &self.expiry {
+            expiry.resolve_metrics();
+        }
+    }
+
+    #[inline]
+    fn metrics(&self) -> &RetryMetrics {
+        self.metrics.get(|| RetryMetrics::new(&self.name))
+    }
+
+    /// The name given with [`with_name`](Self::with_name).
+    pub fn name(&self) -> &Name {
+        &self.name
     }
 
     /// The budget charged by calls whose request carries no [`RetryBudget`] extension,
@@ -357,6 +471,20 @@ impl RetryPolicy {
         if passthrough {
             token.limit_attempts(1);
         }
+        // A request numbered already (a hedge's copy) keeps counting from its number.
+        let attempt_base = AttemptNumber::of(head.extensions()).map_or(0, |n| n.get() - 1);
+        let span = tracing::info_span!(
+            "retrysafe.call",
+            name = %this.name,
+            attempts = tracing::field::Empty,
+            give_up = tracing::field::Empty,
+            budget = tracing::field::Empty,
+            breaker = tracing::field::Empty,
+            deadline = tracing::field::Empty,
+        );
+        // Boxed, and only when enabled: a disabled span adds a word to every call's
+        // future, not the span's five.
+        let span = (!span.is_disabled()).then(|| Box::new(span));
         let call = RetryCall {
             policy: policy.local(),
             facts,
@@ -364,6 +492,8 @@ impl RetryPolicy {
             passthrough,
             deadline,
             started: None,
+            attempt_base,
+            span,
         };
         (call, token)
     }
@@ -438,6 +568,7 @@ impl RetryPolicy {
 impl fmt::Debug for RetryPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RetryPolicy")
+            .field("name", &self.name)
             .field("strategy", &self.strategy)
             .field("classifier", &self.classifier)
             .field("generate_keys", &self.generate_keys)
@@ -595,6 +726,10 @@ pub struct RetryCall {
     deadline: Option<Deadline>,
     /// When the call started, taken lazily, for the default overall timeout.
     started: Option<Instant>,
+    /// The attempts numbered before this call's first ([`AttemptNumber`]).
+    attempt_base: u32,
+    /// The `retrysafe.call` span, when enabled.
+    span: Option<Box<tracing::Span>>,
 }
 
 impl RetryCall {
@@ -623,6 +758,29 @@ impl RetryCall {
         self.context.as_ref()
     }
 
+    /// The call's `retrysafe.call` span (INFO): enter it while the call's attempts are
+    /// made and polled, so the layers below record their verdicts on it.
+    /// `None` when the span is disabled (no subscriber wants it).
+    pub fn span(&self) -> Option<&tracing::Span> {
+        self.span.as_deref()
+    }
+
+    /// The call ended with a [`DeadlineExceeded`](crate::error::DeadlineExceeded)
+    /// error: reported to the policy's expiry observer, if it has one.
+    #[cold]
+    pub fn deadline_expired(&self) {
+        if let Some(observer) = &self.policy.expiry {
+            observer.expired();
+        }
+    }
+
+    /// Records `value` as the span's `field` (nothing when the span is disabled).
+    fn record(&self, field: &str, value: &dyn tracing::Value) {
+        if let Some(span) = &self.span {
+            span.record(field, value);
+        }
+    }
+
     /// Whether the deadline leaves too little time to start an attempt (less than
     /// [`MIN_ATTEMPT_TIME`]). Checked before every attempt, after any wait.
     pub fn too_late(&self) -> bool {
@@ -642,11 +800,12 @@ impl RetryCall {
         left.is_some_and(|left| left < MIN_ATTEMPT_TIME)
     }
 
-    /// Sets the per-attempt headers of the attempt of `token`: on attempts 2 and later
-    /// `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt of a budgeted
-    /// token, the [`RetryCharged`] extension; with a deadline, the time left (or the
-    /// strategy's attempt bound under a deadline, if shorter) as `request-timeout-ms`
-    /// (or `grpc-timeout`), rounded down.
+    /// Sets the per-attempt headers of the attempt of `token`: on every attempt its
+    /// [`AttemptNumber`] extension (recorded as the call span's `attempts`); on attempts
+    /// 2 and later `retry-attempt` (and `grpc-previous-rpc-attempts`); on every attempt
+    /// of a budgeted token, the [`RetryCharged`] extension; with a deadline, the time
+    /// left (or the strategy's attempt bound under a deadline, if shorter) as
+    /// `request-timeout-ms` (or `grpc-timeout`), rounded down.
     pub fn prepare_attempt(
         &self,
         headers: &mut HeaderMap,
@@ -672,6 +831,9 @@ impl RetryCall {
     ) -> Option<Duration> {
         let convention = &self.policy.convention;
         let attempt = token.attempt();
+        let number = self.attempt_base.saturating_add(attempt);
+        extensions.insert(AttemptNumber::new(number));
+        self.record("attempts", &number);
         if attempt >= 2 {
             headers.insert(
                 convention.retry_attempt().clone(),
@@ -754,6 +916,7 @@ impl RetryCall {
     ) -> Decision {
         let classification = self.classify(outcome);
         if classification.is_success() {
+            self.count_attempt(AttemptOutcome::Success);
             self.policy.strategy.record_success(&token);
             return Decision::Success;
         }
@@ -765,19 +928,38 @@ impl RetryCall {
         }
         let attempts = token.attempt();
         let status = outcome.status();
+        let failed = match outcome {
+            Outcome::Response { .. } => AttemptOutcome::Failure,
+            Outcome::Failure(_) | Outcome::TimedOut => AttemptOutcome::Error,
+        };
         match self.refresh(token, &classification, replayable) {
             Ok(next) => {
+                self.count_attempt(failed);
                 self.retrying(&next, status, &classification);
                 Decision::Retry(next)
             }
             Err(GiveUp::NotRetryable) => {
+                self.count_attempt(match failed {
+                    AttemptOutcome::Failure => AttemptOutcome::Rejected,
+                    other => other,
+                });
                 self.not_retryable(outcome, &classification, attempts, last)
             }
             Err(reason) => {
+                self.count_attempt(failed);
+                if reason == GiveUp::BudgetExhausted {
+                    self.record("budget", &"refused");
+                }
                 self.give_up(reason, attempts, status.or(last));
                 Decision::GiveUp(reason)
             }
         }
+    }
+
+    /// Counts one attempt's outcome.
+    #[inline]
+    fn count_attempt(&self, outcome: AttemptOutcome) {
+        self.policy.metrics().attempts(outcome).increment();
     }
 
     /// What the classifier makes of `outcome`.
@@ -851,8 +1033,10 @@ impl RetryCall {
             context.mark_downstream_gave_up();
         }
         tracing::debug!(attempts, %reason, status = last.map(|s| s.as_u16()), "giving up");
+        self.record("give_up", &reason.as_str());
         if let Some(hook) = &self.policy.on_give_up {
             hook(&GiveUpEvent {
+                name: self.policy.name.clone(),
                 attempts,
                 reason,
                 status: last,
@@ -868,15 +1052,6 @@ impl RetryCall {
         );
     }
 
-    /// The `tracing` span of the attempt of `token` (a retry):
-    /// `http.request.resend_count` is the number of attempts before it.
-    pub fn attempt_span(token: &RetryToken) -> tracing::Span {
-        tracing::debug_span!(
-            "retry",
-            http.request.resend_count = token.attempt().saturating_sub(1)
-        )
-    }
-
     fn retrying(
         &self,
         next: &RetryToken,
@@ -889,8 +1064,21 @@ impl RetryCall {
             status = status.map(|s| s.as_u16()),
             "retrying"
         );
+        let metrics = self.policy.metrics();
+        let reason = if !matches!(classification.delay, DelayHint::Backoff) {
+            &metrics.retry_pushback
+        } else if status.is_some() {
+            &metrics.retry_status
+        } else {
+            &metrics.retry_error
+        };
+        reason.increment();
+        if next.budget_id().is_some() {
+            self.record("budget", &"granted");
+        }
         if let Some(hook) = &self.policy.on_retry {
             hook(&RetryEvent {
+                name: self.policy.name.clone(),
                 attempt: next.attempt(),
                 delay: next.delay(),
                 status,

@@ -66,6 +66,18 @@ pub enum GiveUp {
 }
 
 impl GiveUp {
+    /// The reason as a label: `not_retryable`, `attempts_exhausted`,
+    /// `budget_exhausted`, `not_enough_time`, `refused_below`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            GiveUp::NotRetryable => "not_retryable",
+            GiveUp::AttemptsExhausted => "attempts_exhausted",
+            GiveUp::BudgetExhausted => "budget_exhausted",
+            GiveUp::NotEnoughTime => "not_enough_time",
+            GiveUp::RefusedBelow => "refused_below",
+        }
+    }
+
     /// Whether the failure was retryable and retrying stopped for another reason: the
     /// caller must then not retry either (the response is marked `do-not-retry`).
     pub fn after_retryable_failure(self) -> bool {

@@ -122,8 +122,8 @@ fn hooked(policy: RetryPolicy) -> (RetryPolicy, Events<RetryEvent>, Events<GiveU
     let give_ups: Events<GiveUpEvent> = Arc::default();
     let (r, g) = (retries.clone(), give_ups.clone());
     let policy = policy
-        .with_on_retry(move |e| r.lock().unwrap().push(*e))
-        .with_on_give_up(move |e| g.lock().unwrap().push(*e));
+        .with_on_retry(move |e| r.lock().unwrap().push(e.clone()))
+        .with_on_give_up(move |e| g.lock().unwrap().push(e.clone()));
     (policy, retries, give_ups)
 }
 

@@ -169,6 +169,13 @@ impl CircuitBreakerMiddleware {
         Self::new(CircuitBreaker::new(config))
     }
 
+    /// Resolves the breaker's metric handles (a keyed map's are, when it is made).
+    pub(crate) fn resolve_metrics(&self) {
+        if let Breakers::One(breaker) = &self.config.breakers {
+            breaker.resolve_metrics();
+        }
+    }
+
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
         f(Arc::make_mut(&mut self.config));
         self

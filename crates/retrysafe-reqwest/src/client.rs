@@ -59,6 +59,7 @@ use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::observe::Name;
 
 use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 
@@ -71,6 +72,11 @@ pub struct ClientMiddlewares {
     retry: RetryMiddleware,
     budget: RetryBudget,
     breaker: CircuitBreakerMiddleware,
+    name: Name,
+    /// Whether the budget and the breaker are the stack's own (not given): then
+    /// [`name`](Self::name) names them too.
+    own_budget: bool,
+    own_breaker: bool,
 }
 
 impl ClientMiddlewares {
@@ -83,7 +89,31 @@ impl ClientMiddlewares {
             retry: RetryMiddleware::new(),
             budget: RetryBudget::ratio(),
             breaker: CircuitBreakerMiddleware::default(),
+            name: Name::default(),
+            own_budget: true,
+            own_breaker: true,
         }
+    }
+
+    /// The stack's name (default `default`): the `name` of its deadline middleware, and
+    /// by default of its other parts — the retry middleware unless it was named, the
+    /// budget and the breaker unless they were given. Metric handles are resolved when
+    /// the stack is applied ([`apply`](Self::apply), [`client`](Self::client)).
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        let name = name.into();
+        if self.own_budget {
+            self.budget = self.budget.with_name(name.clone());
+        }
+        if self.own_breaker {
+            self.breaker = CircuitBreakerMiddleware::with_config(
+                BreakerConfig::default().with_name(name.clone()),
+            );
+        }
+        if self.retry.name_of() == &Name::default() {
+            self.retry = self.retry.name(name.clone());
+        }
+        self.name = name;
+        self
     }
 
     /// Bounds each whole call by `timeout` (greater than zero, at most 30 days, checked
@@ -96,7 +126,12 @@ impl ClientMiddlewares {
     /// The retry middleware: strategy, classifier, keys, hooks. Its strategy's own
     /// budget is not used: every call charges the [`budget`](Self::budget).
     pub fn retry(mut self, retry: RetryMiddleware) -> Self {
-        self.retry = retry;
+        // An unnamed retry middleware takes the stack's name.
+        self.retry = if retry.name_of() == &Name::default() && self.name != Name::default() {
+            retry.name(self.name.clone())
+        } else {
+            retry
+        };
         self
     }
 
@@ -130,13 +165,19 @@ impl ClientMiddlewares {
 
     /// Adds the middleware to `builder`, outermost first.
     pub fn apply(self, builder: ClientBuilder) -> ClientBuilder {
+        // Every handle is resolved here, against the recorder installed now.
         let builder = match self.deadline {
-            Some(timeout) => builder.with(DeadlineMiddleware::new(timeout)),
+            Some(timeout) => {
+                let deadline = DeadlineMiddleware::new(timeout).name(self.name);
+                deadline.resolve_metrics();
+                builder.with(deadline)
+            }
             None => builder,
         };
-        builder
-            .with(self.retry.with_budget(self.budget))
-            .with(self.breaker)
+        let retry = self.retry.with_budget(self.budget);
+        retry.resolve_metrics();
+        self.breaker.resolve_metrics();
+        builder.with(retry).with(self.breaker)
     }
 
     /// A client of `client` with the middleware (and no other).

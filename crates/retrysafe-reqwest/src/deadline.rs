@@ -72,8 +72,10 @@ use std::time::Duration;
 use http::Extensions;
 use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
-use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{ExpiryObserver, Validate};
+use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::observe::Name;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 
 use retrysafe_tower::deadline::DeadlineBody;
@@ -81,11 +83,12 @@ use retrysafe_tower::deadline::DeadlineBody;
 use crate::error::local;
 
 /// Bounds a whole call by a deadline; see the [module docs](self).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 #[must_use]
 pub struct DeadlineMiddleware {
     timeout: Duration,
     bound_body: bool,
+    expiry: ExpiryObserver,
 }
 
 impl DeadlineMiddleware {
@@ -96,7 +99,28 @@ impl DeadlineMiddleware {
         DeadlineMiddleware {
             timeout,
             bound_body: false,
+            expiry: ExpiryObserver::new(Name::default()),
         }
+    }
+
+    /// The middleware's name (default `default`): the `name` of its expiry events and
+    /// of `retrysafe_deadline_exceeded_total`, whose handle is resolved when a
+    /// `ClientMiddlewares` stack is applied, or at the first expiry.
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.expiry = self.expiry.renamed(name.into());
+        self
+    }
+
+    /// Resolves the expiry counter (else at the first expiry).
+    pub(crate) fn resolve_metrics(&self) {
+        self.expiry.resolve_metrics();
+    }
+
+    /// Calls `f` on every call that ends with a [`DeadlineExceeded`] error (the
+    /// deadline passed, here or in a middleware below).
+    pub fn on_expiry(mut self, f: impl Fn(&DeadlineExpiry) + Send + Sync + 'static) -> Self {
+        self.expiry = self.expiry.with_hook(f);
+        self
     }
 
     /// Checks the settings: the error names every one out of range.
@@ -136,6 +160,7 @@ impl Middleware for DeadlineMiddleware {
         }
         if deadline.is_expired() {
             // No call starts that cannot finish in time.
+            self.expiry.expired();
             return Err(local(DeadlineExceeded::new()));
         }
         // The middleware below see this call's deadline; the caller's extensions get
@@ -149,9 +174,17 @@ impl Middleware for DeadlineMiddleware {
         };
         match result {
             Ok(Ok(response)) if self.bound_body => Ok(bound(response, deadline)),
-            Ok(result) => result,
+            Ok(result) => {
+                if let Err(reqwest_middleware::Error::Middleware(e)) = &result
+                    && e.is::<DeadlineExceeded>()
+                {
+                    self.expiry.expired();
+                }
+                result
+            }
             Err(_elapsed) => {
                 tracing::debug!("deadline exceeded before the response head");
+                self.expiry.expired();
                 Err(local(DeadlineExceeded::new()))
             }
         }

@@ -37,8 +37,11 @@
 //!   (`RequestBuilder::with_extension`): [`NoRetry`], [`Idempotent`], [`Deadline`], a
 //!   [`RetryBudget`];
 //! - calls [`on_retry`](RetryMiddleware::on_retry) / [`on_give_up`](RetryMiddleware::on_give_up),
-//!   emits `tracing` events, and runs retried attempts in a span carrying
-//!   `http.request.resend_count`.
+//!   emits `tracing` events, and runs each call in one `retrysafe.call` span (INFO:
+//!   `name`, `attempts`, `give_up`, `budget`, `breaker`); every attempt carries its
+//!   [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the `Extensions`, for
+//!   a reqwest-tracing span below to record `http.request.resend_count` (see
+//!   [`observe::AttemptNumber`](retrysafe_core::observe::AttemptNumber)).
 //!
 //! Failures it generates itself are `reqwest_middleware::Error::Middleware` holding a
 //! [`DeadlineExceeded`]; errors from below (reqwest's, or another middleware's) are
@@ -78,6 +81,77 @@
 //! let response = client.get(format!("http://{addr}/items")).send().await.unwrap();
 //! assert_eq!(response.status(), 200);
 //! assert_eq!(hits.load(Ordering::SeqCst), 2);
+//! # }
+//! ```
+//!
+//! # Tracing each attempt
+//!
+//! Every call runs in one `retrysafe.call` span (INFO; `name`, `attempts`, `give_up`,
+//! `budget`, `breaker`). Every attempt carries its
+//! [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the middleware
+//! `Extensions`, so a reqwest-tracing span backend placed **after** this middleware
+//! records OpenTelemetry's `http.request.resend_count` on resent requests:
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU32, Ordering};
+//! use axum::http::StatusCode;
+//! use http::Extensions;
+//! use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
+//! use retrysafe_core::observe::AttemptNumber;
+//! use retrysafe_reqwest::retry::RetryMiddleware;
+//! use tracing::Span;
+//!
+//! /// reqwest-tracing's span of one attempt, with the resend count of a retry.
+//! struct AttemptSpans;
+//!
+//! impl ReqwestOtelSpanBackend for AttemptSpans {
+//!     fn on_request_start(request: &reqwest::Request, extensions: &mut Extensions) -> Span {
+//!         let span = tracing::info_span!(
+//!             "HTTP",
+//!             http.request.method = %request.method(),
+//!             url.full = %request.url(),
+//!             http.request.resend_count = tracing::field::Empty,
+//!         );
+//!         if let Some(attempt) = AttemptNumber::of(extensions) {
+//!             if attempt.resend_count() > 0 {
+//!                 span.record("http.request.resend_count", attempt.resend_count());
+//!             }
+//!         }
+//!         span
+//!     }
+//!
+//!     fn on_request_end(
+//!         span: &Span,
+//!         outcome: &reqwest_middleware::Result<reqwest::Response>,
+//!         _: &mut Extensions,
+//!     ) {
+//!         reqwest_tracing::default_on_request_end(span, outcome);
+//!     }
+//! }
+//!
+//! // A server that fails once with 503, then answers 200.
+//! let hits = Arc::new(AtomicU32::new(0));
+//! let app = axum::Router::new().route(
+//!     "/items",
+//!     axum::routing::get(move || {
+//!         let n = hits.fetch_add(1, Ordering::SeqCst);
+//!         async move { if n == 0 { StatusCode::SERVICE_UNAVAILABLE } else { StatusCode::OK } }
+//!     }),
+//! );
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+//! let addr = listener.local_addr().unwrap();
+//! tokio::spawn(async move { axum::serve(listener, app).await });
+//!
+//! let client = reqwest_middleware::ClientBuilder::new(reqwest::Client::new())
+//!     .with(RetryMiddleware::new().name("inventory"))
+//!     // After the retry middleware: one span per attempt.
+//!     .with(TracingMiddleware::<AttemptSpans>::new())
+//!     .build();
+//! let response = client.get(format!("http://{addr}/items")).send().await.unwrap();
+//! assert_eq!(response.status(), 200);
 //! # }
 //! ```
 
@@ -122,6 +196,14 @@ impl RetryMiddleware {
     fn map(mut self, f: impl FnOnce(RetryPolicy) -> RetryPolicy) -> Self {
         self.policy = Striped::new(f(RetryPolicy::clone(&self.policy)));
         self
+    }
+
+    /// The middleware's name (default `default`): the `name` of its `retrysafe.call`
+    /// spans, its hook events and its metrics (`retrysafe_client_attempts_total`,
+    /// `retrysafe_client_retries_total`), whose handles are resolved when a
+    /// `ClientMiddlewares` stack is applied, or at the middleware's first call.
+    pub fn name(self, name: impl Into<retrysafe_core::observe::Name>) -> Self {
+        self.map(|p| p.with_name(name))
     }
 
     /// The retry strategy (attempts, backoff, budget, default timeouts).
@@ -179,9 +261,19 @@ impl RetryMiddleware {
 }
 
 impl RetryMiddleware {
+    /// The name given with [`name`](Self::name).
+    pub(crate) fn name_of(&self) -> &retrysafe_core::observe::Name {
+        self.policy.name()
+    }
+
     /// The middleware with `budget` given to every call whose request carries none.
     pub(crate) fn with_budget(self, budget: RetryBudget) -> Self {
         self.map(|p| p.with_budget(budget).without_charge_mark())
+    }
+
+    /// Resolves the metric handles (else at the first call).
+    pub(crate) fn resolve_metrics(&self) {
+        self.policy.resolve_metrics();
     }
 }
 
@@ -207,46 +299,60 @@ impl Middleware for RetryMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (mut call, mut token) = RetryPolicy::begin(
+        let (call, token) = RetryPolicy::begin(
             &self.policy,
             &mut Head {
                 request: &mut request,
                 extensions: &mut *extensions,
             },
         );
-        if call.too_late() {
-            return Err(deadline_exceeded());
-        }
-        let mut attempts = Attempts::new(request, extensions);
-        loop {
-            let result = attempts.send(&mut call, &token, next.clone()).await;
-            let last = attempts.last.as_ref().map(Response::status);
-            let outcome = match &result {
-                Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
-                Some(Err(error)) => Outcome::Failure(failure_of(error)),
-                None => Outcome::TimedOut,
-            };
-            match call.decide(outcome, token, attempts.replayable(), last) {
-                Decision::Success | Decision::Final => return as_is(result),
-                Decision::GiveUp(_) => return attempts.given_up(&call, result),
-                Decision::Retry(next_token) => {
-                    if let Some(Ok(response)) = result {
-                        attempts.last = Some(response);
-                    }
-                    token = next_token;
+        // The attempts run in the call's `retrysafe.call` span.
+        let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
+        run(call, token, request, extensions, next)
+            .instrument(span)
+            .await
+    }
+}
+
+/// The retry loop of one call.
+async fn run(
+    mut call: RetryCall,
+    mut token: RetryToken,
+    request: Request,
+    extensions: &mut Extensions,
+    next: Next<'_>,
+) -> Result<Response> {
+    if call.too_late() {
+        return Err(deadline_exceeded());
+    }
+    let mut attempts = Attempts::new(request, extensions);
+    loop {
+        let result = attempts.send(&mut call, &token, next.clone()).await;
+        let last = attempts.last.as_ref().map(Response::status);
+        let outcome = match &result {
+            Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
+            Some(Err(error)) => Outcome::Failure(failure_of(error)),
+            None => Outcome::TimedOut,
+        };
+        match call.decide(outcome, token, attempts.replayable(), last) {
+            Decision::Success | Decision::Final => return as_is(result),
+            Decision::GiveUp(_) => return attempts.given_up(&call, result),
+            Decision::Retry(next_token) => {
+                if let Some(Ok(response)) = result {
+                    attempts.last = Some(response);
                 }
+                token = next_token;
             }
-            if !token.delay().is_zero() {
-                tokio::time::sleep(token.delay()).await;
-            }
-            if call.too_late() {
-                return attempts.out_of_time(&call, &token);
-            }
+        }
+        if !token.delay().is_zero() {
+            tokio::time::sleep(token.delay()).await;
+        }
+        if call.too_late() {
+            return attempts.out_of_time(&call, &token);
         }
     }
 }
 
-/// The attempts of one call: what each is made from, and the last real response.
 struct Attempts<'a> {
     /// The first attempt's request, until it is sent.
     first: Option<Request>,
@@ -297,13 +403,9 @@ impl<'a> Attempts<'a> {
         if token.attempt() >= 2 {
             self.extensions.clone_from(&self.base);
         }
+        // Also puts the attempt's `AttemptNumber` in the extensions.
         call.prepare_attempt(attempt.headers_mut(), self.extensions, token);
-        let span = if token.attempt() >= 2 {
-            RetryCall::attempt_span(token)
-        } else {
-            tracing::Span::none()
-        };
-        let sent = next.run(attempt, self.extensions).instrument(span);
+        let sent = next.run(attempt, self.extensions);
         let result = match call.attempt_until() {
             Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
             None => Some(sent.await),

@@ -153,8 +153,8 @@ fn hooked(
     let give_ups: Events<GiveUpEvent> = Arc::default();
     let (r, g) = (retries.clone(), give_ups.clone());
     let middleware = middleware
-        .on_retry(move |e| r.lock().unwrap().push(*e))
-        .on_give_up(move |e| g.lock().unwrap().push(*e));
+        .on_retry(move |e| r.lock().unwrap().push(e.clone()))
+        .on_give_up(move |e| g.lock().unwrap().push(e.clone()));
     (middleware, retries, give_ups)
 }
 

@@ -39,7 +39,7 @@
 //! ```
 
 pub use retrysafe_core::budget::{
-    BudgetSnapshot, RatioConfig, RetryBudget, RetryCost, TokenBucketConfig,
+    BudgetRefusal, BudgetSnapshot, RatioConfig, RetryBudget, RetryCost, TokenBucketConfig,
 };
 pub use retrysafe_core::error::BudgetExhausted;
 
@@ -66,6 +66,10 @@ struct Config {
 
 /// Enforces a [`RetryBudget`] on attempts marked as retries; see the [module
 /// docs](self).
+///
+/// Its refusals are the budget's: they carry the budget's name
+/// ([`RetryBudget::with_name`]), count in `retrysafe_budget_refusals_total` and call
+/// the budget's [`on_refusal`](RetryBudget::with_on_refusal) hook.
 #[must_use]
 pub struct RetryBudgetLayer {
     config: Arc<Config>,
@@ -152,6 +156,7 @@ impl<S> Layer<S> for RetryBudgetLayer {
     type Service = RetryBudgetService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.config.budget.resolve_metrics();
         RetryBudgetService::new(inner, &self.config)
     }
 }
@@ -184,7 +189,8 @@ fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
     } else if config.budget.withdraw(RetryCost::Failure) {
         None
     } else {
-        tracing::debug!("retry refused by the budget");
+        tracing::debug!(name = %config.budget.name(), "retry refused by the budget");
+        tracing::Span::current().record("budget", "refused");
         Some(is_grpc(request.headers()))
     }
 }

@@ -256,8 +256,8 @@ fn hooked(layer: RetryLayer) -> (RetryLayer, Events<RetryEvent>, Events<GiveUpEv
     let give_ups: Events<GiveUpEvent> = Arc::default();
     let (r, g) = (retries.clone(), give_ups.clone());
     let layer = layer
-        .on_retry(move |e| r.lock().unwrap().push(*e))
-        .on_give_up(move |e| g.lock().unwrap().push(*e));
+        .on_retry(move |e| r.lock().unwrap().push(e.clone()))
+        .on_give_up(move |e| g.lock().unwrap().push(e.clone()));
     (layer, retries, give_ups)
 }
 

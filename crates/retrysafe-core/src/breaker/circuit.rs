@@ -1,8 +1,8 @@
 //! The breaker handle, its permits and its state machine.
 
 use std::fmt;
-use std::sync::PoisonError;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed, SeqCst};
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -10,9 +10,11 @@ use tokio::time::Instant;
 use crate::classify::BreakerOutcome;
 use crate::error::CircuitOpen;
 use crate::hedge::HedgeRace;
+use crate::observe::handles::{Counter, Gauge, Lazy};
+use crate::observe::{Name, names};
 
 use super::config::BreakerConfig;
-use super::state::{State, StateChange, Word};
+use super::state::{BreakerRejection, State, StateChange, Word};
 use super::window::{Call, Window, WindowCounts};
 use crate::stripe::{CachePadded, Local, Striped, nanos};
 use crate::sync::{AtomicBool, AtomicU64, Mutex, fence, now};
@@ -87,6 +89,48 @@ struct Shared {
     max_open_nanos: u64,
     half_open_timeout_nanos: u64,
     config: BreakerConfig,
+    metrics: Metrics,
+}
+
+/// The metric handles of a breaker: its own, or those of its map of keyed breakers.
+enum Metrics {
+    Own(Lazy<BreakerMetrics>),
+    Shared(Arc<BreakerMetrics>),
+}
+
+/// The metric handles of a breaker (or of a map of keyed breakers), resolved once.
+#[doc(hidden)]
+#[derive(Debug, Default, Clone)]
+pub struct BreakerMetrics {
+    /// `retrysafe_breaker_state{name}`; empty for keyed breakers.
+    state: Gauge,
+    /// `retrysafe_breaker_rejections_total{name}`.
+    rejections: Counter,
+}
+
+impl BreakerMetrics {
+    /// The handles of the breaker `name`; `gauge`: whether it reports its state (a map
+    /// of keyed breakers does not: one gauge cannot say the state of every key).
+    pub fn new(name: &Name, gauge: bool) -> Self {
+        BreakerMetrics {
+            state: if gauge {
+                Gauge::new(names::BREAKER_STATE, name)
+            } else {
+                Gauge::default()
+            },
+            rejections: Counter::new(names::BREAKER_REJECTIONS_TOTAL, name, None),
+        }
+    }
+}
+
+/// The value of `retrysafe_breaker_state` for `state`: 0 closed (or disabled), 1
+/// half-open, 2 open (or forced open).
+fn gauge_value(state: State) -> f64 {
+    match state {
+        State::Closed | State::Disabled => 0.0,
+        State::HalfOpen => 1.0,
+        State::Open | State::ForcedOpen => 2.0,
+    }
 }
 
 /// Permission to make one call, from [`CircuitBreaker::try_acquire`].
@@ -112,9 +156,44 @@ impl CircuitBreaker {
     /// A breaker with `config`, closed. [`BreakerConfig::build`] checks a configuration;
     /// one that was never built is used with each field brought into its range.
     pub fn new(config: BreakerConfig) -> Self {
+        let metrics = Metrics::Own(Lazy::default());
         CircuitBreaker {
-            shared: Striped::new(Shared::new(config.clamped())),
+            shared: Striped::new(Shared::new(config.clamped(), metrics)),
         }
+    }
+
+    /// A breaker counting into `metrics` (resolved once for a map of keyed breakers,
+    /// which report no state gauge).
+    #[doc(hidden)]
+    pub fn with_metrics(config: BreakerConfig, metrics: Arc<BreakerMetrics>) -> Self {
+        CircuitBreaker {
+            shared: Striped::new(Shared::new(config.clamped(), Metrics::Shared(metrics))),
+        }
+    }
+
+    /// Resolves the breaker's metric handles now, against the recorder installed now
+    /// (else at its first change of state or refusal), and sets its state gauge: for a
+    /// layer or stack using the breaker, when it is built.
+    #[doc(hidden)]
+    pub fn resolve_metrics(&self) {
+        let _ = self.shared.metrics();
+    }
+
+    /// Counts a refusal and calls the hook: the breaker was in `state`, a call may be
+    /// allowed after `retry_after`.
+    #[cold]
+    fn refused(&self, state: State, retry_after: Duration) -> CircuitOpen {
+        let shared = &self.shared;
+        shared.metrics().rejections.increment();
+        tracing::Span::current().record("breaker", "rejected");
+        if let Some(hook) = shared.config.on_rejection() {
+            hook(&BreakerRejection {
+                name: shared.config.name().clone(),
+                state,
+                retry_after,
+            });
+        }
+        CircuitOpen::new(retry_after)
     }
 
     /// Asks to make one call.
@@ -135,13 +214,15 @@ impl CircuitBreaker {
             match word.state() {
                 State::Closed | State::Disabled => return Ok(self.permit(word)),
                 State::ForcedOpen => {
-                    return Err(CircuitOpen::new(shared.config.max_open_duration()));
+                    let hint = shared.config.max_open_duration();
+                    return Err(self.refused(State::ForcedOpen, hint));
                 }
                 State::Open => {
                     let now = shared.now();
                     let until = shared.open_until.load(Relaxed);
                     if now < until {
-                        return Err(CircuitOpen::new(Duration::from_nanos(until - now)));
+                        let left = Duration::from_nanos(until - now);
+                        return Err(self.refused(State::Open, left));
                     }
                     shared.transition(Some(word), State::HalfOpen);
                 }
@@ -170,7 +251,8 @@ impl CircuitBreaker {
                         .load(Relaxed)
                         .saturating_add(shared.half_open_timeout_nanos);
                     if now < deadline {
-                        return Err(CircuitOpen::new(Duration::from_nanos(deadline - now)));
+                        let left = Duration::from_nanos(deadline - now);
+                        return Err(self.refused(State::HalfOpen, left));
                     }
                     tracing::debug!("circuit breaker probes timed out");
                     shared.transition(Some(word), State::Open);
@@ -237,9 +319,7 @@ impl CircuitBreaker {
 impl Default for CircuitBreaker {
     /// A breaker with the default configuration ([`BreakerConfig::default`]).
     fn default() -> Self {
-        CircuitBreaker {
-            shared: Striped::new(Shared::new(BreakerConfig::default())),
-        }
+        Self::new(BreakerConfig::default())
     }
 }
 
@@ -317,7 +397,7 @@ impl fmt::Debug for Permit {
 
 impl Shared {
     /// The state of a breaker with `config`, every field in range ([`BreakerConfig::clamped`]).
-    fn new(config: BreakerConfig) -> Self {
+    fn new(config: BreakerConfig, metrics: Metrics) -> Self {
         let rate = |percent: f64| {
             #[allow(
                 clippy::cast_possible_truncation,
@@ -345,6 +425,21 @@ impl Shared {
             max_open_nanos: nanos(config.max_open_duration()),
             half_open_timeout_nanos: nanos(config.half_open_timeout()),
             config,
+            metrics,
+        }
+    }
+
+    /// The metric handles, made on first need with the gauge set to the state then.
+    fn metrics(&self) -> &BreakerMetrics {
+        match &self.metrics {
+            Metrics::Shared(metrics) => metrics,
+            Metrics::Own(lazy) => lazy.get(|| {
+                let metrics = BreakerMetrics::new(self.config.name(), true);
+                metrics
+                    .state
+                    .set(gauge_value(Word(self.hot.0.state.load(Acquire)).state()));
+                metrics
+            }),
         }
     }
 
@@ -510,22 +605,28 @@ impl Shared {
             // Under the lock only probe counts change concurrently, never the phase:
             // swapping replaces them with the new phase's.
             self.hot.0.state.swap(current.next(to).0, AcqRel);
-            StateChange {
-                from: current.state(),
-                to,
-                at,
-            }
+            (current.state(), at)
         };
-        if change.from == change.to {
+        let (from, at) = change;
+        if from == to {
             return;
         }
+        self.metrics().state.set(gauge_value(to));
+        let change = StateChange {
+            name: self.config.name().clone(),
+            from,
+            to,
+            at,
+        };
         match to {
             State::Open | State::ForcedOpen => tracing::warn!(
+                name = %change.name,
                 from = change.from.as_str(),
                 to = change.to.as_str(),
                 "circuit breaker opened"
             ),
             State::Closed | State::HalfOpen | State::Disabled => tracing::info!(
+                name = %change.name,
                 from = change.from.as_str(),
                 to = change.to.as_str(),
                 "circuit breaker state changed"

@@ -7,11 +7,16 @@ use std::time::Duration;
 use crate::ConfigError;
 use crate::config::Validate;
 
-use super::StateChange;
+use super::{BreakerRejection, StateChange};
+use crate::observe::Name;
 
 /// A function called after every change of a breaker's state (see
 /// [`BreakerConfig::on_state_change`]).
 pub type StateChangeHook = Arc<dyn Fn(StateChange) + Send + Sync>;
+
+/// A hook called on every call a breaker refuses
+/// ([`BreakerConfig::with_on_rejection`]).
+pub type RejectionHook = Arc<dyn Fn(&BreakerRejection) + Send + Sync>;
 
 /// The longest duration any setting accepts.
 pub(super) const MAX_DURATION: Duration = Duration::from_secs(30 * 24 * 60 * 60);
@@ -202,6 +207,8 @@ pub struct BreakerConfig {
     half_open_probes: u32,
     half_open_timeout: Duration,
     on_state_change: Option<StateChangeHook>,
+    on_rejection: Option<RejectionHook>,
+    name: Name,
 }
 
 impl Default for BreakerConfig {
@@ -219,6 +226,8 @@ impl Default for BreakerConfig {
             half_open_probes: 3,
             half_open_timeout: Duration::from_secs(10),
             on_state_change: None,
+            on_rejection: None,
+            name: Name::default(),
         }
     }
 }
@@ -226,6 +235,7 @@ impl Default for BreakerConfig {
 impl fmt::Debug for BreakerConfig {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("BreakerConfig")
+            .field("name", &self.name)
             .field("window", &self.window)
             .field("failure_rate_threshold", &self.failure_rate_threshold)
             .field("minimum_calls", &self.minimum_calls)
@@ -383,6 +393,36 @@ impl BreakerConfig {
     #[doc(hidden)]
     pub fn half_open_timeout(&self) -> Duration {
         self.half_open_timeout
+    }
+
+    /// The breaker's name (default `default`): the `name` of its events, hooks and
+    /// metrics (`retrysafe_breaker_state`, `retrysafe_breaker_rejections_total`, whose
+    /// handles are resolved when a layer using the breaker is built, or at its first
+    /// change of state or refusal).
+    #[must_use]
+    pub fn with_name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// Calls `hook` on every call the breaker refuses.
+    #[must_use]
+    pub fn with_on_rejection(
+        mut self,
+        hook: impl Fn(&BreakerRejection) + Send + Sync + 'static,
+    ) -> Self {
+        self.on_rejection = Some(Arc::new(hook));
+        self
+    }
+
+    /// The breaker's name.
+    pub fn name(&self) -> &Name {
+        &self.name
+    }
+
+    /// The rejection hook, if any.
+    pub fn on_rejection(&self) -> Option<&RejectionHook> {
+        self.on_rejection.as_ref()
     }
 
     /// The state-change hook, if any.

@@ -97,7 +97,7 @@ mod config;
 mod state;
 mod window;
 
-pub use self::circuit::{CircuitBreaker, Permit};
-pub use self::config::{BreakerConfig, SlidingWindow, StateChangeHook};
-pub use self::state::{State, StateChange};
+pub use self::circuit::{BreakerMetrics, CircuitBreaker, Permit};
+pub use self::config::{BreakerConfig, RejectionHook, SlidingWindow, StateChangeHook};
+pub use self::state::{BreakerRejection, State, StateChange};
 pub use self::window::WindowCounts;

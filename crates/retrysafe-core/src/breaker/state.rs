@@ -4,6 +4,8 @@ use std::fmt;
 
 use tokio::time::Instant;
 
+use crate::observe::Name;
+
 /// The state of a [`CircuitBreaker`](super::CircuitBreaker).
 ///
 /// ```
@@ -88,15 +90,30 @@ impl fmt::Display for State {
 /// let seen = seen.lock().unwrap();
 /// assert_eq!((seen[0].from, seen[0].to), (State::Closed, State::Disabled));
 /// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct StateChange {
+    /// The breaker's name ([`BreakerConfig::with_name`](super::BreakerConfig::with_name)).
+    pub name: Name,
     /// The state before.
     pub from: State,
     /// The state after.
     pub to: State,
     /// When the change happened.
     pub at: Instant,
+}
+
+/// A call a breaker refused, as the
+/// [`on_rejection`](super::BreakerConfig::with_on_rejection) hook sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub struct BreakerRejection {
+    /// The breaker's name.
+    pub name: Name,
+    /// The breaker's state: open, half-open (every probe out) or forced open.
+    pub state: State,
+    /// When a call may be allowed again (a hint).
+    pub retry_after: std::time::Duration,
 }
 
 // The state word: the state (3 bits), the half-open probes handed out (10 bits) and

@@ -106,6 +106,8 @@ use std::time::Duration;
 
 use crate::ConfigError;
 use crate::config::Validate;
+use crate::observe::handles::{Counter, Lazy};
+use crate::observe::{Name, names};
 
 use self::bucket::TokenBucket;
 use self::ratio::Ratio;
@@ -143,7 +145,39 @@ pub enum RetryCost {
 /// ```
 #[derive(Debug, Clone)]
 pub struct RetryBudget {
-    inner: Arc<Inner>,
+    inner: Arc<Shared>,
+}
+
+/// A budget's state, and how it is observed.
+struct Shared {
+    kind: Inner,
+    name: Name,
+    /// `retrysafe_budget_refusals_total{name}`, resolved when a layer using the budget
+    /// is built, or at the first refusal.
+    refusals: Lazy<Counter>,
+    on_refusal: Option<RefusalHook>,
+}
+
+type RefusalHook = Arc<dyn Fn(&BudgetRefusal) + Send + Sync>;
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetryBudget")
+            .field("name", &self.name)
+            .field("kind", &self.kind)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A withdrawal a budget refused (a retry, or a hedge), as the
+/// [`on_refusal`](RetryBudget::with_on_refusal) hook sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct BudgetRefusal {
+    /// The budget's name.
+    pub name: Name,
+    /// What the refused withdrawal would have cost.
+    pub cost: RetryCost,
 }
 
 /// The two kinds of budget.
@@ -470,8 +504,87 @@ impl RetryBudget {
 
     /// Wraps a state.
     fn from_inner(inner: Inner) -> Self {
+        Self::from_parts(inner, Name::default(), None)
+    }
+
+    fn from_parts(kind: Inner, name: Name, on_refusal: Option<RefusalHook>) -> Self {
         RetryBudget {
-            inner: Arc::new(inner),
+            inner: Arc::new(Shared {
+                refusals: Lazy::default(),
+                kind,
+                name,
+                on_refusal,
+            }),
+        }
+    }
+
+    /// A budget like this one, named and hooked as `f` says. Meant for a budget just
+    /// made: the result is a new budget of the same configuration, with fresh state,
+    /// that shares nothing with the clones of `self`.
+    fn remade(self, f: impl FnOnce(&mut Name, &mut Option<RefusalHook>)) -> Self {
+        let mut name = self.inner.name.clone();
+        let mut hook = self.inner.on_refusal.clone();
+        f(&mut name, &mut hook);
+        let kind = match &self.inner.kind {
+            Inner::Ratio(r) => Inner::Ratio(Ratio::new(*r.config())),
+            Inner::TokenBucket(b) => Inner::TokenBucket(TokenBucket::new(*b.config())),
+        };
+        Self::from_parts(kind, name, hook)
+    }
+
+    /// Names the budget (default `default`): the `name` of its refusal events and of
+    /// `retrysafe_budget_refusals_total`.
+    ///
+    /// Name a budget as you make it, before cloning it: this returns a new budget of the
+    /// same configuration, fresh, which shares nothing with earlier clones.
+    ///
+    /// ```
+    /// use retrysafe_core::budget::RetryBudget;
+    ///
+    /// let budget = RetryBudget::ratio().with_name("payments-api");
+    /// assert_eq!(budget.name().as_str(), "payments-api");
+    /// ```
+    #[must_use]
+    pub fn with_name(self, name: impl Into<Name>) -> Self {
+        let name = name.into();
+        self.remade(|n, _| *n = name)
+    }
+
+    /// Calls `f` on every withdrawal the budget refuses (a retry or a hedge). Like
+    /// [`with_name`](Self::with_name), returns a new budget: set it as you make it.
+    #[must_use]
+    pub fn with_on_refusal(self, f: impl Fn(&BudgetRefusal) + Send + Sync + 'static) -> Self {
+        self.remade(|_, hook| *hook = Some(Arc::new(f)))
+    }
+
+    /// The budget's name.
+    pub fn name(&self) -> &Name {
+        &self.inner.name
+    }
+
+    /// Resolves the refusal counter now, against the recorder installed now (else at
+    /// the first refusal): for a layer or stack using the budget, when it is built.
+    #[doc(hidden)]
+    pub fn resolve_metrics(&self) {
+        let _ = self.refusals();
+    }
+
+    fn refusals(&self) -> &Counter {
+        let shared = &self.inner;
+        shared
+            .refusals
+            .get(|| Counter::new(names::BUDGET_REFUSALS_TOTAL, &shared.name, None))
+    }
+
+    /// Counts a refused withdrawal of `cost` and calls the hook.
+    #[cold]
+    fn refused(&self, cost: RetryCost) {
+        self.refusals().increment();
+        if let Some(hook) = &self.inner.on_refusal {
+            hook(&BudgetRefusal {
+                name: self.inner.name.clone(),
+                cost,
+            });
         }
     }
 
@@ -479,7 +592,7 @@ impl RetryBudget {
     ///
     /// A ratio budget counts it; a token bucket ignores it.
     pub fn deposit(&self) {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(r) => r.deposit(),
             Inner::TokenBucket(_) => {}
         }
@@ -491,10 +604,14 @@ impl RetryBudget {
     /// A ratio budget counts every retry as one unit, whatever its `cost`.
     #[must_use = "`false` means the budget refused the retry"]
     pub fn withdraw(&self, cost: RetryCost) -> bool {
-        match &*self.inner {
+        let granted = match &self.inner.kind {
             Inner::Ratio(r) => r.withdraw(),
             Inner::TokenBucket(b) => b.withdraw(cost),
+        };
+        if !granted {
+            self.refused(cost);
         }
+        granted
     }
 
     /// Records a success; `after_retry` is the cost of the retry that succeeded, if any.
@@ -502,7 +619,7 @@ impl RetryBudget {
     /// A token bucket refunds `success_refund` for `None` and the retry's own cost for
     /// `Some`, up to its capacity; a ratio budget ignores it.
     pub fn record_success(&self, after_retry: Option<RetryCost>) {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(_) => {}
             Inner::TokenBucket(b) => b.record_success(after_retry),
         }
@@ -512,7 +629,7 @@ impl RetryBudget {
     /// now, with no further deposit or success: the window's allowance less its
     /// withdrawals (ratio), or the tokens divided by `retry_cost` (token bucket).
     pub fn available_retries(&self) -> u64 {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(r) => r.available(),
             Inner::TokenBucket(b) => u64::from(b.tokens())
                 .checked_div(u64::from(b.config().retry_cost))
@@ -523,7 +640,7 @@ impl RetryBudget {
     /// What the budget holds now. For a ratio budget this reads every stripe: meant for
     /// tests, metrics and debugging, not for every request.
     pub fn snapshot(&self) -> BudgetSnapshot {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(r) => r.snapshot(),
             Inner::TokenBucket(b) => b.snapshot(),
         }
@@ -531,7 +648,7 @@ impl RetryBudget {
 
     /// The ratio configuration, or `None` for a token bucket.
     pub fn ratio_config(&self) -> Option<&RatioConfig> {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(r) => Some(r.config()),
             Inner::TokenBucket(_) => None,
         }
@@ -539,7 +656,7 @@ impl RetryBudget {
 
     /// The token bucket configuration, or `None` for a ratio budget.
     pub fn token_bucket_config(&self) -> Option<&TokenBucketConfig> {
-        match &*self.inner {
+        match &self.inner.kind {
             Inner::Ratio(_) => None,
             Inner::TokenBucket(b) => Some(b.config()),
         }

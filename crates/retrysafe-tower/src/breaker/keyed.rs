@@ -10,7 +10,9 @@ use moka::policy::EvictionPolicy;
 use moka::sync::Cache;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
-use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, StateChange};
+use retrysafe_core::breaker::{
+    BreakerConfig, BreakerMetrics, BreakerRejection, CircuitBreaker, StateChange,
+};
 
 /// The default bound of a [`KeyedBreakers`] map.
 pub const DEFAULT_MAX_KEYS: u64 = 1024;
@@ -19,6 +21,7 @@ const MAX_MAX_KEYS: u64 = 1 << 20;
 
 type KeyFn<K> = Arc<dyn Fn(&Parts) -> K + Send + Sync>;
 type KeyedHook<K> = Arc<dyn Fn(&K, StateChange) + Send + Sync>;
+type KeyedRejectionHook<K> = Arc<dyn Fn(&K, &BreakerRejection) + Send + Sync>;
 
 /// Picks the breaker of a request (type-erased, so the layer has no key parameter).
 pub(crate) trait Select: fmt::Debug + Send + Sync + 'static {
@@ -56,8 +59,12 @@ struct Inner<K> {
     config: BreakerConfig,
     key: KeyFn<K>,
     on_state_change: Option<KeyedHook<K>>,
+    on_rejection: Option<KeyedRejectionHook<K>>,
     max_keys: u64,
     cache: Cache<K, CircuitBreaker>,
+    /// The map's metrics (named by the configuration; no state gauge), shared by
+    /// every key's breaker.
+    metrics: Arc<BreakerMetrics>,
 }
 
 impl KeyedBreakers<Option<Authority>> {
@@ -87,9 +94,11 @@ where
     pub fn new(config: BreakerConfig, key: impl Fn(&Parts) -> K + Send + Sync + 'static) -> Self {
         KeyedBreakers {
             inner: Arc::new(Inner {
+                metrics: Arc::new(BreakerMetrics::new(config.name(), false)),
                 config,
                 key: Arc::new(key),
                 on_state_change: None,
+                on_rejection: None,
                 max_keys: DEFAULT_MAX_KEYS,
                 cache: cache(DEFAULT_MAX_KEYS),
             }),
@@ -126,14 +135,23 @@ where
         self.rebuild(|inner| inner.on_state_change = Some(Arc::new(f)))
     }
 
+    /// Calls `f` with the key on every call one of the map's breakers refuses (after
+    /// the configuration's own [`on_rejection`](BreakerConfig::on_rejection), if any).
+    /// Returns a new, empty map.
+    pub fn on_rejection(self, f: impl Fn(&K, &BreakerRejection) + Send + Sync + 'static) -> Self {
+        self.rebuild(|inner| inner.on_rejection = Some(Arc::new(f)))
+    }
+
     fn rebuild(self, f: impl FnOnce(&mut Inner<K>)) -> Self {
         let old = &self.inner;
         let mut inner = Inner {
             config: old.config.clone(),
             key: old.key.clone(),
             on_state_change: old.on_state_change.clone(),
+            on_rejection: old.on_rejection.clone(),
             max_keys: old.max_keys,
             cache: cache(1),
+            metrics: old.metrics.clone(),
         };
         f(&mut inner);
         inner.cache = cache(inner.max_keys);
@@ -172,12 +190,23 @@ where
             let own = config.on_state_change().cloned();
             config = config.with_on_state_change(move |change| {
                 if let Some(own) = &own {
-                    own(change);
+                    own(change.clone());
                 }
                 hook(&key, change);
             });
         }
-        CircuitBreaker::new(config)
+        if let Some(hook) = &self.on_rejection {
+            let hook = hook.clone();
+            let key = key.clone();
+            let own = config.on_rejection().cloned();
+            config = config.with_on_rejection(move |rejection| {
+                if let Some(own) = &own {
+                    own(rejection);
+                }
+                hook(&key, rejection);
+            });
+        }
+        CircuitBreaker::with_metrics(config, self.metrics.clone())
     }
 }
 

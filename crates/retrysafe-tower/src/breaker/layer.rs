@@ -33,6 +33,13 @@ pub(crate) struct Config {
 /// A refusal is the error [`CircuitOpen`](retrysafe_core::error::CircuitOpen) (for
 /// gRPC, a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it
 /// into a status).
+///
+/// The layer reports under its breaker's name ([`BreakerConfig::with_name`]; a keyed
+/// map's configuration names the whole map): `retrysafe_breaker_state`,
+/// `retrysafe_breaker_rejections_total`, the state-change and
+/// [rejection](BreakerConfig::with_on_rejection) hooks, and the `breaker` field of the
+/// `retrysafe.call` span above it. The breaker's handles are resolved when the layer
+/// makes its service.
 #[must_use]
 pub struct CircuitBreakerLayer {
     // Striped: every call's future holds a reference to it (see `Striped`).
@@ -82,6 +89,13 @@ impl Default for CircuitBreakerLayer {
 }
 
 impl CircuitBreakerLayer {
+    /// Resolves the breaker's metric handles (a keyed map's are, when it is made).
+    pub(crate) fn resolve_metrics(&self) {
+        if let Breakers::One(breaker) = &self.config.breakers {
+            breaker.resolve_metrics();
+        }
+    }
+
     fn map(mut self, f: impl FnOnce(&mut Config)) -> Self {
         let mut config = Config::clone(&self.config);
         f(&mut config);
@@ -124,6 +138,7 @@ impl<S> Layer<S> for CircuitBreakerLayer {
     type Service = CircuitBreakerService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.resolve_metrics();
         CircuitBreakerService::from_config(inner, self.config.clone())
     }
 }

@@ -4,9 +4,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
-use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::ConfigError;
+use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::observe::Name;
 use tower_layer::Layer;
 
 use super::service::ClientService;
@@ -23,6 +25,12 @@ pub struct ClientLayers {
     retry: RetryLayer,
     budget: RetryBudget,
     breaker: CircuitBreakerLayer,
+    /// Whether the budget and the breaker are the stack's own (not given): then
+    /// [`name`](Self::name) names them too.
+    own_budget: bool,
+    own_breaker: bool,
+    /// Reports the calls that ran out of time (the stack's name).
+    expiry: ExpiryObserver,
     /// `retry` with `budget` given to it: what the services share.
     fused: RetryLayer,
 }
@@ -34,13 +42,63 @@ impl ClientLayers {
     /// [`CircuitBreakerLayer::default`] (a breaker of its own).
     pub fn new() -> Self {
         let budget = RetryBudget::ratio();
+        let expiry = ExpiryObserver::new(Name::default());
         ClientLayers {
             deadline: None,
             retry: RetryLayer::new(),
-            fused: RetryLayer::new().fused(budget.clone()),
+            fused: RetryLayer::new().fused(budget.clone(), expiry.clone()),
             budget,
             breaker: CircuitBreakerLayer::default(),
+            own_budget: true,
+            own_breaker: true,
+            expiry,
         }
+    }
+
+    /// Makes the fused retry layer again from its parts.
+    fn refused(mut self) -> Self {
+        self.fused = self
+            .retry
+            .clone()
+            .fused(self.budget.clone(), self.expiry.clone());
+        self
+    }
+
+    /// The stack's name (default `default`): the `name` of its deadline expiries
+    /// (`retrysafe_deadline_exceeded_total`), and by default of its parts — the retry
+    /// layer unless it was named, the budget and the breaker unless they were given.
+    /// Metric handles are resolved when the stack makes its service (`Layer::layer`).
+    ///
+    /// ```
+    /// use retrysafe_tower::client::ClientLayers;
+    ///
+    /// let layers = ClientLayers::new().name("payments-api");
+    /// # let _ = layers;
+    /// ```
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        let name = name.into();
+        if self.own_budget {
+            self.budget = self.budget.with_name(name.clone());
+        }
+        if self.own_breaker {
+            self.breaker =
+                CircuitBreakerLayer::with_config(BreakerConfig::default().with_name(name.clone()));
+        }
+        if self.retry.name_of() == &Name::default() {
+            self.retry = self.retry.name(name.clone());
+        }
+        self.expiry = self.expiry.renamed(name);
+        self.refused()
+    }
+
+    /// Calls `f` on every call that ends with a
+    /// [`DeadlineExceeded`](retrysafe_core::error::DeadlineExceeded) error.
+    pub fn on_expiry(
+        mut self,
+        f: impl Fn(&retrysafe_core::DeadlineExpiry) + Send + Sync + 'static,
+    ) -> Self {
+        self.expiry = self.expiry.with_hook(f);
+        self.refused()
     }
 
     /// Bounds each whole call by `timeout`, as a [`DeadlineLayer`](crate::deadline::DeadlineLayer)
@@ -55,18 +113,23 @@ impl ClientLayers {
     /// not used: every call charges the [`budget`](Self::budget) of the stack (or a
     /// [`RetryBudget`] extension of its request).
     pub fn retry(mut self, retry: RetryLayer) -> Self {
-        self.fused = retry.clone().fused(self.budget.clone());
-        self.retry = retry;
-        self
+        // An unnamed retry layer takes the stack's name.
+        let name = self.expiry.name();
+        self.retry = if retry.name_of() == &Name::default() && name != &Name::default() {
+            retry.name(name.clone())
+        } else {
+            retry
+        };
+        self.refused()
     }
 
     /// The retry budget, given once: the retry layer charges it and no separate budget
     /// layer is needed (default: a [`RetryBudget::ratio`] of its own). Share one handle
     /// between every client of the same downstream.
     pub fn budget(mut self, budget: RetryBudget) -> Self {
-        self.fused = self.retry.clone().fused(budget.clone());
         self.budget = budget;
-        self
+        self.own_budget = false;
+        self.refused()
     }
 
     /// The breaker layer, plain or keyed per authority
@@ -74,6 +137,7 @@ impl ClientLayers {
     /// [`KeyedBreakers::per_authority`](crate::breaker::KeyedBreakers::per_authority)).
     pub fn breaker(mut self, breaker: CircuitBreakerLayer) -> Self {
         self.breaker = breaker;
+        self.own_breaker = false;
         self
     }
 
@@ -107,6 +171,8 @@ impl<S> Layer<S> for ClientLayers {
     type Service = ClientService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.fused.config().policy.resolve_metrics();
+        self.breaker.resolve_metrics();
         ClientService::new(
             inner,
             Arc::clone(self.fused.config()),
@@ -119,6 +185,7 @@ impl<S> Layer<S> for ClientLayers {
 impl fmt::Debug for ClientLayers {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientLayers")
+            .field("name", self.expiry.name())
             .field("deadline", &self.deadline)
             .field("retry", &self.fused)
             .field("budget", &self.budget)

@@ -4,13 +4,16 @@ use std::fmt;
 use std::future::Future;
 use std::marker::PhantomData;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker, ready};
 use std::time::Duration;
 
 use http::{Request, Response};
 use pin_project_lite::pin_project;
-use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::{ExpiryObserver, Validate};
+use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::observe::Name;
 use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
@@ -30,6 +33,7 @@ use crate::local::BoxError;
 #[must_use]
 pub struct DeadlineLayer<W = Unbounded> {
     timeout: Duration,
+    expiry: Arc<ExpiryObserver>,
     _marker: PhantomData<fn() -> W>,
 }
 
@@ -40,6 +44,7 @@ impl DeadlineLayer {
     pub fn new(timeout: Duration) -> Self {
         DeadlineLayer {
             timeout,
+            expiry: Arc::new(ExpiryObserver::new(Name::default())),
             _marker: PhantomData,
         }
     }
@@ -52,6 +57,21 @@ impl DeadlineLayer {
 }
 
 impl<W> DeadlineLayer<W> {
+    /// The layer's name (default `default`): the `name` of its expiry events and of
+    /// `retrysafe_deadline_exceeded_total`, whose handle is resolved when the layer makes
+    /// its service.
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.expiry = Arc::new(self.expiry.renamed(name.into()));
+        self
+    }
+
+    /// Calls `f` on every call that ends with a [`DeadlineExceeded`] error (the
+    /// deadline passed, here or in a layer below).
+    pub fn on_expiry(mut self, f: impl Fn(&DeadlineExpiry) + Send + Sync + 'static) -> Self {
+        self.expiry = Arc::new(ExpiryObserver::clone(&self.expiry).with_hook(f));
+        self
+    }
+
     /// Checks the settings: the error names every one out of range.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
@@ -65,6 +85,7 @@ impl<W> DeadlineLayer<W> {
     pub fn bound_body(self) -> DeadlineLayer<BoundBody> {
         DeadlineLayer {
             timeout: self.timeout,
+            expiry: self.expiry,
             _marker: PhantomData,
         }
     }
@@ -74,6 +95,7 @@ impl<W> Clone for DeadlineLayer<W> {
     fn clone(&self) -> Self {
         DeadlineLayer {
             timeout: self.timeout,
+            expiry: self.expiry.clone(),
             _marker: PhantomData,
         }
     }
@@ -82,6 +104,7 @@ impl<W> Clone for DeadlineLayer<W> {
 impl<W> fmt::Debug for DeadlineLayer<W> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("DeadlineLayer")
+            .field("name", self.expiry.name())
             .field("timeout", &self.timeout)
             .field("body", &std::any::type_name::<W>())
             .finish()
@@ -92,9 +115,11 @@ impl<S, W> Layer<S> for DeadlineLayer<W> {
     type Service = DeadlineService<S, W>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.expiry.resolve_metrics();
         DeadlineService {
             inner,
             timeout: self.timeout,
+            expiry: self.expiry.clone(),
             _marker: PhantomData,
         }
     }
@@ -107,6 +132,7 @@ impl<S, W> Layer<S> for DeadlineLayer<W> {
 pub struct DeadlineService<S, W = Unbounded> {
     inner: S,
     timeout: Duration,
+    expiry: Arc<ExpiryObserver>,
     _marker: PhantomData<fn() -> W>,
 }
 
@@ -115,6 +141,7 @@ impl<S: Clone, W> Clone for DeadlineService<S, W> {
         DeadlineService {
             inner: self.inner.clone(),
             timeout: self.timeout,
+            expiry: self.expiry.clone(),
             _marker: PhantomData,
         }
     }
@@ -174,6 +201,7 @@ where
             state,
             sleep: None,
             deadline,
+            expiry: self.expiry.clone(),
             _marker: PhantomData,
         }
     }
@@ -213,6 +241,7 @@ pin_project! {
         #[pin]
         sleep: Option<Sleep>,
         deadline: Deadline,
+        expiry: Arc<ExpiryObserver>,
         _marker: PhantomData<fn() -> W>,
     }
 }
@@ -280,7 +309,13 @@ where
             };
             // Drops the inner future (or the unready service) at once.
             this.state.set(State::Done);
-            return Poll::Ready(answer.unwrap_or_else(|| Err(Box::new(DeadlineExceeded::new()))));
+            let answer = answer.unwrap_or_else(|| Err(Box::new(DeadlineExceeded::new())));
+            if let Err(error) = &answer
+                && error.is::<DeadlineExceeded>()
+            {
+                this.expiry.expired();
+            }
+            return Poll::Ready(answer);
         }
     }
 }

@@ -145,6 +145,6 @@ pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
 #[cfg(feature = "client")]
 pub(crate) use client::deadline_after;
 pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
-pub use retrysafe_core::Deadline;
 pub use retrysafe_core::error::DeadlineExceeded;
+pub use retrysafe_core::{Deadline, DeadlineExpiry};
 pub use server::{ServerDeadlineLayer, ServerDeadlineService, ServerResponseFuture};

@@ -15,9 +15,10 @@ use retrysafe_core::wire::encode_retry_attempt;
 use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
-use super::layer::{Config, Counts};
+use super::layer::{Config, Counts, HedgeOutcome};
 use crate::local::BoxError;
 use crate::retry::{ReplayBody, failure_of};
+use retrysafe_core::observe::AttemptNumber;
 
 /// The least time left on the deadline for a hedge to start.
 const MIN_HEDGE_TIME: Duration = Duration::from_millis(1);
@@ -132,6 +133,7 @@ where
                 };
                 hedging.record_latency();
                 if let Some(answer) = hedging.judge(result, true) {
+                    hedging.config.hedges(HedgeOutcome::Lost, hedging.sent);
                     return Poll::Ready(answer);
                 }
             }
@@ -146,6 +148,7 @@ where
                 return Poll::Ready(answer);
             }
             if !primary_running && hedging.hedges.is_empty() && !hedging.readying {
+                hedging.config.hedges(HedgeOutcome::Lost, hedging.sent);
                 return Poll::Ready(hedging.give_kept());
             }
             if !hedging.poll_schedule(this.timer.as_mut(), cx) {
@@ -171,6 +174,8 @@ where
             drop(self.hedges.swap_remove(index));
             if let Some(answer) = self.judge(result.map_err(Into::into), false) {
                 Counts::add(&self.config.counts.won);
+                self.config.hedges(HedgeOutcome::Won, 1);
+                self.config.hedges(HedgeOutcome::Lost, self.sent - 1);
                 if primary_running {
                     // The first copy is cancelled: its latency is at least this.
                     self.record_latency();
@@ -290,6 +295,7 @@ where
         }
         if !self.budget().withdraw(RetryCost::Failure) {
             Counts::add(&self.config.counts.refused);
+            self.config.hedges(HedgeOutcome::Refused, 1);
             tracing::debug!(name = %self.config.name, "hedge refused by the retry budget");
             return Due::Never;
         }
@@ -324,6 +330,7 @@ where
             );
         }
         parts.extensions.insert(HedgeCopy::new(Some(budget)));
+        parts.extensions.insert(AttemptNumber::new(attempt));
         parts.extensions.insert(RetryCharged::new(attempt, budget));
         let clone = self.service.clone();
         let mut service = std::mem::replace(&mut self.service, clone);

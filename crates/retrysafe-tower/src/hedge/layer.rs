@@ -1,4 +1,3 @@
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -9,6 +8,8 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
+use retrysafe_core::observe::handles::{Counter, Lazy};
+use retrysafe_core::observe::{Name, names};
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
 
@@ -32,7 +33,7 @@ pub struct HedgeLayer {
 }
 
 pub(super) struct Config {
-    pub(super) name: Cow<'static, str>,
+    pub(super) name: Name,
     pub(super) delay: HedgeDelay,
     /// The quantile of a percentile delay, as set (checked by `build`).
     pub(super) quantile: f64,
@@ -43,6 +44,99 @@ pub(super) struct Config {
     pub(super) convention: Convention,
     pub(super) replay_cap: usize,
     pub(super) counts: Counts,
+    /// `retrysafe_hedges_total{name, outcome}`, resolved when the layer makes its
+    /// service.
+    pub(super) metrics: Lazy<HedgeMetrics>,
+    pub(super) on_hedge: Option<HedgeHook>,
+}
+
+type HedgeHook = Arc<dyn Fn(&HedgeEvent) + Send + Sync>;
+
+/// What became of a hedge ([`HedgeEvent::outcome`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum HedgeOutcome {
+    /// The hedge's answer won the race.
+    Won,
+    /// The hedge was sent and another copy's answer ended the call.
+    Lost,
+    /// The retry budget refused the hedge: it was not sent.
+    Refused,
+}
+
+impl HedgeOutcome {
+    /// The outcome as the `outcome` label of `retrysafe_hedges_total`: `won`, `lost`,
+    /// `refused`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HedgeOutcome::Won => "won",
+            HedgeOutcome::Lost => "lost",
+            HedgeOutcome::Refused => "refused",
+        }
+    }
+}
+
+/// A hedge that won, lost or was refused, as the [`on_hedge`](HedgeLayer::on_hedge)
+/// hook sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct HedgeEvent {
+    /// The layer's name.
+    pub name: Name,
+    /// What became of the hedge.
+    pub outcome: HedgeOutcome,
+}
+
+impl Config {
+    fn metrics(&self) -> &HedgeMetrics {
+        self.metrics.get(|| metrics(&self.name))
+    }
+
+    /// Counts `n` hedges of `outcome` and calls the hook for each.
+    pub(super) fn hedges(&self, outcome: HedgeOutcome, n: u32) {
+        for _ in 0..n {
+            self.metrics().of(outcome).increment();
+            if let Some(hook) = &self.on_hedge {
+                hook(&HedgeEvent {
+                    name: self.name.clone(),
+                    outcome,
+                });
+            }
+        }
+    }
+}
+
+/// The counters of `retrysafe_hedges_total`, one per outcome.
+#[derive(Clone, Default)]
+pub(super) struct HedgeMetrics {
+    won: Counter,
+    lost: Counter,
+    refused: Counter,
+}
+
+impl HedgeMetrics {
+    fn of(&self, outcome: HedgeOutcome) -> &Counter {
+        match outcome {
+            HedgeOutcome::Won => &self.won,
+            HedgeOutcome::Lost => &self.lost,
+            HedgeOutcome::Refused => &self.refused,
+        }
+    }
+}
+
+fn metrics(name: &Name) -> HedgeMetrics {
+    let counter = |outcome: HedgeOutcome| {
+        Counter::new(
+            names::HEDGES_TOTAL,
+            name,
+            Some(("outcome", outcome.as_str())),
+        )
+    };
+    HedgeMetrics {
+        won: counter(HedgeOutcome::Won),
+        lost: counter(HedgeOutcome::Lost),
+        refused: counter(HedgeOutcome::Refused),
+    }
 }
 
 /// The shared counts behind [`HedgeStats`].
@@ -79,7 +173,7 @@ impl HedgeLayer {
     pub fn new() -> Self {
         HedgeLayer {
             config: Arc::new(Config {
-                name: Cow::Borrowed("default"),
+                name: Name::default(),
                 delay: HedgeDelay::Percentile(LatencyTracker::new(0.95, PERCENTILE_WINDOW)),
                 quantile: 0.95,
                 max_hedges: 1,
@@ -89,6 +183,8 @@ impl HedgeLayer {
                 convention: Convention::default(),
                 replay_cap: DEFAULT_REPLAY_CAP,
                 counts: Counts::default(),
+                metrics: Lazy::default(),
+                on_hedge: None,
             }),
         }
     }
@@ -106,15 +202,27 @@ impl HedgeLayer {
             convention: old.convention.clone(),
             replay_cap: old.replay_cap,
             counts: Counts::default(),
+            metrics: old.metrics.clone(),
+            on_hedge: old.on_hedge.clone(),
         };
+        let name = config.name.clone();
         f(&mut config);
+        if config.name != name {
+            config.metrics = Lazy::default();
+        }
         HedgeLayer {
             config: Arc::new(config),
         }
     }
 
-    /// The name in events (default `default`).
-    pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
+    /// Calls `f` on every hedge that won, lost or was refused by the budget.
+    pub fn on_hedge(self, f: impl Fn(&HedgeEvent) + Send + Sync + 'static) -> Self {
+        self.map(|c| c.on_hedge = Some(Arc::new(f)))
+    }
+
+    /// The name in events, hooks and metrics (`retrysafe_hedges_total`, whose handles
+    /// are resolved when the layer makes its service; default `default`).
+    pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.map(|c| c.name = name)
     }
@@ -226,6 +334,8 @@ impl<S> Layer<S> for HedgeLayer {
     type Service = HedgeService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let _ = self.config.metrics();
+        self.config.budget.resolve_metrics();
         HedgeService::new(inner, Arc::clone(&self.config))
     }
 }

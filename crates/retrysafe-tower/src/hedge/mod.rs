@@ -69,7 +69,7 @@ mod layer;
 mod service;
 
 pub use future::ResponseFuture;
-pub use layer::{HedgeLayer, HedgeStats};
+pub use layer::{HedgeEvent, HedgeLayer, HedgeOutcome, HedgeStats};
 pub use retrysafe_core::budget::RetryBudget;
 pub use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
 pub use retrysafe_core::strategy::{Idempotent, NoRetry};

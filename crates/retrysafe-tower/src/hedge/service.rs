@@ -7,6 +7,7 @@ use http_body::Body;
 use retrysafe_core::__private::HedgeRace;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::RequestFacts;
+use retrysafe_core::observe::AttemptNumber;
 use retrysafe_core::strategy::{Idempotent, NoRetry};
 use retrysafe_core::{CallContext, Deadline};
 use tower_service::Service;
@@ -76,6 +77,8 @@ where
             Some((facts, deadline)) => {
                 // Every copy's breaker sees a cancellation by the hedge as neutral.
                 parts.extensions.insert(HedgeRace::new());
+                // The first copy is attempt 1; the hedges number on from it.
+                parts.extensions.insert(AttemptNumber::new(1));
                 let first = ReplayBody::new(body, self.config.replay_cap.min(1 << 30));
                 // The first copy holds the wrapped body and streams it; the hedges
                 // replay what it read.

@@ -71,8 +71,6 @@ struct Retrying<Res> {
     /// The last real response while a retry is pending: returned, marked
     /// `do-not-retry`, when the retry cannot be made after all.
     last: Option<Res>,
-    /// The span of the retried attempt (`http.request.resend_count`).
-    span: tracing::Span,
 }
 
 /// What a [`Driver`] does with an attempt's outcome.
@@ -140,6 +138,9 @@ where
                 timeout,
                 grpc: call.is_grpc(),
             };
+            // In the call's span, as every later attempt is: a breaker or budget below
+            // records its verdict on it.
+            let _entered = call.span().map(tracing::Span::enter);
             State::Calling {
                 future: service.attempt(Request::from_parts(parts, body), sent),
             }
@@ -204,35 +205,54 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        // The call's span, entered while its attempts are polled (a disabled span is
+        // neither cloned nor entered).
+        let _entered = this.call.span().map(|span| span.clone().entered());
+        let answer = ready!(this.poll_call(cx));
+        if let Err(error) = &answer
+            && error.is::<DeadlineExceeded>()
+        {
+            this.call.deadline_expired();
+        }
+        Poll::Ready(answer)
+    }
+}
+
+type Answer<R> = Result<Response<R>, BoxError>;
+
+impl<A, B, R> DriverProj<'_, A, B>
+where
+    A: Attempts<B, Response = Response<R>>,
+    A::Error: Into<BoxError>,
+    B: Body,
+{
+    /// The state machine: one `match` on the state, each arm a helper.
+    #[inline]
+    fn poll_call(&mut self, cx: &mut Context<'_>) -> Poll<Answer<R>> {
         loop {
-            match this.state.as_mut().project() {
+            match self.state.as_mut().project() {
                 StateProj::Calling { future } => {
                     // The response first: a timer polled before it would drop a response
                     // that was ready.
-                    let polled = {
-                        let _entered = this.retry.as_ref().map(|r| r.span.enter());
-                        future.poll(cx)
-                    };
-                    if let Some(answer) = ready!(this.attempt_over(polled, cx)) {
+                    let polled = future.poll(cx);
+                    if let Some(answer) = ready!(self.attempt_over(polled, cx)) {
                         return Poll::Ready(answer);
                     }
                 }
-                StateProj::Backoff => ready!(this.poll_backoff(cx)),
+                StateProj::Backoff => ready!(self.poll_backoff(cx)),
                 StateProj::Readying => {
-                    if let Some(answer) = ready!(this.poll_readying(cx)) {
+                    if let Some(answer) = ready!(self.poll_readying(cx)) {
                         return Poll::Ready(answer);
                     }
                 }
                 StateProj::Failed { error } => {
                     let error = error.take();
-                    return Poll::Ready(this.failed(error));
+                    return Poll::Ready(self.failed(error));
                 }
             }
         }
     }
 }
-
-type Answer<R> = Result<Response<R>, BoxError>;
 
 impl<A, B, R> DriverProj<'_, A, B>
 where
@@ -355,11 +375,10 @@ where
         given_up(self.call, last, error)
     }
 
-    /// `Calling`, to retry: keeps the last real response and the attempt's span, then
+    /// `Calling`, to retry: keeps the last real response, then
     /// waits the token's delay (`Backoff`) or goes on at once (`Readying`).
     fn schedule_retry(&mut self, next: RetryToken, outcome: Outcome<R>) {
         let delay = next.delay();
-        let span = RetryCall::attempt_span(&next);
         let last = match outcome {
             Outcome::Response(r) => Some(r),
             Outcome::Error(_) | Outcome::TimedOut => {
@@ -367,11 +386,8 @@ where
             }
         };
         match self.retry {
-            Some(r) => {
-                r.last = last;
-                r.span = span;
-            }
-            None => *self.retry = Some(Box::new(Retrying { last, span })),
+            Some(r) => r.last = last,
+            None => *self.retry = Some(Box::new(Retrying { last })),
         }
         *self.token = Some(next);
         if delay.is_zero() {
@@ -454,10 +470,7 @@ where
             grpc: self.call.is_grpc(),
         };
         let request = Request::from_parts(parts, self.body.clone());
-        let future = {
-            let _entered = self.retry.as_ref().map(|r| r.span.enter());
-            self.service.attempt(request, sent)
-        };
+        let future = self.service.attempt(request, sent);
         self.state.set(State::Calling { future });
         Ok(())
     }

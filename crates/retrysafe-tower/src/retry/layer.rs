@@ -60,6 +60,20 @@ impl RetryLayer {
         self
     }
 
+    /// The layer's name (default `default`): the `name` of its `retrysafe.call` spans,
+    /// its hook events and its metrics (`retrysafe_client_attempts_total`,
+    /// `retrysafe_client_retries_total`), whose handles are resolved when the layer
+    /// makes its service.
+    pub fn name(self, name: impl Into<retrysafe_core::observe::Name>) -> Self {
+        self.map(|p| p.with_name(name))
+    }
+
+    /// The name given with [`name`](Self::name).
+    #[cfg(feature = "client")]
+    pub(crate) fn name_of(&self) -> &retrysafe_core::observe::Name {
+        self.config.policy.name()
+    }
+
     /// The retry strategy (attempts, backoff, budget, default timeouts).
     pub fn strategy(self, strategy: impl RetryStrategy) -> Self {
         self.map(|p| p.with_strategy(strategy))
@@ -138,8 +152,16 @@ impl RetryLayer {
     /// The layer as part of a fused client stack: `budget` is the budget of every call
     /// whose request carries none, and attempts carry no mark for a budget layer below
     /// (there is none).
-    pub(crate) fn fused(self, budget: retrysafe_core::budget::RetryBudget) -> Self {
-        self.map(|p| p.with_budget(budget).without_charge_mark())
+    pub(crate) fn fused(
+        self,
+        budget: retrysafe_core::budget::RetryBudget,
+        expiry: retrysafe_core::__private::ExpiryObserver,
+    ) -> Self {
+        self.map(|p| {
+            p.with_budget(budget)
+                .without_charge_mark()
+                .with_expiry_observer(expiry)
+        })
     }
 
     /// The configuration every service of this layer shares.
@@ -160,6 +182,7 @@ impl<S> Layer<S> for RetryLayer {
     type Service = RetryService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.config.policy.resolve_metrics();
         RetryService::from_config(inner, self.config.clone())
     }
 }

@@ -46,8 +46,8 @@
 //!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack answers them
 //!   for gRPC requests as synthesised Trailers-Only statuses;
 //! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
-//!   emits `tracing` events, and runs retried attempts in a span carrying
-//!   `http.request.resend_count`.
+//!   emits `tracing` events, runs each call in one `retrysafe.call` span and puts an
+//!   [`AttemptNumber`] on every attempt (see [Tracing each attempt](#tracing-each-attempt)).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
@@ -78,6 +78,59 @@
 //! assert_eq!(calls.load(Ordering::SeqCst), 3);
 //! # }
 //! ```
+//!
+//! # Tracing each attempt
+//!
+//! Every call runs in one `retrysafe.call` span (level INFO) with the fields `name`
+//! (the layer's [`name`](RetryLayer::name)), `attempts`, `give_up` (the reason, when it
+//! gave up), `budget` (`granted`, `refused`) and `breaker` (`rejected`), recorded as
+//! they happen. The attempts themselves are the transport's to trace: every attempt
+//! carries its [`AttemptNumber`] in its extensions (hedges included), so a span made
+//! *below* the retry layer records OpenTelemetry's `http.request.resend_count` — set,
+//! as the HTTP conventions ask, on resent requests only. With tower-http's
+//! `TraceLayer` (the same goes below [`ClientLayers`](crate::client::ClientLayers)):
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use http::{Request, Response, StatusCode};
+//! use retrysafe_core::observe::AttemptNumber;
+//! use retrysafe_tower::retry::{ReplayBody, RetryLayer};
+//! use tower::{ServiceBuilder, ServiceExt};
+//! use tower_http::trace::TraceLayer;
+//!
+//! /// The transport's span of one attempt.
+//! fn attempt_span<B>(request: &Request<B>) -> tracing::Span {
+//!     let span = tracing::info_span!(
+//!         "HTTP",
+//!         http.request.method = %request.method(),
+//!         http.request.resend_count = tracing::field::Empty,
+//!     );
+//!     if let Some(attempt) = AttemptNumber::of(request.extensions()) {
+//!         if attempt.resend_count() > 0 {
+//!             span.record("http.request.resend_count", attempt.resend_count());
+//!         }
+//!     }
+//!     span
+//! }
+//!
+//! let client = ServiceBuilder::new()
+//!     .layer(RetryLayer::new().name("inventory"))
+//!     // Below the retry layer: one span per attempt.
+//!     .layer(TraceLayer::new_for_http().make_span_with(attempt_span::<ReplayBody<String>>))
+//!     // The transport (here, one that answers 503 to the first attempt).
+//!     .service(tower::service_fn(|request: Request<ReplayBody<String>>| async move {
+//!         let attempt = AttemptNumber::of(request.extensions()).map(AttemptNumber::get);
+//!         let status = if attempt == Some(1) { 503 } else { 200 };
+//!         let response = Response::builder().status(status).body(String::new());
+//!         Ok::<_, std::convert::Infallible>(response.unwrap())
+//!     }));
+//!
+//! let request = Request::get("http://inventory/items").body(String::new()).unwrap();
+//! let response = client.oneshot(request).await.unwrap();
+//! assert_eq!(response.status(), StatusCode::OK);
+//! # }
+//! ```
 
 // The attempt driver's hooks for the breaker (`Attempts`, `Sent`) serve the fused stack
 // of the `client` feature; without it the plain retry path leaves some of them unused.
@@ -98,6 +151,7 @@ pub use future::ResponseFuture;
 pub(crate) use layer::Config;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
 pub use retrysafe_core::backoff::{Backoff, Jitter};
+pub use retrysafe_core::observe::AttemptNumber;
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 pub use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryStrategy, StandardRetryStrategy,

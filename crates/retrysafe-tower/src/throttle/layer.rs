@@ -1,4 +1,3 @@
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -7,6 +6,8 @@ use std::time::Duration;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
+use retrysafe_core::observe::handles::{Counter, Lazy};
+use retrysafe_core::observe::{Name, names};
 use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
@@ -25,11 +26,47 @@ pub struct AdaptiveThrottleLayer {
 }
 
 pub(super) struct Config {
-    pub(super) name: Cow<'static, str>,
+    pub(super) name: Name,
     pub(super) settings: ThrottleConfig,
     pub(super) throttle: AdaptiveThrottle,
     pub(super) classifier: Arc<dyn Classifier>,
     pub(super) draws: Draws,
+    /// `retrysafe_throttle_rejections_total{name}`, resolved when the layer makes its
+    /// service.
+    pub(super) rejections: Lazy<Counter>,
+    pub(super) on_rejection: Option<RejectionHook>,
+}
+
+type RejectionHook = Arc<dyn Fn(&ThrottleRejection) + Send + Sync>;
+
+/// A call the throttle refused locally, as the
+/// [`on_rejection`](AdaptiveThrottleLayer::on_rejection) hook sees it.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct ThrottleRejection {
+    /// The layer's name.
+    pub name: Name,
+    /// The probability of a local rejection when this one was drawn.
+    pub probability: f64,
+}
+
+impl Config {
+    fn rejections(&self) -> &Counter {
+        self.rejections
+            .get(|| Counter::new(names::THROTTLE_REJECTIONS_TOTAL, &self.name, None))
+    }
+
+    /// Counts a local rejection and calls the hook.
+    #[cold]
+    pub(super) fn rejected(&self) {
+        self.rejections().increment();
+        if let Some(hook) = &self.on_rejection {
+            hook(&ThrottleRejection {
+                name: self.name.clone(),
+                probability: self.throttle.rejection_probability(),
+            });
+        }
+    }
 }
 
 /// Uniform draws in `[0, 1)` from a seeded counter (SplitMix64), lock-free: the same
@@ -69,7 +106,9 @@ impl AdaptiveThrottleLayer {
         let settings = ThrottleConfig::default();
         AdaptiveThrottleLayer {
             config: Arc::new(Config {
-                name: Cow::Borrowed("default"),
+                name: Name::default(),
+                rejections: Lazy::default(),
+                on_rejection: None,
                 settings,
                 throttle: AdaptiveThrottle::new(settings),
                 classifier: Arc::new(DefaultClassifier::default()),
@@ -86,15 +125,27 @@ impl AdaptiveThrottleLayer {
             throttle: old.throttle.clone(),
             classifier: Arc::clone(&old.classifier),
             draws: Draws::new(old.draws.seed),
+            rejections: old.rejections.clone(),
+            on_rejection: old.on_rejection.clone(),
         };
+        let name = config.name.clone();
         f(&mut config);
+        if config.name != name {
+            config.rejections = Lazy::default();
+        }
         AdaptiveThrottleLayer {
             config: Arc::new(config),
         }
     }
 
-    /// The name in events (default `default`).
-    pub fn name(self, name: impl Into<Cow<'static, str>>) -> Self {
+    /// Calls `f` on every call the throttle refuses locally.
+    pub fn on_rejection(self, f: impl Fn(&ThrottleRejection) + Send + Sync + 'static) -> Self {
+        self.map(|c| c.on_rejection = Some(Arc::new(f)))
+    }
+
+    /// The name in events, hooks and metrics (`retrysafe_throttle_rejections_total`,
+    /// whose handle is resolved when the layer makes its service; default `default`).
+    pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.map(|c| c.name = name)
     }
@@ -164,6 +215,7 @@ impl<S> Layer<S> for AdaptiveThrottleLayer {
     type Service = AdaptiveThrottleService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        let _ = self.config.rejections();
         AdaptiveThrottleService::new(inner, Arc::clone(&self.config))
     }
 }

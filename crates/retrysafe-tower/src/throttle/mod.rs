@@ -52,7 +52,7 @@
 mod layer;
 mod service;
 
-pub use layer::AdaptiveThrottleLayer;
+pub use layer::{AdaptiveThrottleLayer, ThrottleRejection};
 pub use retrysafe_core::error::Throttled;
 pub use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 pub use service::{AdaptiveThrottleService, ResponseFuture};

@@ -57,6 +57,7 @@ where
         let config = &self.config;
         if !config.throttle.admit(config.draws.next()) {
             tracing::debug!(name = %config.name, "call throttled locally");
+            config.rejected();
             return ResponseFuture {
                 kind: Kind::Rejected,
             };
