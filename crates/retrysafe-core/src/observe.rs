@@ -110,8 +110,10 @@ impl From<Cow<'static, str>> for Name {
 
 /// The 1-based number of the attempt a request is, in its extensions: the client
 /// layers (`RetryLayer`, `ClientLayers`, `HedgeLayer`, the reqwest middlewares) put it
-/// on every attempt they send, hedges included, so the transport's own client span
-/// can record OpenTelemetry's `http.request.resend_count` (attempt − 1).
+/// on every attempt they resend, hedges included, so the transport's own client span
+/// can record OpenTelemetry's `http.request.resend_count` (attempt − 1). A request
+/// without one is a first attempt: the first is left unmarked (marking it would
+/// allocate the extensions of most requests), unless it already carried a number.
 ///
 /// The recipe: make the transport's span *below* the retry — tower-http's
 /// `TraceLayer::new_for_http().make_span_with(…)` under the `RetryLayer` or

@@ -38,7 +38,7 @@
 //!   [`RetryBudget`];
 //! - calls [`on_retry`](RetryMiddleware::on_retry) / [`on_give_up`](RetryMiddleware::on_give_up),
 //!   emits `tracing` events, and runs each call in one `retrysafe.call` span (INFO:
-//!   `name`, `attempts`, `give_up`, `budget`, `breaker`); every attempt carries its
+//!   `name`, `attempts`, `give_up`, `budget`, `breaker`); every resent attempt carries its
 //!   [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the `Extensions`, for
 //!   a reqwest-tracing span below to record `http.request.resend_count` (see
 //!   [`observe::AttemptNumber`](retrysafe_core::observe::AttemptNumber)).
@@ -87,7 +87,7 @@
 //! # Tracing each attempt
 //!
 //! Every call runs in one `retrysafe.call` span (INFO; `name`, `attempts`, `give_up`,
-//! `budget`, `breaker`). Every attempt carries its
+//! `budget`, `breaker`). Every resent attempt carries its
 //! [`AttemptNumber`](retrysafe_core::observe::AttemptNumber) in the middleware
 //! `Extensions`, so a reqwest-tracing span backend placed **after** this middleware
 //! records OpenTelemetry's `http.request.resend_count` on resent requests:

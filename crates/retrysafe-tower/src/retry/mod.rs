@@ -47,7 +47,7 @@
 //!   for gRPC requests as synthesised Trailers-Only statuses;
 //! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
 //!   emits `tracing` events, runs each call in one `retrysafe.call` span and puts an
-//!   [`AttemptNumber`] on every attempt (see [Tracing each attempt](#tracing-each-attempt)).
+//!   [`AttemptNumber`] on every resent attempt (see [Tracing each attempt](#tracing-each-attempt)).
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
@@ -84,8 +84,9 @@
 //! Every call runs in one `retrysafe.call` span (level INFO) with the fields `name`
 //! (the layer's [`name`](RetryLayer::name)), `attempts`, `give_up` (the reason, when it
 //! gave up), `budget` (`granted`, `refused`) and `breaker` (`rejected`), recorded as
-//! they happen. The attempts themselves are the transport's to trace: every attempt
-//! carries its [`AttemptNumber`] in its extensions (hedges included), so a span made
+//! they happen. The attempts themselves are the transport's to trace: every resent
+//! attempt carries its [`AttemptNumber`] in its extensions (hedges included; none
+//! means the first), so a span made
 //! *below* the retry layer records OpenTelemetry's `http.request.resend_count` — set,
 //! as the HTTP conventions ask, on resent requests only. With tower-http's
 //! `TraceLayer` (the same goes below [`ClientLayers`](crate::client::ClientLayers)):
