@@ -37,6 +37,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 /// The name of a layer, breaker, budget, store or reconciler in events, spans and
 /// metrics (the `name` label). `default` unless set.
@@ -48,35 +49,80 @@ use std::fmt;
 /// assert_eq!(Name::new("payments-api").to_string(), "payments-api");
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Name(Cow<'static, str>);
+pub struct Name(Repr);
+
+/// A static name, or a shared one: cloning a name never allocates (events carry it).
+#[derive(Clone)]
+enum Repr {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl Repr {
+    fn as_str(&self) -> &str {
+        match self {
+            Repr::Static(s) => s,
+            Repr::Shared(s) => s,
+        }
+    }
+}
+
+impl PartialEq for Repr {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Repr {}
+
+impl std::hash::Hash for Repr {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
+impl PartialOrd for Repr {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Repr {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
 
 impl Name {
     /// A name.
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
-        Name(name.into())
+        match name.into() {
+            Cow::Borrowed(s) => Name(Repr::Static(s)),
+            Cow::Owned(s) => Name(Repr::Shared(s.into())),
+        }
     }
 
     /// The name as text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 }
 
 impl Default for Name {
     fn default() -> Self {
-        Name(Cow::Borrowed("default"))
+        Name(Repr::Static("default"))
     }
 }
 
 impl fmt::Debug for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl fmt::Display for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
@@ -94,7 +140,7 @@ impl From<String> for Name {
 
 impl From<Cow<'static, str>> for Name {
     fn from(name: Cow<'static, str>) -> Self {
-        Name(name)
+        Name::new(name)
     }
 }
 

@@ -103,7 +103,7 @@ async fn run_keyed<H: Handler>(
     let deadline = request.deadline();
     let mut protocol = Protocol::new(guard.policy(), request.fingerprint, deadline);
     let mut engine = TxEngine::new(backend, deadline, Some(row));
-    match negotiate(guard, &mut protocol, &mut engine).await {
+    match negotiate(guard, &mut protocol, &mut engine, &request.span).await {
         Step::Run => {
             // A detached context: the commit point is the transaction itself. The
             // handler runs in this task: re-scope the inherited call context, now
@@ -243,8 +243,8 @@ impl Engine for TxEngine<'_> {
     }
 
     fn note(&mut self, guard: &Guard, note: Note) {
-        if let (Note::Event(kind), Some(row)) = (note, &self.row) {
-            guard.emit(kind, &row.id);
+        if let Note::Event(kind) = note {
+            guard.emit(kind, self.row.as_ref().map(|row| &row.id));
         }
     }
 }

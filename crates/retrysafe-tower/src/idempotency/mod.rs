@@ -100,6 +100,7 @@ mod exec;
 mod future;
 mod guard;
 mod layer;
+mod observe;
 mod problem;
 mod service;
 mod slots;
@@ -118,6 +119,7 @@ pub mod __private {
     pub use super::blocks;
     pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
     pub use super::exec::StoreBackend;
+    pub use super::observe::{RoundTrips, StoreOp};
     pub use super::guard::{
         Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler,
     };
