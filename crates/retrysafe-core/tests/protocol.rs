@@ -12,8 +12,7 @@ use retrysafe_core::__private::protocol::{
 };
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
-    Decision,
-    CommitPoint, Completed, EventKind, Evicted, Fingerprint, HeaderFilter, InProgress,
+    CommitPoint, Completed, Decision, EventKind, Evicted, Fingerprint, HeaderFilter, InProgress,
     OutcomeUnknown, Record, Resolving, StoredResponse, Token, UnknownReason,
 };
 use retrysafe_core::problem::{Problem, ProblemKind};

@@ -20,9 +20,7 @@ use tokio::time::Instant;
 
 use crate::MemoryStore;
 use crate::eviction::{Eviction, EvictionKind};
-use crate::retained::{
-    Adoption, Blob, Bounds, Found as Kept, Gauges, Pending, Report, Retained,
-};
+use crate::retained::{Adoption, Blob, Bounds, Found as Kept, Gauges, Pending, Report, Retained};
 use retrysafe_core::observe::Name;
 
 /// The number of in-flight shards (selected by the first byte of the record id, which
@@ -382,8 +380,14 @@ impl Inner {
         if report.dropped.is_empty() && report.shrunk.is_empty() {
             return;
         }
-        let shrunk = report.shrunk.into_iter().map(|id| (id, EvictionKind::Tombstoned));
-        let dropped = report.dropped.into_iter().map(|id| (id, EvictionKind::Forgotten));
+        let shrunk = report
+            .shrunk
+            .into_iter()
+            .map(|id| (id, EvictionKind::Tombstoned));
+        let dropped = report
+            .dropped
+            .into_iter()
+            .map(|id| (id, EvictionKind::Forgotten));
         lock(&self.evictions.ids).extend(shrunk.chain(dropped));
         self.evictions.pending.store(true, Ordering::Release);
     }

@@ -8,11 +8,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use retrysafe_core::__private::{Reconcilers, Validate};
 use retrysafe_core::ConfigError;
-use retrysafe_core::observe::Name;
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId,
     RequestInfo, Resolving, Token, UnknownReason,
 };
+use retrysafe_core::observe::Name;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, StoreError};
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};

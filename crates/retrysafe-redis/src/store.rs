@@ -15,11 +15,11 @@ use redis::{
 };
 use retrysafe_core::__private::{Reconcilers, Validate};
 use retrysafe_core::ConfigError;
-use retrysafe_core::observe::Name;
 use retrysafe_core::idempotency::{
     Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Resolving, Token,
     UnknownReason,
 };
+use retrysafe_core::observe::Name;
 use retrysafe_core::store::{
     Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, RESEND_WINDOW, StoreError,
 };

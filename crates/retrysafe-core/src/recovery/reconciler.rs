@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::{PendingRecord, PendingState, ReconcilableStore, Resolution, Resolver, Settlement};
-use crate::observe::Name;
-use crate::observe::handles::{Counter, Gauge};
-use crate::observe::names;
 use crate::ConfigError;
 use crate::config::Validate;
 use crate::idempotency::{RecordId, Token, UnknownOutcome, UnknownReason};
+use crate::observe::Name;
+use crate::observe::handles::{Counter, Gauge};
+use crate::observe::names;
 
 type Hook = Arc<dyn Fn(&UnknownOutcome) + Send + Sync + 'static>;
 type ResolutionHook = Arc<dyn Fn(&Resolved) + Send + Sync + 'static>;

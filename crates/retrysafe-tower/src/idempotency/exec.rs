@@ -399,7 +399,8 @@ impl Engine for StoreEngine<'_> {
             backend.store.wait(&self.id, max),
         )
         .await;
-        self.guard.round_trip(&mut self.trips, StoreOp::Wait, started);
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Wait, started);
         match wait {
             Ok(Ok(())) => Waited::LookAgain,
             Ok(Err(e)) => Waited::Failed(e),
@@ -464,8 +465,8 @@ impl Engine for StoreEngine<'_> {
                 guard.shared.tracker.spawn(async move {
                     let release = || backend.store.release(&id, token);
                     // A stale token (nothing landed, or someone else holds it) is final.
-                    let _ = write_with_retry(&backend, until, None, StoreOp::Release, release)
-                        .await;
+                    let _ =
+                        write_with_retry(&backend, until, None, StoreOp::Release, release).await;
                 });
             }
             _ => {}

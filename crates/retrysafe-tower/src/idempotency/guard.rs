@@ -17,18 +17,18 @@ use http::{HeaderMap, Method, Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::__private::protocol::Policy;
+use retrysafe_core::idempotency::Decision;
 use retrysafe_core::idempotency::{
     Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, IdempotencyEvent, Principal,
     RecordId, Scope, StoredResponse,
 };
-use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
-use retrysafe_core::idempotency::Decision;
 use retrysafe_core::observe::Name;
+use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use tracing::Span;
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Span;
 
 use super::blocks::{self, CapturedBody};
 use super::body::{RequestBody, ResponseBody};

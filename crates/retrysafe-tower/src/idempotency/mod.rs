@@ -119,10 +119,10 @@ pub mod __private {
     pub use super::blocks;
     pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
     pub use super::exec::StoreBackend;
-    pub use super::observe::{RoundTrips, StoreOp};
     pub use super::guard::{
         Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler,
     };
+    pub use super::observe::{RoundTrips, StoreOp};
 }
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use problem::{Problem, ProblemKind};

@@ -121,7 +121,11 @@ impl Metrics {
             status_unknown: STATUS_REASONS.map(|(_, r)| counter(unknown, "reason", r)),
             other_unknown: counter(unknown, "reason", "other"),
             store: StoreOp::ALL.map(|op| {
-                Histogram::new(names::IDEMPOTENCY_STORE_SECONDS, name, Some(("op", op.as_str())))
+                Histogram::new(
+                    names::IDEMPOTENCY_STORE_SECONDS,
+                    name,
+                    Some(("op", op.as_str())),
+                )
             }),
         }
     }
@@ -239,8 +243,7 @@ impl RoundTrips {
     pub fn report(&self) {
         if !self.span.is_disabled() {
             self.span.record("store_round_trips", self.count);
-            self.span
-                .record("store_seconds", self.total.as_secs_f64());
+            self.span.record("store_seconds", self.total.as_secs_f64());
         }
     }
 }

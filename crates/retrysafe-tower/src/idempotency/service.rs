@@ -11,10 +11,10 @@ use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::Deadline;
+use retrysafe_core::idempotency::Decision;
 use retrysafe_core::idempotency::Scope;
 use retrysafe_core::wire::IdempotencyKey;
 use tower_service::Service;
-use retrysafe_core::idempotency::Decision;
 use tracing::{Instrument, Span};
 
 use super::blocks;
