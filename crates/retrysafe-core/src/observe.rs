@@ -29,7 +29,7 @@
 //! | `retrysafe_reconciler_resolutions_total` | counter | `name`, `resolution` | records a reconciler adopted, by how it left them: `happened`, `did_not_happen`, `released` (before a commit point), `unknown` (left for a later pass), `error` (a store call failed) |
 //! | `retrysafe_reconciler_pending` | gauge | `name` | records due for resolution at the reconciler's last pass (at most its batch) |
 //! | `retrysafe_memory_store_bytes` | gauge | `name` | the weighted bytes of the records the `MemoryStore` keeps (tombstones aside), set on every change |
-//! | `retrysafe_memory_store_effective_retention_seconds` | gauge | `name` | how far back the `MemoryStore` still remembers every key, set when it forgets keys early (absent before) |
+//! | `retrysafe_memory_store_effective_retention_seconds` | gauge | `name` | how far back the `MemoryStore` still remembers every key, set when it forgets keys early (0 until then) |
 //! | `retrysafe_outbox_backlog` | gauge | `name` | outbox rows not yet delivered, counted after each pass of the relay |
 //!
 //! The `name` label is the instance's [`Name`]. Keyed breakers report per key only

@@ -259,7 +259,7 @@ impl MemoryStore {
     /// installed then (only a built store reports them): `retrysafe_memory_store_bytes`
     /// (the weighted bytes of the records, set on every change) and
     /// `retrysafe_memory_store_effective_retention_seconds` (how far back every key is
-    /// remembered, set each time tombstones are dropped early; absent before). Like
+    /// remembered, set each time tombstones are dropped early; 0 until then). Like
     /// every setter, it returns a fresh, empty store.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
