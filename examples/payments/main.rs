@@ -285,11 +285,11 @@ async fn main() -> ExitCode {
 
     // Before any layer, store or reconciler is built: they resolve their metric
     // handles in the recorder installed when they are built.
-    if let Some(addr) = &args.metrics_listen {
-        if let Err(message) = serve_metrics(addr).await {
-            eprintln!("error: {message}");
-            return ExitCode::FAILURE;
-        }
+    if let Some(addr) = &args.metrics_listen
+        && let Err(message) = serve_metrics(addr).await
+    {
+        eprintln!("error: {message}");
+        return ExitCode::FAILURE;
     }
 
     let mut sweeper = None;

@@ -2,7 +2,7 @@
 //! evictions (records tombstoned, tombstones forgotten) through the store's hook and
 //! its gauges, and a reconciler's resolutions through its hook and its metrics.
 // A failed expectation panics with what was found.
-#![allow(clippy::panic, clippy::unwrap_used)]
+#![allow(clippy::panic, clippy::unwrap_used, clippy::indexing_slicing)]
 #![cfg(feature = "metrics")]
 
 use std::sync::{Arc, Mutex};

@@ -188,11 +188,13 @@ pub(crate) fn request_span(name: &Name, scope: &Scope, key: &IdempotencyKey) -> 
 
 /// The first four bytes of `hash` as eight lowercase hex digits, written into `out`.
 fn hex_prefix<'a>(hash: &[u8; 32], out: &'a mut [u8; 8]) -> &'a str {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    fn digit(n: u8) -> u8 {
+        if n < 10 { b'0' + n } else { b'a' + n - 10 }
+    }
     for (pair, byte) in out.chunks_exact_mut(2).zip(hash) {
         if let [hi, lo] = pair {
-            *hi = DIGITS[usize::from(byte >> 4)];
-            *lo = DIGITS[usize::from(byte & 0x0f)];
+            *hi = digit(byte >> 4);
+            *lo = digit(byte & 0x0f);
         }
     }
     std::str::from_utf8(out).unwrap_or_default()
