@@ -30,7 +30,7 @@ pub enum EventKind {
     /// A copy found only the trace of its completed record, whose response the store
     /// evicted before its retention (409 `response-evicted`): the key ran, and will not
     /// run again. (The eviction itself is reported by the store that evicted it — for
-    /// the `MemoryStore`, its `on_tombstoned` hook — since only the store sees it.)
+    /// the `MemoryStore`, its `on_eviction` hook — since only the store sees it.)
     Evicted,
     /// A copy found its record `outcome_unknown` (500 `outcome-unknown`).
     Unknown,

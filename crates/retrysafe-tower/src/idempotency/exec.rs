@@ -138,7 +138,7 @@ async fn execute<H: Handler>(
     let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
     let mut engine = StoreEngine::new(guard, backend, &request);
     let step = negotiate(guard, &mut protocol, &mut engine, &request.span).await;
-    let answer = match step {
+    match step {
         Step::Run => engine.run(guard, &mut protocol, handler, request).await,
         Step::RunUnguarded => {
             let req = Request::from_parts(request.parts, RequestBody::buffered(request.body));
@@ -148,9 +148,7 @@ async fn execute<H: Handler>(
                 .map(|res| res.map(ResponseBody::stream))
         }
         step => Ok(answer_of(guard, step)),
-    };
-    engine.trips.report();
-    answer
+    }
 }
 
 /// The I/O of one guarded request over a store.

@@ -201,7 +201,8 @@ fn hex_prefix<'a>(hash: &[u8; 32], out: &'a mut [u8; 8]) -> &'a str {
 }
 
 /// The store round trips of one guarded request: counted, and timed only when its span
-/// or the store histogram records them (no clock read otherwise).
+/// or the store histogram records them (no clock read otherwise); recorded on the span
+/// when dropped.
 #[derive(Debug)]
 pub struct RoundTrips {
     span: Span,
@@ -240,9 +241,12 @@ impl RoundTrips {
             metrics.store(op, took);
         }
     }
+}
 
-    /// Records the round trips on the span.
-    pub fn report(&self) {
+/// The round trips are recorded on the span when the request's engine is done with
+/// them.
+impl Drop for RoundTrips {
+    fn drop(&mut self) {
         if !self.span.is_disabled() {
             self.span.record("store_round_trips", self.count);
             self.span.record("store_seconds", self.total.as_secs_f64());
