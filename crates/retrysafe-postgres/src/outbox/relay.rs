@@ -516,12 +516,12 @@ impl OutboxRelay {
             }
             (None, REJECTED) => {
                 pass.rejected += 1;
-                tracing::warn!(target: "retrysafe::outbox", id = row.id, status = mark.status, "outbox row rejected");
+                tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), id = row.id, status = mark.status, "outbox row rejected");
                 &self.on_rejected
             }
             (None, _) => {
                 pass.dead += 1;
-                tracing::error!(target: "retrysafe::outbox", id = row.id, attempts = row.attempts, "outbox row dead-lettered");
+                tracing::error!(target: "retrysafe::outbox", name = self.name.as_str(), id = row.id, attempts = row.attempts, "outbox row dead-lettered");
                 &self.on_dead
             }
         };
@@ -567,14 +567,14 @@ impl OutboxRelay {
                 Ok(pass) if pass.crashed => return,
                 Ok(pass) => pass.taken >= self.batch,
                 Err(e) => {
-                    tracing::warn!(target: "retrysafe::outbox", error = %e, "outbox pass failed");
+                    tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), error = %e, "outbox pass failed");
                     false
                 }
             };
             if Instant::now() >= next_sweep {
                 next_sweep = Instant::now() + self.sweep_interval;
                 if let Err(e) = self.sweep(1_000).await {
-                    tracing::warn!(target: "retrysafe::outbox", error = %e, "outbox sweep failed");
+                    tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), error = %e, "outbox sweep failed");
                 }
             }
             if !full {
