@@ -120,7 +120,7 @@ mod slots;
 mod timer;
 
 pub use body::{RequestBody, ResponseBody};
-pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+pub use event::{Decision, EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 #[doc(hidden)]
 pub use exec::StoreBackend;
 pub use future::ResponseFuture;
