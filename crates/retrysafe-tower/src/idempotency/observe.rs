@@ -167,6 +167,12 @@ impl Metrics {
 /// the record id (a hash of scope and key: never the raw key), and the store round trips
 /// with their total time. A disabled span costs one check.
 pub(crate) fn request_span(name: &Name, scope: &Scope, key: &IdempotencyKey) -> Span {
+    // Without a subscriber at INFO, `Span::none()`: unlike a disabled span it keeps no
+    // metadata, so recording on it and dropping it (and its clones) are no-ops even
+    // when `tracing` forwards to `log`.
+    if !tracing::level_enabled!(tracing::Level::INFO) {
+        return Span::none();
+    }
     let span = tracing::info_span!(
         target: "retrysafe::idempotency",
         "retrysafe.idempotency",
@@ -177,12 +183,13 @@ pub(crate) fn request_span(name: &Name, scope: &Scope, key: &IdempotencyKey) -> 
         store_round_trips = Empty,
         store_seconds = Empty,
     );
-    if !span.is_disabled() {
-        let mut hex = [0u8; 8];
-        span.record("scope", hex_prefix(scope.as_bytes(), &mut hex));
-        let record = RecordId::new(scope, key);
-        span.record("key", hex_prefix(record.as_bytes(), &mut hex));
+    if span.is_disabled() {
+        return Span::none();
     }
+    let mut hex = [0u8; 8];
+    span.record("scope", hex_prefix(scope.as_bytes(), &mut hex));
+    let record = RecordId::new(scope, key);
+    span.record("key", hex_prefix(record.as_bytes(), &mut hex));
     span
 }
 
