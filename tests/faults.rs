@@ -154,7 +154,15 @@ struct Events {
     takeover: AtomicU64,
     outcome_unknown: AtomicU64,
     completion_lost: AtomicU64,
+    /// Copies answered 409 `response-evicted` (the layer's `evicted` event): none here,
+    /// since no store of these runs evicts (the `MemoryStore` keeps its 64 MiB).
     evicted: AtomicU64,
+    /// Copies that found their record `outcome_unknown` (500) or pending (503).
+    unknown: AtomicU64,
+    pending: AtomicU64,
+    /// Requests refused for their key, scope or body, or for the store or a bound.
+    invalid: AtomicU64,
+    unavailable: AtomicU64,
     other: AtomicU64,
     /// Calls of the reconcile hook (`on_outcome_unknown`).
     reconcile: AtomicU64,
@@ -174,6 +182,10 @@ impl Events {
             EventKind::OutcomeUnknown => &self.outcome_unknown,
             EventKind::CompletionLost => &self.completion_lost,
             EventKind::Evicted => &self.evicted,
+            EventKind::Unknown => &self.unknown,
+            EventKind::Pending => &self.pending,
+            EventKind::Invalid => &self.invalid,
+            EventKind::Unavailable => &self.unavailable,
             _ => &self.other,
         };
         c.fetch_add(1, Ordering::Relaxed);
@@ -183,7 +195,8 @@ impl Events {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         format!(
             "{{\"claimed\":{},\"replayed\":{},\"conflict\":{},\"mismatch\":{},\"takeover\":{},\
-             \"outcome_unknown\":{},\"completion_lost\":{},\"evicted\":{},\"reconcile_hook\":{},\
+             \"outcome_unknown\":{},\"completion_lost\":{},\"evicted\":{},\"unknown\":{},\
+             \"pending\":{},\"invalid\":{},\"unavailable\":{},\"reconcile_hook\":{},\
              \"resolved\":{},\"crashes\":{}}}",
             g(&self.claimed),
             g(&self.replayed),
@@ -193,6 +206,10 @@ impl Events {
             g(&self.outcome_unknown),
             g(&self.completion_lost),
             g(&self.evicted),
+            g(&self.unknown),
+            g(&self.pending),
+            g(&self.invalid),
+            g(&self.unavailable),
             g(&self.reconcile),
             g(&self.resolved),
             g(&self.crashes),
@@ -862,6 +879,12 @@ async fn run(mode: Mode) {
                 committed.intersection(&with_effect).count()
             ));
         }
+    }
+    let evicted = server.events.evicted.load(Ordering::Relaxed);
+    if evicted != 0 {
+        violations.push(format!(
+            "{evicted} copies answered response-evicted, but no store here evicts"
+        ));
     }
     if mode == Mode::RedisPair && server.events.takeover.load(Ordering::Relaxed) == 0 {
         violations.push("two instances, one crashing, and no takeover".to_owned());

@@ -442,6 +442,7 @@ fn help_names_the_stores_and_their_environment() {
         "PAYMENTS_PG_SCHEMA",
         "--in-flight",
         "--reconcile-ms",
+        "--metrics-listen",
         "--test-hooks",
         "x-simulate-crash",
     ] {

@@ -121,6 +121,9 @@ impl Options {
     }
 }
 
+/// The name of the app's layer, store and reconciler in their events and metrics.
+pub(crate) const NAME: &str = "payments";
+
 /// What the handlers share: the ledger, and whether the crash hook is on.
 #[derive(Debug, Clone)]
 struct AppState {
@@ -186,6 +189,7 @@ fn reconciler<S: ReconcilableStore>(
         .reconciler(PaymentsResolver {
             ledger: ledger.clone(),
         })
+        .name(NAME)
         .interval(every)
         .grace(every)
         .on_outcome_unknown(report_unknown);
@@ -252,10 +256,12 @@ pub(crate) fn router(options: &Options) -> Result<(Router, Shutdown), ConfigErro
 pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, ConfigError> {
     let (layer, ledger, reconciler) = match backend {
         Backend::Memory => {
+            let store = MemoryStore::new().name(NAME);
             let store = match options.memory_bytes {
-                Some(bytes) => MemoryStore::new().max_bytes(bytes).build()?,
-                None => MemoryStore::new(),
-            };
+                Some(bytes) => store.max_bytes(bytes),
+                None => store,
+            }
+            .build()?;
             let ledger = Ledger::memory(options.key_window());
             let reconciler = reconciler(&store, &ledger, options)?;
             (IdempotencyLayer::new(store), ledger, reconciler)
@@ -271,6 +277,7 @@ pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, Conf
         Backend::Postgres { store, ledger } => return transactional(&store, ledger, options),
     };
     let mut idempotency = layer
+        .name(NAME)
         .require_key()
         .handlers_declare_commit_point()
         .store_keys_for_resolution()
@@ -324,7 +331,9 @@ fn transactional(
     if let Some(lease) = options.lease {
         backend = backend.idle_in_transaction_timeout(lease);
     }
-    let mut idempotency = TxIdempotencyLayer::with_backend(backend).require_key();
+    let mut idempotency = TxIdempotencyLayer::with_backend(backend)
+        .name(NAME)
+        .require_key();
     if let Some(retention) = options.retention {
         idempotency = idempotency.retention(retention);
     }

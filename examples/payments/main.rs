@@ -5,7 +5,7 @@
 //! cargo run --example payments -- [--listen ADDR] [--store memory | redis://… | postgres://…]
 //!                                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
 //!                                 [--max-execution-ms N] [--memory-bytes N]
-//!                                 [--reconcile-ms N] [--test-hooks]
+//!                                 [--reconcile-ms N] [--metrics-listen ADDR] [--test-hooks]
 //! ```
 //!
 //! Prints `listening on http://ADDR` once ready (ADDR is the address bound: the real
@@ -32,6 +32,11 @@
 //! without the transaction: the `IdempotencyLayer` over a `PostgresStore`, each payment
 //! written on its own after the handler's commit point (as with Redis), so that tests can
 //! compare the two modes; the default, `transactional`, is the mode described above.
+//!
+//! With `--metrics-listen ADDR`, the metrics of the layer, the store and the reconciler
+//! (all named `payments`; see `retrysafe::observe`) are served as Prometheus text at
+//! `GET /metrics` on ADDR, for example
+//! `retrysafe_idempotency_requests_total{name="payments",decision="replay"} 1`.
 #![allow(clippy::print_stdout)]
 
 mod app;
@@ -50,7 +55,7 @@ const USAGE: &str = "\
 usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
                 [--max-execution-ms N] [--memory-bytes N]
-                [--reconcile-ms N] [--test-hooks]
+                [--reconcile-ms N] [--metrics-listen ADDR] [--test-hooks]
 
   --listen ADDR        address to listen on (default 127.0.0.1:3000; port 0 picks one)
   --store STORE        where idempotency records and payments live: `memory` (default),
@@ -68,6 +73,9 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
   --reconcile-ms N     run the reconciler every N milliseconds: it resolves keys left
                        pending by a crashed holder from the ledger (0 = off; default
                        1000 for redis and postgres stores, off for memory)
+  --metrics-listen ADDR
+                       serve the metrics (layer, store, reconciler) as Prometheus text
+                       at GET /metrics on ADDR
   --test-hooks         honour the test hook header `x-simulate-crash: after-commit-point
                        | after-effect`, which aborts the process at that point
 
@@ -97,6 +105,7 @@ enum Store {
 #[derive(Debug)]
 struct Args {
     listen: String,
+    metrics_listen: Option<String>,
     store: Store,
     options: app::Options,
 }
@@ -117,6 +126,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let mut max_execution = None;
     let mut memory_bytes = None;
     let mut reconcile = None;
+    let mut metrics_listen = None;
     let mut test_hooks = false;
 
     let mut args = args.into_iter();
@@ -150,6 +160,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             "--max-execution-ms" => &mut max_execution,
             "--memory-bytes" => &mut memory_bytes,
             "--reconcile-ms" => &mut reconcile,
+            "--metrics-listen" => &mut metrics_listen,
             other if other.starts_with('-') => return Err(format!("unknown option {other}")),
             other => return Err(format!("unexpected argument {other:?}")),
         };
@@ -183,6 +194,9 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let listen = listen.unwrap_or_else(|| "127.0.0.1:3000".to_owned());
     if listen.is_empty() {
         return Err("--listen needs an address such as 127.0.0.1:3000".to_owned());
+    }
+    if metrics_listen.as_deref() == Some("") {
+        return Err("--metrics-listen needs an address such as 127.0.0.1:9000".to_owned());
     }
     let wait_for_in_flight = match in_flight.as_deref() {
         None | Some("conflict") => false,
@@ -222,6 +236,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     };
     Ok(Command::Run(Args {
         listen,
+        metrics_listen,
         store,
         options: app::Options {
             lease: lease.map(|v| millis("--lease-ms", &v)).transpose()?,
@@ -267,6 +282,15 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
+
+    // Before any layer, store or reconciler is built: they resolve their metric
+    // handles in the recorder installed when they are built.
+    if let Some(addr) = &args.metrics_listen
+        && let Err(message) = serve_metrics(addr).await
+    {
+        eprintln!("error: {message}");
+        return ExitCode::FAILURE;
+    }
 
     let mut sweeper = None;
     let backend = match &args.store {
@@ -350,6 +374,58 @@ async fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The buckets of `retrysafe_idempotency_store_seconds`: store round trips, from an
+/// in-memory call (microseconds) to a timed-out one (the store timeout, 1 s).
+const STORE_SECONDS_BUCKETS: [f64; 12] = [
+    0.000_01, 0.000_05, 0.000_1, 0.000_5, 0.001, 0.002_5, 0.005, 0.01, 0.025, 0.1, 0.25, 1.0,
+];
+
+/// Installs the Prometheus recorder and serves its text at `GET /metrics` on `addr`.
+///
+/// No idle timeout: the exporter's drops a series that was not updated for that long
+/// from its registry, and the handles retrysafe resolved at build time would then
+/// record into a series no longer rendered (a quiet store histogram would vanish for
+/// good).
+async fn serve_metrics(addr: &str) -> Result<(), String> {
+    use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
+    use retrysafe::observe::names;
+
+    let listener = TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr} for metrics: {e}"))?;
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(
+            Matcher::Full(names::IDEMPOTENCY_STORE_SECONDS.to_owned()),
+            &STORE_SECONDS_BUCKETS,
+        )
+        .map_err(|e| format!("cannot configure the metrics: {e}"))?
+        .install_recorder()
+        .map_err(|e| format!("cannot install the metrics recorder: {e}"))?;
+    // Histograms are drained into their buckets by the upkeep (the exporter's own
+    // listener, which is not built in, would run it).
+    let upkeep = handle.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(5));
+        loop {
+            every.tick().await;
+            upkeep.run_upkeep();
+        }
+    });
+    let router = axum::Router::new().route(
+        "/metrics",
+        axum::routing::get(move || {
+            let handle = handle.clone();
+            async move { handle.render() }
+        }),
+    );
+    tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, router).await {
+            tracing::error!(error = %e, "the metrics listener failed");
+        }
+    });
+    Ok(())
 }
 
 /// The environment variable `name`, or `default` when it is unset or empty.

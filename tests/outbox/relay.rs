@@ -290,3 +290,40 @@ async fn a_spawned_relay_delivers_until_stopped_and_an_aborted_one_leaves_its_ro
     assert_eq!(seen.effects_of("late"), 1);
     assert_eq!(seen.duplicates(), 0);
 }
+
+#[tokio::test]
+async fn the_backlog_gauge_counts_the_rows_not_yet_delivered_by_name() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let db = Db::new().await;
+    let (addr, _seen) = downstream().await;
+    let app = order_service(&db, addr, None).await;
+    place_order(&app, "order-1", "a").await;
+    place_order(&app, "order-2", "b").await;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let relay = metrics::with_local_recorder(&recorder, || {
+        test_relay(&db).name("orders").batch(1).build().unwrap()
+    });
+    let backlog = || {
+        snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .find(|(key, ..)| {
+                let key = key.key();
+                let labels: Vec<(&str, &str)> =
+                    key.labels().map(|l| (l.key(), l.value())).collect();
+                key.name() == "retrysafe_outbox_backlog" && labels == [("name", "orders")]
+            })
+            .map(|(.., value)| match value {
+                DebugValue::Gauge(g) => g.into_inner(),
+                other => panic!("not a gauge: {other:?}"),
+            })
+    };
+    // One row a pass: the gauge follows what is left after each.
+    assert_eq!(relay.run_once().await.unwrap().succeeded, 1);
+    assert_eq!(backlog(), Some(1.0));
+    assert_eq!(relay.run_once().await.unwrap().succeeded, 1);
+    assert_eq!(backlog(), Some(0.0));
+}

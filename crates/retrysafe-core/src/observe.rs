@@ -24,14 +24,15 @@
 //! | `retrysafe_breaker_rejections_total` | counter | `name` | calls an open (or half-open, every probe out) breaker refused; keyed breakers count under their configuration's name |
 //! | `retrysafe_deadline_exceeded_total` | counter | `name` | calls of a deadline layer or middleware (or `ClientLayers`) that ended with `DeadlineExceeded` |
 //! | `retrysafe_hedges_total` | counter | `name`, `outcome` | hedges: `won` (its answer ended the call), `lost` (sent, and another copy's answer ended the call), `refused` (by the budget: not sent) |
-//! | `retrysafe_idempotency_requests_total` | counter | `name`, `decision` | guarded requests by decision: `first`, `replay`, `in_flight`, `mismatch`, `unknown`, `takeover`, `pending` (resolving), `evicted`, `invalid` (a bad key or body), `unavailable` (the store failed or the layer is full) |
-//! | `retrysafe_idempotency_outcome_unknown_total` | counter | `name`, `reason` | records that became `outcome_unknown`: `reason` as [`UnknownReason::as_str`](crate::idempotency::UnknownReason::as_str) (`status_503`, `panicked`, `lease_expired`, …) |
-//! | `retrysafe_idempotency_store_seconds` | histogram | `name`, `op` | store round trips of the layer: `op` is `get`, `claim`, `complete`, `release`, `mark_unknown`, `commit_point`, `renew` |
-//! | `retrysafe_reconciler_resolutions_total` | counter | `name`, `resolution` | records a reconciler settled or looked at: `happened`, `did_not_happen`, `released` (before a commit point), `unknown`, `error` |
-//! | `retrysafe_reconciler_pending` | gauge | `name` | records due for resolution at the reconciler's last pass |
-//! | `retrysafe_memory_store_bytes` | gauge | `name` | bytes the `MemoryStore` holds |
-//! | `retrysafe_memory_store_effective_retention_seconds` | gauge | `name` | how long the `MemoryStore` keeps a record at the current key rate |
-//! | `retrysafe_outbox_backlog` | gauge | `name` | outbox rows not yet delivered, at the relay's last poll |
+//! | `retrysafe_throttle_rejections_total` | counter | `name` | calls the adaptive throttle refused locally |
+//! | `retrysafe_idempotency_requests_total` | counter | `name`, `decision` | guarded requests with a key, by their one (last) decision, as [`Decision::as_str`](crate::idempotency::Decision::as_str): `first`, `takeover` (an expired lease before its commit point), `replay`, `in_flight`, `mismatch`, `unknown` (the record is `outcome_unknown`), `pending` (being resolved), `evicted` (its response was evicted), `not_stored` (too large to store), `invalid` (a bad key, no scope, a body too large or too slow), `unavailable` (the store failed, or a bound was reached), `unguarded` (the store failed and the layer fails open) |
+//! | `retrysafe_idempotency_outcome_unknown_total` | counter | `name`, `reason` | records the layer made `outcome_unknown`: `reason` as [`UnknownReason::as_str`](crate::idempotency::UnknownReason::as_str) — `panicked`, `service_error`, `body_error`, `lease_expired`, `cancelled`, `status_408`, `status_500` … `status_511` —, or `other` (another status) |
+//! | `retrysafe_idempotency_store_seconds` | histogram | `name`, `op` | store round trips of the layer (each attempt of a retried write): `op` is `claim`, `wait`, `complete`, `release`, `mark_unknown`, `renew` |
+//! | `retrysafe_reconciler_resolutions_total` | counter | `name`, `resolution` | records a reconciler adopted, by how it left them: `happened`, `did_not_happen`, `released` (before a commit point), `unknown` (left for a later pass), `error` (a store call failed) |
+//! | `retrysafe_reconciler_pending` | gauge | `name` | records due for resolution at the reconciler's last pass (at most its batch) |
+//! | `retrysafe_memory_store_bytes` | gauge | `name` | the weighted bytes of the records the `MemoryStore` keeps (tombstones aside), set on every change |
+//! | `retrysafe_memory_store_effective_retention_seconds` | gauge | `name` | how far back the `MemoryStore` still remembers every key, set when it forgets keys early (0 until then) |
+//! | `retrysafe_outbox_backlog` | gauge | `name` | outbox rows not yet delivered, counted after each pass of the relay |
 //!
 //! The `name` label is the instance's [`Name`]. Keyed breakers report per key only
 //! through their hooks, never as a label (the keys are unbounded).
@@ -47,6 +48,7 @@
 
 use std::borrow::Cow;
 use std::fmt;
+use std::sync::Arc;
 
 /// The name of a layer, breaker, budget, store or reconciler in events, spans and
 /// metrics (the `name` label). `default` unless set.
@@ -58,35 +60,80 @@ use std::fmt;
 /// assert_eq!(Name::new("payments-api").to_string(), "payments-api");
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Name(Cow<'static, str>);
+pub struct Name(Repr);
+
+/// A static name, or a shared one: cloning a name never allocates (events carry it).
+#[derive(Clone)]
+enum Repr {
+    Static(&'static str),
+    Shared(Arc<str>),
+}
+
+impl Repr {
+    fn as_str(&self) -> &str {
+        match self {
+            Repr::Static(s) => s,
+            Repr::Shared(s) => s,
+        }
+    }
+}
+
+impl PartialEq for Repr {
+    fn eq(&self, other: &Self) -> bool {
+        self.as_str() == other.as_str()
+    }
+}
+
+impl Eq for Repr {}
+
+impl std::hash::Hash for Repr {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+    }
+}
+
+impl PartialOrd for Repr {
+    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Repr {
+    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
+        self.as_str().cmp(other.as_str())
+    }
+}
 
 impl Name {
     /// A name.
     pub fn new(name: impl Into<Cow<'static, str>>) -> Self {
-        Name(name.into())
+        match name.into() {
+            Cow::Borrowed(s) => Name(Repr::Static(s)),
+            Cow::Owned(s) => Name(Repr::Shared(s.into())),
+        }
     }
 
     /// The name as text.
     pub fn as_str(&self) -> &str {
-        &self.0
+        self.0.as_str()
     }
 }
 
 impl Default for Name {
     fn default() -> Self {
-        Name(Cow::Borrowed("default"))
+        Name(Repr::Static("default"))
     }
 }
 
 impl fmt::Debug for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        fmt::Debug::fmt(self.as_str(), f)
     }
 }
 
 impl fmt::Display for Name {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(self.as_str())
     }
 }
 
@@ -104,7 +151,7 @@ impl From<String> for Name {
 
 impl From<Cow<'static, str>> for Name {
     fn from(name: Cow<'static, str>) -> Self {
-        Name(name)
+        Name::new(name)
     }
 }
 
@@ -330,6 +377,20 @@ pub mod handles {
             }
             #[cfg(not(feature = "metrics"))]
             let _ = value;
+        }
+
+        /// Whether setting does anything (the feature is on and the handle resolved):
+        /// lets a caller skip work that only the gauge needs.
+        #[inline]
+        pub fn enabled(&self) -> bool {
+            #[cfg(feature = "metrics")]
+            {
+                self.inner.is_some()
+            }
+            #[cfg(not(feature = "metrics"))]
+            {
+                false
+            }
         }
     }
 

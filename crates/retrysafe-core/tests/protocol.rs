@@ -12,7 +12,7 @@ use retrysafe_core::__private::protocol::{
 };
 use retrysafe_core::Deadline;
 use retrysafe_core::idempotency::{
-    CommitPoint, Completed, EventKind, Evicted, Fingerprint, HeaderFilter, InProgress,
+    CommitPoint, Completed, Decision, EventKind, Evicted, Fingerprint, HeaderFilter, InProgress,
     OutcomeUnknown, Record, Resolving, StoredResponse, Token, UnknownReason,
 };
 use retrysafe_core::problem::{Problem, ProblemKind};
@@ -191,7 +191,8 @@ async fn an_unknown_outcome_is_a_stable_500_never_a_rerun() {
     assert_eq!(answer.kind(), ProblemKind::OutcomeUnknown);
     assert_eq!(answer.kind().status(), StatusCode::INTERNAL_SERVER_ERROR);
     assert!(answer.do_not_retry());
-    assert_eq!(notes(&mut p), []);
+    assert_eq!(notes(&mut p), [Note::Event(EventKind::Unknown)]);
+    assert_eq!(p.decision(), Some(Decision::Unknown));
 }
 
 #[tokio::test(start_paused = true)]
@@ -205,7 +206,13 @@ async fn an_expired_lease_past_its_commit_point_becomes_unknown_and_is_reported(
         problem(p.claimed(claimed)).kind(),
         ProblemKind::OutcomeUnknown
     );
-    assert_eq!(notes(&mut p), [Note::Unknown(UnknownReason::LeaseExpired)]);
+    assert_eq!(
+        notes(&mut p),
+        [
+            Note::Unknown(UnknownReason::LeaseExpired),
+            Note::Event(EventKind::Unknown)
+        ]
+    );
 }
 
 #[tokio::test(start_paused = true)]
@@ -216,6 +223,8 @@ async fn a_response_too_large_to_store_answers_409_response_not_stored() {
     assert_eq!(answer.kind(), ProblemKind::ResponseNotStored);
     assert_eq!(answer.kind().status(), StatusCode::CONFLICT);
     assert!(answer.do_not_retry());
+    assert_eq!(notes(&mut p), [Note::Event(EventKind::NotStored)]);
+    assert_eq!(p.decision(), Some(Decision::NotStored));
 }
 
 #[tokio::test(start_paused = true)]
@@ -233,12 +242,14 @@ async fn a_store_that_fails_answers_503_with_retry_after() {
         assert_eq!(answer.kind().status(), StatusCode::SERVICE_UNAVAILABLE);
         assert_eq!(answer.retry_after_hint(), Some(3 * SECOND));
         // A claim lost in transit may have landed: it is taken back.
+        let unavailable = Note::Event(EventKind::Unavailable);
         let expected: &[Note] = if in_transit {
-            &[Note::ReleaseClaim]
+            &[Note::ReleaseClaim, unavailable]
         } else {
-            &[]
+            &[unavailable]
         };
         assert_eq!(notes(&mut p), expected);
+        assert_eq!(p.decision(), Some(Decision::Unavailable));
     }
 }
 
@@ -458,7 +469,7 @@ async fn a_transaction_that_cannot_commit_answers_503_and_a_timed_out_open_relea
     let mut p = transactional();
     let answer = problem(p.claimed(Claimed::Failed(StoreError::Timeout)));
     assert_eq!(answer.kind(), ProblemKind::StoreUnavailable);
-    assert_eq!(notes(&mut p), []);
+    assert_eq!(notes(&mut p), [Note::Event(EventKind::Unavailable)]);
 }
 
 #[tokio::test(start_paused = true)]
@@ -500,7 +511,14 @@ async fn with_a_reconciler_pending_records_answer_503_outcome_pending_with_retry
         became_unknown: true,
     });
     assert_eq!(problem(step).kind(), ProblemKind::OutcomePending);
-    assert_eq!(notes(&mut p), [Note::Unknown(UnknownReason::LeaseExpired)]);
+    assert_eq!(
+        notes(&mut p),
+        [
+            Note::Unknown(UnknownReason::LeaseExpired),
+            Note::Event(EventKind::Pending)
+        ]
+    );
+    assert_eq!(p.decision(), Some(Decision::Pending));
 
     // Without a reconciler the answer stays the stable 500.
     let p = problem(store().claimed(existing(unknown)));
@@ -512,6 +530,8 @@ async fn with_a_reconciler_pending_records_answer_503_outcome_pending_with_retry
 async fn an_evicted_trace_answers_409_response_evicted_and_never_runs() {
     for mut p in [store(), transactional()] {
         let step = p.claimed(existing(Record::Evicted(Evicted::new())));
+        assert_eq!(notes(&mut p), [Note::Event(EventKind::Evicted)]);
+        assert_eq!(p.decision(), Some(Decision::Evicted));
         let p = problem(step);
         assert_eq!(p.kind(), ProblemKind::ResponseEvicted);
         assert_eq!(p.kind().status(), StatusCode::CONFLICT);

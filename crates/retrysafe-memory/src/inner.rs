@@ -19,7 +19,9 @@ use tokio::sync::{Notify, futures::OwnedNotified};
 use tokio::time::Instant;
 
 use crate::MemoryStore;
-use crate::retained::{Adoption, Blob, Bounds, Found as Kept, Pending, Report, Retained};
+use crate::eviction::{Eviction, EvictionKind};
+use crate::retained::{Adoption, Blob, Bounds, Found as Kept, Gauges, Pending, Report, Retained};
+use retrysafe_core::observe::Name;
 
 /// The number of in-flight shards (selected by the first byte of the record id, which
 /// is a SHA-256 and so uniform).
@@ -33,6 +35,7 @@ const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 const TOMBSTONE_SHARE: u64 = 4;
 
 pub(crate) type HookFn = dyn Fn(&RecordId) + Send + Sync + 'static;
+pub(crate) type EvictionFn = dyn Fn(&Eviction) + Send + Sync + 'static;
 /// The in-flight claims of one shard, by record id.
 pub(crate) type Claims = HashMap<RecordId, InFlight, DigestHash>;
 type Shard = Mutex<Claims>;
@@ -43,7 +46,11 @@ pub(crate) struct Settings {
     pub(crate) max_in_flight: usize,
     pub(crate) max_bytes: u64,
     pub(crate) on_evicted: Option<Arc<HookFn>>,
+    pub(crate) on_eviction: Option<Arc<EvictionFn>>,
     pub(crate) fail_closed: bool,
+    pub(crate) name: Name,
+    /// Resolved by `build`.
+    pub(crate) gauges: Gauges,
 }
 
 impl Default for Settings {
@@ -52,7 +59,10 @@ impl Default for Settings {
             max_in_flight: MemoryStore::DEFAULT_MAX_IN_FLIGHT,
             max_bytes: MemoryStore::DEFAULT_MAX_BYTES,
             on_evicted: None,
+            on_eviction: None,
             fail_closed: false,
+            name: Name::default(),
+            gauges: Gauges::default(),
         }
     }
 }
@@ -169,11 +179,11 @@ impl Recent {
     }
 }
 
-/// Ids of records forgotten early, waiting for the hook.
+/// Ids of records shrunk to tombstones or forgotten early, waiting for the hooks.
 #[derive(Default)]
 struct Evictions {
     pending: AtomicBool,
-    ids: Mutex<Vec<RecordId>>,
+    ids: Mutex<Vec<(RecordId, EvictionKind)>>,
 }
 
 /// What a claim found among the kept records.
@@ -228,7 +238,11 @@ impl Inner {
             shards: std::array::from_fn(|_| Mutex::new(Claims::default())),
             in_flight: AtomicUsize::new(0),
             sweep_after_ms: AtomicU64::new(u64::MAX),
-            retained: Mutex::new(Retained::new(bounds)),
+            retained: Mutex::new(Retained::new(
+                bounds,
+                settings.gauges.clone(),
+                settings.on_eviction.is_some(),
+            )),
             recent: Mutex::default(),
             evictions: Evictions::default(),
             reconcilers: Reconcilers::default(),
@@ -363,10 +377,18 @@ impl Inner {
     }
 
     fn queue_evicted(&self, report: Report) {
-        if report.dropped.is_empty() {
+        if report.dropped.is_empty() && report.shrunk.is_empty() {
             return;
         }
-        lock(&self.evictions.ids).extend(report.dropped);
+        let shrunk = report
+            .shrunk
+            .into_iter()
+            .map(|id| (id, EvictionKind::Tombstoned));
+        let dropped = report
+            .dropped
+            .into_iter()
+            .map(|id| (id, EvictionKind::Forgotten));
+        lock(&self.evictions.ids).extend(shrunk.chain(dropped));
         self.evictions.pending.store(true, Ordering::Release);
     }
 
@@ -678,16 +700,23 @@ impl Inner {
             return;
         }
         let ids = std::mem::take(&mut *lock(&self.evictions.ids));
-        for id in &ids {
-            tracing::warn!(
-                target: "retrysafe::idempotency",
-                event = "evicted",
-                record = ?id,
-                "idempotency record forgotten before its retention: its tombstone was dropped \
-                 (MemoryStore max_bytes)"
-            );
-            if let Some(hook) = &self.settings.on_evicted {
-                hook(id);
+        let settings = &self.settings;
+        for (id, kind) in &ids {
+            if *kind == EvictionKind::Forgotten {
+                tracing::warn!(
+                    target: "retrysafe::idempotency",
+                    name = settings.name.as_str(),
+                    event = "evicted",
+                    record = ?id,
+                    "idempotency record forgotten before its retention: its tombstone was \
+                     dropped (MemoryStore max_bytes)"
+                );
+                if let Some(hook) = &settings.on_evicted {
+                    hook(id);
+                }
+            }
+            if let Some(hook) = &settings.on_eviction {
+                hook(&Eviction::new(*kind, *id, settings.name.clone()));
             }
         }
     }

@@ -61,6 +61,7 @@
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod eviction;
 mod inner;
 mod reconcile;
 mod retained;
@@ -68,4 +69,5 @@ mod sketch;
 mod store;
 mod tombstones;
 
+pub use eviction::{Eviction, EvictionKind};
 pub use store::MemoryStore;

@@ -3,10 +3,12 @@
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use retrysafe_core::__private::DigestHash;
 use retrysafe_core::idempotency::{Fingerprint, RecordId, RequestInfo, Token, UnknownReason};
+use retrysafe_core::observe::handles::Gauge;
 
 use crate::sketch::Sketch;
 use crate::tombstones::Tombstones;
@@ -95,7 +97,18 @@ pub(crate) struct Bounds {
 /// What a change dropped, reported outside the locks.
 #[derive(Debug, Default)]
 pub(crate) struct Report {
+    /// Tombstones dropped before their expiry (keys forgotten).
     pub(crate) dropped: Vec<RecordId>,
+    /// Records shrunk to tombstones (only when someone listens: see
+    /// [`Retained::report_shrunk`]).
+    pub(crate) shrunk: Vec<RecordId>,
+}
+
+/// The gauges of a store (empty until `build`, and without the feature `metrics`).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Gauges {
+    pub(crate) bytes: Gauge,
+    pub(crate) effective_retention: Gauge,
 }
 
 /// The records, the tombstones and the sketch of who holds them.
@@ -120,10 +133,13 @@ pub(crate) struct Retained {
     forgotten_made_ms: u64,
     forgotten_until_ms: u64,
     ever_forgot: bool,
+    gauges: Gauges,
+    /// Whether the records shrunk to tombstones are reported (an eviction hook is set).
+    report_shrunk: bool,
 }
 
 impl Retained {
-    pub(crate) fn new(bounds: Bounds) -> Self {
+    pub(crate) fn new(bounds: Bounds, gauges: Gauges, report_shrunk: bool) -> Self {
         Retained {
             bounds,
             entries: HashMap::default(),
@@ -138,6 +154,8 @@ impl Retained {
             forgotten_made_ms: 0,
             forgotten_until_ms: 0,
             ever_forgot: false,
+            gauges,
+            report_shrunk,
         }
     }
 
@@ -226,7 +244,9 @@ impl Retained {
         self.by_scope.insert((scope, seq));
         self.bytes = self.bytes.saturating_add(weight);
         self.sketch.add(scope, weight);
-        self.fit(id, now_ms)
+        let report = self.fit(id, now_ms);
+        self.gauges.bytes.set(self.bytes as f64);
+        report
     }
 
     /// Removes the record of `id` (not its tombstone); returns it.
@@ -239,6 +259,7 @@ impl Retained {
         }
         self.bytes = self.bytes.saturating_sub(entry.weight);
         self.sketch.sub(entry.scope, entry.weight);
+        self.gauges.bytes.set(self.bytes as f64);
         Some(entry)
     }
 
@@ -287,7 +308,9 @@ impl Retained {
             let Some((victim, heavy)) = self.victim(&keep) else {
                 break;
             };
-            self.shrink(victim, heavy, now_ms);
+            if self.shrink(victim, heavy, now_ms) && self.report_shrunk {
+                report.shrunk.push(victim);
+            }
         }
         if self.bounds.fail_closed {
             return report;
@@ -304,6 +327,12 @@ impl Retained {
             self.forgotten_until_ms = self.forgotten_until_ms.max(dropped.expires_ms);
             self.ever_forgot = true;
             report.dropped.push(dropped.id);
+        }
+        if !report.dropped.is_empty() {
+            let remembered_ms = now_ms.saturating_sub(self.forgotten_made_ms);
+            self.gauges
+                .effective_retention
+                .set(Duration::from_millis(remembered_ms).as_secs_f64());
         }
         report
     }
@@ -349,13 +378,14 @@ impl Retained {
         first
     }
 
-    /// Replaces the record of `id` by a tombstone (an expired record simply goes).
-    fn shrink(&mut self, id: RecordId, heavy: bool, now_ms: u64) {
+    /// Replaces the record of `id` by a tombstone (an expired record simply goes);
+    /// whether it left a tombstone.
+    fn shrink(&mut self, id: RecordId, heavy: bool, now_ms: u64) -> bool {
         let Some(entry) = self.remove(&id) else {
-            return;
+            return false;
         };
         if entry.expires_ms <= now_ms {
-            return;
+            return false;
         }
         if entry.pending.is_some() {
             tracing::warn!(
@@ -371,6 +401,7 @@ impl Retained {
             &mut self.light
         };
         table.insert(id, now_ms, entry.expires_ms);
+        true
     }
 }
 

@@ -8,7 +8,11 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 
-use crate::inner::{HookFn, Inner, Settings};
+use retrysafe_core::observe::handles::Gauge;
+use retrysafe_core::observe::{Name, names};
+
+use crate::inner::{EvictionFn, HookFn, Inner, Settings};
+use crate::retained::Gauges;
 
 /// The embedded default [`IdempotencyStore`]: in memory, for one process.
 ///
@@ -216,6 +220,27 @@ impl MemoryStore {
         self.configure(|s| s.on_evicted = Some(hook))
     }
 
+    /// A hook called for each eviction: a record shrunk to a tombstone
+    /// ([`EvictionKind::Tombstoned`](crate::EvictionKind::Tombstoned)) and a tombstone
+    /// dropped before its retention ([`EvictionKind::Forgotten`](crate::EvictionKind::Forgotten),
+    /// also told to [`on_evicted`](Self::on_evicted)), with the store's
+    /// [`name`](Self::name). Called like `on_evicted`: after the store call, outside
+    /// the store's locks; it should be quick and must not panic. Records shrunk are
+    /// only collected while this hook is set.
+    pub fn on_eviction(self, hook: impl Fn(&crate::Eviction) + Send + Sync + 'static) -> Self {
+        let hook: Arc<EvictionFn> = Arc::new(hook);
+        self.configure(|s| s.on_eviction = Some(hook))
+    }
+
+    /// The store's name (default `default`): the `name` of its evictions, its tracing
+    /// events and its metrics (`retrysafe_memory_store_bytes`,
+    /// `retrysafe_memory_store_effective_retention_seconds`; see
+    /// [`retrysafe_core::observe`]), which [`build`](Self::build) resolves.
+    pub fn name(self, name: impl Into<Name>) -> Self {
+        let name = name.into();
+        self.configure(|s| s.name = name)
+    }
+
     /// Never forgets a key before its retention ends: when the tombstones fill their
     /// share of [`max_bytes`](Self::max_bytes), new claims get [`StoreError::Full`] (the
     /// layer answers 503 `overloaded`) until records expire, instead of dropping the
@@ -229,6 +254,13 @@ impl MemoryStore {
     /// a zero [`max_bytes`](Self::max_bytes), naming every refused one. Reports (tracing
     /// info) the [sustained key rate](Self::sustained_key_rate) of 1 KiB records kept
     /// for 24 hours.
+    ///
+    /// With the feature `metrics`, it resolves the store's gauges in the recorder
+    /// installed then (only a built store reports them): `retrysafe_memory_store_bytes`
+    /// (the weighted bytes of the records, set on every change) and
+    /// `retrysafe_memory_store_effective_retention_seconds` (how far back every key is
+    /// remembered, set each time tombstones are dropped early; 0 until then). Like
+    /// every setter, it returns a fresh, empty store.
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
         let settings = &self.inner.settings;
@@ -242,7 +274,15 @@ impl MemoryStore {
             "max_bytes",
             "must be greater than zero",
         );
-        let store = v.finish(self)?;
+        let store = v.finish(self)?.configure(|s| {
+            s.gauges = Gauges {
+                bytes: Gauge::new(names::MEMORY_STORE_BYTES, &s.name),
+                effective_retention: Gauge::new(
+                    names::MEMORY_STORE_EFFECTIVE_RETENTION_SECONDS,
+                    &s.name,
+                ),
+            };
+        });
         let day = Duration::from_secs(24 * 60 * 60);
         tracing::info!(
             target: "retrysafe::idempotency",

@@ -12,6 +12,7 @@ use retrysafe_core::idempotency::{
     CommitPoint, Completed, DecodeError, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId,
     RequestInfo, Resolving, Token, UnknownReason,
 };
+use retrysafe_core::observe::Name;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, StoreError};
 use sqlx::Row;
 use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
@@ -96,11 +97,13 @@ struct Inner {
     sql: Sql,
     call_timeout: Duration,
     reconcilers: Reconcilers,
+    name: Name,
 }
 
 impl fmt::Debug for PostgresStore {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PostgresStore")
+            .field("name", &self.inner.name)
             .field("table", &self.inner.sql.table)
             .field("call_timeout", &self.inner.call_timeout)
             .field("pool_size", &self.inner.pool.size())
@@ -116,6 +119,11 @@ impl PostgresStore {
     /// The default store-call timeout: 1 s.
     pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
+    /// The store's name ([`PostgresStoreOptions::name`]; `default` unless set).
+    pub fn name(&self) -> &Name {
+        &self.inner.name
+    }
+
     /// A store on `pool` with the default table and call timeout. See
     /// [`PostgresStoreOptions`] for the pool settings the store relies on.
     pub fn new(pool: PgPool) -> Self {
@@ -125,6 +133,7 @@ impl PostgresStore {
                 sql: Sql::new(None, sql::DEFAULT_TABLE),
                 call_timeout: Self::DEFAULT_CALL_TIMEOUT,
                 reconcilers: Reconcilers::default(),
+                name: Name::default(),
             }),
         }
     }
@@ -250,12 +259,14 @@ impl PostgresStore {
                     || !matches!(stop_rx.try_recv(), Err(oneshot::error::TryRecvError::Empty));
                 match store.sweep_until(batch, stopped).await {
                     Ok(swept) => tracing::debug!(
+                        name = store.name().as_str(),
                         table = %store.table(),
                         rows = swept.rows,
                         batches = swept.batches,
                         "swept expired idempotency records"
                     ),
                     Err(error) => tracing::warn!(
+                        name = store.name().as_str(),
                         table = %store.table(),
                         %error,
                         "sweeping expired idempotency records failed"
@@ -392,6 +403,7 @@ pub struct PostgresStoreOptions {
     connect_timeout: Duration,
     max_connections: u32,
     synchronous_commit: Option<SynchronousCommit>,
+    name: Name,
 }
 
 impl Default for PostgresStoreOptions {
@@ -403,6 +415,7 @@ impl Default for PostgresStoreOptions {
             connect_timeout: Duration::from_secs(5),
             max_connections: 10,
             synchronous_commit: None,
+            name: Name::default(),
         }
     }
 }
@@ -413,6 +426,13 @@ impl PostgresStoreOptions {
     /// with a 5 s connect timeout.
     pub fn new() -> Self {
         PostgresStoreOptions::default()
+    }
+
+    /// The store's name (default `default`), carried by its tracing events (the
+    /// sweeper's); see [`retrysafe_core::observe`].
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self
     }
 
     /// The schema of the table (default: none, the connection's `search_path`).
@@ -579,6 +599,7 @@ impl PostgresStoreOptions {
                 sql,
                 call_timeout: self.call_timeout,
                 reconcilers: Reconcilers::default(),
+                name: self.name,
             }),
         }
     }

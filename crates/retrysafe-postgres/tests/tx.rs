@@ -1179,3 +1179,55 @@ fn no_transaction_without_the_layer() {
     let err = IdempotentTx::from_extensions(&http::Extensions::new()).unwrap_err();
     assert_eq!(err.problem().kind(), ProblemKind::TransactionMissing);
 }
+
+/// The transactional layer reports like the store layer: one decision per request and
+/// its round trips to the database (the opening with the key, the commit), under its
+/// name, in the recorder it was built with.
+#[cfg(feature = "metrics")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_transactional_layer_counts_decisions_and_round_trips_by_name() {
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+
+    let env = Env::new(4).await;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let layer =
+        metrics::with_local_recorder(&recorder, || env.layer().name("ledger").build().unwrap());
+    let app = env.app(layer);
+
+    let first = send(&app, pay_req(Some("m-1"), "ok", "acc-1")).await;
+    assert_eq!(first.status, StatusCode::CREATED);
+    assert!(
+        send(&app, pay_req(Some("m-1"), "ok", "acc-1"))
+            .await
+            .replayed()
+    );
+    let changed = send(&app, pay_req(Some("m-1"), "ok", "acc-2")).await;
+    assert_eq!(changed.status, StatusCode::UNPROCESSABLE_ENTITY);
+
+    let seen = snapshotter.snapshot().into_vec();
+    let value = |metric: &str, label: (&str, &str)| {
+        seen.iter()
+            .find(|(key, ..)| {
+                let key = key.key();
+                let labels: Vec<(&str, &str)> =
+                    key.labels().map(|l| (l.key(), l.value())).collect();
+                key.name() == metric && labels == [("name", "ledger"), label]
+            })
+            .map(|(.., value)| match value {
+                DebugValue::Counter(n) => *n,
+                DebugValue::Histogram(samples) => samples.len() as u64,
+                DebugValue::Gauge(_) => panic!("{metric} is no gauge"),
+            })
+    };
+    let requests = "retrysafe_idempotency_requests_total";
+    assert_eq!(value(requests, ("decision", "first")), Some(1));
+    assert_eq!(value(requests, ("decision", "replay")), Some(1));
+    assert_eq!(value(requests, ("decision", "mismatch")), Some(1));
+    assert_eq!(value(requests, ("decision", "in_flight")), Some(0));
+    let store = "retrysafe_idempotency_store_seconds";
+    assert_eq!(value(store, ("op", "claim")), Some(3));
+    assert_eq!(value(store, ("op", "complete")), Some(1));
+    assert_eq!(value(store, ("op", "release")), Some(0));
+    env.pool_settles().await;
+}

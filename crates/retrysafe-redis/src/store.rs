@@ -19,6 +19,7 @@ use retrysafe_core::idempotency::{
     Completed, Fingerprint, InProgress, OutcomeUnknown, Record, RecordId, Resolving, Token,
     UnknownReason,
 };
+use retrysafe_core::observe::Name;
 use retrysafe_core::store::{
     Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, RESEND_WINDOW, StoreError,
 };
@@ -154,6 +155,7 @@ impl Replication {
 
 #[derive(Debug)]
 struct Config {
+    name: Name,
     prefix: String,
     call_timeout: Duration,
     /// The reconcilers running for this store (shared by its clones).
@@ -467,6 +469,11 @@ where
     pub fn replicated_writes(mut self, replicas: u32, timeout: Duration) -> Self {
         self.replication = Some(Replication { replicas, timeout });
         self
+    }
+
+    /// The store's name ([`RedisStoreOptions::name`]; `default` unless set).
+    pub fn name(&self) -> &Name {
+        &self.config.name
     }
 
     /// How many replicas must acknowledge a claim, commit point or completion (see
@@ -831,6 +838,7 @@ pub struct RedisStoreOptions {
     call_timeout: Duration,
     check_config: bool,
     per_slot_index: bool,
+    name: Name,
 }
 
 impl Default for RedisStoreOptions {
@@ -840,6 +848,7 @@ impl Default for RedisStoreOptions {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             check_config: true,
             per_slot_index: false,
+            name: Name::default(),
         }
     }
 }
@@ -848,6 +857,13 @@ impl RedisStoreOptions {
     /// The defaults: key prefix `retrysafe:`, 1 s call timeout.
     pub fn new() -> Self {
         RedisStoreOptions::default()
+    }
+
+    /// The store's name (default `default`), carried by its tracing events; see
+    /// [`retrysafe_core::observe`].
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self
     }
 
     /// The prefix of every key (default `retrysafe:`), to share a Redis database with
@@ -941,6 +957,7 @@ impl RedisStoreOptions {
                 per_slot: AtomicBool::new(self.per_slot_index),
                 cursor: AtomicU16::new(0),
                 owner: Token::random(),
+                name: self.name,
             }),
             replication: None,
         })

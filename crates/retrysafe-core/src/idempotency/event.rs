@@ -4,6 +4,7 @@
 use std::fmt;
 
 use super::RecordId;
+use crate::observe::Name;
 use http::StatusCode;
 
 /// What happened to a record (reported through the layer's `on_event` hook and as a
@@ -26,10 +27,28 @@ pub enum EventKind {
     /// The completion (or release) could not be written; the handler's real response
     /// was returned anyway.
     CompletionLost,
-    /// A completed record was evicted before its retention. Reported by the store that
-    /// evicted it (for the `MemoryStore`: its eviction hook and a
-    /// `tracing` event), since only the store sees it.
+    /// A copy found only the trace of its completed record, whose response the store
+    /// evicted before its retention (409 `response-evicted`): the key ran, and will not
+    /// run again. (The eviction itself is reported by the store that evicted it — for
+    /// the `MemoryStore`, its `on_eviction` hook — since only the store sees it.)
     Evicted,
+    /// A copy found its record `outcome_unknown` (500 `outcome-unknown`).
+    Unknown,
+    /// A copy found its record pending resolution by a reconciler (503
+    /// `outcome-pending`).
+    Pending,
+    /// A copy found its record completed with a response too large to store (409
+    /// `response-not-stored`).
+    NotStored,
+    /// A request refused before any claim: a bad or missing key, no scope, a body over
+    /// the limit or too slow (400, 413, 408, 500 `scope-missing`). `record` is `None`
+    /// when the key or the scope was not known.
+    Invalid,
+    /// A request refused because the store failed or a bound was reached (503
+    /// `store-unavailable` or `overloaded`).
+    Unavailable,
+    /// The store failed and the layer fails open: the handler ran unguarded.
+    Unguarded,
 }
 
 impl EventKind {
@@ -44,6 +63,12 @@ impl EventKind {
             EventKind::OutcomeUnknown => "outcome_unknown",
             EventKind::CompletionLost => "completion_lost",
             EventKind::Evicted => "evicted",
+            EventKind::Unknown => "unknown",
+            EventKind::Pending => "pending",
+            EventKind::NotStored => "not_stored",
+            EventKind::Invalid => "invalid",
+            EventKind::Unavailable => "unavailable",
+            EventKind::Unguarded => "unguarded",
         }
     }
 }
@@ -54,14 +79,98 @@ impl fmt::Display for EventKind {
     }
 }
 
+/// How a guarded request was decided: the `decision` of its `retrysafe.idempotency`
+/// span and of the metric `retrysafe_idempotency_requests_total`. Each guarded request
+/// with a key (or refused for its key, scope or body) has exactly one, its last: a copy
+/// that waited for the holder and got its replay is a `replay`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Decision {
+    /// It claimed the key and ran the handler.
+    First,
+    /// It took over an expired lease before its commit point and ran the handler.
+    Takeover,
+    /// It got the stored response.
+    Replay,
+    /// A copy was in flight (409 `request-in-flight`).
+    InFlight,
+    /// Same key, different request (422 `key-mismatch`).
+    Mismatch,
+    /// The record was `outcome_unknown` (500 `outcome-unknown`).
+    Unknown,
+    /// The record was pending resolution (503 `outcome-pending`).
+    Pending,
+    /// The record's response was evicted (409 `response-evicted`).
+    Evicted,
+    /// The record's response was too large to store (409 `response-not-stored`).
+    NotStored,
+    /// Refused before any claim: key, scope or body (400, 408, 413, 500).
+    Invalid,
+    /// The store failed or a bound was reached (503).
+    Unavailable,
+    /// The store failed and the layer fails open: the handler ran unguarded.
+    Unguarded,
+}
+
+impl Decision {
+    /// Every decision, in the order of [`index`](Self::index).
+    pub const ALL: [Decision; 12] = [
+        Decision::First,
+        Decision::Takeover,
+        Decision::Replay,
+        Decision::InFlight,
+        Decision::Mismatch,
+        Decision::Unknown,
+        Decision::Pending,
+        Decision::Evicted,
+        Decision::NotStored,
+        Decision::Invalid,
+        Decision::Unavailable,
+        Decision::Unguarded,
+    ];
+
+    /// The label value, e.g. `in_flight`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Decision::First => "first",
+            Decision::Takeover => "takeover",
+            Decision::Replay => "replay",
+            Decision::InFlight => "in_flight",
+            Decision::Mismatch => "mismatch",
+            Decision::Unknown => "unknown",
+            Decision::Pending => "pending",
+            Decision::Evicted => "evicted",
+            Decision::NotStored => "not_stored",
+            Decision::Invalid => "invalid",
+            Decision::Unavailable => "unavailable",
+            Decision::Unguarded => "unguarded",
+        }
+    }
+
+    /// Its position in [`ALL`](Self::ALL).
+    pub fn index(self) -> usize {
+        self as usize
+    }
+}
+
+impl fmt::Display for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// One event of the `IdempotencyLayer`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct IdempotencyEvent {
     /// What happened.
     pub kind: EventKind,
-    /// To which record.
-    pub record: RecordId,
+    /// To which record; `None` for a request refused before its key and scope were
+    /// known ([`EventKind::Invalid`], or [`EventKind::Unavailable`] for the layer's own
+    /// bound).
+    pub record: Option<RecordId>,
+    /// The name of the layer that reports it.
+    pub name: Name,
 }
 
 /// Why a record became `outcome_unknown`: what the reconcile hook is told.
@@ -143,9 +252,9 @@ pub struct UnknownOutcome {
 }
 
 impl IdempotencyEvent {
-    /// `kind` happened to `record`.
-    pub fn new(kind: EventKind, record: RecordId) -> Self {
-        IdempotencyEvent { kind, record }
+    /// `kind` happened to `record`, reported by the layer named `name`.
+    pub fn new(kind: EventKind, record: Option<RecordId>, name: Name) -> Self {
+        IdempotencyEvent { kind, record, name }
     }
 }
 

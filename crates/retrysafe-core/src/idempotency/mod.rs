@@ -31,7 +31,7 @@ pub use context::IdempotencyContext;
 #[doc(hidden)]
 pub use decision::Disposition;
 pub use decision::NoEffect;
-pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+pub use event::{Decision, EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};
 pub use info::RequestInfo;
 pub use record::{

@@ -46,7 +46,7 @@ use tokio::time::Instant;
 
 use super::Fingerprint;
 use super::decision::Disposition;
-use super::event::{EventKind, UnknownReason};
+use super::event::{Decision, EventKind, UnknownReason};
 use super::record::{Completed, Record, StoredResponse};
 use crate::Deadline;
 use crate::problem::{Problem, ProblemKind};
@@ -323,6 +323,7 @@ pub struct Protocol {
     seen_record: bool,
     conflicted: bool,
     status: Option<StatusCode>,
+    decision: Option<Decision>,
     notes: [Option<Note>; 2],
 }
 
@@ -337,6 +338,7 @@ impl Protocol {
             seen_record: false,
             conflicted: false,
             status: None,
+            decision: None,
             notes: [None, None],
         }
     }
@@ -356,6 +358,19 @@ impl Protocol {
         &self.policy
     }
 
+    /// How the request was decided so far: after the last claim or wait, how it was
+    /// decided ([`Step::Run`] is `first` or `takeover`; a problem or a replay says
+    /// which); `None` before the first claim was reported.
+    pub fn decision(&self) -> Option<Decision> {
+        self.decision
+    }
+
+    /// Decides `decision`, reported as the event `kind`.
+    fn decide(&mut self, decision: Decision, kind: EventKind) {
+        self.decision = Some(decision);
+        self.note(Note::Event(kind));
+    }
+
     /// The events and side effects of the last transition, in order.
     pub fn notes(&mut self) -> impl Iterator<Item = Note> + use<> {
         let notes = std::mem::take(&mut self.notes);
@@ -372,12 +387,11 @@ impl Protocol {
     pub fn claimed(&mut self, claimed: Claimed) -> Step {
         match claimed {
             Claimed::Mine { takeover } => {
-                let kind = if takeover {
-                    EventKind::Takeover
+                if takeover {
+                    self.decide(Decision::Takeover, EventKind::Takeover);
                 } else {
-                    EventKind::Claimed
-                };
-                self.note(Note::Event(kind));
+                    self.decide(Decision::First, EventKind::Claimed);
+                }
                 Step::Run
             }
             Claimed::Existing {
@@ -410,7 +424,10 @@ impl Protocol {
         match waited {
             Waited::LookAgain => Step::Claim,
             Waited::Record(record) => self.found(record),
-            Waited::TimedOut => Step::Problem(self.in_flight_problem()),
+            Waited::TimedOut => {
+                self.decision = Some(Decision::InFlight);
+                Step::Problem(self.in_flight_problem())
+            }
             Waited::Failed(error) => {
                 tracing::warn!(
                     target: "retrysafe::idempotency",
@@ -427,6 +444,7 @@ impl Protocol {
         self.seen_record = true;
         if let Record::Evicted(_) = record {
             // Only a trace is left (no fingerprint to compare): the key ran.
+            self.decide(Decision::Evicted, EventKind::Evicted);
             return Step::Problem(self.policy.problem(
                 ProblemKind::ResponseEvicted,
                 "the request with this Idempotency-Key completed, but its response is no \
@@ -434,7 +452,7 @@ impl Protocol {
             ));
         }
         if record.fingerprint() != &self.fingerprint {
-            self.note(Note::Event(EventKind::Mismatch));
+            self.decide(Decision::Mismatch, EventKind::Mismatch);
             return Step::Problem(self.policy.problem(
                 ProblemKind::KeyMismatch,
                 "this Idempotency-Key was already used with a different request",
@@ -446,10 +464,11 @@ impl Protocol {
                 response: Some(stored),
                 ..
             }) => {
-                self.note(Note::Event(EventKind::Replayed));
+                self.decide(Decision::Replay, EventKind::Replayed);
                 Step::Replay(stored)
             }
             Record::Completed(Completed { response: None, .. }) => {
+                self.decide(Decision::NotStored, EventKind::NotStored);
                 Step::Problem(self.policy.problem(
                     ProblemKind::ResponseNotStored,
                     "the request with this Idempotency-Key completed, but its response was \
@@ -460,15 +479,19 @@ impl Protocol {
             Record::OutcomeUnknown(_) if self.policy.reconciled => {
                 Step::Problem(self.pending_problem())
             }
-            Record::OutcomeUnknown(_) | Record::Evicted(_) => Step::Problem(self.policy.problem(
-                ProblemKind::OutcomeUnknown,
-                "the first request with this Idempotency-Key may or may not have taken \
-                 effect; it will not be run again",
-            )),
+            Record::OutcomeUnknown(_) | Record::Evicted(_) => {
+                self.decide(Decision::Unknown, EventKind::Unknown);
+                Step::Problem(self.policy.problem(
+                    ProblemKind::OutcomeUnknown,
+                    "the first request with this Idempotency-Key may or may not have taken \
+                     effect; it will not be run again",
+                ))
+            }
         }
     }
 
-    fn pending_problem(&self) -> Problem {
+    fn pending_problem(&mut self) -> Problem {
+        self.decide(Decision::Pending, EventKind::Pending);
         self.policy.problem(
             ProblemKind::OutcomePending,
             "the outcome of the first request with this Idempotency-Key is being resolved; \
@@ -483,6 +506,7 @@ impl Protocol {
             self.note(Note::Event(EventKind::Conflict));
         }
         self.conflicted = true;
+        self.decision = Some(Decision::InFlight);
         let max = self.policy.wait_for_in_flight.unwrap_or(Duration::ZERO);
         let left = Deadline::bound(self.deadline, max.saturating_sub(self.started.elapsed()));
         if left.is_zero() {
@@ -500,8 +524,9 @@ impl Protocol {
 
     /// The store failed: 503 (fail closed), or, when `may_run` and failing open, run
     /// unguarded.
-    fn store_failed(&self, error: &StoreError, may_run: bool) -> Step {
+    fn store_failed(&mut self, error: &StoreError, may_run: bool) -> Step {
         if self.policy.fail_open && may_run {
+            self.decide(Decision::Unguarded, EventKind::Unguarded);
             tracing::warn!(
                 target: "retrysafe::idempotency",
                 error = %error,
@@ -509,6 +534,7 @@ impl Protocol {
             );
             return Step::RunUnguarded;
         }
+        self.decide(Decision::Unavailable, EventKind::Unavailable);
         if matches!(error, StoreError::Full) {
             // A bound of the store, reached under load (or a key flood): the same answer
             // as the layer's own bound, and no warning per refused request.

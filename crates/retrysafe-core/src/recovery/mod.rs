@@ -39,7 +39,7 @@ use crate::store::{IdempotencyStore, StoreError};
 use crate::wire::IdempotencyKey;
 
 pub use operator::{Lookup, Operator, OperatorError};
-pub use reconciler::{Pass, Reconciler, ReconcilerHandle};
+pub use reconciler::{Pass, Reconciler, ReconcilerHandle, Resolved, ResolvedKind};
 
 /// Which kind of pending record a [`PendingRecord`] is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -8,8 +8,12 @@ use super::{PendingRecord, PendingState, ReconcilableStore, Resolution, Resolver
 use crate::ConfigError;
 use crate::config::Validate;
 use crate::idempotency::{RecordId, Token, UnknownOutcome, UnknownReason};
+use crate::observe::Name;
+use crate::observe::handles::{Counter, Gauge};
+use crate::observe::names;
 
 type Hook = Arc<dyn Fn(&UnknownOutcome) + Send + Sync + 'static>;
+type ResolutionHook = Arc<dyn Fn(&Resolved) + Send + Sync + 'static>;
 
 /// The longest wait between two looks at one unknown record.
 const MAX_BACKOFF: Duration = Duration::from_secs(60 * 60);
@@ -53,6 +57,83 @@ pub struct Reconciler<S, R> {
     resolver: Arc<R>,
     settings: Settings,
     hook: Option<Hook>,
+    name: Name,
+    on_resolution: Option<ResolutionHook>,
+    /// Resolved by [`build`](Reconciler::build) (or `spawn`).
+    metrics: Option<Arc<Metrics>>,
+}
+
+/// How a reconciler left a record it looked at: the `resolution` label of
+/// `retrysafe_reconciler_resolutions_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ResolvedKind {
+    /// Completed with the response the resolver gave (`happened`).
+    Happened,
+    /// Released: the resolver said the effect did not happen (`did_not_happen`).
+    DidNotHappen,
+    /// Released: the claim had not reached its commit point (`released`).
+    Released,
+    /// Still unknown, left for a later pass (`unknown`).
+    Unknown,
+    /// A store call failed: the record could not be adopted or settled (`error`).
+    Error,
+}
+
+impl ResolvedKind {
+    const ALL: [ResolvedKind; 5] = [
+        ResolvedKind::Happened,
+        ResolvedKind::DidNotHappen,
+        ResolvedKind::Released,
+        ResolvedKind::Unknown,
+        ResolvedKind::Error,
+    ];
+
+    /// The label value, e.g. `did_not_happen`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ResolvedKind::Happened => "happened",
+            ResolvedKind::DidNotHappen => "did_not_happen",
+            ResolvedKind::Released => "released",
+            ResolvedKind::Unknown => "unknown",
+            ResolvedKind::Error => "error",
+        }
+    }
+}
+
+/// What a reconciler did with one record, for its
+/// [`on_resolution`](Reconciler::on_resolution) hook.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Resolved {
+    /// How the record was left.
+    pub resolution: ResolvedKind,
+    /// The record.
+    pub record: RecordId,
+    /// The reconciler's [`name`](Reconciler::name).
+    pub name: Name,
+}
+
+/// The metric handles of a reconciler.
+#[derive(Debug)]
+struct Metrics {
+    resolutions: [Counter; 5],
+    pending: Gauge,
+}
+
+impl Metrics {
+    fn resolve(name: &Name) -> Self {
+        Metrics {
+            resolutions: ResolvedKind::ALL.map(|r| {
+                Counter::new(
+                    names::RECONCILER_RESOLUTIONS_TOTAL,
+                    name,
+                    Some(("resolution", r.as_str())),
+                )
+            }),
+            pending: Gauge::new(names::RECONCILER_PENDING, name),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -111,7 +192,40 @@ impl<S: ReconcilableStore, R: Resolver> Reconciler<S, R> {
             resolver: Arc::new(resolver),
             settings: Settings::default(),
             hook: None,
+            name: Name::default(),
+            on_resolution: None,
+            metrics: None,
         }
+    }
+
+    /// The reconciler's name (default `default`): the `name` of its resolutions and
+    /// of its metrics (`retrysafe_reconciler_resolutions_total`,
+    /// `retrysafe_reconciler_pending`), which [`build`](Self::build) resolves.
+    #[must_use]
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self
+    }
+
+    /// A hook told of every record a pass looked at and how it left it ([`Resolved`]):
+    /// the events `retrysafe_reconciler_resolutions_total` counts.
+    #[must_use]
+    pub fn on_resolution<F>(mut self, f: F) -> Self
+    where
+        F: Fn(&Resolved) + Send + Sync + 'static,
+    {
+        self.on_resolution = Some(Arc::new(f));
+        self
+    }
+
+    /// Validates the settings, naming every refused one, and resolves the metric
+    /// handles (feature `metrics`) in the recorder installed now. [`spawn`](Self::spawn)
+    /// does it too; call it to run passes with [`run_once`](Self::run_once) that
+    /// record metrics.
+    pub fn build(mut self) -> Result<Self, ConfigError> {
+        self.validate()?;
+        self.metrics = Some(Arc::new(Metrics::resolve(&self.name)));
+        Ok(self)
     }
 
     /// The time between passes (default 5 s). Must be at least 1 ms.
@@ -227,17 +341,23 @@ impl<S: ReconcilableStore, R: Resolver> Reconciler<S, R> {
     /// settings. It runs a pass at once, then every `interval`, until the handle is
     /// dropped or [shut down](ReconcilerHandle::shutdown).
     pub fn spawn(self) -> Result<ReconcilerHandle, ConfigError> {
-        self.validate()?;
-        self.store.set_reconciled(true);
+        // Built already: its handles stay bound to the recorder of its `build`.
+        let this = if self.metrics.is_some() {
+            self.validate()?;
+            self
+        } else {
+            self.build()?
+        };
+        this.store.set_reconciled(true);
         let (stop, mut stopped) = tokio::sync::watch::channel(false);
-        let store = self.store.clone();
+        let store = this.store.clone();
         let task = tokio::spawn(async move {
             let _running = Running(store);
             loop {
-                let pass = self.run_once().await;
-                tracing::debug!(target: "retrysafe::reconciler", ?pass, "reconcile pass");
+                let pass = this.run_once().await;
+                tracing::debug!(target: "retrysafe::reconciler", name = this.name.as_str(), ?pass, "reconcile pass");
                 tokio::select! {
-                    () = tokio::time::sleep(self.settings.interval) => {}
+                    () = tokio::time::sleep(this.settings.interval) => {}
                     _ = stopped.changed() => return,
                 }
             }
@@ -256,11 +376,14 @@ impl<S: ReconcilableStore, R: Resolver> Reconciler<S, R> {
         let ids = match self.store.due(self.stale(), self.settings.batch).await {
             Ok(ids) => ids,
             Err(e) => {
-                tracing::warn!(target: "retrysafe::reconciler", error = %e, "could not list due records");
+                tracing::warn!(target: "retrysafe::reconciler", name = self.name.as_str(), error = %e, "could not list due records");
                 pass.failed += 1;
                 return pass;
             }
         };
+        if let Some(m) = &self.metrics {
+            m.pending.set(ids.len() as f64);
+        }
         let permits = Arc::new(tokio::sync::Semaphore::new(self.settings.concurrency));
         let mut tasks = tokio::task::JoinSet::new();
         for id in ids {
@@ -278,12 +401,15 @@ impl<S: ReconcilableStore, R: Resolver> Reconciler<S, R> {
             tasks.spawn(async move {
                 let outcome = one.reconcile(id).await;
                 drop(permit);
-                outcome
+                (id, outcome)
             });
         }
         while let Some(done) = tasks.join_next().await {
             match done {
-                Ok(one) => pass.add(one),
+                Ok((id, one)) => {
+                    pass.add(one);
+                    self.report(id, one);
+                }
                 Err(e) => {
                     tracing::error!(target: "retrysafe::reconciler", error = %e, "a reconcile task failed");
                     pass.failed += 1;
@@ -292,11 +418,41 @@ impl<S: ReconcilableStore, R: Resolver> Reconciler<S, R> {
         }
         pass
     }
+
+    /// Counts what became of record `id` and tells the resolution hook.
+    fn report(&self, id: RecordId, outcome: Outcome) {
+        let resolution = match (outcome.failed, outcome.settled) {
+            (true, _) => ResolvedKind::Error,
+            (false, Some(Settled::Happened)) => ResolvedKind::Happened,
+            (false, Some(Settled::DidNotHappen)) => ResolvedKind::DidNotHappen,
+            (false, Some(Settled::BeforeCommitPoint)) => ResolvedKind::Released,
+            (false, Some(Settled::Unknown)) => ResolvedKind::Unknown,
+            // Resolved meanwhile, or adopted by another reconciler: nothing to report.
+            (false, None) => return,
+        };
+        if let Some(m) = &self.metrics {
+            let counter = ResolvedKind::ALL
+                .iter()
+                .position(|r| *r == resolution)
+                .and_then(|i| m.resolutions.get(i));
+            if let Some(c) = counter {
+                c.increment();
+            }
+        }
+        if let Some(hook) = &self.on_resolution {
+            hook(&Resolved {
+                resolution,
+                record: id,
+                name: self.name.clone(),
+            });
+        }
+    }
 }
 
 impl<S, R> fmt::Debug for Reconciler<S, R> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Reconciler")
+            .field("name", &self.name)
             .field("settings", &self.settings)
             .field("hook", &self.hook.is_some())
             .finish_non_exhaustive()

@@ -12,6 +12,8 @@ use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
 use retrysafe_core::idempotency::Token;
+use retrysafe_core::observe::handles::Gauge;
+use retrysafe_core::observe::{Name, names};
 use retrysafe_core::store::{BoxError, StoreError};
 use sqlx::{PgPool, Row};
 use tokio::sync::watch;
@@ -45,6 +47,8 @@ pub struct Settled {
     pub status: Option<u16>,
     /// The last error, if any.
     pub error: Option<String>,
+    /// The relay's [`name`](OutboxRelay::name).
+    pub name: Name,
 }
 
 /// What one pass of a relay did ([`OutboxRelay::run_once`]).
@@ -117,6 +121,9 @@ pub struct OutboxRelay {
     on_rejected: Option<Hook>,
     on_dead: Option<Hook>,
     crash_after_send: Option<CrashHook>,
+    name: Name,
+    /// `retrysafe_outbox_backlog`, resolved by `build`.
+    backlog: Gauge,
 }
 
 impl fmt::Debug for OutboxRelay {
@@ -162,7 +169,17 @@ impl OutboxRelay {
             on_rejected: None,
             on_dead: None,
             crash_after_send: None,
+            name: Name::default(),
+            backlog: Gauge::default(),
         }
+    }
+
+    /// The relay's name (default `default`): the `name` of its hooks' rows and of its
+    /// metric `retrysafe_outbox_backlog` (rows not yet delivered, counted after each
+    /// pass while a recorder is installed), which [`build`](Self::build) resolves.
+    pub fn name(mut self, name: impl Into<Name>) -> Self {
+        self.name = name.into();
+        self
     }
 
     /// The outbox table (default: [`Outbox::new`]).
@@ -317,6 +334,7 @@ impl OutboxRelay {
         );
         v.take(self.backoff.build());
         self.sql = v.take(self.outbox.sql());
+        self.backlog = Gauge::new(names::OUTBOX_BACKLOG, &self.name);
         v.finish(self)
     }
 
@@ -349,7 +367,20 @@ impl OutboxRelay {
                 Some((mark, true)) => self.settled(row, &mark, &mut pass),
             }
         }
+        if self.backlog.enabled() {
+            self.count_backlog(sql).await?;
+        }
         Ok(pass)
+    }
+
+    /// Sets `retrysafe_outbox_backlog` to the rows not yet delivered.
+    async fn count_backlog(&self, sql: &OutboxSql) -> Result<(), StoreError> {
+        let (rows,): (i64,) = sqlx::query_as(&sql.backlog)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(db_error)?;
+        self.backlog.set(rows as f64);
+        Ok(())
     }
 
     /// Sends one row and marks it; the mark and whether it held (`None`: the test hook
@@ -485,12 +516,12 @@ impl OutboxRelay {
             }
             (None, REJECTED) => {
                 pass.rejected += 1;
-                tracing::warn!(target: "retrysafe::outbox", id = row.id, status = mark.status, "outbox row rejected");
+                tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), id = row.id, status = mark.status, "outbox row rejected");
                 &self.on_rejected
             }
             (None, _) => {
                 pass.dead += 1;
-                tracing::error!(target: "retrysafe::outbox", id = row.id, attempts = row.attempts, "outbox row dead-lettered");
+                tracing::error!(target: "retrysafe::outbox", name = self.name.as_str(), id = row.id, attempts = row.attempts, "outbox row dead-lettered");
                 &self.on_dead
             }
         };
@@ -502,6 +533,7 @@ impl OutboxRelay {
                 attempts: row.attempts,
                 status: mark.status,
                 error: mark.error.clone(),
+                name: self.name.clone(),
             });
         }
     }
@@ -535,14 +567,14 @@ impl OutboxRelay {
                 Ok(pass) if pass.crashed => return,
                 Ok(pass) => pass.taken >= self.batch,
                 Err(e) => {
-                    tracing::warn!(target: "retrysafe::outbox", error = %e, "outbox pass failed");
+                    tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), error = %e, "outbox pass failed");
                     false
                 }
             };
             if Instant::now() >= next_sweep {
                 next_sweep = Instant::now() + self.sweep_interval;
                 if let Err(e) = self.sweep(1_000).await {
-                    tracing::warn!(target: "retrysafe::outbox", error = %e, "outbox sweep failed");
+                    tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), error = %e, "outbox sweep failed");
                 }
             }
             if !full {

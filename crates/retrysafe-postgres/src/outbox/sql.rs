@@ -34,6 +34,8 @@ pub(crate) struct OutboxSql {
     pub(crate) retry: String,
     /// `$1 retention µs, $2 batch`.
     pub(crate) sweep: String,
+    /// The rows not yet delivered (pending).
+    pub(crate) backlog: String,
 }
 
 impl OutboxSql {
@@ -87,6 +89,7 @@ impl OutboxSql {
                        AND finished_at < clock_timestamp() - make_interval(secs => $1::float8 / 1e6)
                      LIMIT $2 FOR UPDATE SKIP LOCKED)"
             ),
+            backlog: format!("SELECT count(*) FROM {t} WHERE state = 0"),
         })
     }
 }

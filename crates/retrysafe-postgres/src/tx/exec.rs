@@ -20,11 +20,12 @@ use retrysafe_core::store::StoreError;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use retrysafe_tower::idempotency::__private::{
     Answer, Backend, Call, Captured, Engine, Guard, Guarded, GuardedRequest, Handler, Outcome,
-    answer_of, conclude, negotiate,
+    RoundTrips, StoreOp, answer_of, conclude, negotiate,
 };
 use retrysafe_tower::idempotency::RequestBody;
 use sqlx::Row;
 use tokio::time::Instant;
+use tracing::Span;
 
 use super::backend::TxBackend;
 use super::extract::TxSlot;
@@ -71,7 +72,7 @@ async fn run_unkeyed<H: Handler>(
 ) -> Answer<H> {
     let deadline = req.extensions().get::<Deadline>().copied();
     let mut protocol = Protocol::new(guard.policy(), Fingerprint::from_bytes([0; 32]), deadline);
-    let mut engine = TxEngine::new(backend, deadline, None);
+    let mut engine = TxEngine::new(backend, guard, deadline, None, Span::none());
     let claimed = match opening(backend, deadline, begin(backend)).await {
         Some(Ok(tx)) => {
             engine.tx = Some(tx);
@@ -102,8 +103,9 @@ async fn run_keyed<H: Handler>(
     let token = row.token;
     let deadline = request.deadline();
     let mut protocol = Protocol::new(guard.policy(), request.fingerprint, deadline);
-    let mut engine = TxEngine::new(backend, deadline, Some(row));
-    match negotiate(guard, &mut protocol, &mut engine).await {
+    let span = request.span.clone();
+    let mut engine = TxEngine::new(backend, guard, deadline, Some(row), span);
+    match negotiate(guard, &mut protocol, &mut engine, &request.span).await {
         Step::Run => {
             // A detached context: the commit point is the transaction itself. The
             // handler runs in this task: re-scope the inherited call context, now
@@ -126,15 +128,28 @@ struct TxEngine<'a> {
     row: Option<KeyRow>,
     /// The transaction, once begun (and while the handler does not hold it).
     tx: Option<Tx>,
+    /// The layer's rules (its metrics).
+    guard: &'a Guard,
+    /// The round trips to the database: opening the transaction with its key, waiting
+    /// for a holder, committing or rolling back.
+    trips: RoundTrips,
 }
 
 impl<'a> TxEngine<'a> {
-    fn new(backend: &'a TxBackend, deadline: Option<Deadline>, row: Option<KeyRow>) -> Self {
+    fn new(
+        backend: &'a TxBackend,
+        guard: &'a Guard,
+        deadline: Option<Deadline>,
+        row: Option<KeyRow>,
+        span: Span,
+    ) -> Self {
         TxEngine {
             backend,
             deadline,
             row,
             tx: None,
+            guard,
+            trips: guard.round_trips(span),
         }
     }
 
@@ -183,7 +198,11 @@ impl Engine for TxEngine<'_> {
         let Some(row) = &self.row else {
             return Claimed::Failed(StoreError::unavailable("no key to claim"));
         };
-        match opening(self.backend, self.deadline, open(self.backend, row)).await {
+        let started = self.trips.start();
+        let opened = opening(self.backend, self.deadline, open(self.backend, row)).await;
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Claim, started);
+        match opened {
             Some(Ok(Opened::Mine(tx))) => {
                 self.tx = Some(tx);
                 Claimed::Mine { takeover: false }
@@ -202,7 +221,11 @@ impl Engine for TxEngine<'_> {
         let Some(row) = &self.row else {
             return Waited::TimedOut;
         };
-        match wait(self.backend, row, Instant::now() + max).await {
+        let started = self.trips.start();
+        let waited = wait(self.backend, row, Instant::now() + max).await;
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Wait, started);
+        match waited {
             Ok(Probed::Record(record)) => Waited::Record(record),
             // The holder rolled back (or is gone): race to take the key.
             Ok(Probed::Free) => Waited::LookAgain,
@@ -226,15 +249,21 @@ impl Engine for TxEngine<'_> {
             return Settled::Done;
         };
         let backend = self.backend;
+        let started = self.trips.start();
         if settle != Settle::Complete {
             // 401/403/429, NoEffect, 5xx, 408, a panic: nothing happened, provably — the
             // key is simply absent and a retry runs again.
             rollback(backend, tx).await;
+            self.guard
+                .round_trip(&mut self.trips, StoreOp::Release, started);
             return Settled::Done;
         }
         let done = completed.map(Record::Completed);
         let commit = commit(backend, tx, self.row.as_ref(), done.as_ref());
-        match tokio::time::timeout(backend.commit_timeout, commit).await {
+        let committed = tokio::time::timeout(backend.commit_timeout, commit).await;
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Complete, started);
+        match committed {
             Ok(Ok(())) => Settled::Done,
             Ok(Err(Unfinished::Aborted)) => Settled::Aborted,
             Ok(Err(Unfinished::Failed(e))) => Settled::Failed(e),
@@ -244,7 +273,7 @@ impl Engine for TxEngine<'_> {
 
     fn note(&mut self, guard: &Guard, note: Note) {
         if let (Note::Event(kind), Some(row)) = (note, &self.row) {
-            guard.emit(kind, &row.id);
+            guard.emit(kind, Some(&row.id));
         }
     }
 }

@@ -17,6 +17,7 @@ use retrysafe_core::__private::protocol::{
 use retrysafe_core::idempotency::{Completed, NoEffect};
 use retrysafe_core::problem::ProblemKind;
 use retrysafe_core::wire::DO_NOT_RETRY_VALUE;
+use tracing::Span;
 
 use super::body::ResponseBody;
 use super::guard::{Captured, Guard};
@@ -59,10 +60,15 @@ pub trait Engine: Send {
 
 /// Claims (and waits) until the protocol says to run, replay or answer: returns that
 /// step ([`Step::Run`], [`Step::RunUnguarded`], [`Step::Replay`] or
-/// [`Step::Problem`]).
-pub async fn negotiate<E: Engine>(guard: &Guard, protocol: &mut Protocol, engine: &mut E) -> Step {
+/// [`Step::Problem`]), its decision counted and recorded on the request's `span`.
+pub async fn negotiate<E: Engine>(
+    guard: &Guard,
+    protocol: &mut Protocol,
+    engine: &mut E,
+    span: &Span,
+) -> Step {
     let mut step = protocol.start();
-    loop {
+    let step = loop {
         step = match step {
             Step::Claim => {
                 let claimed = engine.claim().await;
@@ -72,10 +78,14 @@ pub async fn negotiate<E: Engine>(guard: &Guard, protocol: &mut Protocol, engine
                 let waited = engine.wait(max).await;
                 protocol.waited(waited)
             }
-            other => return other,
+            other => break other,
         };
         deliver(guard, protocol, engine);
+    };
+    if let Some(decision) = protocol.decision() {
+        guard.decided(decision, span);
     }
+    step
 }
 
 fn deliver<E: Engine>(guard: &Guard, protocol: &mut Protocol, engine: &mut E) {

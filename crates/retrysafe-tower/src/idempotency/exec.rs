@@ -30,6 +30,7 @@ use super::body::{RequestBody, ResponseBody};
 use super::engine::{Engine, abandon, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
 use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
+use super::observe::{Metrics, RoundTrips, StoreOp};
 use super::timer;
 
 /// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
@@ -108,7 +109,8 @@ impl StoreBackend {
             reason = ?reason,
             "idempotency record has an unknown outcome; it will not be re-run"
         );
-        guard.emit(EventKind::OutcomeUnknown, record);
+        guard.became_unknown(reason);
+        guard.emit(EventKind::OutcomeUnknown, Some(record));
         if let Some(f) = &self.on_outcome_unknown {
             let request = Some(Arc::new(info.clone()));
             f(&UnknownOutcome::new(*record, reason).with_request(request, note));
@@ -135,12 +137,15 @@ async fn execute<H: Handler>(
         .reconciled(backend.store.reconciled());
     let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
     let mut engine = StoreEngine::new(guard, backend, &request);
-    match negotiate(guard, &mut protocol, &mut engine).await {
+    let step = negotiate(guard, &mut protocol, &mut engine, &request.span).await;
+    match step {
         Step::Run => engine.run(guard, &mut protocol, handler, request).await,
         Step::RunUnguarded => {
             let req = Request::from_parts(request.parts, RequestBody::buffered(request.body));
-            let res = handler.call(req).await?;
-            Ok(res.map(ResponseBody::stream))
+            handler
+                .call(req)
+                .await
+                .map(|res| res.map(ResponseBody::stream))
         }
         step => Ok(answer_of(guard, step)),
     }
@@ -170,10 +175,14 @@ struct StoreEngine<'a> {
     cap: Option<Instant>,
     /// What the store keeps of the request for recovery.
     info: RequestInfo,
+    /// The store round trips, for the request's span and the store histogram.
+    trips: RoundTrips,
+    /// The layer's rules (its metrics).
+    guard: &'a Guard,
 }
 
 impl<'a> StoreEngine<'a> {
-    fn new(guard: &Guard, backend: &'a StoreBackend, request: &GuardedRequest) -> Self {
+    fn new(guard: &'a Guard, backend: &'a StoreBackend, request: &GuardedRequest) -> Self {
         StoreEngine {
             backend,
             id: request.record_id(),
@@ -188,6 +197,8 @@ impl<'a> StoreEngine<'a> {
             context: None,
             cap: None,
             info: request_info(backend, request),
+            trips: guard.round_trips(request.span.clone()),
+            guard,
         }
     }
 
@@ -321,6 +332,7 @@ impl<'a> StoreEngine<'a> {
         self.lease = Some(Arc::clone(&lease));
         self.renewal = Some(Renewal::spawn(
             self.backend,
+            self.guard,
             (self.id, self.token),
             self.cap(),
             lease,
@@ -356,9 +368,12 @@ impl Engine for StoreEngine<'_> {
             backend.commit_point,
         )
         .with_request(&self.info);
+        let started = self.trips.start();
         let outcome = backend
             .bounded(self.deadline, backend.store.claim(&self.id, &claim))
             .await;
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Claim, started);
         match outcome {
             Ok(ClaimOutcome::Claimed { takeover }) => Claimed::Mine { takeover },
             Ok(ClaimOutcome::Existing {
@@ -376,11 +391,14 @@ impl Engine for StoreEngine<'_> {
 
     async fn wait(&mut self, max: Duration) -> Waited {
         let backend = self.backend;
+        let started = self.trips.start();
         let wait = tokio::time::timeout(
             max.saturating_add(backend.store_timeout),
             backend.store.wait(&self.id, max),
         )
         .await;
+        self.guard
+            .round_trip(&mut self.trips, StoreOp::Wait, started);
         match wait {
             Ok(Ok(())) => Waited::LookAgain,
             Ok(Err(e)) => Waited::Failed(e),
@@ -401,21 +419,19 @@ impl Engine for StoreEngine<'_> {
         let (backend, id, token, retention) = (self.backend, &self.id, self.token, self.retention);
         let until = self.lease_until();
         let store = &backend.store;
+        let trips = Some((self.guard, &mut self.trips));
         let written = match (settle, &completed) {
             (Settle::Complete, Some(done)) => {
-                write_with_retry(backend, until, || {
-                    store.complete(id, token, done, retention)
-                })
-                .await
+                let complete = || store.complete(id, token, done, retention);
+                write_with_retry(backend, until, trips, StoreOp::Complete, complete).await
             }
             (Settle::Release, _) => {
-                write_with_retry(backend, until, || store.release(id, token)).await
+                let release = || store.release(id, token);
+                write_with_retry(backend, until, trips, StoreOp::Release, release).await
             }
             (Settle::MarkUnknown(reason), _) => {
-                write_with_retry(backend, until, || {
-                    store.mark_unknown(id, token, retention, reason)
-                })
-                .await
+                let mark = || store.mark_unknown(id, token, retention, reason);
+                write_with_retry(backend, until, trips, StoreOp::MarkUnknown, mark).await
             }
             _ => Ok(()),
         };
@@ -429,7 +445,7 @@ impl Engine for StoreEngine<'_> {
 
     fn note(&mut self, guard: &Guard, note: Note) {
         match note {
-            Note::Event(kind) => guard.emit(kind, &self.id),
+            Note::Event(kind) => guard.emit(kind, Some(&self.id)),
             Note::Unknown(reason) => {
                 let note = self
                     .context
@@ -447,7 +463,8 @@ impl Engine for StoreEngine<'_> {
                 guard.shared.tracker.spawn(async move {
                     let release = || backend.store.release(&id, token);
                     // A stale token (nothing landed, or someone else holds it) is final.
-                    let _ = write_with_retry(&backend, until, release).await;
+                    let _ =
+                        write_with_retry(&backend, until, None, StoreOp::Release, release).await;
                 });
             }
             _ => {}
@@ -477,10 +494,12 @@ fn request_info(backend: &StoreBackend, request: &GuardedRequest) -> RequestInfo
 }
 
 /// Retries a token-carrying write with backoff while the lease lasts. A stale token is
-/// final.
+/// final. Each attempt is a round trip of `op` in `trips`, when given.
 async fn write_with_retry<F, Fut>(
     backend: &StoreBackend,
     lease_until: Instant,
+    mut trips: Option<(&Guard, &mut RoundTrips)>,
+    op: StoreOp,
     mut write: F,
 ) -> Result<(), StoreError>
 where
@@ -489,7 +508,12 @@ where
 {
     let mut backoff = Duration::from_millis(10);
     loop {
-        match backend.bounded(None, write()).await {
+        let started = trips.as_ref().and_then(|(_, t)| t.start());
+        let written = backend.bounded(None, write()).await;
+        if let Some((guard, trips)) = trips.as_mut() {
+            guard.round_trip(trips, op, started);
+        }
+        match written {
             Ok(()) => return Ok(()),
             Err(e) if !e.is_transient() => return Err(e),
             Err(e) => {
@@ -513,13 +537,19 @@ struct Renewal(JoinHandle<()>);
 impl Renewal {
     fn spawn(
         backend: &StoreBackend,
+        guard: &Guard,
         (id, token): (RecordId, Token),
         cap: Instant,
         lease: Arc<Lease>,
         context: Option<IdempotencyContext>,
     ) -> Self {
         let (store, every, timeout) = (backend.store.clone(), backend.lease, backend.store_timeout);
-        let claim = Held { id, token, context };
+        let claim = Held {
+            id,
+            token,
+            context,
+            metrics: guard.config.metrics.clone(),
+        };
         Renewal(tokio::spawn(renew_lease(
             store, every, timeout, claim, cap, lease,
         )))
@@ -532,6 +562,8 @@ struct Held {
     id: RecordId,
     token: Token,
     context: Option<IdempotencyContext>,
+    /// The layer's metrics (the renewals' round trips).
+    metrics: Metrics,
 }
 
 impl Drop for Renewal {
@@ -558,7 +590,11 @@ async fn renew_lease(
         if lease.is_zero() {
             return; // past max_execution: the handler is cancelled
         }
-        match tokio::time::timeout(timeout, store.renew(&id, claim.token, lease)).await {
+        let renewed = tokio::time::timeout(timeout, store.renew(&id, claim.token, lease)).await;
+        if claim.metrics.store_enabled() {
+            claim.metrics.store(StoreOp::Renew, now.elapsed());
+        }
+        match renewed {
             Ok(Ok(())) => state.renewed(now, lease),
             Ok(Err(StoreError::StaleToken)) => {
                 tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");

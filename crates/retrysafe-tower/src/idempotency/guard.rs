@@ -17,19 +17,23 @@ use http::{HeaderMap, Method, Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::Validate;
 use retrysafe_core::__private::protocol::Policy;
+use retrysafe_core::idempotency::Decision;
 use retrysafe_core::idempotency::{
     Fingerprint, Fingerprinter, HeaderFilter, IdempotencyContext, IdempotencyEvent, Principal,
     RecordId, Scope, StoredResponse,
 };
+use retrysafe_core::observe::Name;
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::Instant;
 use tokio_util::task::TaskTracker;
 use tower_service::Service;
+use tracing::Span;
 
 use super::blocks::{self, CapturedBody};
 use super::body::{RequestBody, ResponseBody};
-use super::event::{EventHook, EventKind};
+use super::event::{EventHook, EventKind, UnknownReason};
+use super::observe::{self, Metrics, RoundTrips, StoreOp};
 use super::problem::{Problem, ProblemKind, Responder};
 use super::slots::{self, Slot, Slots};
 
@@ -80,6 +84,10 @@ pub(crate) struct GuardConfig {
     pub(crate) policy: Policy,
     pub(crate) responder: Option<Responder>,
     pub(crate) on_event: Option<EventHook>,
+    /// The layer's name in events, spans and metrics.
+    pub(crate) name: Name,
+    /// The metric handles, resolved by `build`.
+    pub(crate) metrics: Metrics,
     /// The settings a setter refused, reported by `build`.
     pub(crate) checks: Validate,
 }
@@ -107,6 +115,8 @@ impl GuardConfig {
             policy: Policy::new().rolls_back(rolls_back),
             responder: None,
             on_event: None,
+            name: Name::default(),
+            metrics: Metrics::default(),
             checks: Validate::new(),
         }
     }
@@ -241,12 +251,69 @@ impl Guard {
         Response::from_parts(parts, ResponseBody::full(body, None))
     }
 
-    /// Reports `kind` for `record`: a `tracing` event, and the `on_event` hook.
-    pub fn emit(&self, kind: EventKind, record: &RecordId) {
-        tracing::debug!(target: "retrysafe::idempotency", event = kind.as_str(), record = ?record);
+    /// Reports `kind` for `record` (`None` before the key and scope are known): a
+    /// `tracing` event, and the `on_event` hook.
+    pub fn emit(&self, kind: EventKind, record: Option<&RecordId>) {
+        let name = &self.config.name;
+        tracing::debug!(
+            target: "retrysafe::idempotency",
+            name = name.as_str(),
+            event = kind.as_str(),
+            record = ?record,
+        );
         if let Some(f) = &self.config.on_event {
-            f(&IdempotencyEvent::new(kind, *record));
+            f(&IdempotencyEvent::new(kind, record.copied(), name.clone()));
         }
+    }
+
+    /// Counts a guarded request's `decision` and records it on its `span`.
+    pub fn decided(&self, decision: Decision, span: &Span) {
+        self.config.metrics.decided(decision);
+        span.record("decision", decision.as_str());
+    }
+
+    /// Counts a record that became `outcome_unknown` for `reason`.
+    pub fn became_unknown(&self, reason: UnknownReason) {
+        self.config.metrics.unknown(reason);
+    }
+
+    /// The layer's name.
+    pub fn name(&self) -> &Name {
+        &self.config.name
+    }
+
+    /// The `retrysafe.idempotency` span of a guarded request of `scope` with `key`.
+    pub(crate) fn span(&self, scope: &Scope, key: &IdempotencyKey) -> Span {
+        observe::request_span(&self.config.name, scope, key)
+    }
+
+    /// Reports a guarded request refused before any claim (`Invalid`, or `Unavailable`
+    /// for the layer's bound), with its record when its key and scope are known.
+    pub(crate) fn refused(
+        &self,
+        decision: Decision,
+        request: Option<(&Scope, &IdempotencyKey)>,
+        span: &Span,
+    ) {
+        self.decided(decision, span);
+        let kind = if decision == Decision::Unavailable {
+            EventKind::Unavailable
+        } else {
+            EventKind::Invalid
+        };
+        let record = request.map(|(scope, key)| RecordId::new(scope, key));
+        self.emit(kind, record.as_ref());
+    }
+
+    /// A store round trip of `op` for the request counted by `trips` is done.
+    pub fn round_trip(&self, trips: &mut RoundTrips, op: StoreOp, started: Option<Instant>) {
+        trips.done(&self.config.metrics, op, started);
+    }
+
+    /// The store round trips of a request with `span`, counted and timed as its span
+    /// and the metrics need.
+    pub fn round_trips(&self, span: Span) -> RoundTrips {
+        RoundTrips::new(span, &self.config.metrics)
     }
 
     /// The protocol's settings for this layer.
@@ -321,6 +388,9 @@ pub struct GuardedRequest {
     pub scope: Scope,
     /// The fingerprint of method, path, query, the configured headers and the body.
     pub fingerprint: Fingerprint,
+    /// The request's `retrysafe.idempotency` span (disabled unless a subscriber wants
+    /// it).
+    pub span: Span,
 }
 
 impl GuardedRequest {

@@ -7,6 +7,7 @@ use http::request::Parts;
 use http::{HeaderName, Method, Response};
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope};
+use retrysafe_core::observe::Name;
 use retrysafe_core::store::{BoxStore, IdempotencyStore};
 use retrysafe_core::wire::Convention;
 use tokio::sync::Semaphore;
@@ -16,6 +17,7 @@ use tower_layer::Layer;
 use super::event::{IdempotencyEvent, UnknownOutcome};
 use super::exec::StoreBackend;
 use super::guard::{Backend, DEFAULT_MAX_IN_FLIGHT, Guard, GuardConfig, ScopeRule, Shared};
+use super::observe::Metrics;
 use super::problem::Problem;
 use super::service::IdempotencyService;
 use super::{MemoryStore, blocks};
@@ -235,6 +237,10 @@ impl<X: Backend> IdempotencyLayer<X> {
     /// backend's) is named in the error. A refused setting keeps its default, so a
     /// layer used without `build` is still safe, but `build` is where mistakes show.
     ///
+    /// It also resolves the layer's metric handles (feature `metrics`), in the
+    /// recorder installed then: only a built layer records metrics (its events, hooks
+    /// and spans do not need `build`).
+    ///
     /// ```
     /// use std::time::Duration;
     /// use retrysafe_tower::idempotency::IdempotencyLayer;
@@ -262,7 +268,8 @@ impl<X: Backend> IdempotencyLayer<X> {
             "max_in_flight_per_scope",
             "must be at most max_in_flight",
         );
-        checks.finish(self)
+        let layer = checks.finish(self)?;
+        Ok(layer.config(|c| c.metrics = Metrics::resolve(&c.name)))
     }
 }
 
@@ -468,7 +475,20 @@ impl<X> IdempotencyLayer<X> {
         self.config(|c| c.responder = Some(Arc::new(f)))
     }
 
-    /// Calls `f` on every event (claimed, replayed, conflict, …).
+    /// The layer's name (default `default`): the `name` of its events, its
+    /// `retrysafe.idempotency` spans and its metrics (see
+    /// [`retrysafe_core::observe`]). Set it before [`build`](Self::build), which
+    /// resolves the metrics under it.
+    pub fn name(self, name: impl Into<Name>) -> Self {
+        let name = name.into();
+        self.config(|c| c.name = name)
+    }
+
+    /// Calls `f` on every event: each guarded request's decision (claimed, replayed,
+    /// conflict, mismatch, takeover, unknown, pending, evicted, not stored, invalid,
+    /// unavailable, unguarded — a copy that waited for the holder reports its conflict,
+    /// then its own decision), and what became of records (outcome unknown, completion
+    /// lost). Events carry the layer's [`name`](Self::name).
     pub fn on_event<F>(self, f: F) -> Self
     where
         F: Fn(&IdempotencyEvent) + Send + Sync + 'static,

@@ -80,6 +80,19 @@
 //! Nothing that cancels the handler or answers 408/5xx on its behalf (a timeout layer)
 //! may sit *inside* this layer.
 //!
+//! # Observability
+//!
+//! Each guarded request with a key runs in a `retrysafe.idempotency` span (level INFO,
+//! target `retrysafe::idempotency`) whose fields are the layer's
+//! [`name`](IdempotencyLayer::name), its `decision` (as
+//! [`Decision::as_str`](retrysafe_core::idempotency::Decision::as_str): `first`,
+//! `replay`, `in_flight`, `mismatch`, `unknown`, `takeover`, …), `scope` and `key` —
+//! the first 8 hex digits of the scope's hash and of the record id (a hash of scope and
+//! key), never the key itself — and `store_round_trips` with their total
+//! `store_seconds`. A disabled span costs a check: no hashing, no clock read. The same
+//! decisions reach the [`on_event`](IdempotencyLayer::on_event) hook, and, with the
+//! feature `metrics`, the metrics of a built layer (see [`retrysafe_core::observe`]).
+//!
 //! # Backends
 //!
 //! What runs a guarded request is the layer's backend: by default the claim–run–
@@ -100,13 +113,14 @@ mod exec;
 mod future;
 mod guard;
 mod layer;
+mod observe;
 mod problem;
 mod service;
 mod slots;
 mod timer;
 
 pub use body::{RequestBody, ResponseBody};
-pub use event::{EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
+pub use event::{Decision, EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 #[doc(hidden)]
 pub use exec::StoreBackend;
 pub use future::ResponseFuture;
@@ -121,6 +135,7 @@ pub mod __private {
     pub use super::guard::{
         Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler,
     };
+    pub use super::observe::{RoundTrips, StoreOp};
 }
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use problem::{Problem, ProblemKind};

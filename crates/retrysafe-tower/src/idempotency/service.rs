@@ -11,10 +11,11 @@ use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::Deadline;
+use retrysafe_core::idempotency::Decision;
 use retrysafe_core::idempotency::Scope;
 use retrysafe_core::wire::IdempotencyKey;
 use tower_service::Service;
-use tracing::Instrument;
+use tracing::{Instrument, Span};
 
 use super::blocks;
 use super::body::{RequestBody, ResponseBody};
@@ -107,7 +108,10 @@ where
                 )));
             }
             Ok(None) => return passthrough(&mut inner, parts, body),
-            Err(problem) => return ResponseFuture::ready(guard.problem(problem)),
+            Err(problem) => {
+                guard.refused(Decision::Invalid, None, &Span::none());
+                return ResponseFuture::ready(guard.problem(problem));
+            }
         };
 
         let Some(scope) = guard.scope(&parts) else {
@@ -118,6 +122,7 @@ where
                      authentication layer outside the idempotency layer, or configure scope_by"
                 );
             }
+            guard.refused(Decision::Invalid, None, &Span::none());
             return ResponseFuture::ready(guard.problem_of(
                 ProblemKind::ScopeMissing,
                 "the server could not determine whom this request belongs to",
@@ -142,14 +147,18 @@ where
     ResponseFuture::passthrough(inner.call(Request::from_parts(parts, RequestBody::stream(body))))
 }
 
+/// A request refused before its claim: how it was decided, and its answer.
+type Refused<B> = (Decision, Box<Res<B>>);
+
 /// The bound of guarded requests in flight: a slot (within the fair share of `scope`),
 /// or the 503 `overloaded` answer.
-fn slot<B>(guard: &Guard, scope: Option<&Scope>) -> Result<Slot, Box<Res<B>>> {
+fn slot<B>(guard: &Guard, scope: Option<&Scope>) -> Result<Slot, Refused<B>> {
     guard.slot(scope).ok_or_else(|| {
-        Box::new(guard.problem_of(
+        let answer = guard.problem_of(
             ProblemKind::Overloaded,
             "too many requests with idempotency keys in progress",
-        ))
+        );
+        (Decision::Unavailable, Box::new(answer))
     })
 }
 
@@ -169,9 +178,13 @@ where
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     let guard = &layer.guard;
+    let span = guard.span(&scope, &key);
     let (permit, body) = match read_body(guard, &parts, body, Some(&scope)).await {
         Ok(read) => read,
-        Err(answer) => return Ok(*answer),
+        Err((decision, answer)) => {
+            guard.refused(decision, Some((&scope, &key)), &span);
+            return Ok(*answer);
+        }
     };
     let config = &guard.config;
     let fingerprint =
@@ -184,9 +197,10 @@ where
         key,
         scope,
         fingerprint,
+        span: span.clone(),
     };
     let guard = layer.guard.clone();
-    spawned(&guard, permit, move || async move {
+    spawned(&guard, permit, span, move || async move {
         layer
             .backend
             .run(Call {
@@ -210,7 +224,7 @@ async fn read_body<B, R>(
     parts: &Parts,
     body: B,
     scope: Option<&Scope>,
-) -> Result<(Slot, Bytes), Box<Res<R>>>
+) -> Result<(Slot, Bytes), Refused<R>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
@@ -220,7 +234,7 @@ where
     let mut body = std::pin::pin!(body);
     if let Err(problem) = blocks::check_declared_length(&parts.headers, body.as_mut(), limit).await
     {
-        return Err(Box::new(guard.problem(problem)));
+        return Err((Decision::Invalid, Box::new(guard.problem(problem))));
     }
     let permit = slot(guard, scope)?;
     let deadline = parts.extensions.get::<Deadline>().copied();
@@ -228,11 +242,14 @@ where
     let buffered = timer::within(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
     match buffered {
         Some(Ok(b)) => Ok((permit, b)),
-        Some(Err(problem)) => Err(Box::new(guard.problem(problem))),
-        None => Err(Box::new(guard.problem_of(
-            ProblemKind::BodyTimeout,
-            "the request body did not arrive in time",
-        ))),
+        Some(Err(problem)) => Err((Decision::Invalid, Box::new(guard.problem(problem)))),
+        None => Err((
+            Decision::Invalid,
+            Box::new(guard.problem_of(
+                ProblemKind::BodyTimeout,
+                "the request body did not arrive in time",
+            )),
+        )),
     }
 }
 
@@ -252,11 +269,11 @@ where
 {
     let (permit, body) = match read_body(&layer.guard, &parts, body, None).await {
         Ok(read) => read,
-        Err(answer) => return Ok(*answer),
+        Err((_, answer)) => return Ok(*answer),
     };
     let req = Request::from_parts(parts, RequestBody::buffered(body));
     let guard = layer.guard.clone();
-    spawned(&guard, permit, move || async move {
+    spawned(&guard, permit, Span::current(), move || async move {
         layer
             .backend
             .run(Call {
@@ -281,8 +298,15 @@ where
 /// the caller cancels nothing. A panic of the task (the backends catch handler panics;
 /// this is one of our own) answers 500 `handler-panicked`.
 ///
-/// The task is made by `task` inside its box, so the (large) future is never moved.
-async fn spawned<B, E, F, Fut>(guard: &Guard, permit: Slot, task: F) -> Result<Res<B>, E>
+/// The task is made by `task` inside its box, so the (large) future is never moved. It
+/// runs in `span` (the request's `retrysafe.idempotency` span), or, when that one is
+/// disabled, in the caller's.
+async fn spawned<B, E, F, Fut>(
+    guard: &Guard,
+    permit: Slot,
+    span: Span,
+    task: F,
+) -> Result<Res<B>, E>
 where
     B: Send + 'static,
     E: Send + 'static,
@@ -297,7 +321,11 @@ where
             drop(token);
             res
         }
-        .instrument(tracing::Span::current()),
+        .instrument(if span.is_disabled() {
+            Span::current()
+        } else {
+            span
+        }),
     );
     match Detached::new(task).await {
         Ok(res) => res,

@@ -1,0 +1,373 @@
+//! What the `IdempotencyLayer` reports besides its answers: one decision per guarded
+//! request (counted by name and told to the `on_event` hook), the records it made
+//! `outcome_unknown` by reason, its store round trips, and the `retrysafe.idempotency`
+//! span of each request — which never shows the raw key. Each test builds its layer
+//! under a recorder of its own; the clock is paused.
+#![cfg(all(feature = "idempotency", feature = "metrics"))]
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    clippy::cast_possible_truncation,
+    missing_docs
+)]
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::Router;
+use axum::body::{Body, to_bytes};
+use axum::extract::Request;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+use retrysafe_core::idempotency::{Decision, RecordId, Scope};
+use retrysafe_core::wire::IdempotencyKey;
+use retrysafe_memory::MemoryStore;
+use retrysafe_tower::idempotency::{
+    EventKind, IdempotencyEvent, IdempotencyLayer, Principal, ProblemKind,
+};
+use tower::ServiceExt;
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing_subscriber::layer::{Context, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
+
+/// A handler steered by headers: `x-status: N`, `x-sleep-ms: N`, `x-big: N` (body
+/// bytes).
+async fn handler(req: Request) -> Response {
+    let h = req.headers().clone();
+    let num = |name: &str| -> Option<u64> { h.get(name)?.to_str().ok()?.parse().ok() };
+    if let Some(ms) = num("x-sleep-ms") {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    let status = num("x-status").map_or(StatusCode::CREATED, |s| {
+        StatusCode::from_u16(s as u16).unwrap()
+    });
+    let body = match num("x-big") {
+        Some(n) => vec![b'x'; n as usize],
+        None => b"paid".to_vec(),
+    };
+    (status, body).into_response()
+}
+
+/// Authentication: every request is alice's, except those marked `x-anonymous`, which
+/// carry no principal (the layer cannot scope them).
+async fn auth(mut req: Request) -> Request {
+    if !req.headers().contains_key("x-anonymous") {
+        req.extensions_mut().insert(Principal::new("alice"));
+    }
+    req
+}
+
+fn app(layer: IdempotencyLayer) -> Router {
+    Router::new()
+        .route("/pay", axum::routing::post(handler))
+        .layer(layer)
+        .layer(axum::middleware::map_request(auth))
+}
+
+fn post(key: &str) -> axum::http::request::Builder {
+    Request::post("/pay").header("idempotency-key", key)
+}
+
+async fn send(app: &Router, req: axum::http::request::Builder, body: &'static str) -> StatusCode {
+    let res = app
+        .clone()
+        .oneshot(req.body(Body::from(body)).unwrap())
+        .await
+        .unwrap();
+    let status = res.status();
+    to_bytes(res.into_body(), usize::MAX).await.unwrap();
+    status
+}
+
+/// The events the hook heard: (kind, layer name).
+type Heard = Arc<Mutex<Vec<(EventKind, String)>>>;
+
+fn listen(layer: IdempotencyLayer) -> (IdempotencyLayer, Heard) {
+    let heard: Heard = Arc::default();
+    let h = Arc::clone(&heard);
+    let layer = layer.on_event(move |e: &IdempotencyEvent| {
+        h.lock().unwrap().push((e.kind, e.name.to_string()));
+    });
+    (layer, heard)
+}
+
+type Seen = Vec<(
+    metrics_util::CompositeKey,
+    Option<metrics::Unit>,
+    Option<metrics::SharedString>,
+    DebugValue,
+)>;
+
+/// What the recorder holds now (taking it resets its counters).
+fn take(snapshotter: &Snapshotter) -> Seen {
+    snapshotter.snapshot().into_vec()
+}
+
+/// `metric{labels}` in `seen`: a counter's count, or a histogram's number of samples.
+fn value(seen: &Seen, metric: &str, labels: &[(&str, &str)]) -> Option<u64> {
+    seen.iter()
+        .find(|(key, ..)| {
+            let key = key.key();
+            key.name() == metric
+                && key.labels().count() == labels.len()
+                && key.labels().all(|l| labels.contains(&(l.key(), l.value())))
+        })
+        .map(|(.., value)| match value {
+            DebugValue::Counter(n) => *n,
+            DebugValue::Histogram(samples) => samples.len() as u64,
+            DebugValue::Gauge(g) => g.into_inner() as u64,
+        })
+}
+
+fn decisions(seen: &Seen, name: &str) -> BTreeMap<&'static str, u64> {
+    Decision::ALL
+        .iter()
+        .map(|d| {
+            let n = value(
+                seen,
+                "retrysafe_idempotency_requests_total",
+                &[("name", name), ("decision", d.as_str())],
+            );
+            (d.as_str(), n.unwrap_or_else(|| panic!("no series for {d}")))
+        })
+        .filter(|(_, n)| *n > 0)
+        .collect()
+}
+
+#[tokio::test(start_paused = true)]
+async fn every_decision_is_counted_once_under_the_layers_name() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (layer, heard) = listen(IdempotencyLayer::new(MemoryStore::new()));
+    let layer =
+        metrics::with_local_recorder(&recorder, || layer.name("payments-api").build().unwrap());
+    let app = app(layer);
+
+    // first, replay, mismatch
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(
+        send(&app, post("k-1"), "b").await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+    // a 503 of the handler makes the record unknown; its copy is told so
+    let failing = || post("k-2").header("x-status", "503");
+    assert_eq!(
+        send(&app, failing(), "a").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        send(&app, failing(), "a").await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+    // a copy while the first is in flight
+    let slow = app.clone();
+    let first =
+        tokio::spawn(
+            async move { send(&slow, post("k-3").header("x-sleep-ms", "100"), "a").await },
+        );
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(send(&app, post("k-3"), "a").await, StatusCode::CONFLICT);
+    assert_eq!(first.await.unwrap(), StatusCode::CREATED);
+    // refused before any claim: a key too long, and no scope
+    let long = "k".repeat(256);
+    let too_long = Request::post("/pay").header("idempotency-key", long.as_str());
+    assert_eq!(send(&app, too_long, "a").await, StatusCode::BAD_REQUEST);
+    let anonymous = post("k-4").header("x-anonymous", "1");
+    assert_eq!(
+        send(&app, anonymous, "a").await,
+        StatusCode::INTERNAL_SERVER_ERROR
+    );
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "payments-api"),
+        BTreeMap::from([
+            ("first", 3),
+            ("replay", 1),
+            ("mismatch", 1),
+            ("unknown", 1),
+            ("in_flight", 1),
+            ("invalid", 2),
+        ])
+    );
+    let unknown = |reason| {
+        value(
+            &seen,
+            "retrysafe_idempotency_outcome_unknown_total",
+            &[("name", "payments-api"), ("reason", reason)],
+        )
+    };
+    assert_eq!(unknown("status_503"), Some(1));
+    assert_eq!(unknown("status_500"), Some(0));
+    assert_eq!(unknown("panicked"), Some(0));
+    assert_eq!(unknown("other"), Some(0));
+    // One claim per request that reached the store (7), and one write per record
+    // settled: two completions, one mark.
+    let store = |op| {
+        value(
+            &seen,
+            "retrysafe_idempotency_store_seconds",
+            &[("name", "payments-api"), ("op", op)],
+        )
+    };
+    assert_eq!(store("claim"), Some(7));
+    assert_eq!(store("complete"), Some(2));
+    assert_eq!(store("mark_unknown"), Some(1));
+    assert_eq!(store("release"), Some(0));
+
+    // The hook heard every decision (and what became of the records), with the name.
+    let heard = heard.lock().unwrap().clone();
+    assert!(heard.iter().all(|(_, name)| name == "payments-api"));
+    let kinds: Vec<EventKind> = heard.iter().map(|(kind, _)| *kind).collect();
+    let count = |kind| kinds.iter().filter(|k| **k == kind).count();
+    assert_eq!(count(EventKind::Claimed), 3);
+    assert_eq!(count(EventKind::Replayed), 1);
+    assert_eq!(count(EventKind::Mismatch), 1);
+    assert_eq!(count(EventKind::Unknown), 1);
+    assert_eq!(count(EventKind::Conflict), 1);
+    assert_eq!(count(EventKind::Invalid), 2);
+    assert_eq!(count(EventKind::OutcomeUnknown), 1);
+    assert_eq!(kinds.len(), 10, "{kinds:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_of_an_evicted_record_is_answered_409_and_counted_evicted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Room for one record of 1 KiB: the next pushes it out, leaving a tombstone.
+    let store = MemoryStore::new().max_bytes(3 * 1024).build().unwrap();
+    let (layer, heard) = listen(IdempotencyLayer::new(store));
+    let layer = metrics::with_local_recorder(&recorder, || layer.name("small").build().unwrap());
+    let app = app(layer);
+    let big = |key| post(key).header("x-big", "1024");
+    assert_eq!(send(&app, big("old"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&app, big("new"), "a").await, StatusCode::CREATED);
+    let copy = app
+        .clone()
+        .oneshot(big("old").body(Body::from("a")).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(copy.status(), StatusCode::CONFLICT);
+    assert_eq!(
+        copy.extensions()
+            .get::<retrysafe_tower::idempotency::Problem>()
+            .map(|p| p.kind()),
+        Some(ProblemKind::ResponseEvicted)
+    );
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "small"),
+        BTreeMap::from([("first", 2), ("evicted", 1)])
+    );
+    let heard = heard.lock().unwrap().clone();
+    assert_eq!(
+        heard.last(),
+        Some(&(EventKind::Evicted, "small".to_owned()))
+    );
+}
+
+/// The `retrysafe.idempotency` spans (their fields as text), and every field of every
+/// span and event, to look for the raw key.
+#[derive(Clone, Default)]
+struct Capture {
+    spans: Arc<Mutex<BTreeMap<u64, BTreeMap<String, String>>>>,
+    everything: Arc<Mutex<Vec<String>>>,
+}
+
+struct Fields<'a>(&'a mut BTreeMap<String, String>);
+
+impl Visit for Fields<'_> {
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(
+            field.name().to_owned(),
+            format!("{value:?}").replace('"', ""),
+        );
+    }
+
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().to_owned(), value.to_owned());
+    }
+}
+
+impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<S> for Capture {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, _ctx: Context<'_, S>) {
+        let mut fields = BTreeMap::new();
+        attrs.record(&mut Fields(&mut fields));
+        self.everything
+            .lock()
+            .unwrap()
+            .extend(fields.values().cloned());
+        if attrs.metadata().name() == "retrysafe.idempotency" {
+            self.spans.lock().unwrap().insert(id.into_u64(), fields);
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, _ctx: Context<'_, S>) {
+        let mut fields = BTreeMap::new();
+        values.record(&mut Fields(&mut fields));
+        self.everything
+            .lock()
+            .unwrap()
+            .extend(fields.values().cloned());
+        if let Some(span) = self.spans.lock().unwrap().get_mut(&id.into_u64()) {
+            span.extend(fields);
+        }
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _ctx: Context<'_, S>) {
+        let mut fields = BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.everything
+            .lock()
+            .unwrap()
+            .extend(fields.values().cloned());
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn each_guarded_request_has_a_span_with_hashes_never_the_key() {
+    let capture = Capture::default();
+    let subscriber = tracing_subscriber::registry().with(capture.clone());
+    let _default = tracing::subscriber::set_default(subscriber);
+
+    let key = "order-SECRET-4711";
+    let app = app(IdempotencyLayer::in_memory().name("checkout"));
+    assert_eq!(send(&app, post(key), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&app, post(key), "a").await, StatusCode::CREATED);
+    assert_eq!(
+        send(&app, post(key).header("x-status", "500"), "b").await,
+        StatusCode::UNPROCESSABLE_ENTITY
+    );
+
+    let spans: Vec<BTreeMap<String, String>> =
+        capture.spans.lock().unwrap().values().cloned().collect();
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let scope = Scope::from(&Principal::new("alice"));
+    let record = RecordId::new(&scope, &IdempotencyKey::new(key).unwrap());
+    let hex =
+        |bytes: &[u8; 32]| -> String { bytes[..4].iter().map(|b| format!("{b:02x}")).collect() };
+    for (span, (decision, round_trips)) in
+        spans
+            .iter()
+            .zip([("first", "2"), ("replay", "1"), ("mismatch", "1")])
+    {
+        assert_eq!(span["name"], "checkout", "{span:?}");
+        assert_eq!(span["decision"], decision, "{span:?}");
+        assert_eq!(span["scope"], hex(scope.as_bytes()), "{span:?}");
+        assert_eq!(span["key"], hex(record.as_bytes()), "{span:?}");
+        assert_eq!(span["store_round_trips"], round_trips, "{span:?}");
+        assert!(span.contains_key("store_seconds"), "{span:?}");
+    }
+    let everything = capture.everything.lock().unwrap();
+    assert!(!everything.is_empty());
+    assert!(
+        everything.iter().all(|v| !v.contains("SECRET")),
+        "the raw key was recorded: {everything:?}"
+    );
+}
