@@ -722,6 +722,49 @@ mod reqwest_form {
         assert_eq!(m.total(names::CLIENT_RETRIES_TOTAL), 0);
     }
 
+    /// A budget and a breaker given before `.name(…)` stay the ones given: the name
+    /// renames only the parts the stack made itself.
+    #[tokio::test]
+    async fn a_given_budget_and_breaker_survive_a_later_name() {
+        let recorder = Recorder::new();
+        let given = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0))
+            .with_name("shared-budget");
+        let client = client(&recorder, move || {
+            let config = BreakerConfig::default()
+                .with_name("given-breaker")
+                .with_window(SlidingWindow::count(2, 1))
+                .with_minimum_calls(2)
+                .with_open_duration(MINUTE);
+            ClientMiddlewares::new()
+                .budget(given)
+                .breaker(CircuitBreakerMiddleware::with_config(config))
+                .retry(retry(3))
+                .name("late")
+        });
+        let url = scripted(&[503, 503, 503]).await;
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 503);
+        assert_eq!(client.get(&url).send().await.unwrap().status(), 503);
+        let refused = client.get(&url).send().await.unwrap_err();
+        assert!(refused.to_string().contains("circuit"), "{refused}");
+
+        let m = recorder.read();
+        // The shared budget (no deposits to spend: min_per_sec 0) refused the retries
+        // under its own name, and the given breaker opened under its own.
+        assert_eq!(
+            m.counter(names::BUDGET_REFUSALS_TOTAL, &[("name", "shared-budget")]),
+            2
+        );
+        assert_eq!(m.total(names::BUDGET_REFUSALS_TOTAL), 2);
+        assert_eq!(
+            m.counter(
+                names::BREAKER_REJECTIONS_TOTAL,
+                &[("name", "given-breaker")]
+            ),
+            1
+        );
+        assert_eq!(m.total(names::BREAKER_REJECTIONS_TOTAL), 1);
+    }
+
     #[tokio::test]
     async fn an_open_breaker_refuses() {
         let recorder = Recorder::new();

@@ -139,12 +139,14 @@ impl ClientMiddlewares {
     /// Share one handle between every client of the same downstream.
     pub fn budget(mut self, budget: RetryBudget) -> Self {
         self.budget = budget;
+        self.own_budget = false;
         self
     }
 
     /// The breaker middleware.
     pub fn breaker(mut self, breaker: CircuitBreakerMiddleware) -> Self {
         self.breaker = breaker;
+        self.own_breaker = false;
         self
     }
 
