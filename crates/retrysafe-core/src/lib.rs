@@ -109,3 +109,9 @@ pub use deadline::{Deadline, DeadlineExpiry};
 #[cfg(loom)]
 #[doc(hidden)]
 pub use sync::loom_clock;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-core`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

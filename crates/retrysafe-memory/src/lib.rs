@@ -71,3 +71,9 @@ mod tombstones;
 
 pub use eviction::{Eviction, EvictionKind};
 pub use store::MemoryStore;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-memory`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -154,3 +154,9 @@ pub type PostgresStoreBuilder = PostgresStoreOptions;
 /// The sqlx this crate is built on, for [`PgPool`](sqlx::PgPool) and connection
 /// options of the same version.
 pub use sqlx;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-postgres`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

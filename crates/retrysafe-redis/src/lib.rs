@@ -110,3 +110,9 @@ pub use store::{RedisStore, RedisStoreOptions};
 
 /// The redis-rs crate this store is built on, for building connections.
 pub use redis;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-redis`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -108,3 +108,9 @@ pub use breaker::CircuitBreakerMiddleware;
 pub use client::ClientMiddlewares;
 pub use deadline::DeadlineMiddleware;
 pub use retry::RetryMiddleware;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-reqwest`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;

@@ -51,3 +51,9 @@ pub mod server;
 pub mod throttle;
 
 pub use retrysafe_core as core;
+
+/// The README's Rust code blocks, compiled and run as doc-tests
+/// (`cargo test --doc -p retrysafe-tower`).
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
