@@ -22,5 +22,7 @@ mod broker;
 mod consumer;
 #[path = "outbox/harness.rs"]
 mod harness;
+#[path = "outbox/messages.rs"]
+mod messages;
 #[path = "outbox/relay.rs"]
 mod relay;
