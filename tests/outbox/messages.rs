@@ -1,10 +1,11 @@
 //! The message path through the real RabbitMQ: a relay crash between a publish and its
-//! mark, and a `mandatory` message no queue takes.
+//! mark, a `mandatory` message no queue takes, and the headers a message keeps.
 
 use std::time::Duration;
 
 use retrysafe_postgres::consumer::{Consumer, Processed};
-use retrysafe_postgres::outbox::amqp::lapin::options::QueueDeleteOptions;
+use retrysafe_postgres::outbox::amqp::lapin::options::{BasicGetOptions, QueueDeleteOptions};
+use retrysafe_postgres::outbox::amqp::lapin::types::AMQPValue;
 use retrysafe_postgres::outbox::amqp::{AmqpPublisher, declare_queue};
 use retrysafe_postgres::outbox::{Message, OutboxRelay, PublishError, Publisher};
 
@@ -147,6 +148,50 @@ async fn a_mandatory_message_the_broker_returns_is_a_failed_send() {
             .channel
             .queue_delete(q.as_str().into(), QueueDeleteOptions::default())
             .await;
+    }
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_message_never_stores_or_publishes_credentials() {
+    let db = Db::new().await;
+    let broker = Broker::new().await;
+    let message = Message::new("", broker.queue.as_str(), "hello")
+        .header("authorization", "Bearer s3cret")
+        .header("proxy-authorization", "Basic s3cret")
+        .header("cookie", "session=s3cret")
+        .header("x-trace", "t-1");
+    db.enqueue("m-0", message).await;
+    let (stored, _) = db.row("m-0").await;
+    let stored = String::from_utf8_lossy(&stored).into_owned();
+    assert!(!stored.contains("s3cret"), "credentials stored: {stored}");
+    assert!(stored.contains("x-trace"), "{stored}");
+
+    let relay = message_relay(&db).build().unwrap();
+    assert_eq!(relay.run_once().await.unwrap().succeeded, 1);
+    let got = eventually("the message", Duration::from_secs(10), || async {
+        broker
+            .channel
+            .basic_get(
+                broker.queue.as_str().into(),
+                BasicGetOptions { no_ack: true },
+            )
+            .await
+            .unwrap()
+    })
+    .await;
+    let headers = got
+        .delivery
+        .properties
+        .headers()
+        .clone()
+        .unwrap_or_default();
+    for name in ["authorization", "proxy-authorization", "cookie"] {
+        assert!(!headers.contains_key(name), "{name} published");
+    }
+    match headers.inner().get("x-trace") {
+        Some(AMQPValue::LongString(v)) => assert_eq!(v.as_bytes(), b"t-1"),
+        other => panic!("x-trace: {other:?}"),
     }
     broker.cleanup().await;
 }

@@ -4,8 +4,9 @@
 //! A handler behind the [`TxIdempotencyLayer`](crate::tx::TxIdempotencyLayer) must not
 //! call remote services inside its transaction: their effects would not roll back with
 //! it. It enqueues them instead. [`IdempotentTx::enqueue`](crate::tx::IdempotentTx::enqueue)
-//! writes an HTTP request (method, URI, headers — never `authorization` or cookies —,
-//! body) or a [`Message`] into the outbox table **in the same transaction** as the key
+//! writes an HTTP request (method, URI, headers, body) or a [`Message`] (exchange,
+//! routing key, headers, body) — never their `authorization`, `proxy-authorization` or
+//! `cookie` headers — into the outbox table **in the same transaction** as the key
 //! and the effect, with a deterministic child key of the record
 //! ([`IdempotencyContext::child_key`](retrysafe_core::idempotency::IdempotencyContext::child_key)).
 //! The entry exists if and only if the effect committed.
