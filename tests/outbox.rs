@@ -20,6 +20,8 @@ mod support;
 mod broker;
 #[path = "outbox/consumer.rs"]
 mod consumer;
+#[path = "outbox/downstream.rs"]
+mod downstream;
 #[path = "outbox/harness.rs"]
 mod harness;
 #[path = "outbox/messages.rs"]
