@@ -22,6 +22,8 @@ mod broker;
 mod consumer;
 #[path = "outbox/downstream.rs"]
 mod downstream;
+#[path = "outbox/fencing.rs"]
+mod fencing;
 #[path = "outbox/harness.rs"]
 mod harness;
 #[path = "outbox/messages.rs"]
