@@ -107,6 +107,13 @@ impl Outgoing {
     /// Delivers this entry after every earlier pending entry with the same key, and
     /// before every later one (entries of one aggregate, in order). An entry that ends
     /// `rejected` or `dead` no longer holds back those after it.
+    ///
+    /// The order is the order in which the enqueueing transactions commit. To make it
+    /// so, [`Outbox::enqueue`](super::Outbox::enqueue) takes a transaction-level lock
+    /// on the key: a second transaction enqueueing for the same key waits until the
+    /// first commits or rolls back. Transactions of one aggregate thus run one at a
+    /// time from their first ordered enqueue to their end: enqueue late in the
+    /// transaction, after the slow work.
     #[must_use]
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());

@@ -37,8 +37,10 @@
 //! [`build`](OutboxRelay::build)).
 //!
 //! Rows with the same [ordering key](Outgoing::ordering_key) are delivered one at a
-//! time, in the order they were enqueued. Finished rows are deleted after a
-//! [retention](OutboxRelay::retention).
+//! time, in the order their transactions committed: enqueueing with an ordering key
+//! locks the key until the transaction ends, so transactions enqueueing for one key
+//! commit one after another, in the order of their rows. Finished rows are deleted
+//! after a [retention](OutboxRelay::retention).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -190,6 +192,11 @@ impl Outbox {
     /// to be sent with `key` as its `Idempotency-Key` or message id. Returns the row's
     /// id. [`IdempotentTx::enqueue`](crate::tx::IdempotentTx::enqueue) calls this with a
     /// child key of the request's record.
+    ///
+    /// An entry with an [ordering key](Outgoing::ordering_key) first takes a
+    /// transaction-level advisory lock on that key (a 64-bit hash of the table and the
+    /// key, held until the transaction ends): another transaction enqueueing for the
+    /// same key waits until this one commits or rolls back.
     pub async fn enqueue(
         &self,
         conn: &mut PgConnection,
@@ -198,6 +205,13 @@ impl Outbox {
     ) -> Result<i64, StoreError> {
         let sql = self.sql().map_err(StoreError::unavailable)?;
         let o = outgoing.into();
+        if let Some(ordering_key) = o.ordering_key.as_deref() {
+            sqlx::query(&sql.lock_order)
+                .bind(ordering_key)
+                .execute(&mut *conn)
+                .await
+                .map_err(db_error)?;
+        }
         sqlx::query_scalar(&sql.insert)
             .bind(key.as_str())
             .bind(o.kind)
