@@ -1,6 +1,7 @@
 //! Drives the `outbox` example as an outside user would: a short run against the real
-//! PostgreSQL and RabbitMQ, with the relay and the consumer crashing; its last stdout
-//! line is the JSON of the contract, with no duplicate and nothing missing.
+//! PostgreSQL and RabbitMQ, in which the relay and the consumer each crash at least
+//! once (as its human-readable output counts); its last stdout line is the JSON of the
+//! contract, with no duplicate and nothing missing.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -40,10 +41,33 @@ fn run(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
     )
 }
 
+/// The crash counts of the human-readable output, from its line
+/// `relay: R crashes between send and mark; consumer: C crashes between commit and ack`.
+fn crashes(stdout: &str) -> (u64, u64) {
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with("relay: "))
+        .unwrap_or_else(|| panic!("no line of crash counts in {stdout}"));
+    let count = |label: &str| {
+        line.split(label)
+            .nth(1)
+            .and_then(|rest| rest.split_whitespace().next())
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("no {label} count in {line}"))
+    };
+    (count("relay: "), count("consumer: "))
+}
+
 #[test]
-fn a_short_run_has_no_duplicates_and_misses_nothing() {
+fn a_short_run_with_crashes_has_no_duplicates_and_misses_nothing() {
     let (code, stdout, stderr) = run(&["--orders", "30"], &[("OUTBOX_SEED", "11")]);
     assert_eq!(code, Some(0), "stderr: {stderr}");
+    let (relay_crashes, consumer_crashes) = crashes(&stdout);
+    assert!(relay_crashes >= 1, "the relay never crashed: {stdout}");
+    assert!(
+        consumer_crashes >= 1,
+        "the consumer never crashed: {stdout}"
+    );
     let last = stdout.lines().last().expect("some output");
     let json: Value = serde_json::from_str(last).unwrap_or_else(|e| panic!("{e}: {last}"));
     let keys: Vec<&str> = json

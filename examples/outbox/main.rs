@@ -17,8 +17,10 @@
 //!   transaction that records its id.
 //!
 //! The relay is crashed between a send and its mark, and the consumer between its
-//! commit and its acknowledgement, at random points (seeded: `OUTBOX_SEED`, default 7;
-//! `OUTBOX_CRASHES=0` turns them off, for measurements); each is restarted. Half the
+//! commit and its acknowledgement, each at points of a schedule of its own drawn from
+//! the seed (`OUTBOX_SEED`, default 7): each crashes at least once in every run, and
+//! about once in 25 sends or commits; `OUTBOX_CRASHES=0` turns the crashes off, for
+//! measurements. Each is restarted, and the crashes are counted in the output. Half the
 //! orders are placed while the relay is stopped (a backlog, drained at full speed: the
 //! relay's throughput), half while it runs (the latency from commit to delivery).
 //!
@@ -42,8 +44,8 @@ usage: outbox [--database URL] [--amqp URL] [--orders N]
   --amqp URL       RabbitMQ (default $AMQP_URL or amqp://guest:guest@127.0.0.1:5672/%2f)
   --orders N       orders to place (default 200)
 
-environment: OUTBOX_SEED (default 7) seeds the crash points; OUTBOX_CRASHES=0 turns
-the crashes off.";
+environment: OUTBOX_SEED (default 7) seeds the crash schedules (the relay and the
+consumer each crash at least once); OUTBOX_CRASHES=0 turns the crashes off.";
 
 /// The parsed command line.
 #[derive(Debug, Clone)]
@@ -54,7 +56,7 @@ pub(crate) struct Options {
     pub(crate) amqp: String,
     /// Orders to place.
     pub(crate) orders: usize,
-    /// Seeds the crash points.
+    /// Seeds the crash schedules.
     pub(crate) seed: u64,
     /// Whether the relay and the consumer crash.
     pub(crate) crashes: bool,

@@ -26,7 +26,7 @@ use crate::services::{self, Env};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// SplitMix64: a seeded source of crash points.
+/// SplitMix64: a seeded stream of numbers.
 #[derive(Debug)]
 pub(crate) struct Rng(std::sync::Mutex<u64>);
 
@@ -35,19 +35,71 @@ impl Rng {
         Rng(std::sync::Mutex::new(seed))
     }
 
-    /// True once in `n` draws, on average.
-    pub(crate) fn one_in(&self, n: u64) -> bool {
+    /// The stream of one worker: seeded by the run's seed and the worker's number, so
+    /// that workers running side by side do not draw from (and reorder) one stream.
+    pub(crate) fn of_worker(seed: u64, worker: u64) -> Rng {
+        Rng::new(Rng::new(seed ^ worker.wrapping_mul(0xD6E8_FEB8_6659_FD93)).next())
+    }
+
+    pub(crate) fn next(&self) -> u64 {
         let mut s = self.0.lock().unwrap();
         *s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = *s;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        (z ^ (z >> 31)).is_multiple_of(n)
+        z ^ (z >> 31)
+    }
+
+    /// A number from 1 to `n` (`n` at least 1).
+    pub(crate) fn one_to(&self, n: u64) -> u64 {
+        1 + self.next() % n.max(1)
+    }
+
+    /// True once in `n` draws, on average.
+    pub(crate) fn one_in(&self, n: u64) -> bool {
+        self.next().is_multiple_of(n)
     }
 }
 
-/// One crash in this many sends (relay) or commits (consumer).
-const CRASH_ONE_IN: u64 = 25;
+/// One crash in about this many sends (relay) or commits (consumer).
+const CRASH_EVERY: u64 = 25;
+
+/// The workers' numbers, for their streams.
+const RELAY: u64 = 1;
+const CONSUMER: u64 = 2;
+const CLIENT: u64 = 3;
+
+/// When one worker crashes, counted in its events (the relay's sends, the consumer's
+/// commits) over all its restarts: the first crash within the first `first_within`
+/// events, so that every run has one, then one after every 1 to 2 × [`CRASH_EVERY`]
+/// events. Drawn from the seed alone, so a seed gives the same schedule every run.
+#[derive(Debug)]
+pub(crate) struct CrashSchedule {
+    rng: Rng,
+    /// Events so far, and the event that crashes next.
+    at: std::sync::Mutex<(u64, u64)>,
+}
+
+impl CrashSchedule {
+    pub(crate) fn new(rng: Rng, first_within: u64) -> CrashSchedule {
+        let first = rng.one_to(first_within.min(CRASH_EVERY));
+        CrashSchedule {
+            rng,
+            at: std::sync::Mutex::new((0, first)),
+        }
+    }
+
+    /// Counts one event; `true` when the worker crashes at it.
+    pub(crate) fn crash_now(&self) -> bool {
+        let mut at = self.at.lock().unwrap();
+        at.0 += 1;
+        if at.0 < at.1 {
+            return false;
+        }
+        at.1 = at.0 + self.rng.one_to(2 * CRASH_EVERY);
+        true
+    }
+}
 
 pub(crate) async fn run(options: &Options) -> Result<Report, Error> {
     let env = Env::new(options).await?;
@@ -59,13 +111,21 @@ pub(crate) async fn run(options: &Options) -> Result<Report, Error> {
 async fn drive(options: &Options, env: &Env) -> Result<Report, Error> {
     let (down_addr, downstream) = services::downstream().await?;
     let orders_addr = services::orders(env, down_addr).await?;
-    let rng = Arc::new(Rng::new(options.seed));
+    let rng = Rng::of_worker(options.seed, CLIENT);
+    let orders = options.orders as u64;
+    // Every row is sent at least once and every message committed once: the first
+    // crash of each worker falls within those, so every run has both kinds.
+    let relay_crashes = Arc::new(CrashSchedule::new(
+        Rng::of_worker(options.seed, RELAY),
+        2 * orders,
+    ));
+    let consumer_crashes = CrashSchedule::new(Rng::of_worker(options.seed, CONSUMER), orders);
     let counters = Arc::new(Counters::default());
     let stop = Arc::new(AtomicBool::new(false));
     let consumer = tokio::spawn(consume(
         options.clone(),
         env.consumer()?,
-        Arc::clone(&rng),
+        consumer_crashes,
         Arc::clone(&counters),
         Arc::clone(&stop),
         env.queue.clone(),
@@ -78,7 +138,7 @@ async fn drive(options: &Options, env: &Env) -> Result<Report, Error> {
     let relay = tokio::spawn(supervise_relay(
         options.clone(),
         env.pool.clone(),
-        Arc::clone(&rng),
+        relay_crashes,
         Arc::clone(&counters),
         Arc::clone(&stop),
     ));
@@ -165,17 +225,17 @@ async fn place_orders(
     Ok(())
 }
 
-/// Runs relays one after another: each may crash between a send and its mark; the
-/// next takes the crashed one's rows once their lease ends.
+/// Runs relays one after another: each crashes between a send and its mark when the
+/// schedule says so; the next takes the crashed one's rows once their lease ends.
 async fn supervise_relay(
     options: Options,
     pool: sqlx::PgPool,
-    rng: Arc<Rng>,
+    schedule: Arc<CrashSchedule>,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
 ) {
     while !stop.load(Ordering::Relaxed) {
-        let crash_rng = Arc::clone(&rng);
+        let schedule = Arc::clone(&schedule);
         let crashes = options.crashes;
         let relay = OutboxRelay::new(pool.clone())
             .http_client(Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>())
@@ -188,7 +248,7 @@ async fn supervise_relay(
                 Duration::from_millis(200),
                 Jitter::Full,
             ))
-            .__crash_after_send(move |_| crashes && crash_rng.one_in(CRASH_ONE_IN))
+            .__crash_after_send(move |_| crashes && schedule.crash_now())
             .build()
             .unwrap()
             .spawn();
@@ -208,13 +268,13 @@ async fn supervise_relay(
 async fn consume(
     options: Options,
     consumer: Consumer,
-    rng: Arc<Rng>,
+    schedule: CrashSchedule,
     counters: Arc<Counters>,
     stop: Arc<AtomicBool>,
     queue: String,
 ) {
     let crashes = options.crashes;
-    let consumer = consumer.__crash_after_commit(move |_| crashes && rng.one_in(CRASH_ONE_IN));
+    let consumer = consumer.__crash_after_commit(move |_| crashes && schedule.crash_now());
     while !stop.load(Ordering::Relaxed) {
         if let Err(e) = consume_until_crash(&options, &consumer, &counters, &queue).await {
             eprintln!("consumer: {e}; restarting");

@@ -15,7 +15,9 @@ use retrysafe_postgres::outbox::amqp::lapin::{
 use retrysafe_postgres::outbox::{Message, OutboxRelay, Publisher};
 use retrysafe_postgres::sqlx::{self, PgConnection};
 
-use crate::harness::{Broker, Db, amqp_url, client, downstream, order_service, place_order};
+use crate::harness::{
+    Broker, Db, amqp_url, client, downstream, eventually, order_service, place_order,
+};
 
 /// A subscription to a queue on a connection of its own (a consumer process). Its
 /// deliveries can be settled while it lives: dropping lapin's consumer closes its
@@ -294,4 +296,75 @@ async fn processed_ids_are_swept_after_the_retention() {
     assert_eq!(consumer.sweep(100).await.unwrap(), 0);
     sub.close().await;
     broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_spawned_sweeper_deletes_processed_ids_past_the_retention() {
+    let db = Db::new().await;
+    let broker = Broker::new().await;
+    let publisher = AmqpPublisher::new(amqp_url());
+    for id in ["a", "b"] {
+        publisher
+            .publish(id, &Message::new("", broker.queue.as_str(), id))
+            .await
+            .unwrap();
+    }
+    let consumer = Consumer::new(db.pool.clone(), "billing")
+        .publisher_dead_letter_age(Duration::from_millis(1))
+        .redelivery_horizon(Duration::from_millis(1))
+        .retention(Duration::from_millis(5))
+        .sweep_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    consumer.migrate().await.unwrap();
+    let mut sub = Subscription::new(&broker.queue).await;
+    for _ in 0..2 {
+        let delivery = sub.next().await;
+        let id = delivery
+            .properties
+            .message_id()
+            .as_ref()
+            .unwrap()
+            .to_string();
+        let outcome = consumer
+            .process(delivery, |tx, body| record(tx, body, id))
+            .await
+            .unwrap();
+        assert!(matches!(outcome, Processed::Done(())));
+    }
+    // Another consumer's ids are not its to sweep.
+    sqlx::query("INSERT INTO retrysafe_processed (consumer, message_id) VALUES ('shipping', 'a')")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let ids = || async {
+        let rows: Vec<String> =
+            sqlx::query_scalar("SELECT consumer FROM retrysafe_processed ORDER BY consumer")
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        rows
+    };
+    assert_eq!(ids().await, ["billing", "billing", "shipping"]);
+    let sweeper = consumer.spawn_sweeper();
+    eventually("the sweep", Duration::from_secs(30), || async {
+        (ids().await == ["shipping"]).then_some(())
+    })
+    .await;
+    assert!(!sweeper.is_finished());
+    sweeper.stop().await;
+    sub.close().await;
+    broker.cleanup().await;
+}
+
+#[tokio::test]
+async fn a_sweep_interval_of_zero_is_refused() {
+    let pool = retrysafe_postgres::sqlx::postgres::PgPoolOptions::new()
+        .connect_lazy(&crate::support::database_url())
+        .unwrap();
+    let error = Consumer::new(pool, "billing")
+        .sweep_interval(Duration::ZERO)
+        .build()
+        .unwrap_err();
+    assert_eq!(error.fields().collect::<Vec<_>>(), ["sweep_interval"]);
 }

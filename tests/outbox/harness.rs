@@ -122,6 +122,30 @@ impl Db {
         rows.into_iter().collect()
     }
 
+    /// Enqueues `outgoing` with key `key` in a committed transaction of its own.
+    pub async fn enqueue(
+        &self,
+        key: &str,
+        outgoing: impl Into<retrysafe_postgres::outbox::Outgoing>,
+    ) {
+        let mut tx = self.pool.begin().await.unwrap();
+        let key = retrysafe::wire::IdempotencyKey::new(key).unwrap();
+        Outbox::new()
+            .enqueue(&mut tx, &key, outgoing)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    /// The stored headers and the last error of the row with key `key`.
+    pub async fn row(&self, key: &str) -> (Vec<u8>, Option<String>) {
+        sqlx::query_as("SELECT headers, last_error FROM retrysafe_outbox WHERE child_key = $1")
+            .bind(key)
+            .fetch_one(&self.pool)
+            .await
+            .unwrap()
+    }
+
     /// Enqueues `n` HTTP posts to `url` (and, with `queue`, as many messages) in one
     /// committed transaction each, as a handler would, with keys `k-0`, `k-1`, ….
     pub async fn enqueue_posts(

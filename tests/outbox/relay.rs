@@ -6,7 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use http::StatusCode;
-use retrysafe_postgres::outbox::{OutboxRelay, Settled};
+use retrysafe_postgres::outbox::{Outbox, OutboxRelay, Outgoing, Settled};
+use retrysafe_postgres::sqlx::{self, PgConnection};
 
 use crate::harness::{Db, client, downstream, eventually, order_service, place_order};
 
@@ -183,6 +184,79 @@ async fn rows_of_one_ordering_key_are_delivered_in_order() {
     .await;
     drain(&db, &test_relay(&db).build().unwrap()).await;
     assert_eq!(*seen.order.lock().unwrap(), ["0", "1", "2", "3", "4", "5"]);
+}
+
+#[tokio::test]
+async fn an_ordering_key_follows_commit_order_across_concurrent_transactions() {
+    let db = Db::new().await;
+    let (addr, seen) = downstream().await;
+    let url = format!("http://{addr}/effects");
+    let ordered = |body: &'static str| {
+        Outgoing::from(
+            http::Request::post(url.as_str())
+                .body(bytes::Bytes::from_static(body.as_bytes()))
+                .unwrap(),
+        )
+        .ordering_key("account-1")
+    };
+    let mut first = db.pool.begin().await.unwrap();
+    enqueue_on(&mut first, "k-first", ordered("first")).await;
+
+    // A second transaction enqueueing for the same key waits for the first to end.
+    let mut second = db.pool.begin().await.unwrap();
+    let second_pid: i32 = sqlx::query_scalar("SELECT pg_backend_pid()")
+        .fetch_one(&mut *second)
+        .await
+        .unwrap();
+    let later = ordered("second");
+    let second = tokio::spawn(async move {
+        enqueue_on(&mut second, "k-second", later).await;
+        second.commit().await.unwrap();
+    });
+    eventually("the second waiting on the key", Duration::from_secs(30), || async {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT count(*) > 0 FROM pg_locks WHERE pid = $1 AND locktype = 'advisory' AND NOT granted",
+        )
+        .bind(second_pid)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        waiting.then_some(())
+    })
+    .await;
+    let relay = test_relay(&db).build().unwrap();
+    assert_eq!(
+        relay.run_once().await.unwrap().taken,
+        0,
+        "nothing committed yet"
+    );
+
+    first.commit().await.unwrap();
+    second.await.unwrap();
+    drain(&db, &relay).await;
+    assert_eq!(*seen.order.lock().unwrap(), ["first", "second"]);
+    // Rows of another key, or of none, do not wait for a key held.
+    let mut tx = db.pool.begin().await.unwrap();
+    enqueue_on(&mut tx, "k-a", ordered("a")).await;
+    let unordered = Outgoing::from(
+        http::Request::post(url.as_str())
+            .body(bytes::Bytes::new())
+            .unwrap(),
+    );
+    let mut other = db.pool.begin().await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), async {
+        enqueue_on(&mut other, "k-b", unordered.clone()).await;
+        enqueue_on(&mut other, "k-c", unordered.ordering_key("account-2")).await;
+        other.commit().await.unwrap();
+    })
+    .await
+    .expect("no wait on another key");
+    tx.commit().await.unwrap();
+}
+
+async fn enqueue_on(tx: &mut PgConnection, key: &str, outgoing: Outgoing) {
+    let key = retrysafe::wire::IdempotencyKey::new(key).unwrap();
+    Outbox::new().enqueue(tx, &key, outgoing).await.unwrap();
 }
 
 #[tokio::test]

@@ -16,6 +16,10 @@
 //! | acknowledgement | after the commit; lost → redelivered → skipped |
 //! | a message the effect fails on | rolled back, requeued; dead-lettered after the limit |
 //!
+//! Processed ids are kept for a [retention](Consumer::retention) that covers every
+//! later copy of the message, then deleted by a sweep: schedule one, with
+//! [`Consumer::spawn_sweeper`] or by calling [`Consumer::sweep`].
+//!
 //! The broker side is an [`Inbound`] message: with feature `amqp`, a lapin
 //! [`Delivery`](lapin::message::Delivery) (see [`crate::outbox::amqp`]).
 //!
@@ -42,6 +46,7 @@
 //! ```
 
 mod inbound;
+mod sweeper;
 
 use std::fmt;
 use std::future::Future;
@@ -54,9 +59,11 @@ use retrysafe_core::store::StoreError;
 use sqlx::{Connection, PgConnection, PgPool};
 
 pub use inbound::Inbound;
+pub use sweeper::SweeperHandle;
 
 use crate::sql::{check_schema, check_table};
-use crate::store::{db_error, micros};
+use crate::store::db_error;
+use sweeper::Sweep;
 
 /// The effect's future, borrowing the transaction's connection.
 pub type Effect<'c, T, E> = Pin<Box<dyn Future<Output = Result<T, E>> + Send + 'c>>;
@@ -89,6 +96,12 @@ type CrashHook = std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>;
 /// 8 days, which must cover the publisher's dead-letter age (default 1 h) plus the
 /// broker's redelivery horizon (default 7 days): a message can come back until then.
 ///
+/// Ids past the retention are deleted only by a sweep: run
+/// [`spawn_sweeper`](Self::spawn_sweeper) once per application (every
+/// [`sweep_interval`](Self::sweep_interval), default 60 s), or call
+/// [`sweep`](Self::sweep) from a scheduler of your own. Without either, the table
+/// grows with every message.
+///
 /// ```
 /// use std::time::Duration;
 /// use retrysafe_postgres::consumer::Consumer;
@@ -113,6 +126,7 @@ pub struct Consumer {
     retention: Duration,
     publisher_dead_letter_age: Duration,
     redelivery_horizon: Duration,
+    sweep_interval: Duration,
     crash_after_commit: Option<CrashHook>,
 }
 
@@ -139,6 +153,7 @@ impl Consumer {
             retention: 8 * DAY,
             publisher_dead_letter_age: Duration::from_secs(3600),
             redelivery_horizon: 7 * DAY,
+            sweep_interval: Duration::from_secs(60),
             crash_after_commit: None,
         }
     }
@@ -180,6 +195,13 @@ impl Consumer {
         self
     }
 
+    /// How often the [sweeper](Self::spawn_sweeper) deletes ids past the retention
+    /// (default 60 s).
+    pub fn sweep_interval(mut self, every: Duration) -> Self {
+        self.sweep_interval = every;
+        self
+    }
+
     /// Test hook: called with a message id after its commit, before its
     /// acknowledgement; `true` stops there, as a crash would.
     #[doc(hidden)]
@@ -209,6 +231,7 @@ impl Consumer {
             "retention",
             "must cover the publisher's dead-letter age plus the redelivery horizon, and at most 366 days",
         );
+        v.timeout(self.sweep_interval, "sweep_interval");
         v.finish(self)
     }
 
@@ -376,21 +399,28 @@ CREATE INDEX IF NOT EXISTS {table}_seen_idx ON {t} (seen_at);"
         Ok((u32::try_from(n).unwrap_or(0), processed))
     }
 
-    /// Deletes up to `batch` ids older than the retention; returns how many.
+    /// Deletes up to `batch` ids older than the retention; returns how many. For a
+    /// consumer swept by a scheduler of its own; [`spawn_sweeper`](Self::spawn_sweeper)
+    /// does it on a task.
     pub async fn sweep(&self, batch: i64) -> Result<u64, StoreError> {
-        let t = self.qualified();
-        let done = sqlx::query(&format!(
-            "DELETE FROM {t} WHERE ctid IN (
-                 SELECT ctid FROM {t}
-                 WHERE consumer = $1 AND seen_at < clock_timestamp() - make_interval(secs => $2::float8 / 1e6)
-                 LIMIT $3 FOR UPDATE SKIP LOCKED)"
-        ))
-        .bind(&self.name)
-        .bind(micros(self.retention))
-        .bind(batch)
-        .execute(&self.pool)
-        .await
-        .map_err(db_error)?;
-        Ok(done.rows_affected())
+        self.sweeper().once(batch).await
+    }
+
+    /// Deletes the ids past the retention now and then every
+    /// [`sweep_interval`](Self::sweep_interval), on a tokio task, until
+    /// [`SweeperHandle::stop`]. One sweeper per consumer name is enough (several only
+    /// share the work). Errors (the database away) are logged and retried at the next
+    /// interval.
+    pub fn spawn_sweeper(&self) -> SweeperHandle {
+        self.sweeper().spawn(self.sweep_interval)
+    }
+
+    fn sweeper(&self) -> Sweep {
+        Sweep {
+            pool: self.pool.clone(),
+            sql: Sweep::statement(&self.qualified()),
+            name: self.name.clone(),
+            retention: self.retention,
+        }
     }
 }

@@ -9,14 +9,27 @@ use super::sql::{KIND_HTTP, KIND_MESSAGE};
 /// The header that carries a row's child key.
 pub(crate) const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
 
-/// Headers the outbox never stores: credentials belong to the relay's client stack,
-/// which adds them when it sends (they may have expired by then anyway), and the
-/// idempotency key is the row's own child key.
+/// Headers the outbox never stores: credentials belong to the relay's client stack or
+/// publisher, which adds them when it sends (they may have expired by then anyway), and
+/// the idempotency key is the row's own child key.
 fn never_stored(name: &HeaderName) -> bool {
     name == AUTHORIZATION
         || name == PROXY_AUTHORIZATION
         || name == COOKIE
         || name == IDEMPOTENCY_KEY
+}
+
+/// `headers` without those [never stored](never_stored).
+fn storable(mut headers: HeaderMap) -> HeaderMap {
+    let names: Vec<HeaderName> = headers
+        .keys()
+        .filter(|n| never_stored(n))
+        .cloned()
+        .collect();
+    for name in names {
+        headers.remove(name);
+    }
+    headers
 }
 
 /// One entry for the outbox: an HTTP request, or a message for a
@@ -55,32 +68,37 @@ impl Outgoing {
     /// `Idempotency-Key`). Its extensions are not kept.
     pub fn http(request: Request<Bytes>) -> Self {
         let (parts, body) = request.into_parts();
-        let mut headers = parts.headers;
-        let names: Vec<HeaderName> = headers
-            .keys()
-            .filter(|n| never_stored(n))
-            .cloned()
-            .collect();
-        for name in names {
-            headers.remove(name);
-        }
         Outgoing {
             kind: KIND_HTTP,
             method: parts.method.to_string(),
             target: parts.uri.to_string(),
-            headers,
+            headers: storable(parts.headers),
             body,
             ordering_key: None,
         }
     }
 
-    /// A message to publish.
+    /// A message to publish, without the same headers as an HTTP request: a
+    /// publisher that needs credentials has its own.
+    ///
+    /// ```
+    /// use retrysafe_postgres::outbox::{Message, Outgoing};
+    ///
+    /// let message = Message::new("", "orders", "created")
+    ///     .header("authorization", "Bearer secret")
+    ///     .header("cookie", "session=secret")
+    ///     .header("x-trace", "t-1");
+    /// let outgoing = Outgoing::message(message);
+    /// assert!(outgoing.headers().get("authorization").is_none());
+    /// assert!(outgoing.headers().get("cookie").is_none());
+    /// assert_eq!(outgoing.headers()["x-trace"], "t-1");
+    /// ```
     pub fn message(message: Message) -> Self {
         Outgoing {
             kind: KIND_MESSAGE,
             method: message.exchange,
             target: message.routing_key,
-            headers: message.headers,
+            headers: storable(message.headers),
             body: message.body,
             ordering_key: None,
         }
@@ -89,6 +107,13 @@ impl Outgoing {
     /// Delivers this entry after every earlier pending entry with the same key, and
     /// before every later one (entries of one aggregate, in order). An entry that ends
     /// `rejected` or `dead` no longer holds back those after it.
+    ///
+    /// The order is the order in which the enqueueing transactions commit. To make it
+    /// so, [`Outbox::enqueue`](super::Outbox::enqueue) takes a transaction-level lock
+    /// on the key: a second transaction enqueueing for the same key waits until the
+    /// first commits or rolls back. Transactions of one aggregate thus run one at a
+    /// time from their first ordered enqueue to their end: enqueue late in the
+    /// transaction, after the slow work.
     #[must_use]
     pub fn ordering_key(mut self, key: impl Into<String>) -> Self {
         self.ordering_key = Some(key.into());

@@ -4,8 +4,9 @@
 //! A handler behind the [`TxIdempotencyLayer`](crate::tx::TxIdempotencyLayer) must not
 //! call remote services inside its transaction: their effects would not roll back with
 //! it. It enqueues them instead. [`IdempotentTx::enqueue`](crate::tx::IdempotentTx::enqueue)
-//! writes an HTTP request (method, URI, headers — never `authorization` or cookies —,
-//! body) or a [`Message`] into the outbox table **in the same transaction** as the key
+//! writes an HTTP request (method, URI, headers, body) or a [`Message`] (exchange,
+//! routing key, headers, body) — never their `authorization`, `proxy-authorization` or
+//! `cookie` headers — into the outbox table **in the same transaction** as the key
 //! and the effect, with a deterministic child key of the record
 //! ([`IdempotencyContext::child_key`](retrysafe_core::idempotency::IdempotencyContext::child_key)).
 //! The entry exists if and only if the effect committed.
@@ -36,8 +37,10 @@
 //! [`build`](OutboxRelay::build)).
 //!
 //! Rows with the same [ordering key](Outgoing::ordering_key) are delivered one at a
-//! time, in the order they were enqueued. Finished rows are deleted after a
-//! [retention](OutboxRelay::retention).
+//! time, in the order their transactions committed: enqueueing with an ordering key
+//! locks the key until the transaction ends, so transactions enqueueing for one key
+//! commit one after another, in the order of their rows. Finished rows are deleted
+//! after a [retention](OutboxRelay::retention).
 //!
 //! ```no_run
 //! use std::time::Duration;
@@ -189,6 +192,11 @@ impl Outbox {
     /// to be sent with `key` as its `Idempotency-Key` or message id. Returns the row's
     /// id. [`IdempotentTx::enqueue`](crate::tx::IdempotentTx::enqueue) calls this with a
     /// child key of the request's record.
+    ///
+    /// An entry with an [ordering key](Outgoing::ordering_key) first takes a
+    /// transaction-level advisory lock on that key (a 64-bit hash of the table and the
+    /// key, held until the transaction ends): another transaction enqueueing for the
+    /// same key waits until this one commits or rolls back.
     pub async fn enqueue(
         &self,
         conn: &mut PgConnection,
@@ -197,6 +205,13 @@ impl Outbox {
     ) -> Result<i64, StoreError> {
         let sql = self.sql().map_err(StoreError::unavailable)?;
         let o = outgoing.into();
+        if let Some(ordering_key) = o.ordering_key.as_deref() {
+            sqlx::query(&sql.lock_order)
+                .bind(ordering_key)
+                .execute(&mut *conn)
+                .await
+                .map_err(db_error)?;
+        }
         sqlx::query_scalar(&sql.insert)
             .bind(key.as_str())
             .bind(o.kind)

@@ -577,14 +577,20 @@ impl OutboxRelay {
                     tracing::warn!(target: "retrysafe::outbox", name = self.name.as_str(), error = %e, "outbox sweep failed");
                 }
             }
-            if !full {
-                let _ = tokio::time::timeout(self.poll_interval, stopped.changed()).await;
+            if !full
+                && let Ok(Err(_)) =
+                    tokio::time::timeout(self.poll_interval, stopped.changed()).await
+            {
+                // The handle is gone, and with it the stop signal: keep the pace
+                // instead of passing again at once.
+                tokio::time::sleep(self.poll_interval).await;
             }
         }
     }
 }
 
-/// The handle of a [spawned](OutboxRelay::spawn) relay.
+/// The handle of a [spawned](OutboxRelay::spawn) relay. Dropping it leaves the relay
+/// running.
 #[derive(Debug)]
 pub struct RelayHandle {
     stop: watch::Sender<bool>,

@@ -26,6 +26,8 @@ pub(crate) struct OutboxSql {
     pub(crate) migration: String,
     /// `$1 child_key, $2 kind, $3 method, $4 target, $5 headers, $6 body, $7 ordering_key`.
     pub(crate) insert: String,
+    /// `$1 ordering key`: a lock on the key in this table, until the transaction ends.
+    pub(crate) lock_order: String,
     /// `$1 token, $2 lease µs, $3 batch, $4 dead-letter age µs`.
     pub(crate) take: String,
     /// `$1 id, $2 token, $3 state, $4 last_status, $5 last_error`.
@@ -57,6 +59,11 @@ impl OutboxSql {
             insert: format!(
                 "INSERT INTO {t} (child_key, kind, method, target, headers, body, ordering_key)
                  VALUES ($1, $2, $3, $4, $5, $6, $7) RETURNING id"
+            ),
+            // The table's name is part of the lock's key, so that tables do not wait on
+            // each other's keys.
+            lock_order: format!(
+                "SELECT pg_advisory_xact_lock(hashtextextended('{t}/' || $1, 0))"
             ),
             take: format!(
                 "UPDATE {t} SET lease_token = $1,
