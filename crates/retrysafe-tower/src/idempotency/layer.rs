@@ -129,6 +129,7 @@ impl IdempotencyLayer {
             commit_point: CommitPoint::Undeclared,
             on_outcome_unknown: None,
             store_keys: false,
+            renewals: Default::default(),
         })
     }
 
