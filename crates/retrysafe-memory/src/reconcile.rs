@@ -17,6 +17,10 @@ impl ReconcilableStore for MemoryStore {
         Ok(self.inner.due(stale, limit))
     }
 
+    async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        Ok(self.inner.list_pending(limit))
+    }
+
     async fn adopt(
         &self,
         id: &RecordId,
@@ -109,6 +113,29 @@ impl Inner {
         });
         due.extend(unknown.take(limit.saturating_sub(due.len())));
         due
+    }
+
+    /// Every claim whose lease ended and every unknown record, due or not, adopted or
+    /// not, at most `limit`.
+    fn list_pending(&self, limit: usize) -> Vec<RecordId> {
+        let mut found = Vec::new();
+        for shard in self.shards() {
+            let map = lock(shard);
+            let now = Instant::now();
+            found.extend(
+                map.iter()
+                    .filter(|(_, e)| e.lease_until <= now)
+                    .map(|(id, _)| *id)
+                    .take(limit.saturating_sub(found.len())),
+            );
+        }
+        let now_ms = self.millis(Instant::now());
+        let r = self.retained();
+        let unknown = r
+            .unknown_ids()
+            .filter(|id| r.get(id).is_some_and(|e| e.expires_ms > now_ms));
+        found.extend(unknown.take(limit.saturating_sub(found.len())));
+        found
     }
 
     /// What a resolver sees of `id` if it is pending, adopting it with `adopt` (a token

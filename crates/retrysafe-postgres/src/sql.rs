@@ -151,6 +151,8 @@ pub(crate) struct Sql {
     pub(crate) sweep: String,
     /// `$1 stale µs, $2 limit`.
     pub(crate) due: String,
+    /// `$1 limit`.
+    pub(crate) list_pending: String,
     /// `$1 k, $2 adoption token, $3 hold µs, $4 stale µs (or NULL: any claim)`.
     pub(crate) adopt: String,
     /// `$1 k`.
@@ -203,6 +205,7 @@ SELECT pg_advisory_xact_lock({MIGRATE_LOCK_CLASS}, hashtext('{qualified}'));
 WHERE k = $1 AND state = {STATE_UNKNOWN} AND expires_at > clock_timestamp()"
             ),
             due: due(t),
+            list_pending: list_pending(t),
             adopt: adopt(t),
             peek: format!(
                 "WITH c AS (SELECT clock_timestamp() AS t)
@@ -416,6 +419,19 @@ LIMIT $2"
     )
 }
 
+/// Every pending record, due or not, adopted or not: claims whose lease ended and
+/// unknown outcomes.
+fn list_pending(t: &str) -> String {
+    format!(
+        "WITH c AS (SELECT clock_timestamp() AS t)
+SELECT k FROM {t}, c
+WHERE state IN ({STATE_IN_PROGRESS}, {STATE_UNKNOWN}) AND expires_at > c.t
+  AND ((state = {STATE_IN_PROGRESS} AND lease_until <= c.t)
+       OR (state = {STATE_UNKNOWN} AND lease_until IS NULL))
+LIMIT $1"
+    )
+}
+
 /// The adoption: only the adoption columns change, so that a lapsed adoption leaves the
 /// record exactly as it was. It never outlasts the record's retention, so a row that
 /// dies while adopted is never seen adopted by the claim that replaces it.
@@ -587,6 +603,7 @@ CREATE INDEX IF NOT EXISTS retrysafe_idempotency_pending_idx ON retrysafe_idempo
             &sql.mark_notified,
             &sql.sweep,
             &sql.due,
+            &sql.list_pending,
             &sql.adopt,
             &sql.peek,
             &sql.adopted_fingerprint,

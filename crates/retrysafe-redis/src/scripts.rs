@@ -113,6 +113,10 @@ pub(crate) struct Scripts {
     /// `KEYS` index; `ARGV`: key prefix, stale ms, limit, scan bound. Replies the ids
     /// (hex) of due records, and drops index entries of records no longer pending.
     pub(crate) due: Script,
+    /// `KEYS` index; `ARGV`: key prefix, limit, scan bound. Replies the ids (hex) of
+    /// every pending record the index lists, due or not: claims whose lease ended, and
+    /// unknown records.
+    pub(crate) list: Script,
     /// `KEYS` scan lease; `ARGV`: owner token, hold ms. Takes or renews the lease;
     /// replies 1 when the owner holds it, 0 when another does.
     pub(crate) scan_lease: Script,
@@ -510,6 +514,23 @@ end
 return out
 ";
 
+const LIST: &str = r"
+local idx = KEYS[1]
+local prefix, limit, scan = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+local out = {}
+local found = redis.call('ZRANGE', idx, 0, scan - 1)
+for i = 1, #found do
+  local member = found[i]
+  local cur = redis.call('GET', prefix .. '{' .. member .. '}')
+  if unknown(cur) or (in_progress(cur) and lease_until(cur) <= now) then
+    out[#out + 1] = member
+  end
+  if #out >= limit then break end
+end
+return out
+";
+
 const SCAN_LEASE: &str = r"
 local cur = redis.call('GET', KEYS[1])
 if cur and cur ~= ARGV[1] then return 0 end
@@ -535,6 +556,7 @@ impl Scripts {
             peek: script(PEEK),
             settle: script(SETTLE),
             due: script(DUE),
+            list: script(LIST),
             scan_lease: Script::new(SCAN_LEASE),
         }
     }

@@ -231,8 +231,17 @@ pub trait ReconcilableStore: IdempotencyStore + Clone {
         limit: usize,
     ) -> impl Future<Output = Result<Vec<RecordId>, StoreError>> + Send;
 
+    /// At most `limit` ids of every pending record, due or not: claims whose lease
+    /// ended (however recently), and `outcome_unknown` records whatever their next pass,
+    /// adopted ones included. What an [`Operator`] lists; a reconciler uses
+    /// [`due`](ReconcilableStore::due).
+    fn list_pending(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<RecordId>, StoreError>> + Send;
+
     /// Adopts `id` with `token` for `hold`, if it is pending: a claim whose lease ended
-    /// at least `stale` ago (any claim when `stale` is `None`, for an operator), or an
+    /// at least `stale` ago (any claim, live ones included, when `stale` is `None`), or an
     /// `outcome_unknown` record; and not adopted by another token. Returns what a
     /// resolver sees, or `None` when there is nothing to adopt.
     fn adopt(
