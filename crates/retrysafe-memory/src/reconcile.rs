@@ -85,8 +85,9 @@ fn of_unknown(id: RecordId, p: &Pending, now_ms: u64) -> PendingRecord {
 }
 
 impl Inner {
-    /// Expired claims past `stale` and unknown records due, none adopted, at most
-    /// `limit`.
+    /// Expired claims past `stale` and unknown records due (those made from an ended
+    /// lease once `stale` has passed since it ended, as for the claim), none adopted, at
+    /// most `limit`.
     fn due(&self, stale: Duration, limit: usize) -> Vec<RecordId> {
         let mut due = Vec::new();
         for shard in self.shards() {
@@ -106,9 +107,11 @@ impl Inner {
         let unknown = r.unknown_ids().filter(|id| {
             r.get(id).is_some_and(|e| {
                 e.expires_ms > now_ms
-                    && e.pending
-                        .as_ref()
-                        .is_some_and(|p| p.due_ms <= now_ms && p.adopted(now_ms).is_none())
+                    && e.pending.as_ref().is_some_and(|p| {
+                        p.due_ms <= now_ms
+                            && p.stale_for(stale, now_ms)
+                            && p.adopted(now_ms).is_none()
+                    })
             })
         });
         due.extend(unknown.take(limit.saturating_sub(due.len())));
@@ -140,7 +143,8 @@ impl Inner {
 
     /// What a resolver sees of `id` if it is pending, adopting it with `adopt` (a token
     /// and a hold) if given: a claim whose lease ended `stale` ago (any claim without
-    /// `stale`), or an `outcome_unknown` record; `None` if another adoption is live.
+    /// `stale`), or an `outcome_unknown` record (one made from an ended lease, `stale`
+    /// after it ended); `None` if another adoption is live.
     fn pending(
         &self,
         id: &RecordId,
@@ -167,7 +171,8 @@ impl Inner {
         let mut r = self.retained();
         let p = r.peek_mut(id, now_ms)?.pending.as_mut()?;
         if adoption.is_some() {
-            if p.adopted(now_ms).is_some() {
+            let ready = stale.is_none_or(|s| p.stale_for(s, now_ms));
+            if p.adopted(now_ms).is_some() || !ready {
                 return None;
             }
             p.adoption = adoption;
@@ -232,7 +237,8 @@ impl Inner {
             _ => Duration::ZERO,
         };
         let due_ms = self.millis(now).saturating_add(millis(wait));
-        let pending = claim.pending(UnknownReason::LeaseExpired, notified, due_ms);
+        let ended = Some(self.millis(claim.lease_until));
+        let pending = claim.pending(UnknownReason::LeaseExpired, notified, due_ms, ended);
         let record = blob(&unknown(claim.fingerprint));
         self.put(id, record, now, claim.retention, claim.scope, Some(pending));
     }

@@ -52,6 +52,11 @@ pub(crate) struct Pending {
     pub(crate) due_ms: u64,
     /// When it was claimed, in ms.
     pub(crate) claimed_ms: u64,
+    /// For a claim found with its lease ended (by a copy, a sweep or an operator): when
+    /// the lease ended, in ms. A reconciler considers the record only once its `stale`
+    /// time has passed since, as it would the claim: its holder may still run until
+    /// then.
+    pub(crate) lease_ended_ms: Option<u64>,
     pub(crate) request: Option<Arc<RequestInfo>>,
     pub(crate) note: Option<Bytes>,
     pub(crate) adoption: Option<Adoption>,
@@ -74,6 +79,13 @@ impl Pending {
     /// The live adoption, if any.
     pub(crate) fn adopted(&self, now_ms: u64) -> Option<Adoption> {
         self.adoption.filter(|a| a.live(now_ms))
+    }
+
+    /// Whether `stale` has passed since the lease of the claim it was made from ended
+    /// (always, when it was not made from an ended lease).
+    pub(crate) fn stale_for(&self, stale: Duration, now_ms: u64) -> bool {
+        self.lease_ended_ms
+            .is_none_or(|ended| ended.saturating_add(crate::inner::millis(stale)) <= now_ms)
     }
 }
 

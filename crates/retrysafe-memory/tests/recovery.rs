@@ -106,6 +106,31 @@ async fn the_sweep_makes_unknown_records_the_reconciler_tells_of() {
     assert!(reconcile(&store).await.iter().all(|u| u.record != gone));
 }
 
+/// A claim the sweep made unknown waits for a reconciler as the claim would have: only
+/// once `stale` has passed since its lease ended (its holder may still run until then).
+#[tokio::test(start_paused = true)]
+async fn a_swept_claim_waits_like_the_claim() {
+    let store = MemoryStore::new().max_in_flight(1).build().expect("store");
+    let info = request();
+    let gone = fresh_id();
+    must_claim(&store, &gone, &claim(&info)).await;
+    tokio::time::advance(LEASE + Duration::from_secs(1)).await;
+    must_claim(&store, &fresh_id(), &claim(&info)).await;
+    assert!(matches!(
+        pending(&store, &gone).await.state,
+        PendingState::Unknown { .. }
+    ));
+    let stale = Duration::from_secs(65);
+    assert!(!store.due(stale, 100).await.expect("due").contains(&gone));
+    let early = store
+        .adopt(&gone, Token::random(), LEASE, Some(stale))
+        .await
+        .expect("adopt");
+    assert!(early.is_none());
+    tokio::time::advance(stale).await;
+    assert!(store.due(stale, 100).await.expect("due").contains(&gone));
+}
+
 /// A copy finding an expired claim past its commit point makes it `outcome_unknown`
 /// (the layer tells the hook and marks it notified); the note stays for the resolver.
 #[tokio::test(start_paused = true)]

@@ -25,7 +25,9 @@
 //!   as the record: `at` (claim time, ms of Redis `TIME`), `req` (the encoded
 //!   `RequestInfo`), `note` (the resolution note), `reason` (the unknown reason code),
 //!   `notified` (`0`/`1`), `atok` and `auntil` (the adoption: token, end in ms), `next`
-//!   (the next reconcile pass of an unknown record, ms).
+//!   (the next reconcile pass of an unknown record, ms), `ended` (for an unknown record
+//!   made from a claim whose lease ended: when it ended, ms; a reconciler considers it
+//!   only `stale` after that, as it would the claim).
 //! - the record's key with `:last` appended: the token of the last release,
 //!   `mark_unknown` or settlement, for [`RESEND_WINDOW`].
 //!
@@ -306,10 +308,11 @@ if string.sub(cur, 59, 59) == CP_BEFORE then
   return {1, '', 0}
 end
 -- Past (or without) a commit point: the outcome cannot be known.
+local ended = lease_until(cur)
 redis.call('SET', key, ARGV[4], 'PX', retention)
-redis.call('HSET', meta, 'reason', LEASE_EXPIRED, 'notified', '0')
+redis.call('HSET', meta, 'reason', LEASE_EXPIRED, 'notified', '0', 'ended', ended)
 redis.call('PEXPIRE', meta, retention)
-index_at(idx, now, member)
+index_at(idx, ended, member)
 return {3, ARGV[4], 0}
 ";
 
@@ -431,6 +434,8 @@ if in_progress(cur) then
   if stale >= 0 and now < lease_until(cur) + stale then return {} end
   due_at = now + hold - math.max(stale, 0)
 elseif unknown(cur) then
+  local ended = tonumber(redis.call('HGET', meta, 'ended'))
+  if stale >= 0 and ended and now < ended + stale then return {} end
   due_at = now + hold
 else
   return {}
@@ -471,6 +476,7 @@ else
   local next_ms = now + tonumber(ARGV[5])
   if in_progress(cur) then
     -- Unknown until the claim's own retention ends.
+    redis.call('HSET', meta, 'ended', lease_until(cur))
     local v = UNKNOWN_HEAD .. string.sub(cur, 3, 34)
     local pttl = redis.call('PTTL', key)
     if pttl > 0 then
@@ -500,11 +506,13 @@ local out = {}
 local found = redis.call('ZRANGEBYSCORE', idx, '-inf', now, 'WITHSCORES', 'LIMIT', 0, scan)
 for i = 1, #found, 2 do
   local member, score = found[i], tonumber(found[i + 1])
-  local cur = redis.call('GET', prefix .. '{' .. member .. '}')
+  local key = prefix .. '{' .. member .. '}'
+  local cur = redis.call('GET', key)
   if in_progress(cur) then
     if score <= now - stale then out[#out + 1] = member end
   elseif unknown(cur) then
-    out[#out + 1] = member
+    local ended = tonumber(redis.call('HGET', key .. ':meta', 'ended'))
+    if not ended or ended <= now - stale then out[#out + 1] = member end
   else
     -- Expired, or no longer pending.
     redis.call('ZREM', idx, member)

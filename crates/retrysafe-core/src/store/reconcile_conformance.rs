@@ -58,6 +58,7 @@ macro_rules! reconcilable_store_tests {
             operator_lists_unknown_records_not_yet_due,
             operator_leaves_live_claims_alone,
             operator_releases_an_expired_claim_before_its_commit_point,
+            a_lease_made_unknown_by_a_copy_waits_like_the_claim,
         );
     };
     (@cases [$attr:meta] [$store:expr] [$clock:expr] $($case:ident),* $(,)?) => {
@@ -751,4 +752,51 @@ pub async fn operator_releases_an_expired_claim_before_its_commit_point<S: Recon
     );
     let copy = claim(clock, &request, CommitPoint::Before);
     must_claim(&store, &id, &copy).await;
+}
+
+/// An expired claim past its commit point that a copy made unknown is considered by a
+/// reconciler only `stale` after its lease ended, as the claim would have been: its
+/// holder may still run until then, and must not meet a `DidNotHappen`.
+pub async fn a_lease_made_unknown_by_a_copy_waits_like_the_claim<S: ReconcilableStore>(
+    store: S,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let request = info("wait-1");
+    abandoned(&store, clock, &id, &request).await;
+    let copy = claim(clock, &request, CommitPoint::Undeclared);
+    match store.claim(&id, &copy).await.expect("claim") {
+        ClaimOutcome::Existing {
+            became_unknown: true,
+            ..
+        } => {}
+        other => panic!("the copy should make it unknown, got {other:?}"),
+    }
+    let stale = clock.lease() * 3;
+    let due = store.due(stale, 100_000).await.expect("due");
+    assert!(
+        !due.contains(&id),
+        "not before `stale` since the lease ended"
+    );
+    let early = store
+        .adopt(&id, Token::random(), clock.lease(), Some(stale))
+        .await
+        .expect("adopt");
+    assert!(early.is_none(), "not adoptable before `stale` either");
+    let due = store.due(Duration::ZERO, 100_000).await.expect("due");
+    assert!(due.contains(&id), "due for a reconciler that does not wait");
+    clock.advance(stale).await;
+    let due = store.due(stale, 100_000).await.expect("due");
+    assert!(due.contains(&id), "due once `stale` has passed");
+    let p = store
+        .adopt(&id, Token::random(), clock.lease(), Some(stale))
+        .await
+        .expect("adopt")
+        .expect("adoptable once `stale` has passed");
+    assert_eq!(
+        p.state,
+        PendingState::Unknown {
+            reason: Some(UnknownReason::LeaseExpired)
+        }
+    );
 }
