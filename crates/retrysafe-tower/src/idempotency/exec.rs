@@ -51,6 +51,8 @@ pub struct StoreBackend {
     pub(crate) store_keys: bool,
     /// The claims whose leases are renewed.
     pub(crate) renewals: Renewals,
+    /// A reconciler runs for the store in another process.
+    pub(crate) reconciled_elsewhere: bool,
 }
 
 impl fmt::Debug for StoreBackend {
@@ -61,6 +63,7 @@ impl fmt::Debug for StoreBackend {
             .field("max_execution", &self.max_execution)
             .field("store_timeout", &self.store_timeout)
             .field("fail_open", &self.fail_open)
+            .field("reconciled_elsewhere", &self.reconciled_elsewhere)
             .finish_non_exhaustive()
     }
 }
@@ -135,7 +138,7 @@ async fn execute<H: Handler>(
     let policy = guard
         .policy()
         .fail_open(backend.fail_open)
-        .reconciled(backend.store.reconciled());
+        .reconciled(backend.reconciled_elsewhere || backend.store.reconciled());
     let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
     let mut engine = StoreEngine::new(guard, backend, &request);
     let step = negotiate(guard, &mut protocol, &mut engine, &request.span).await;
