@@ -125,12 +125,14 @@ impl InFlight {
         }
     }
 
-    /// What an `outcome_unknown` record made from this claim keeps for a reconciler.
+    /// What an `outcome_unknown` record made from this claim keeps for a reconciler;
+    /// `lease_ended_ms` when it is made because the claim's lease ended.
     pub(crate) fn pending(
         &self,
         reason: UnknownReason,
         notified: bool,
         due_ms: u64,
+        lease_ended_ms: Option<u64>,
     ) -> Box<Pending> {
         Box::new(Pending {
             fingerprint: self.fingerprint,
@@ -138,6 +140,7 @@ impl InFlight {
             notified,
             due_ms,
             claimed_ms: self.claimed_ms,
+            lease_ended_ms,
             request: self.request.clone(),
             note: self.note.clone(),
             adoption: None,
@@ -487,7 +490,8 @@ impl Inner {
             return Found::Outcome(existing(unknown(claim.fingerprint), true));
         };
         let record = unknown(gone.fingerprint);
-        let pending = gone.pending(UnknownReason::LeaseExpired, false, now_ms);
+        let ended = Some(self.millis(gone.lease_until));
+        let pending = gone.pending(UnknownReason::LeaseExpired, false, now_ms, ended);
         self.put(
             *id,
             blob(&record),
@@ -516,7 +520,12 @@ impl Inner {
                     entry.wake();
                     expired.push((
                         *id,
-                        entry.pending(UnknownReason::LeaseExpired, false, now_ms),
+                        entry.pending(
+                            UnknownReason::LeaseExpired,
+                            false,
+                            now_ms,
+                            Some(self.millis(entry.lease_until)),
+                        ),
                         entry.commit_point,
                         entry.retention,
                         entry.scope,
@@ -639,7 +648,7 @@ impl Inner {
             Err(e) => return Err(e),
         };
         self.recent().remember(*id, token, now);
-        let pending = gone.pending(reason, false, now_ms);
+        let pending = gone.pending(reason, false, now_ms, None);
         self.put(
             *id,
             blob(&unknown(gone.fingerprint)),

@@ -17,6 +17,10 @@ impl ReconcilableStore for MemoryStore {
         Ok(self.inner.due(stale, limit))
     }
 
+    async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        Ok(self.inner.list_pending(limit))
+    }
+
     async fn adopt(
         &self,
         id: &RecordId,
@@ -81,8 +85,9 @@ fn of_unknown(id: RecordId, p: &Pending, now_ms: u64) -> PendingRecord {
 }
 
 impl Inner {
-    /// Expired claims past `stale` and unknown records due, none adopted, at most
-    /// `limit`.
+    /// Expired claims past `stale` and unknown records due (those made from an ended
+    /// lease once `stale` has passed since it ended, as for the claim), none adopted, at
+    /// most `limit`.
     fn due(&self, stale: Duration, limit: usize) -> Vec<RecordId> {
         let mut due = Vec::new();
         for shard in self.shards() {
@@ -102,18 +107,44 @@ impl Inner {
         let unknown = r.unknown_ids().filter(|id| {
             r.get(id).is_some_and(|e| {
                 e.expires_ms > now_ms
-                    && e.pending
-                        .as_ref()
-                        .is_some_and(|p| p.due_ms <= now_ms && p.adopted(now_ms).is_none())
+                    && e.pending.as_ref().is_some_and(|p| {
+                        p.due_ms <= now_ms
+                            && p.stale_for(stale, now_ms)
+                            && p.adopted(now_ms).is_none()
+                    })
             })
         });
         due.extend(unknown.take(limit.saturating_sub(due.len())));
         due
     }
 
+    /// Every claim whose lease ended and every unknown record, due or not, adopted or
+    /// not, at most `limit`.
+    fn list_pending(&self, limit: usize) -> Vec<RecordId> {
+        let mut found = Vec::new();
+        for shard in self.shards() {
+            let map = lock(shard);
+            let now = Instant::now();
+            found.extend(
+                map.iter()
+                    .filter(|(_, e)| e.lease_until <= now)
+                    .map(|(id, _)| *id)
+                    .take(limit.saturating_sub(found.len())),
+            );
+        }
+        let now_ms = self.millis(Instant::now());
+        let r = self.retained();
+        let unknown = r
+            .unknown_ids()
+            .filter(|id| r.get(id).is_some_and(|e| e.expires_ms > now_ms));
+        found.extend(unknown.take(limit.saturating_sub(found.len())));
+        found
+    }
+
     /// What a resolver sees of `id` if it is pending, adopting it with `adopt` (a token
     /// and a hold) if given: a claim whose lease ended `stale` ago (any claim without
-    /// `stale`), or an `outcome_unknown` record; `None` if another adoption is live.
+    /// `stale`), or an `outcome_unknown` record (one made from an ended lease, `stale`
+    /// after it ended); `None` if another adoption is live.
     fn pending(
         &self,
         id: &RecordId,
@@ -140,7 +171,8 @@ impl Inner {
         let mut r = self.retained();
         let p = r.peek_mut(id, now_ms)?.pending.as_mut()?;
         if adoption.is_some() {
-            if p.adopted(now_ms).is_some() {
+            let ready = stale.is_none_or(|s| p.stale_for(s, now_ms));
+            if p.adopted(now_ms).is_some() || !ready {
                 return None;
             }
             p.adoption = adoption;
@@ -205,7 +237,8 @@ impl Inner {
             _ => Duration::ZERO,
         };
         let due_ms = self.millis(now).saturating_add(millis(wait));
-        let pending = claim.pending(UnknownReason::LeaseExpired, notified, due_ms);
+        let ended = Some(self.millis(claim.lease_until));
+        let pending = claim.pending(UnknownReason::LeaseExpired, notified, due_ms, ended);
         let record = blob(&unknown(claim.fingerprint));
         self.put(id, record, now, claim.retention, claim.scope, Some(pending));
     }

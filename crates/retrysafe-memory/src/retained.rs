@@ -1,5 +1,7 @@
 //! The completed and `outcome_unknown` records of a store: an LRU bounded by bytes,
-//! whose victims shrink to tombstones, the heaviest scopes' first.
+//! whose completed records shrink to tombstones, the heaviest scopes' first. Pending
+//! (`outcome_unknown`) records never shrink: a tombstone would never be reconciled, nor
+//! its hook told. When they alone fill the bound, new claims are refused.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::sync::Arc;
@@ -22,10 +24,6 @@ pub(crate) const KEY_BYTES: u64 = 32;
 /// The bytes an `outcome_unknown` record keeps beyond its encoded form, its request
 /// information and its note: the reconcile state and its allocation.
 const PENDING_BYTES: u64 = 160;
-
-/// How many of the least recently used records are looked at for a completed one to
-/// shrink before an `outcome_unknown` one.
-const PREFER_COMPLETED: usize = 64;
 
 /// A completed or `outcome_unknown` record.
 #[derive(Debug)]
@@ -52,6 +50,11 @@ pub(crate) struct Pending {
     pub(crate) due_ms: u64,
     /// When it was claimed, in ms.
     pub(crate) claimed_ms: u64,
+    /// For a claim found with its lease ended (by a copy, a sweep or an operator): when
+    /// the lease ended, in ms. A reconciler considers the record only once its `stale`
+    /// time has passed since, as it would the claim: its holder may still run until
+    /// then.
+    pub(crate) lease_ended_ms: Option<u64>,
     pub(crate) request: Option<Arc<RequestInfo>>,
     pub(crate) note: Option<Bytes>,
     pub(crate) adoption: Option<Adoption>,
@@ -74,6 +77,13 @@ impl Pending {
     /// The live adoption, if any.
     pub(crate) fn adopted(&self, now_ms: u64) -> Option<Adoption> {
         self.adoption.filter(|a| a.live(now_ms))
+    }
+
+    /// Whether `stale` has passed since the lease of the claim it was made from ended
+    /// (always, when it was not made from an ended lease).
+    pub(crate) fn stale_for(&self, stale: Duration, now_ms: u64) -> bool {
+        self.lease_ended_ms
+            .is_none_or(|ended| ended.saturating_add(crate::inner::millis(stale)) <= now_ms)
     }
 }
 
@@ -116,14 +126,18 @@ pub(crate) struct Gauges {
 pub(crate) struct Retained {
     bounds: Bounds,
     entries: HashMap<RecordId, Entry, DigestHash>,
-    /// Least recently used first.
+    /// The completed records, least recently used first (`outcome_unknown` ones are
+    /// never shrunk, so never listed).
     lru: BTreeMap<u64, RecordId>,
     /// The same, per scope: (scope, seq).
     by_scope: BTreeSet<(u64, u64)>,
     /// The ids of the `outcome_unknown` records, for `due`.
     unknown: HashSet<RecordId, DigestHash>,
     bytes: u64,
+    /// The part of `bytes` the `outcome_unknown` records weigh.
+    pending_bytes: u64,
     next_seq: u64,
+    /// Who holds the completed records' bytes.
     sketch: Sketch,
     /// Tombstones of the scopes that held more than their share: dropped first.
     heavy: Tombstones,
@@ -147,6 +161,7 @@ impl Retained {
             by_scope: BTreeSet::new(),
             unknown: HashSet::default(),
             bytes: 0,
+            pending_bytes: 0,
             next_seq: 0,
             sketch: Sketch::default(),
             heavy: Tombstones::default(),
@@ -175,13 +190,14 @@ impl Retained {
         (self.tombstones() as u64).saturating_mul(crate::MemoryStore::TOMBSTONE_BYTES)
     }
 
-    /// Whether a fail-closed store refuses new claims: its tombstones are full.
+    /// Whether new claims are refused: the `outcome_unknown` records, which never
+    /// shrink, fill the record bound; or a fail-closed store's tombstones are full.
     pub(crate) fn refuses_new(&self) -> bool {
-        self.bounds.fail_closed
-            && self
-                .tombstone_bytes()
-                .saturating_add(crate::MemoryStore::TOMBSTONE_BYTES)
-                > self.bounds.tombstones
+        let tombstones_full = self
+            .tombstone_bytes()
+            .saturating_add(crate::MemoryStore::TOMBSTONE_BYTES)
+            > self.bounds.tombstones;
+        self.pending_bytes >= self.bounds.records || (self.bounds.fail_closed && tombstones_full)
     }
 
     /// The record of `id`, its tombstone, or nothing. An expired record is removed; a
@@ -228,6 +244,11 @@ impl Retained {
         self.next_seq += 1;
         if pending.is_some() {
             self.unknown.insert(id);
+            self.pending_bytes = self.pending_bytes.saturating_add(weight);
+        } else {
+            self.lru.insert(seq, id);
+            self.by_scope.insert((scope, seq));
+            self.sketch.add(scope, weight);
         }
         self.entries.insert(
             id,
@@ -240,10 +261,7 @@ impl Retained {
                 weight,
             },
         );
-        self.lru.insert(seq, id);
-        self.by_scope.insert((scope, seq));
         self.bytes = self.bytes.saturating_add(weight);
-        self.sketch.add(scope, weight);
         let report = self.fit(id, now_ms);
         self.gauges.bytes.set(self.bytes as f64);
         report
@@ -252,13 +270,15 @@ impl Retained {
     /// Removes the record of `id` (not its tombstone); returns it.
     pub(crate) fn remove(&mut self, id: &RecordId) -> Option<Entry> {
         let entry = self.entries.remove(id)?;
-        self.lru.remove(&entry.seq);
-        self.by_scope.remove(&(entry.scope, entry.seq));
         if entry.pending.is_some() {
             self.unknown.remove(id);
+            self.pending_bytes = self.pending_bytes.saturating_sub(entry.weight);
+        } else {
+            self.lru.remove(&entry.seq);
+            self.by_scope.remove(&(entry.scope, entry.seq));
+            self.sketch.sub(entry.scope, entry.weight);
         }
         self.bytes = self.bytes.saturating_sub(entry.weight);
-        self.sketch.sub(entry.scope, entry.weight);
         self.gauges.bytes.set(self.bytes as f64);
         Some(entry)
     }
@@ -288,7 +308,8 @@ impl Retained {
         let seq = self.next_seq;
         let recent = self.entries.len() as u64 / 4;
         let entry = self.entries.get_mut(id)?;
-        if seq - entry.seq <= recent {
+        // A pending record is never shrunk: it has no place in the LRU.
+        if seq - entry.seq <= recent || entry.pending.is_some() {
             return Some(entry);
         }
         self.next_seq += 1;
@@ -360,22 +381,15 @@ impl Retained {
             .map(|id| (id, false))
     }
 
-    /// The first of `candidates` (least recently used first) that is not `keep`,
-    /// preferring a completed record among the first few: an `outcome_unknown` record
-    /// shrunk to a tombstone is no longer reconciled.
+    /// The first of `candidates` (least recently used first) that is not `keep`. Only
+    /// completed records are candidates: an `outcome_unknown` record is never in the
+    /// LRU, so never shrunk.
     fn pick(
         &self,
-        candidates: impl Iterator<Item = RecordId>,
+        mut candidates: impl Iterator<Item = RecordId>,
         keep: &RecordId,
     ) -> Option<RecordId> {
-        let mut first = None;
-        for id in candidates.filter(|id| id != keep).take(PREFER_COMPLETED) {
-            if self.entries.get(&id).is_some_and(|e| e.pending.is_none()) {
-                return Some(id);
-            }
-            first.get_or_insert(id);
-        }
-        first
+        candidates.find(|id| id != keep)
     }
 
     /// Replaces the record of `id` by a tombstone (an expired record simply goes);
@@ -386,14 +400,6 @@ impl Retained {
         };
         if entry.expires_ms <= now_ms {
             return false;
-        }
-        if entry.pending.is_some() {
-            tracing::warn!(
-                target: "retrysafe::idempotency",
-                record = ?id,
-                "outcome_unknown record shrunk to a tombstone (MemoryStore max_bytes): \
-                 copies are refused, but it is no longer reconciled"
-            );
         }
         let table = if heavy {
             &mut self.heavy

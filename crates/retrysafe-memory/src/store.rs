@@ -38,7 +38,10 @@ use crate::retained::Gauges;
 ///   event, and [`effective_retention`](Self::effective_retention) tells how far back
 ///   the store still remembers every key. With
 ///   [`fail_closed_when_full`](Self::fail_closed_when_full), tombstones are kept and new
-///   claims get [`StoreError::Full`] (503 `overloaded`) instead.
+///   claims get [`StoreError::Full`] (503 `overloaded`) instead. Only completed records
+///   shrink: an `outcome_unknown` record stays whole until it is resolved or its
+///   retention ends (a tombstone would never be reconciled, nor its hook told); when such
+///   records alone fill the record bound, new claims get [`StoreError::Full`].
 ///   [`sustained_key_rate`](Self::sustained_key_rate) (reported by
 ///   [`build`](Self::build)) is the rate of new keys a configuration remembers for
 ///   their whole retention.
@@ -202,8 +205,8 @@ impl MemoryStore {
 
     /// The byte bound of the completed and `outcome_unknown` records (three quarters)
     /// and of their tombstones (one quarter), default 64 MiB, weighed as described on
-    /// [`MemoryStore`]. Past it, records shrink to tombstones, and then the oldest
-    /// tombstones are dropped. A response heavier than the whole record bound is not
+    /// [`MemoryStore`]. Past it, completed records shrink to tombstones, and then the
+    /// oldest tombstones are dropped (`outcome_unknown` records never shrink). A response heavier than the whole record bound is not
     /// kept at all (copies get `response-not-stored`). Must be greater than zero.
     pub fn max_bytes(self, max: u64) -> Self {
         self.configure(|s| s.max_bytes = max)

@@ -1,6 +1,6 @@
 //! Recovery particular to the `MemoryStore`: the `outcome_unknown` records its own sweep
 //! and its claims make are heard of by a reconciler, and pressure shrinks completed
-//! records before pending ones.
+//! records, never pending ones.
 // A failed expectation panics with what was found.
 #![allow(clippy::panic)]
 
@@ -17,7 +17,7 @@ use retrysafe_core::recovery::{
     PendingRecord, PendingState, ReconcilableStore, Resolution, Resolver,
 };
 use retrysafe_core::store::conformance::fresh_id;
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
+use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_memory::MemoryStore;
 
 const LEASE: Duration = Duration::from_secs(10);
@@ -106,6 +106,31 @@ async fn the_sweep_makes_unknown_records_the_reconciler_tells_of() {
     assert!(reconcile(&store).await.iter().all(|u| u.record != gone));
 }
 
+/// A claim the sweep made unknown waits for a reconciler as the claim would have: only
+/// once `stale` has passed since its lease ended (its holder may still run until then).
+#[tokio::test(start_paused = true)]
+async fn a_swept_claim_waits_like_the_claim() {
+    let store = MemoryStore::new().max_in_flight(1).build().expect("store");
+    let info = request();
+    let gone = fresh_id();
+    must_claim(&store, &gone, &claim(&info)).await;
+    tokio::time::advance(LEASE + Duration::from_secs(1)).await;
+    must_claim(&store, &fresh_id(), &claim(&info)).await;
+    assert!(matches!(
+        pending(&store, &gone).await.state,
+        PendingState::Unknown { .. }
+    ));
+    let stale = Duration::from_secs(65);
+    assert!(!store.due(stale, 100).await.expect("due").contains(&gone));
+    let early = store
+        .adopt(&gone, Token::random(), LEASE, Some(stale))
+        .await
+        .expect("adopt");
+    assert!(early.is_none());
+    tokio::time::advance(stale).await;
+    assert!(store.due(stale, 100).await.expect("due").contains(&gone));
+}
+
 /// A copy finding an expired claim past its commit point makes it `outcome_unknown`
 /// (the layer tells the hook and marks it notified); the note stays for the resolver.
 #[tokio::test(start_paused = true)]
@@ -188,4 +213,96 @@ async fn pressure_shrinks_completed_records_before_pending_ones() {
             .expect("due")
             .contains(&unknown)
     );
+}
+
+/// Makes `n` `outcome_unknown` records; their ids.
+async fn unknowns(store: &MemoryStore, info: &RequestInfo, n: usize) -> Vec<RecordId> {
+    let mut ids = Vec::new();
+    for _ in 0..n {
+        let (id, c) = (fresh_id(), claim(info));
+        must_claim(store, &id, &c).await;
+        store
+            .mark_unknown(
+                &id,
+                c.token,
+                RETENTION,
+                UnknownReason::Status(StatusCode::BAD_GATEWAY),
+            )
+            .await
+            .expect("mark");
+        ids.push(id);
+    }
+    ids
+}
+
+/// However many `outcome_unknown` records are the least recently used, byte pressure
+/// never shrinks one to a tombstone: each stays pending, for the reconciler and its
+/// hook.
+#[tokio::test(start_paused = true)]
+async fn pressure_never_shrinks_a_pending_record() {
+    let store = MemoryStore::new()
+        .max_bytes(256 * 1024)
+        .build()
+        .expect("store");
+    let info = request();
+    let pending_ids = unknowns(&store, &info, 100).await;
+    let body = Completed::new(
+        Fingerprint::from_bytes([1; 32]),
+        Some(StoredResponse::new(
+            StatusCode::CREATED,
+            Vec::new(),
+            Bytes::from(vec![b'x'; 1024]),
+            Vec::new(),
+        )),
+    );
+    for _ in 0..400 {
+        let (id, c) = (fresh_id(), claim(&info));
+        must_claim(&store, &id, &c).await;
+        store
+            .complete(&id, c.token, &body, RETENTION)
+            .await
+            .expect("complete");
+    }
+    assert!(store.tombstones_len() > 0, "there was pressure");
+    let due = store.due(Duration::ZERO, 1000).await.expect("due");
+    for id in &pending_ids {
+        assert!(matches!(
+            store.get(id).await.expect("get"),
+            Some(Record::OutcomeUnknown(_))
+        ));
+        assert!(due.contains(id));
+    }
+}
+
+/// When `outcome_unknown` records alone fill the record bound, new claims are refused
+/// (the layer answers 503 `overloaded`) rather than any of them shrinking.
+#[tokio::test(start_paused = true)]
+async fn pending_records_filling_the_bound_refuse_new_claims() {
+    let store = MemoryStore::new()
+        .max_bytes(64 * 1024)
+        .build()
+        .expect("store");
+    let info = request();
+    let mut pending_ids = Vec::new();
+    let refused = loop {
+        let (id, c) = (fresh_id(), claim(&info));
+        match store.claim(&id, &c).await {
+            Ok(_) => {}
+            Err(e) => break e,
+        }
+        store
+            .mark_unknown(&id, c.token, RETENTION, UnknownReason::Panicked)
+            .await
+            .expect("mark");
+        pending_ids.push(id);
+        assert!(pending_ids.len() < 1000, "never refused");
+    };
+    assert!(matches!(refused, StoreError::Full), "{refused:?}");
+    assert_eq!(store.tombstones_len(), 0);
+    for id in &pending_ids {
+        assert!(matches!(
+            store.get(id).await.expect("get"),
+            Some(Record::OutcomeUnknown(_))
+        ));
+    }
 }

@@ -56,7 +56,8 @@
 //!     ADD COLUMN IF NOT EXISTS adopt_token    bytea,
 //!     ADD COLUMN IF NOT EXISTS adopt_until    timestamptz,
 //!     ADD COLUMN IF NOT EXISTS next_pass      timestamptz,
-//!     ADD COLUMN IF NOT EXISTS claimed_at     timestamptz;
+//!     ADD COLUMN IF NOT EXISTS claimed_at     timestamptz,
+//!     ADD COLUMN IF NOT EXISTS lease_ended    timestamptz;
 //! CREATE INDEX IF NOT EXISTS retrysafe_idempotency_pending_idx ON retrysafe_idempotency (state, lease_until, next_pass)
 //!     WHERE state IN (1, 3);
 //! ```

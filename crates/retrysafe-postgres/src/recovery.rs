@@ -35,6 +35,20 @@ impl ReconcilableStore for PostgresStore {
         .await
     }
 
+    async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        self.call(async {
+            let rows: Vec<Vec<u8>> = sqlx::query_scalar(&self.sql().list_pending)
+                .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                .fetch_all(self.pool())
+                .await
+                .map_err(db_error)?;
+            rows.into_iter()
+                .map(|k| exact(k, "key").map(RecordId::from_bytes))
+                .collect()
+        })
+        .await
+    }
+
     async fn adopt(
         &self,
         id: &RecordId,

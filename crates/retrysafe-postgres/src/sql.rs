@@ -50,7 +50,7 @@ const PENDING_COLUMNS: &str = "r.state, r.fingerprint, r.commit_point, r.request
 
 /// The columns appended after the first release, each nullable so that a release
 /// that does not know them keeps working on the table.
-const ADDED_COLUMNS: [(&str, &str); 8] = [
+const ADDED_COLUMNS: [(&str, &str); 9] = [
     ("request", "bytea"),
     ("note", "bytea"),
     ("unknown_reason", "integer"),
@@ -59,6 +59,7 @@ const ADDED_COLUMNS: [(&str, &str); 8] = [
     ("adopt_until", "timestamptz"),
     ("next_pass", "timestamptz"),
     ("claimed_at", "timestamptz"),
+    ("lease_ended", "timestamptz"),
 ];
 
 /// A row not adopted by a live reconciler, at the statement's time `c.t`.
@@ -75,7 +76,7 @@ const ADOPTED: &str = "(adopt_until > c.t AND expires_at > c.t
 
 /// What a record that is no longer pending does not need.
 const CLEARED: &str = "request = NULL, note = NULL, unknown_reason = NULL, notified = NULL, \
-     next_pass = NULL, claimed_at = NULL";
+     next_pass = NULL, claimed_at = NULL, lease_ended = NULL";
 
 /// The code of the reason of an unknown outcome made from an expired lease.
 fn lease_expired() -> i32 {
@@ -151,6 +152,8 @@ pub(crate) struct Sql {
     pub(crate) sweep: String,
     /// `$1 stale µs, $2 limit`.
     pub(crate) due: String,
+    /// `$1 limit`.
+    pub(crate) list_pending: String,
     /// `$1 k, $2 adoption token, $3 hold µs, $4 stale µs (or NULL: any claim)`.
     pub(crate) adopt: String,
     /// `$1 k`.
@@ -203,6 +206,7 @@ SELECT pg_advisory_xact_lock({MIGRATE_LOCK_CLASS}, hashtext('{qualified}'));
 WHERE k = $1 AND state = {STATE_UNKNOWN} AND expires_at > clock_timestamp()"
             ),
             due: due(t),
+            list_pending: list_pending(t),
             adopt: adopt(t),
             peek: format!(
                 "WITH c AS (SELECT clock_timestamp() AS t)
@@ -384,6 +388,7 @@ up AS (
         unknown_reason = CASE WHEN {fresh} THEN NULL ELSE {lease_expired} END,
         notified     = CASE WHEN {fresh} THEN NULL ELSE false END,
         next_pass    = CASE WHEN {fresh} THEN NULL ELSE {now} END,
+        lease_ended  = CASE WHEN {fresh} THEN NULL ELSE r.lease_until END,
         adopt_token  = NULL,
         adopt_until  = NULL
     WHERE {dead}
@@ -403,7 +408,9 @@ WHERE r.k = $1 AND r.expires_at > c.t AND NOT EXISTS (SELECT 1 FROM up)"
 
 /// The records that may be due, from the partial index on pending rows: claims whose
 /// lease ended at least the stale time ago, and unknown outcomes whose next pass is due
-/// (or was never set, by a release that did not know the column); none adopted.
+/// (or was never set, by a release that did not know the column) — those made from a
+/// claim whose lease ended, once the stale time has passed since it ended, as for the
+/// claim; none adopted.
 fn due(t: &str) -> String {
     format!(
         "WITH c AS (SELECT clock_timestamp() AS t)
@@ -411,8 +418,22 @@ SELECT k FROM {t}, c
 WHERE state IN ({STATE_IN_PROGRESS}, {STATE_UNKNOWN}) AND expires_at > c.t AND {NOT_ADOPTED}
   AND ((state = {STATE_IN_PROGRESS} AND lease_until <= c.t - $1 * interval '1 microsecond')
        OR (state = {STATE_UNKNOWN} AND lease_until IS NULL
-           AND (next_pass IS NULL OR next_pass <= c.t)))
+           AND (next_pass IS NULL OR next_pass <= c.t)
+           AND (lease_ended IS NULL OR lease_ended <= c.t - $1 * interval '1 microsecond')))
 LIMIT $2"
+    )
+}
+
+/// Every pending record, due or not, adopted or not: claims whose lease ended and
+/// unknown outcomes.
+fn list_pending(t: &str) -> String {
+    format!(
+        "WITH c AS (SELECT clock_timestamp() AS t)
+SELECT k FROM {t}, c
+WHERE state IN ({STATE_IN_PROGRESS}, {STATE_UNKNOWN}) AND expires_at > c.t
+  AND ((state = {STATE_IN_PROGRESS} AND lease_until <= c.t)
+       OR (state = {STATE_UNKNOWN} AND lease_until IS NULL))
+LIMIT $1"
     )
 }
 
@@ -427,8 +448,10 @@ UPDATE {t} r SET adopt_token = $2,
 FROM c
 WHERE r.k = $1 AND r.expires_at > c.t AND {PENDING}
   AND (r.adopt_until IS NULL OR r.adopt_until <= c.t OR r.adopt_token = $2)
-  AND (r.state = {STATE_UNKNOWN} OR $4::bigint IS NULL
-       OR r.lease_until <= c.t - $4 * interval '1 microsecond')
+  AND ($4::bigint IS NULL
+       OR (r.state = {STATE_UNKNOWN}
+           AND (r.lease_ended IS NULL OR r.lease_ended <= c.t - $4 * interval '1 microsecond'))
+       OR (r.state = {STATE_IN_PROGRESS} AND r.lease_until <= c.t - $4 * interval '1 microsecond'))
 RETURNING {PENDING_COLUMNS}"
     )
 }
@@ -477,6 +500,8 @@ fn settle_later(t: &str) -> String {
     notified = CASE WHEN adopt_until IS NULL THEN notified ELSE $4 END,
     next_pass = CASE WHEN adopt_until IS NULL THEN next_pass
                      ELSE c.t + $3 * interval '1 microsecond' END,
+    lease_ended = CASE WHEN adopt_until IS NOT NULL AND state = {STATE_IN_PROGRESS}
+                       THEN lease_until ELSE lease_ended END,
     adopt_until = NULL
 FROM (SELECT clock_timestamp() AS t) c
 WHERE k = $1 AND adopt_token = $2 AND expires_at > c.t
@@ -562,7 +587,8 @@ ALTER TABLE retrysafe_idempotency
     ADD COLUMN IF NOT EXISTS adopt_token    bytea,
     ADD COLUMN IF NOT EXISTS adopt_until    timestamptz,
     ADD COLUMN IF NOT EXISTS next_pass      timestamptz,
-    ADD COLUMN IF NOT EXISTS claimed_at     timestamptz;
+    ADD COLUMN IF NOT EXISTS claimed_at     timestamptz,
+    ADD COLUMN IF NOT EXISTS lease_ended    timestamptz;
 CREATE INDEX IF NOT EXISTS retrysafe_idempotency_pending_idx ON retrysafe_idempotency (state, lease_until, next_pass)
     WHERE state IN (1, 3);
 "
@@ -587,6 +613,7 @@ CREATE INDEX IF NOT EXISTS retrysafe_idempotency_pending_idx ON retrysafe_idempo
             &sql.mark_notified,
             &sql.sweep,
             &sql.due,
+            &sql.list_pending,
             &sql.adopt,
             &sql.peek,
             &sql.adopted_fingerprint,

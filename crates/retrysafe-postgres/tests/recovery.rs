@@ -295,7 +295,8 @@ async fn an_adoption_ends_with_its_record() {
 }
 
 /// A copy that finds an expired claim past its commit point makes it unknown: reason
-/// `lease_expired`, not yet notified, due at once, with the request and note kept.
+/// `lease_expired`, not yet notified, with the request and note kept; due only once a
+/// reconciler's wait after the lease's end has passed, as the claim would have been.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_copy_turning_a_lease_unknown_keeps_what_a_resolver_needs() {
     let store = isolated_store(|b| b).await;
@@ -315,7 +316,17 @@ async fn a_copy_turning_a_lease_unknown_keeps_what_a_resolver_needs() {
         } => {}
         other => panic!("expected the claim to become unknown, got {other:?}"),
     }
-    assert!(store.store.due(HOUR, 100).await.unwrap().contains(&id));
+    assert!(!store.store.due(HOUR, 100).await.unwrap().contains(&id));
+    assert!(
+        store
+            .store
+            .adopt(&id, Token::random(), HOUR, Some(HOUR))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    let waited = Duration::from_millis(50);
+    assert!(store.store.due(waited, 100).await.unwrap().contains(&id));
     let p = store.store.peek(&id).await.unwrap().expect("pending");
     assert_eq!(
         p.state,

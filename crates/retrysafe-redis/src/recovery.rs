@@ -148,6 +148,38 @@ where
         Ok(ids)
     }
 
+    /// One script per index key (on a cluster, 512 at a time, sent together), looking
+    /// at up to 10 000 entries of each, however recently due: no scan lease is needed
+    /// to list.
+    async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        let limit = limit.min(MAX_SCAN);
+        let mut ids = Vec::new();
+        for batch in self.index_keys(0).chunks(DUE_BATCH) {
+            if ids.len() >= limit {
+                break;
+            }
+            let want = limit - ids.len();
+            let replies = join_all(batch.iter().map(|(_, index)| async move {
+                let mut conn = self.connection().clone();
+                self.bounded::<Vec<String>>(
+                    SCRIPTS
+                        .list
+                        .key(index)
+                        .arg(self.key_prefix())
+                        .arg(want)
+                        .arg(MAX_SCAN)
+                        .invoke_async(&mut conn),
+                )
+                .await
+            }));
+            for found in replies.await {
+                ids.extend(found?.iter().filter_map(|hex| record_id(hex)));
+            }
+        }
+        ids.truncate(limit);
+        Ok(ids)
+    }
+
     async fn adopt(
         &self,
         id: &RecordId,

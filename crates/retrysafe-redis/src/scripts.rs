@@ -25,7 +25,9 @@
 //!   as the record: `at` (claim time, ms of Redis `TIME`), `req` (the encoded
 //!   `RequestInfo`), `note` (the resolution note), `reason` (the unknown reason code),
 //!   `notified` (`0`/`1`), `atok` and `auntil` (the adoption: token, end in ms), `next`
-//!   (the next reconcile pass of an unknown record, ms).
+//!   (the next reconcile pass of an unknown record, ms), `ended` (for an unknown record
+//!   made from a claim whose lease ended: when it ended, ms; a reconciler considers it
+//!   only `stale` after that, as it would the claim).
 //! - the record's key with `:last` appended: the token of the last release,
 //!   `mark_unknown` or settlement, for [`RESEND_WINDOW`].
 //!
@@ -113,6 +115,10 @@ pub(crate) struct Scripts {
     /// `KEYS` index; `ARGV`: key prefix, stale ms, limit, scan bound. Replies the ids
     /// (hex) of due records, and drops index entries of records no longer pending.
     pub(crate) due: Script,
+    /// `KEYS` index; `ARGV`: key prefix, limit, scan bound. Replies the ids (hex) of
+    /// every pending record the index lists, due or not: claims whose lease ended, and
+    /// unknown records.
+    pub(crate) list: Script,
     /// `KEYS` scan lease; `ARGV`: owner token, hold ms. Takes or renews the lease;
     /// replies 1 when the owner holds it, 0 when another does.
     pub(crate) scan_lease: Script,
@@ -302,10 +308,11 @@ if string.sub(cur, 59, 59) == CP_BEFORE then
   return {1, '', 0}
 end
 -- Past (or without) a commit point: the outcome cannot be known.
+local ended = lease_until(cur)
 redis.call('SET', key, ARGV[4], 'PX', retention)
-redis.call('HSET', meta, 'reason', LEASE_EXPIRED, 'notified', '0')
+redis.call('HSET', meta, 'reason', LEASE_EXPIRED, 'notified', '0', 'ended', ended)
 redis.call('PEXPIRE', meta, retention)
-index_at(idx, now, member)
+index_at(idx, ended, member)
 return {3, ARGV[4], 0}
 ";
 
@@ -427,6 +434,8 @@ if in_progress(cur) then
   if stale >= 0 and now < lease_until(cur) + stale then return {} end
   due_at = now + hold - math.max(stale, 0)
 elseif unknown(cur) then
+  local ended = tonumber(redis.call('HGET', meta, 'ended'))
+  if stale >= 0 and ended and now < ended + stale then return {} end
   due_at = now + hold
 else
   return {}
@@ -467,6 +476,7 @@ else
   local next_ms = now + tonumber(ARGV[5])
   if in_progress(cur) then
     -- Unknown until the claim's own retention ends.
+    redis.call('HSET', meta, 'ended', lease_until(cur))
     local v = UNKNOWN_HEAD .. string.sub(cur, 3, 34)
     local pttl = redis.call('PTTL', key)
     if pttl > 0 then
@@ -496,14 +506,33 @@ local out = {}
 local found = redis.call('ZRANGEBYSCORE', idx, '-inf', now, 'WITHSCORES', 'LIMIT', 0, scan)
 for i = 1, #found, 2 do
   local member, score = found[i], tonumber(found[i + 1])
-  local cur = redis.call('GET', prefix .. '{' .. member .. '}')
+  local key = prefix .. '{' .. member .. '}'
+  local cur = redis.call('GET', key)
   if in_progress(cur) then
     if score <= now - stale then out[#out + 1] = member end
   elseif unknown(cur) then
-    out[#out + 1] = member
+    local ended = tonumber(redis.call('HGET', key .. ':meta', 'ended'))
+    if not ended or ended <= now - stale then out[#out + 1] = member end
   else
     -- Expired, or no longer pending.
     redis.call('ZREM', idx, member)
+  end
+  if #out >= limit then break end
+end
+return out
+";
+
+const LIST: &str = r"
+local idx = KEYS[1]
+local prefix, limit, scan = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now = now_ms()
+local out = {}
+local found = redis.call('ZRANGE', idx, 0, scan - 1)
+for i = 1, #found do
+  local member = found[i]
+  local cur = redis.call('GET', prefix .. '{' .. member .. '}')
+  if unknown(cur) or (in_progress(cur) and lease_until(cur) <= now) then
+    out[#out + 1] = member
   end
   if #out >= limit then break end
 end
@@ -535,6 +564,7 @@ impl Scripts {
             peek: script(PEEK),
             settle: script(SETTLE),
             due: script(DUE),
+            list: script(LIST),
             scan_lease: Script::new(SCAN_LEASE),
         }
     }

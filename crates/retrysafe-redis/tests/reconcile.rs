@@ -166,7 +166,7 @@ async fn index_entries_of_expired_records_are_dropped_when_seen() {
 }
 
 #[tokio::test]
-async fn an_expired_lease_turned_unknown_by_a_copy_is_due_at_once() {
+async fn an_expired_lease_turned_unknown_by_a_copy_waits_like_the_claim() {
     let store = store().await;
     let id = fresh_id();
     let request = info();
@@ -182,9 +182,24 @@ async fn an_expired_lease_turned_unknown_by_a_copy_is_due_at_once() {
             ..
         }
     ));
-    // Due now even for a reconciler that waits long after a lease ends.
+    // Due only once a reconciler's wait after the lease's end has passed, as the
+    // claim would have been: its holder may still run until then.
+    assert!(
+        store
+            .due(Duration::from_secs(3600), 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+    assert!(
+        store
+            .adopt(&id, Token::random(), LEASE, Some(Duration::from_secs(3600)))
+            .await
+            .unwrap()
+            .is_none()
+    );
     assert_eq!(
-        store.due(Duration::from_secs(3600), 10).await.unwrap(),
+        store.due(Duration::from_millis(100), 10).await.unwrap(),
         [id]
     );
     let p = store.peek(&id).await.unwrap().unwrap();

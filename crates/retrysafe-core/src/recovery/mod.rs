@@ -223,18 +223,31 @@ pub enum Settlement {
 /// (`conformance::reconcilable_store_tests!`, feature `test-util`).
 pub trait ReconcilableStore: IdempotencyStore + Clone {
     /// At most `limit` ids of records that may be due: claims whose lease ended at
-    /// least `stale` ago, and `outcome_unknown` records whose next pass is due. A cheap
-    /// scan of an index; [`adopt`](ReconcilableStore::adopt) checks again.
+    /// least `stale` ago, and `outcome_unknown` records whose next pass is due — one
+    /// made from a claim whose lease ended (by a copy, a sweep, or a settlement of the
+    /// claim) only once `stale` has passed since that lease ended, as for the claim: its
+    /// holder may still run until then. A cheap scan of an index;
+    /// [`adopt`](ReconcilableStore::adopt) checks again.
     fn due(
         &self,
         stale: Duration,
         limit: usize,
     ) -> impl Future<Output = Result<Vec<RecordId>, StoreError>> + Send;
 
+    /// At most `limit` ids of every pending record, due or not: claims whose lease
+    /// ended (however recently), and `outcome_unknown` records whatever their next pass,
+    /// adopted ones included. What an [`Operator`] lists; a reconciler uses
+    /// [`due`](ReconcilableStore::due).
+    fn list_pending(
+        &self,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<RecordId>, StoreError>> + Send;
+
     /// Adopts `id` with `token` for `hold`, if it is pending: a claim whose lease ended
-    /// at least `stale` ago (any claim when `stale` is `None`, for an operator), or an
-    /// `outcome_unknown` record; and not adopted by another token. Returns what a
-    /// resolver sees, or `None` when there is nothing to adopt.
+    /// at least `stale` ago (any claim, live ones included, when `stale` is `None`), or an
+    /// `outcome_unknown` record (one made from a claim whose lease ended, `stale` after
+    /// it ended); and not adopted by another token. Returns what a resolver sees, or
+    /// `None` when there is nothing to adopt.
     fn adopt(
         &self,
         id: &RecordId,

@@ -28,7 +28,8 @@ pub struct Lookup {
 /// it never races a reconciler, a late holder or a copy, and follows the reconciler's
 /// rules: a claim is released by [`release_before_commit_point`] only before its commit
 /// point; [`resolve`] with [`Resolution::DidNotHappen`] is the operator's promise that
-/// the effect can no longer happen.
+/// the effect can no longer happen. A claim whose lease is live (its holder runs) is
+/// never changed: [`OperatorError::Live`].
 ///
 /// [`release_before_commit_point`]: Operator::release_before_commit_point
 /// [`resolve`]: Operator::resolve
@@ -47,6 +48,8 @@ pub enum OperatorError {
     /// The claim passed (or did not declare) its commit point: only a resolution may
     /// settle it.
     PastCommitPoint,
+    /// The claim's lease is live: its holder still runs and will settle it.
+    Live,
     /// The store failed.
     Store(StoreError),
 }
@@ -58,6 +61,7 @@ impl std::fmt::Display for OperatorError {
             OperatorError::PastCommitPoint => {
                 f.write_str("the claim is past (or did not declare) its commit point")
             }
+            OperatorError::Live => f.write_str("the claim's lease is live: its holder runs"),
             OperatorError::Store(e) => write!(f, "{e}"),
         }
     }
@@ -107,10 +111,10 @@ impl<S: ReconcilableStore> Operator<S> {
     }
 
     /// Up to `limit` pending records: claims whose lease ended (however recently) and
-    /// unknown outcomes.
+    /// unknown outcomes, due for a reconciler's pass or not.
     pub async fn pending(&self, limit: usize) -> Result<Vec<PendingRecord>, StoreError> {
         let mut out = Vec::new();
-        for id in self.store.due(Duration::ZERO, limit).await? {
+        for id in self.store.list_pending(limit).await? {
             if let Some(p) = self.store.peek(&id).await? {
                 out.push(p);
             }
@@ -118,15 +122,22 @@ impl<S: ReconcilableStore> Operator<S> {
         Ok(out)
     }
 
-    /// Releases the claim of `record` if it had not reached its declared commit point
-    /// (its holder is fenced: its commit point fails from now on): the next copy runs.
+    /// Releases the claim of `record` if its lease ended before it reached its
+    /// declared commit point (a late holder is fenced: its commit point fails from now
+    /// on): the next copy runs. Anything else is left as it is.
     pub async fn release_before_commit_point(
         &self,
         record: &RecordId,
     ) -> Result<(), OperatorError> {
+        match self.store.peek(record).await? {
+            Some(p) if p.is_before_commit_point() => {}
+            Some(_) => return Err(OperatorError::PastCommitPoint),
+            None => return Err(OperatorError::NotPending),
+        }
         let (token, pending) = self.adopt(record).await?;
         if !pending.is_before_commit_point() {
-            // Let it go back to what it was at once.
+            // Its holder passed its commit point just before its lease ended: what a
+            // copy would make of it, unknown.
             let later = Settlement::Later {
                 after: Duration::ZERO,
             };
@@ -142,7 +153,9 @@ impl<S: ReconcilableStore> Operator<S> {
     }
 
     /// Resolves `record` by hand, with the reconciler's rules: `Happened` completes it
-    /// with the response, `DidNotHappen` releases it, `Unknown` leaves it unknown.
+    /// with the response, `DidNotHappen` releases it, `Unknown` leaves it unknown (a
+    /// claim whose lease ended becomes unknown, as a copy would make it). A claim whose
+    /// lease is live is refused.
     pub async fn resolve(
         &self,
         record: &RecordId,
@@ -165,14 +178,21 @@ impl<S: ReconcilableStore> Operator<S> {
         Ok(())
     }
 
-    /// Adopts `record` for an operator's change, with a fresh token.
+    /// Adopts `record` for an operator's change, with a fresh token: an unknown
+    /// outcome, or a claim whose lease ended. A live claim is never adopted (that
+    /// would fence its running holder).
     async fn adopt(&self, record: &RecordId) -> Result<(Token, PendingRecord), OperatorError> {
         let token = Token::random();
-        let pending = self
+        let adopted = self
             .store
-            .adopt(record, token, HOLD, None)
-            .await?
-            .ok_or(OperatorError::NotPending)?;
-        Ok((token, pending))
+            .adopt(record, token, HOLD, Some(Duration::ZERO))
+            .await?;
+        match adopted {
+            Some(pending) => Ok((token, pending)),
+            None => match self.store.get(record).await? {
+                Some(Record::InProgress(_)) => Err(OperatorError::Live),
+                _ => Err(OperatorError::NotPending),
+            },
+        }
     }
 }

@@ -23,7 +23,9 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60 * 60);
 ///
 /// It considers a claim only once its lease ended more than `max_execution + grace`
 /// ago (the layer cancels a handler past its `max_execution`, so no holder outlives
-/// that), and every `outcome_unknown` record whose next pass is due. Each is adopted
+/// that), and every `outcome_unknown` record whose next pass is due — one that a copy or
+/// a sweep made from a claim whose lease ended, also only `max_execution + grace` after
+/// that lease ended. Each is adopted
 /// with a fresh token for the resolver's timeout plus a margin, resolved, and settled.
 ///
 /// ```

@@ -33,7 +33,8 @@ use crate::idempotency::{
     Token, UnknownOutcome, UnknownReason,
 };
 use crate::recovery::{
-    PendingRecord, PendingState, ReconcilableStore, Resolution, Resolver, Settlement,
+    Operator, OperatorError, PendingRecord, PendingState, ReconcilableStore, Resolution, Resolver,
+    Settlement,
 };
 use crate::wire::IdempotencyKey;
 
@@ -54,6 +55,10 @@ macro_rules! reconcilable_store_tests {
             reconciled_counts_reconcilers,
             completed_and_released_records_are_not_due,
             reconciler_applies_every_resolution,
+            operator_lists_unknown_records_not_yet_due,
+            operator_leaves_live_claims_alone,
+            operator_releases_an_expired_claim_before_its_commit_point,
+            a_lease_made_unknown_by_a_copy_waits_like_the_claim,
         );
     };
     (@cases [$attr:meta] [$store:expr] [$clock:expr] $($case:ident),* $(,)?) => {
@@ -628,4 +633,170 @@ pub async fn reconciler_applies_every_resolution<S: ReconcilableStore>(
         .filter(|u| u.record == unknown)
         .count();
     assert_eq!(told, 1, "a notified record is not told again");
+}
+
+/// An operator lists every pending record, those whose next pass is not due yet
+/// included.
+pub async fn operator_lists_unknown_records_not_yet_due<S: ReconcilableStore>(
+    store: S,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let request = info("op-1");
+    let c = claim(clock, &request, CommitPoint::Undeclared);
+    must_claim(&store, &id, &c).await;
+    store
+        .mark_unknown(&id, c.token, clock.lease() * 40, WHY)
+        .await
+        .expect("mark");
+    let (token, _) = adopt(&store, clock, &id).await;
+    let later = Settlement::Later {
+        after: clock.lease() * 20,
+    };
+    store.settle(&id, token, later, true).await.expect("settle");
+    let due = store.due(Duration::ZERO, 100_000).await.expect("due");
+    assert!(!due.contains(&id), "in backoff: not due");
+    let listed = Operator::new(store.clone())
+        .pending(100_000)
+        .await
+        .expect("pending");
+    assert!(
+        listed.iter().any(|p| p.record == id),
+        "an operator sees it all the same"
+    );
+}
+
+/// A live claim is never changed by an operator, before or past its commit point: the
+/// holder is not fenced and settles its record itself.
+pub async fn operator_leaves_live_claims_alone<S: ReconcilableStore>(
+    store: S,
+    clock: &dyn TestClock,
+) {
+    let operator = Operator::new(store.clone());
+    let (passed, before) = (fresh_id(), fresh_id());
+    let (a, b) = (info("op-2"), info("op-3"));
+    let long = |request| {
+        Claim::new(
+            Token::random(),
+            fp(1),
+            clock.lease() * 20,
+            clock.lease() * 40,
+            CommitPoint::Before,
+        )
+        .with_request(request)
+    };
+    let (p, q) = (long(&a), long(&b));
+    must_claim(&store, &passed, &p).await;
+    store
+        .commit_point(&passed, p.token)
+        .await
+        .expect("commit point");
+    must_claim(&store, &before, &q).await;
+    assert!(matches!(
+        operator.release_before_commit_point(&passed).await,
+        Err(OperatorError::PastCommitPoint)
+    ));
+    for id in [&passed, &before] {
+        assert!(matches!(
+            operator.resolve(id, Resolution::Unknown).await,
+            Err(OperatorError::Live)
+        ));
+        assert!(matches!(
+            operator.resolve(id, Resolution::DidNotHappen).await,
+            Err(OperatorError::Live)
+        ));
+        assert!(matches!(
+            store.get(id).await.expect("get"),
+            Some(Record::InProgress(_))
+        ));
+    }
+    assert!(matches!(
+        operator.release_before_commit_point(&before).await,
+        Err(OperatorError::Live)
+    ));
+    store
+        .renew(&passed, p.token, clock.lease() * 20)
+        .await
+        .expect("the holder still renews");
+    store
+        .commit_point(&before, q.token)
+        .await
+        .expect("the holder still reaches its commit point");
+    for (id, token) in [(&passed, p.token), (&before, q.token)] {
+        store
+            .complete(id, token, &Completed::new(fp(1), None), clock.lease() * 40)
+            .await
+            .expect("the holder still completes");
+    }
+}
+
+/// An operator releases a claim whose lease ended before its commit point: the next
+/// copy runs, the late holder is fenced.
+pub async fn operator_releases_an_expired_claim_before_its_commit_point<S: ReconcilableStore>(
+    store: S,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let request = info("op-4");
+    let c = claim(clock, &request, CommitPoint::Before);
+    must_claim(&store, &id, &c).await;
+    clock.advance(clock.lease() + clock.lease() / 2).await;
+    Operator::new(store.clone())
+        .release_before_commit_point(&id)
+        .await
+        .expect("released");
+    assert_eq!(store.get(&id).await.expect("get"), None);
+    stale(
+        store.commit_point(&id, c.token).await,
+        "commit point by the late holder",
+    );
+    let copy = claim(clock, &request, CommitPoint::Before);
+    must_claim(&store, &id, &copy).await;
+}
+
+/// An expired claim past its commit point that a copy made unknown is considered by a
+/// reconciler only `stale` after its lease ended, as the claim would have been: its
+/// holder may still run until then, and must not meet a `DidNotHappen`.
+pub async fn a_lease_made_unknown_by_a_copy_waits_like_the_claim<S: ReconcilableStore>(
+    store: S,
+    clock: &dyn TestClock,
+) {
+    let id = fresh_id();
+    let request = info("wait-1");
+    abandoned(&store, clock, &id, &request).await;
+    let copy = claim(clock, &request, CommitPoint::Undeclared);
+    match store.claim(&id, &copy).await.expect("claim") {
+        ClaimOutcome::Existing {
+            became_unknown: true,
+            ..
+        } => {}
+        other => panic!("the copy should make it unknown, got {other:?}"),
+    }
+    let stale = clock.lease() * 3;
+    let due = store.due(stale, 100_000).await.expect("due");
+    assert!(
+        !due.contains(&id),
+        "not before `stale` since the lease ended"
+    );
+    let early = store
+        .adopt(&id, Token::random(), clock.lease(), Some(stale))
+        .await
+        .expect("adopt");
+    assert!(early.is_none(), "not adoptable before `stale` either");
+    let due = store.due(Duration::ZERO, 100_000).await.expect("due");
+    assert!(due.contains(&id), "due for a reconciler that does not wait");
+    clock.advance(stale).await;
+    let due = store.due(stale, 100_000).await.expect("due");
+    assert!(due.contains(&id), "due once `stale` has passed");
+    let p = store
+        .adopt(&id, Token::random(), clock.lease(), Some(stale))
+        .await
+        .expect("adopt")
+        .expect("adoptable once `stale` has passed");
+    assert_eq!(
+        p.state,
+        PendingState::Unknown {
+            reason: Some(UnknownReason::LeaseExpired)
+        }
+    );
 }

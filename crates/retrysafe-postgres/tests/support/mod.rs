@@ -281,6 +281,9 @@ impl ReconcilableStore for SharedStore {
     async fn due(&self, stale: Duration, limit: usize) -> Result<Vec<RecordId>, StoreError> {
         self.0.store.due(stale, limit).await
     }
+    async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
+        self.0.store.list_pending(limit).await
+    }
     async fn adopt(
         &self,
         id: &RecordId,

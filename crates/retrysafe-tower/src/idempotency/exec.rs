@@ -7,7 +7,6 @@ use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -23,14 +22,14 @@ use retrysafe_core::idempotency::{
 };
 use retrysafe_core::store::{BoxStore, Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_core::{ConfigError, Deadline};
-use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use super::body::{RequestBody, ResponseBody};
 use super::engine::{Engine, abandon, answer_of, conclude, negotiate};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
 use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
-use super::observe::{Metrics, RoundTrips, StoreOp};
+use super::observe::{RoundTrips, StoreOp};
+use super::renewal::{Held, Registration, Renewable, Renewals};
 use super::timer;
 
 /// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
@@ -50,6 +49,10 @@ pub struct StoreBackend {
     pub(crate) on_outcome_unknown: Option<ReconcileHook>,
     /// Keep the raw key beside pending records, for a resolver.
     pub(crate) store_keys: bool,
+    /// The claims whose leases are renewed.
+    pub(crate) renewals: Renewals,
+    /// A reconciler runs for the store in another process.
+    pub(crate) reconciled_elsewhere: bool,
 }
 
 impl fmt::Debug for StoreBackend {
@@ -60,6 +63,7 @@ impl fmt::Debug for StoreBackend {
             .field("max_execution", &self.max_execution)
             .field("store_timeout", &self.store_timeout)
             .field("fail_open", &self.fail_open)
+            .field("reconciled_elsewhere", &self.reconciled_elsewhere)
             .finish_non_exhaustive()
     }
 }
@@ -134,7 +138,7 @@ async fn execute<H: Handler>(
     let policy = guard
         .policy()
         .fail_open(backend.fail_open)
-        .reconciled(backend.store.reconciled());
+        .reconciled(backend.reconciled_elsewhere || backend.store.reconciled());
     let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
     let mut engine = StoreEngine::new(guard, backend, &request);
     let step = negotiate(guard, &mut protocol, &mut engine, &request.span).await;
@@ -162,11 +166,9 @@ struct StoreEngine<'a> {
     token: Token,
     /// When the claim was ours (set by `run`).
     claimed_at: Option<Instant>,
-    /// The lease as the renewal task last renewed it; shared with that task, so made
-    /// only when it starts.
-    lease: Option<Arc<Lease>>,
-    /// The renewal task, spawned once the handler may outlive a third of its lease.
-    renewal: Option<Renewal>,
+    /// The claim's place among the renewed ones (set by `run`, dropped once the
+    /// record is settled).
+    renewal: Option<Registration>,
     /// The handler's view of the claim (set by `run`): the renewal task marks its
     /// lease lost there.
     context: Option<IdempotencyContext>,
@@ -192,7 +194,6 @@ impl<'a> StoreEngine<'a> {
             // Every claim draws its own token; this one is never sent.
             token: Token::from_bytes([0; 16]),
             claimed_at: None,
-            lease: None,
             renewal: None,
             context: None,
             cap: None,
@@ -231,6 +232,11 @@ impl<'a> StoreEngine<'a> {
         let claimed_at = Instant::now();
         self.claimed_at = Some(claimed_at);
         self.cap = Some(claimed_at + backend.max_execution);
+        if self.renew(guard, claimed_at) {
+            // The renewal driver was just spawned into this worker's own queue: let it
+            // arm its timer before the handler can block this thread.
+            tokio::task::yield_now().await;
+        }
         let outcome = {
             let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
             // Pinned here and polled in place: the handler's future is never moved. It
@@ -247,25 +253,33 @@ impl<'a> StoreEngine<'a> {
         }
     }
 
-    /// Awaits the handler with its lease renewed; `None` once it was cancelled: when
-    /// `max_execution` has passed, or its lease was lost.
+    /// Awaits the handler (its lease renewed by the renewal driver); `None` once it
+    /// was cancelled: when `max_execution` has passed, or its lease was lost.
     async fn supervised<F: Future>(&mut self, mut work: Pin<&mut F>) -> Option<F::Output> {
         let cap = self.cap();
-        if let Some(out) = self.until_renewal(work.as_mut(), Some(cap)).await {
-            return Some(out);
-        }
-        let context = self.context.clone();
-        let lost = async {
-            match &context {
-                Some(c) => c.until_lease_lost().await,
-                None => std::future::pending().await,
+        let third = self
+            .claimed_at
+            .map_or(cap, |at| at + self.backend.lease / 3);
+        let context = &self.context;
+        // Made on its first poll only: a handler that is ready at once never touches
+        // the timer wheel. A lease can only be lost once it was renewed, after a third.
+        let stop = async {
+            tokio::time::sleep_until(third.min(cap)).await;
+            let lost = async {
+                match context {
+                    Some(c) => c.until_lease_lost().await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                () = tokio::time::sleep_until(cap) => {}
+                () = lost => {}
             }
         };
         tokio::select! {
             biased;
             out = &mut work => Some(out),
-            () = tokio::time::sleep_until(cap) => None,
-            () = lost => None,
+            () = stop => None,
         }
     }
 
@@ -295,50 +309,26 @@ impl<'a> StoreEngine<'a> {
         before
     }
 
-    /// Awaits `work` with the lease renewed (the capture of a response, which bounds
-    /// its own time).
-    async fn renewed<F: Future>(&mut self, mut work: Pin<&mut F>) -> F::Output {
-        match self.until_renewal(work.as_mut(), None).await {
-            Some(out) => out,
-            None => work.await,
-        }
-    }
-
-    /// Awaits `work` until the lease must first be renewed — a third of a lease after
-    /// the claim, or `until` if sooner — and starts the renewal task then: the output
-    /// if `work` finished first, `None` once the task runs (a request answered sooner
-    /// never arms it).
-    async fn until_renewal<F: Future>(
-        &mut self,
-        mut work: Pin<&mut F>,
-        until: Option<Instant>,
-    ) -> Option<F::Output> {
-        let Some(claimed_at) = self.claimed_at else {
-            return Some(work.await);
+    /// Registers the claim made at `claimed_at` for renewal until the record is
+    /// settled; whether a renewal driver was started for it.
+    fn renew(&mut self, guard: &Guard, claimed_at: Instant) -> bool {
+        let backend = self.backend;
+        let claim = Renewable {
+            store: backend.store.clone(),
+            lease: backend.lease,
+            timeout: backend.store_timeout,
+            claimed_at,
+            cap: self.cap(),
+            held: Held {
+                id: self.id,
+                token: self.token,
+                context: self.context.clone(),
+                config: Arc::clone(&guard.config),
+            },
         };
-        if self.renewal.is_some() {
-            return None;
-        }
-        let third = claimed_at + self.backend.lease / 3;
-        let first = until.map_or(third, |u| u.min(third));
-        // The timer is made on its first poll only: a handler that is ready at once
-        // never touches the timer wheel.
-        tokio::select! {
-            biased;
-            out = &mut work => return Some(out),
-            () = async { tokio::time::sleep_until(first).await } => {}
-        }
-        let lease = Arc::new(Lease::new(claimed_at, self.backend.lease));
-        self.lease = Some(Arc::clone(&lease));
-        self.renewal = Some(Renewal::spawn(
-            self.backend,
-            self.guard,
-            (self.id, self.token),
-            self.cap(),
-            lease,
-            self.context.clone(),
-        ));
-        None
+        let (registration, started) = backend.renewals.register(claim);
+        self.renewal = Some(registration);
+        started
     }
 
     /// When the handler and the capture of its response must be done by.
@@ -348,8 +338,8 @@ impl<'a> StoreEngine<'a> {
 
     /// The end of the claim's lease, as last renewed.
     fn lease_until(&self) -> Instant {
-        match (&self.lease, self.claimed_at) {
-            (Some(lease), _) => lease.until(),
+        match (&self.renewal, self.claimed_at) {
+            (Some(renewal), _) => renewal.lease_until(),
             (None, Some(at)) => at + self.backend.lease,
             (None, None) => Instant::now(),
         }
@@ -411,8 +401,7 @@ impl Engine for StoreEngine<'_> {
         B: Body<Data = Bytes> + Send,
     {
         let cap = self.cap();
-        self.renewed(std::pin::pin!(guard.capture(response, cap)))
-            .await
+        guard.capture(response, cap).await
     }
 
     async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
@@ -527,123 +516,4 @@ where
             }
         }
     }
-}
-
-/// The task that renews a claim's lease every third of a lease until `cap`, or until
-/// the lease is lost; aborted when dropped (the record is settled). It is a task of its
-/// own, so a handler that blocks its thread does not stop its own renewals.
-struct Renewal(JoinHandle<()>);
-
-impl Renewal {
-    fn spawn(
-        backend: &StoreBackend,
-        guard: &Guard,
-        (id, token): (RecordId, Token),
-        cap: Instant,
-        lease: Arc<Lease>,
-        context: Option<IdempotencyContext>,
-    ) -> Self {
-        let (store, every, timeout) = (backend.store.clone(), backend.lease, backend.store_timeout);
-        let claim = Held {
-            id,
-            token,
-            context,
-            metrics: guard.config.metrics.clone(),
-        };
-        Renewal(tokio::spawn(renew_lease(
-            store, every, timeout, claim, cap, lease,
-        )))
-    }
-}
-
-/// The claim a renewal task renews: its record and token, and the handler's view of it
-/// (told when the lease is lost).
-struct Held {
-    id: RecordId,
-    token: Token,
-    context: Option<IdempotencyContext>,
-    /// The layer's metrics (the renewals' round trips).
-    metrics: Metrics,
-}
-
-impl Drop for Renewal {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
-/// Renews now, then every third of `full` until `cap` or until the lease is lost (a
-/// renewal refused with a stale token, which the handler's context is told of).
-/// Updates `state` on every renewal.
-async fn renew_lease(
-    store: BoxStore,
-    full: Duration,
-    timeout: Duration,
-    claim: Held,
-    cap: Instant,
-    state: Arc<Lease>,
-) {
-    let id = claim.id;
-    loop {
-        let now = Instant::now();
-        let lease = full.min(cap.saturating_duration_since(now));
-        if lease.is_zero() {
-            return; // past max_execution: the handler is cancelled
-        }
-        let renewed = tokio::time::timeout(timeout, store.renew(&id, claim.token, lease)).await;
-        if claim.metrics.store_enabled() {
-            claim.metrics.store(StoreOp::Renew, now.elapsed());
-        }
-        match renewed {
-            Ok(Ok(())) => state.renewed(now, lease),
-            Ok(Err(StoreError::StaleToken)) => {
-                tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease lost");
-                if let Some(context) = &claim.context {
-                    context.mark_lease_lost();
-                }
-                return;
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(target: "retrysafe::idempotency", record = ?id, error = %e, "lease renewal failed");
-            }
-            Err(_) => {
-                tracing::warn!(target: "retrysafe::idempotency", record = ?id, "lease renewal timed out");
-            }
-        }
-        if lease < full {
-            return; // the last renewal, capped by max_execution
-        }
-        tokio::time::sleep(full / 3).await;
-    }
-}
-
-/// The end of a claim's lease, as the holder last renewed it. Shared between the
-/// renewal future and the writes that must finish while the lease lasts.
-struct Lease {
-    claimed_at: Instant,
-    /// Nanoseconds from `claimed_at` to the end of the lease.
-    until_nanos: AtomicU64,
-}
-
-impl Lease {
-    fn new(claimed_at: Instant, lease: Duration) -> Self {
-        Lease {
-            claimed_at,
-            until_nanos: AtomicU64::new(nanos(lease)),
-        }
-    }
-
-    fn renewed(&self, at: Instant, lease: Duration) {
-        let since = at.saturating_duration_since(self.claimed_at);
-        self.until_nanos
-            .store(nanos(since.saturating_add(lease)), Ordering::Relaxed);
-    }
-
-    fn until(&self) -> Instant {
-        self.claimed_at + Duration::from_nanos(self.until_nanos.load(Ordering::Relaxed))
-    }
-}
-
-fn nanos(d: Duration) -> u64 {
-    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
 }

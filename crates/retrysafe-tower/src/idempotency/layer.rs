@@ -129,6 +129,8 @@ impl IdempotencyLayer {
             commit_point: CommitPoint::Undeclared,
             on_outcome_unknown: None,
             store_keys: false,
+            renewals: Default::default(),
+            reconciled_elsewhere: false,
         })
     }
 
@@ -211,6 +213,17 @@ impl IdempotencyLayer {
     /// unknown); a completed record keeps no key.
     pub fn store_keys_for_resolution(self) -> Self {
         self.store_config(|c| c.store_keys = true)
+    }
+
+    /// Declares that a [`Reconciler`](retrysafe_core::recovery::Reconciler) runs for
+    /// this layer's store in another process (a worker of its own, another app server):
+    /// copies of a pending record (an unknown outcome, or a record being resolved) are
+    /// then told to come back, 503 `outcome-pending` with `retry-after`, rather than 500
+    /// `outcome-unknown` with `do-not-retry`. A reconciler spawned in this process over
+    /// the same store counts without it. Declare it only where one does run: without a
+    /// reconciler, clients would come back until the record's retention ends.
+    pub fn reconciled_elsewhere(self) -> Self {
+        self.store_config(|c| c.reconciled_elsewhere = true)
     }
 }
 

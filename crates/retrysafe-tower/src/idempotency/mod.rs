@@ -115,6 +115,7 @@ mod guard;
 mod layer;
 mod observe;
 mod problem;
+mod renewal;
 mod service;
 mod slots;
 mod timer;

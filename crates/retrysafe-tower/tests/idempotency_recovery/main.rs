@@ -1,6 +1,8 @@
 //! Recovery of the store-backed IdempotencyLayer under pressure: the fair share of the
 //! in-flight bound per scope (`fairness`), and handlers cancelled past their time or
-//! after their lease was lost (`cancel`), and a reconciler over the store (`reconcile`). On tokio's paused clock, with `oneshot`.
+//! after their lease was lost (`cancel`), a reconciler over the store (`reconcile`), and
+//! leases renewed while a handler blocks its thread (`renewal`). On tokio's paused
+//! clock (but `renewal`), with `oneshot`.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -11,6 +13,7 @@
 mod cancel;
 mod fairness;
 mod reconcile;
+mod renewal;
 
 use std::future::Future;
 use std::pin::Pin;

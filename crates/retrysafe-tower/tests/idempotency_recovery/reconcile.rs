@@ -74,6 +74,11 @@ struct Setup {
 /// A handler that has its effect (with a note at its commit point) and then answers 502:
 /// an unknown outcome. With `reconcile`, a reconciler runs every second.
 fn setup(reconcile: bool) -> Setup {
+    setup_with(reconcile, |layer| layer)
+}
+
+/// [`setup`], with the layer changed by `tweak` before it is built.
+fn setup_with(reconcile: bool, tweak: impl FnOnce(IdempotencyLayer) -> IdempotencyLayer) -> Setup {
     let store = MemoryStore::new();
     let table = Arc::new(Table::default());
     let effects = Arc::new(AtomicUsize::new(0));
@@ -94,9 +99,8 @@ fn setup(reconcile: bool) -> Setup {
     let layer = IdempotencyLayer::new(store.clone())
         .handlers_declare_commit_point()
         .store_keys_for_resolution()
-        .on_outcome_unknown(move |u| told.lock().unwrap().push(u.clone()))
-        .build()
-        .unwrap();
+        .on_outcome_unknown(move |u| told.lock().unwrap().push(u.clone()));
+    let layer = tweak(layer).build().unwrap();
     let seen = Arc::clone(&effects);
     let handler = move |Extension(ctx): Extension<IdempotencyContext>| {
         let seen = Arc::clone(&seen);
@@ -224,6 +228,34 @@ async fn without_a_reconciler_unknown_stays_a_stable_500() {
     assert_eq!(copy.0, StatusCode::INTERNAL_SERVER_ERROR);
     assert_eq!(copy.3, Some(ProblemKind::OutcomeUnknown));
     assert_eq!(copy.1["do-not-retry"], "1");
+}
+
+// A reconciler in another process (here: an operator, by hand) is declared with
+// `reconciled_elsewhere`: copies of the unknown record are told to come back, 503
+// `outcome-pending`, and get the resolution once it is made.
+#[tokio::test(start_paused = true)]
+async fn a_reconciler_elsewhere_makes_copies_come_back() {
+    let s = setup_with(false, IdempotencyLayer::reconciled_elsewhere);
+    let first = send(&s.app, "erin", "pay-5", "x").await;
+    assert_eq!(first.0, StatusCode::BAD_GATEWAY);
+    let copy = send(&s.app, "erin", "pay-5", "x").await;
+    assert_eq!(copy.0, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(copy.3, Some(ProblemKind::OutcomePending));
+    assert!(copy.1.contains_key("retry-after"));
+    assert!(!copy.1.contains_key("do-not-retry"));
+    Operator::new(s.store.clone())
+        .resolve(
+            &record("erin", "pay-5"),
+            Resolution::Happened(created("paid elsewhere")),
+        )
+        .await
+        .unwrap();
+    let replay = send(&s.app, "erin", "pay-5", "x").await;
+    assert_eq!(
+        (replay.0, &replay.2[..]),
+        (StatusCode::CREATED, &b"paid elsewhere"[..])
+    );
+    assert_eq!(s.effects.load(Ordering::SeqCst), 1);
 }
 
 fn record(who: &str, key: &str) -> retrysafe_core::idempotency::RecordId {
