@@ -30,6 +30,7 @@ use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{
     EventKind, IdempotencyEvent, IdempotencyLayer, Principal, ProblemKind,
 };
+use retrysafe_tower::server::ServerLayers;
 use tower::ServiceExt;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -450,6 +451,40 @@ async fn a_failing_store_is_counted_unavailable_or_unguarded_with_fail_open() {
         kinds(&heard_open),
         [EventKind::Unguarded, EventKind::Unguarded]
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_layer_used_without_build_records_once_it_makes_its_service() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Never built: `ServerLayers` makes its service, under the recorder.
+    let layers = ServerLayers::new(IdempotencyLayer::in_memory().name("edge"))
+        .authentication(axum::middleware::map_request(auth));
+    let served = metrics::with_local_recorder(&recorder, || {
+        Router::new()
+            .route("/pay", axum::routing::post(handler))
+            .layer(layers)
+    });
+    assert_eq!(send(&served, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&served, post("k-1"), "a").await, StatusCode::CREATED);
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "edge"),
+        BTreeMap::from([("first", 1), ("replay", 1)])
+    );
+    // Renamed after it was built, a layer records under its new name only.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        let built = IdempotencyLayer::in_memory().name("old").build().unwrap();
+        built.name("new").build().unwrap()
+    });
+    let app = app(layer);
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+    let seen = take(&snapshotter);
+    assert_eq!(decisions(&seen, "new"), BTreeMap::from([("first", 1)]));
+    assert_eq!(decisions(&seen, "old"), BTreeMap::new());
 }
 
 /// The `retrysafe.idempotency` spans (their fields as text), and every field of every

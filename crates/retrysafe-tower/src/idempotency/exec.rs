@@ -548,7 +548,7 @@ impl Renewal {
             id,
             token,
             context,
-            metrics: guard.config.metrics.clone(),
+            metrics: guard.config.metrics().clone(),
         };
         Renewal(tokio::spawn(renew_lease(
             store, every, timeout, claim, cap, lease,
