@@ -26,6 +26,7 @@ use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, Sta
 use retrysafe::core::budget::RatioConfig;
 use retrysafe::core::error::{CircuitOpen, DeadlineExceeded, Throttled, find};
 use retrysafe::core::strategy::GiveUp;
+use retrysafe::core::{Deadline, DeadlineExpiry};
 use retrysafe::hedge::HedgeOutcome;
 use retrysafe::observe::{AttemptNumber, names};
 use retrysafe::{
@@ -417,6 +418,69 @@ async fn a_deadline_expiry_counts_once_under_the_stack_name(form: Form) {
     assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 1);
 }
 
+/// The names the `on_expiry` hook heard.
+type Expiries = Arc<Mutex<Vec<String>>>;
+
+fn hear_expiries() -> (Expiries, impl Fn(&DeadlineExpiry) + Send + Sync + 'static) {
+    let heard = Expiries::default();
+    let seen = heard.clone();
+    (heard, move |e: &DeadlineExpiry| {
+        seen.lock().unwrap().push(e.name.to_string());
+    })
+}
+
+/// The hook hears each expiry once, with the stack's name: the deadline cutting a call
+/// short in a slow attempt, and a call that finds its deadline spent.
+async fn the_expiry_hook_hears_each_expiry_once_with_the_name(form: Form) {
+    let recorder = Recorder::new();
+    let script = Script::new(&[Answer::Slow(Duration::from_secs(1), 200)]);
+    let (heard, hook) = hear_expiries();
+    let timeout = Duration::from_millis(100);
+    let client: Stack = recorder.build(|| {
+        let budget = budget();
+        let retry = RetryLayer::new().strategy(strategy(3, &budget));
+        match form {
+            Form::Separate => BoxCloneSyncService::new(
+                ServiceBuilder::new()
+                    .layer(DeadlineLayer::new(timeout).name("api").on_expiry(hook))
+                    .layer(retry.name("api"))
+                    .layer(RetryBudgetLayer::new(budget))
+                    .layer(CircuitBreakerLayer::new(breaker()))
+                    .service(script.service()),
+            ),
+            Form::Fused => BoxCloneSyncService::new(
+                ClientLayers::new()
+                    .name("api")
+                    .deadline(timeout)
+                    .on_expiry(hook)
+                    .retry(retry)
+                    .budget(budget)
+                    .breaker(CircuitBreakerLayer::new(breaker()))
+                    .layer(script.service()),
+            ),
+        }
+    });
+
+    let error = client.clone().oneshot(get()).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_eq!(*heard.lock().unwrap(), ["api"]);
+    let mut spent = get();
+    spent
+        .extensions_mut()
+        .insert(Deadline::at(tokio::time::Instant::now()));
+    let error = client.oneshot(spent).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_eq!(script.attempts().len(), 1, "no attempt past the deadline");
+
+    assert_eq!(*heard.lock().unwrap(), ["api", "api"]);
+    let m = recorder.read();
+    assert_eq!(
+        m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "api")]),
+        2
+    );
+    assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 2);
+}
+
 both_forms!(
     a_retry_counts_each_attempt_and_the_retry_by_reason,
     start_paused = true
@@ -435,6 +499,10 @@ both_forms!(
 );
 both_forms!(
     a_deadline_expiry_counts_once_under_the_stack_name,
+    start_paused = true
+);
+both_forms!(
+    the_expiry_hook_hears_each_expiry_once_with_the_name,
     start_paused = true
 );
 
@@ -751,6 +819,31 @@ mod reqwest_form {
         assert_eq!(
             m.gauge(names::BREAKER_STATE, &[("name", "rq-breaker")]),
             Some(2.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_expiry_hook_hears_each_expiry_once_with_the_name() {
+        let recorder = Recorder::new();
+        let (heard, hook) = hear_expiries();
+        let client = client(&recorder, || {
+            ClientMiddlewares::new()
+                .name("rq")
+                .on_expiry(hook)
+                .deadline(Duration::from_millis(100))
+                .retry(retry(3))
+        });
+        let url = scripted(&[0]).await;
+        let error = client.get(&url).send().await.unwrap_err();
+        assert!(
+            matches!(&error, reqwest_middleware::Error::Middleware(e) if e.is::<DeadlineExceeded>()),
+            "{error:?}"
+        );
+        assert_eq!(*heard.lock().unwrap(), ["rq"]);
+        let m = recorder.read();
+        assert_eq!(
+            m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "rq")]),
+            1
         );
     }
 
