@@ -115,10 +115,8 @@
 //!             url.full = %request.url(),
 //!             http.request.resend_count = tracing::field::Empty,
 //!         );
-//!         if let Some(attempt) = AttemptNumber::of(extensions) {
-//!             if attempt.resend_count() > 0 {
-//!                 span.record("http.request.resend_count", attempt.resend_count());
-//!             }
+//!         if let Some(attempt) = AttemptNumber::of(extensions).filter(|a| a.resend_count() > 0) {
+//!             span.record("http.request.resend_count", attempt.resend_count());
 //!         }
 //!         span
 //!     }
