@@ -8,6 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use retrysafe_core::__private::DigestHash;
 use retrysafe_core::idempotency::{Fingerprint, RecordId, RequestInfo, Token, UnknownReason};
+use retrysafe_core::observe::Name;
 use retrysafe_core::observe::handles::Gauge;
 
 use crate::sketch::Sketch;
@@ -136,10 +137,12 @@ pub(crate) struct Retained {
     gauges: Gauges,
     /// Whether the records shrunk to tombstones are reported (an eviction hook is set).
     report_shrunk: bool,
+    /// The store's name, in its warnings.
+    name: Name,
 }
 
 impl Retained {
-    pub(crate) fn new(bounds: Bounds, gauges: Gauges, report_shrunk: bool) -> Self {
+    pub(crate) fn new(bounds: Bounds, gauges: Gauges, report_shrunk: bool, name: Name) -> Self {
         Retained {
             bounds,
             entries: HashMap::default(),
@@ -156,6 +159,7 @@ impl Retained {
             ever_forgot: false,
             gauges,
             report_shrunk,
+            name,
         }
     }
 
@@ -390,6 +394,7 @@ impl Retained {
         if entry.pending.is_some() {
             tracing::warn!(
                 target: "retrysafe::idempotency",
+                name = self.name.as_str(),
                 record = ?id,
                 "outcome_unknown record shrunk to a tombstone (MemoryStore max_bytes): \
                  copies are refused, but it is no longer reconciled"
