@@ -22,9 +22,12 @@ use tracing_subscriber::layer::{Context, SubscriberExt};
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(60 * 60);
 
-/// Every event seen: its target and its fields as text (`message` included).
+/// An event: its target and its fields as text (`message` included).
+type Seen = (String, BTreeMap<String, String>);
+
+/// Every event seen.
 #[derive(Clone, Default)]
-struct Events(Arc<Mutex<Vec<(String, BTreeMap<String, String>)>>>);
+struct Events(Arc<Mutex<Vec<Seen>>>);
 
 struct Fields<'a>(&'a mut BTreeMap<String, String>);
 
