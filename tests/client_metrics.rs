@@ -26,6 +26,7 @@ use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, Sta
 use retrysafe::core::budget::RatioConfig;
 use retrysafe::core::error::{CircuitOpen, DeadlineExceeded, Throttled, find};
 use retrysafe::core::strategy::GiveUp;
+use retrysafe::core::{Deadline, DeadlineExpiry};
 use retrysafe::hedge::HedgeOutcome;
 use retrysafe::observe::{AttemptNumber, names};
 use retrysafe::{
@@ -51,6 +52,8 @@ enum Answer {
     Pushback(u64),
     /// Answers `status` after `delay`.
     Slow(Duration, u16),
+    /// No answer: the connection was reset.
+    Reset,
 }
 
 /// A transport answering from a script (200 once it runs out), noting the attempt number
@@ -101,6 +104,10 @@ impl Script {
                     Answer::Slow(delay, status) => {
                         tokio::time::sleep(delay).await;
                         StatusCode::from_u16(status).unwrap()
+                    }
+                    Answer::Reset => {
+                        let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+                        return Err(BoxError::from(reset));
                     }
                 };
                 Ok::<_, BoxError>(response)
@@ -417,6 +424,150 @@ async fn a_deadline_expiry_counts_once_under_the_stack_name(form: Form) {
     assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 1);
 }
 
+/// An attempt without an answer is an `error` and its retry's reason too; a 4xx is not
+/// retried: `rejected`.
+async fn an_error_and_a_rejection_count_by_outcome_and_reason(form: Form) {
+    let recorder = Recorder::new();
+    let script = Script::new(&[Answer::Reset, Answer::Status(400)]);
+    let client = recorder.build(|| {
+        let budget = budget();
+        let retry = RetryLayer::new();
+        let strategy = strategy(3, &budget);
+        stack(form, &script, retry, strategy, budget, breaker(), MINUTE)
+    });
+
+    let response = client.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(script.attempts(), [None, Some(2)]);
+
+    let m = recorder.read();
+    let attempts = names::CLIENT_ATTEMPTS_TOTAL;
+    let retried = names::CLIENT_RETRIES_TOTAL;
+    assert_eq!(
+        m.counter(attempts, &[("name", "api"), ("outcome", "error")]),
+        1
+    );
+    assert_eq!(
+        m.counter(attempts, &[("name", "api"), ("outcome", "rejected")]),
+        1
+    );
+    assert_eq!(m.total(attempts), 2);
+    assert_eq!(
+        m.counter(retried, &[("name", "api"), ("reason", "error")]),
+        1
+    );
+    assert_eq!(m.total(retried), 1);
+}
+
+/// After its open duration, the call that probes a breaker makes it half-open: the
+/// gauge reads 1 while the probe is out.
+async fn a_probing_breaker_reports_half_open(form: Form) {
+    let recorder = Recorder::new();
+    let script = Script::new(&[
+        Answer::Status(500),
+        Answer::Status(500),
+        Answer::Slow(Duration::from_secs(1), 200),
+    ]);
+    let client = recorder.build(|| {
+        let budget = budget();
+        let breaker = CircuitBreaker::new(
+            BreakerConfig::default()
+                .with_name("api-breaker")
+                .with_window(SlidingWindow::count(2, 1))
+                .with_minimum_calls(2)
+                .with_open_duration(MINUTE),
+        );
+        let strategy = strategy(1, &budget);
+        stack(
+            form,
+            &script,
+            RetryLayer::new(),
+            strategy,
+            budget,
+            breaker,
+            MINUTE * 2,
+        )
+    });
+    let state = || {
+        let m = recorder.read();
+        m.gauge(names::BREAKER_STATE, &[("name", "api-breaker")])
+    };
+    for _ in 0..2 {
+        client.clone().oneshot(get()).await.unwrap();
+    }
+    assert_eq!(state(), Some(2.0), "open");
+
+    tokio::time::advance(MINUTE).await;
+    let probe = tokio::spawn(client.oneshot(get()));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(state(), Some(1.0), "half-open while the probe is out");
+    assert_eq!(probe.await.unwrap().unwrap().status(), StatusCode::OK);
+    assert_eq!(script.attempts().len(), 3);
+}
+
+/// The names the `on_expiry` hook heard.
+type Expiries = Arc<Mutex<Vec<String>>>;
+
+fn hear_expiries() -> (Expiries, impl Fn(&DeadlineExpiry) + Send + Sync + 'static) {
+    let heard = Expiries::default();
+    let seen = heard.clone();
+    (heard, move |e: &DeadlineExpiry| {
+        seen.lock().unwrap().push(e.name.to_string());
+    })
+}
+
+/// The hook hears each expiry once, with the stack's name: the deadline cutting a call
+/// short in a slow attempt, and a call that finds its deadline spent.
+async fn the_expiry_hook_hears_each_expiry_once_with_the_name(form: Form) {
+    let recorder = Recorder::new();
+    let script = Script::new(&[Answer::Slow(Duration::from_secs(1), 200)]);
+    let (heard, hook) = hear_expiries();
+    let timeout = Duration::from_millis(100);
+    let client: Stack = recorder.build(|| {
+        let budget = budget();
+        let retry = RetryLayer::new().strategy(strategy(3, &budget));
+        match form {
+            Form::Separate => BoxCloneSyncService::new(
+                ServiceBuilder::new()
+                    .layer(DeadlineLayer::new(timeout).name("api").on_expiry(hook))
+                    .layer(retry.name("api"))
+                    .layer(RetryBudgetLayer::new(budget))
+                    .layer(CircuitBreakerLayer::new(breaker()))
+                    .service(script.service()),
+            ),
+            Form::Fused => BoxCloneSyncService::new(
+                ClientLayers::new()
+                    .name("api")
+                    .deadline(timeout)
+                    .on_expiry(hook)
+                    .retry(retry)
+                    .budget(budget)
+                    .breaker(CircuitBreakerLayer::new(breaker()))
+                    .layer(script.service()),
+            ),
+        }
+    });
+
+    let error = client.clone().oneshot(get()).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_eq!(*heard.lock().unwrap(), ["api"]);
+    let mut spent = get();
+    spent
+        .extensions_mut()
+        .insert(Deadline::at(tokio::time::Instant::now()));
+    let error = client.oneshot(spent).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_eq!(script.attempts().len(), 1, "no attempt past the deadline");
+
+    assert_eq!(*heard.lock().unwrap(), ["api", "api"]);
+    let m = recorder.read();
+    assert_eq!(
+        m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "api")]),
+        2
+    );
+    assert_eq!(m.total(names::DEADLINE_EXCEEDED_TOTAL), 2);
+}
+
 both_forms!(
     a_retry_counts_each_attempt_and_the_retry_by_reason,
     start_paused = true
@@ -437,6 +588,68 @@ both_forms!(
     a_deadline_expiry_counts_once_under_the_stack_name,
     start_paused = true
 );
+both_forms!(
+    the_expiry_hook_hears_each_expiry_once_with_the_name,
+    start_paused = true
+);
+both_forms!(
+    an_error_and_a_rejection_count_by_outcome_and_reason,
+    start_paused = true
+);
+both_forms!(a_probing_breaker_reports_half_open, start_paused = true);
+
+/// Breakers per authority count their rejections under their configuration's name,
+/// with no label per key, and report no state gauge.
+#[tokio::test(start_paused = true)]
+async fn keyed_breakers_count_rejections_under_the_configurations_name() {
+    use retrysafe::breaker::KeyedBreakers;
+
+    let recorder = Recorder::new();
+    let script = Script::new(&[Answer::Status(500), Answer::Status(500)]);
+    let rejected = Arc::new(Mutex::new(Vec::new()));
+    let seen = rejected.clone();
+    let client = recorder.build(|| {
+        let config = BreakerConfig::default()
+            .with_name("per-host")
+            .with_window(SlidingWindow::count(2, 1))
+            .with_minimum_calls(2)
+            .with_open_duration(MINUTE)
+            .with_on_rejection(move |r| seen.lock().unwrap().push(r.name.to_string()));
+        let budget = budget();
+        ServiceBuilder::new()
+            .layer(RetryLayer::new().strategy(strategy(1, &budget)))
+            .layer(CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(
+                config,
+            )))
+            .service(script.service::<retrysafe::ReplayBody<Full<Bytes>>>())
+    });
+    let to = |host: &str| {
+        Request::get(format!("http://{host}/items"))
+            .body(Full::new(Bytes::new()))
+            .unwrap()
+    };
+    for _ in 0..2 {
+        let response = client.clone().oneshot(to("a.test")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::INTERNAL_SERVER_ERROR);
+    }
+    let refused = client.clone().oneshot(to("a.test")).await.unwrap_err();
+    assert!(find::<CircuitOpen>(&*refused).is_some(), "{refused}");
+    let other = client.clone().oneshot(to("b.test")).await.unwrap();
+    assert_eq!(
+        other.status(),
+        StatusCode::OK,
+        "another host's breaker is closed"
+    );
+
+    let m = recorder.read();
+    let rejections = names::BREAKER_REJECTIONS_TOTAL;
+    assert_eq!(m.counter(rejections, &[("name", "per-host")]), 1);
+    assert_eq!(m.total(rejections), 1, "no series per key");
+    assert_eq!(m.label_keys(rejections), ["name"]);
+    assert_eq!(m.gauge(names::BREAKER_STATE, &[("name", "per-host")]), None);
+    assert!(m.label_keys(names::BREAKER_STATE).is_empty());
+    assert_eq!(*rejected.lock().unwrap(), ["per-host"]);
+}
 
 /// `ClientLayers::name` names the parts it made itself: the retry layer, the budget and
 /// the breaker.
@@ -794,6 +1007,31 @@ mod reqwest_form {
         assert_eq!(
             m.gauge(names::BREAKER_STATE, &[("name", "rq-breaker")]),
             Some(2.0)
+        );
+    }
+
+    #[tokio::test]
+    async fn the_expiry_hook_hears_each_expiry_once_with_the_name() {
+        let recorder = Recorder::new();
+        let (heard, hook) = hear_expiries();
+        let client = client(&recorder, || {
+            ClientMiddlewares::new()
+                .name("rq")
+                .on_expiry(hook)
+                .deadline(Duration::from_millis(100))
+                .retry(retry(3))
+        });
+        let url = scripted(&[0]).await;
+        let error = client.get(&url).send().await.unwrap_err();
+        assert!(
+            matches!(&error, reqwest_middleware::Error::Middleware(e) if e.is::<DeadlineExceeded>()),
+            "{error:?}"
+        );
+        assert_eq!(*heard.lock().unwrap(), ["rq"]);
+        let m = recorder.read();
+        assert_eq!(
+            m.counter(names::DEADLINE_EXCEEDED_TOTAL, &[("name", "rq")]),
+            1
         );
     }
 

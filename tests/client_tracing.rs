@@ -259,3 +259,114 @@ async fn budget_and_breaker_verdicts_are_recorded_on_the_call_span(form: Form) {
 }
 
 both_forms!(budget_and_breaker_verdicts_are_recorded_on_the_call_span);
+
+/// What a call out of time after one retry shows on its span: two attempts, the
+/// budget's grant of the retry, and `deadline = exceeded`.
+fn assert_cut_short(spans: &Spans) {
+    let calls = spans.named("retrysafe.call");
+    assert_eq!(calls.len(), 1, "{calls:?}");
+    let call = &calls[0];
+    assert_eq!(call.fields["name"], "api", "{call:?}");
+    assert_eq!(call.fields["attempts"], "2", "{call:?}");
+    assert_eq!(call.fields["budget"], "granted", "{call:?}");
+    assert_eq!(call.fields["deadline"], "exceeded", "{call:?}");
+}
+
+/// The usual order, the deadline above the retry (no network: a transport failing
+/// once, then answering too late), on the paused clock.
+async fn a_deadline_above_the_retry_is_recorded_on_the_call_span(form: Form) {
+    use retrysafe::core::breaker::CircuitBreaker;
+    use retrysafe::core::error::{DeadlineExceeded, find};
+    use retrysafe::{CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer};
+    use tower::util::BoxCloneSyncService;
+
+    let spans = Spans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let transport = tower::service_fn(move |_: Request<ReplayBody<Full<Bytes>>>| {
+        let first = calls.fetch_add(1, Ordering::SeqCst) == 0;
+        async move {
+            if first {
+                let reset = std::io::Error::from(std::io::ErrorKind::ConnectionReset);
+                return Err(tower::BoxError::from(reset));
+            }
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            let response = http::Response::builder().body(Full::new(Bytes::new()));
+            Ok(response.unwrap())
+        }
+    });
+    let budget = RetryBudget::ratio();
+    let timeout = Duration::from_millis(100);
+    let client = match form {
+        Form::Separate => BoxCloneSyncService::new(
+            ServiceBuilder::new()
+                .layer(DeadlineLayer::new(timeout).name("api"))
+                .layer(
+                    RetryLayer::new()
+                        .name("api")
+                        .strategy(strategy().budget(budget.clone())),
+                )
+                .layer(RetryBudgetLayer::new(budget))
+                .layer(CircuitBreakerLayer::new(CircuitBreaker::default()))
+                .service(transport),
+        ),
+        Form::Fused => BoxCloneSyncService::new(
+            ClientLayers::new()
+                .name("api")
+                .deadline(timeout)
+                .retry(RetryLayer::new().strategy(strategy()))
+                .budget(budget)
+                .layer(transport),
+        ),
+    };
+    let request = Request::get("http://api.test/items")
+        .body(Full::new(Bytes::new()))
+        .unwrap();
+    let error = client.oneshot(request).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_cut_short(&spans);
+}
+
+both_forms!(
+    a_deadline_above_the_retry_is_recorded_on_the_call_span,
+    start_paused = true
+);
+
+#[tokio::test]
+async fn a_deadline_middleware_above_the_retry_is_recorded_on_the_call_span() {
+    let spans = Spans::default();
+    let _guard =
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(spans.clone()));
+    // The first connection is closed unanswered; then every answer comes a second late.
+    let app = Router::new().route(
+        "/items",
+        get(|| async {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            StatusCode::OK
+        }),
+    );
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        drop(listener.accept().await);
+        axum::serve(listener, app).await
+    });
+
+    let client = ClientMiddlewares::new()
+        .name("api")
+        .deadline(Duration::from_millis(300))
+        .retry(RetryMiddleware::new().strategy(strategy()))
+        .client(reqwest::Client::new());
+    let error = client
+        .get(format!("http://{addr}/items"))
+        .send()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&error, reqwest_middleware::Error::Middleware(e)
+            if e.is::<retrysafe::core::error::DeadlineExceeded>()),
+        "{error:?}"
+    );
+    assert_cut_short(&spans);
+}

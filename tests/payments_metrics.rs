@@ -121,3 +121,44 @@ fn a_metrics_address_that_cannot_be_bound_is_a_runtime_error() {
     assert!(stderr.contains("cannot listen on"), "{stderr}");
     assert!(stderr.contains("for metrics"), "{stderr}");
 }
+
+/// Why the example sets no idle timeout on the exporter: retrysafe resolves its handles
+/// once, and a series the exporter forgets for being idle is never registered again, so
+/// what its handle records later is lost — whatever the mask (histograms only too) and
+/// whatever the length (a longer timeout only takes a quieter series). Should the
+/// exporter ever keep held series, this fails and an idle timeout becomes possible.
+#[test]
+fn an_idle_timeout_would_lose_series_whose_handles_are_held() {
+    use metrics_exporter_prometheus::PrometheusBuilder;
+    use metrics_util::MetricKindMask;
+
+    for mask in [MetricKindMask::HISTOGRAM, MetricKindMask::ALL] {
+        let recorder = PrometheusBuilder::new()
+            .idle_timeout(mask, Some(std::time::Duration::ZERO))
+            .build_recorder();
+        let handle = recorder.handle();
+        // Resolved once, as a layer does when it is built.
+        let (histogram, counter) = metrics::with_local_recorder(&recorder, || {
+            (
+                metrics::histogram!("store_seconds", "op" => "release"),
+                metrics::counter!("requests_total", "decision" => "evicted"),
+            )
+        });
+        histogram.record(0.001);
+        counter.increment(1);
+        assert!(handle.render().contains("store_seconds_count"), "{mask:?}");
+        // Idle past the timeout (the exporter's own clock): forgotten at a scrape.
+        std::thread::sleep(std::time::Duration::from_millis(2));
+        let _ = handle.render();
+        histogram.record(0.002);
+        counter.increment(1);
+        let text = handle.render();
+        assert!(!text.contains("store_seconds"), "{mask:?}: {text}");
+        let counter_kept = mask == MetricKindMask::HISTOGRAM;
+        assert_eq!(
+            text.contains("requests_total"),
+            counter_kept,
+            "{mask:?}: {text}"
+        );
+    }
+}

@@ -384,10 +384,13 @@ const STORE_SECONDS_BUCKETS: [f64; 12] = [
 
 /// Installs the Prometheus recorder and serves its text at `GET /metrics` on `addr`.
 ///
-/// No idle timeout: the exporter's drops a series that was not updated for that long
-/// from its registry, and the handles retrysafe resolved at build time would then
-/// record into a series no longer rendered (a quiet store histogram would vanish for
-/// good).
+/// Histogram buckets, and no idle timeout: the exporter drops a series that was not
+/// updated for that long from its registry, and never registers it again for the
+/// handles retrysafe resolved once, at build time, which then record into a series no
+/// longer rendered. No mask is safe (histograms only loses a quiet store operation's,
+/// `release` say; counters and gauges, a decision that is rare or a breaker long
+/// closed), nor is any length: a longer timeout only loses quieter series. The test
+/// `an_idle_timeout_would_lose_series_whose_handles_are_held` shows it.
 async fn serve_metrics(addr: &str) -> Result<(), String> {
     use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
     use retrysafe::observe::names;

@@ -92,6 +92,17 @@ impl Values {
         self.get(metric, labels).is_some()
     }
 
+    /// The label keys of every series of `metric`, sorted, each once.
+    pub fn label_keys(&self, metric: &str) -> Vec<String> {
+        let keys: std::collections::BTreeSet<String> = self
+            .0
+            .keys()
+            .filter(|(name, _)| name == metric)
+            .flat_map(|(_, labels)| labels.iter().map(|(k, _)| k.clone()))
+            .collect();
+        keys.into_iter().collect()
+    }
+
     /// Every counter of `metric`, summed (whatever the labels).
     pub fn total(&self, metric: &str) -> u64 {
         self.0

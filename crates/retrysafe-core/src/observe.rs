@@ -10,8 +10,8 @@
 //! [`metrics`](https://docs.rs/metrics) facade, so any recorder serves them (the
 //! Prometheus exporter `metrics-exporter-prometheus`, OpenTelemetry through
 //! `metrics-exporter-opentelemetry`, …). Handles are resolved when a layer, store or
-//! reconciler is built — for the client layers, when the layer makes its service
-//! (`Layer::layer`), or when a reqwest stack is applied (`ClientMiddlewares::apply`;
+//! reconciler is built — for the client layers, and an `IdempotencyLayer` used
+//! without `build`, when the layer makes its service (`Layer::layer`), or when a reqwest stack is applied (`ClientMiddlewares::apply`;
 //! a middleware added on its own, at its first call): **install the recorder before
 //! building them**. Without the feature nothing is recorded and nothing is paid.
 //!

@@ -766,9 +766,11 @@ impl RetryCall {
     }
 
     /// The call ended with a [`DeadlineExceeded`](crate::error::DeadlineExceeded)
-    /// error: reported to the policy's expiry observer, if it has one.
+    /// error: recorded on the call's span (`deadline`), which a deadline layer above
+    /// cannot reach, and reported to the policy's expiry observer, if it has one.
     #[cold]
     pub fn deadline_expired(&self) {
+        self.record("deadline", &"exceeded");
         if let Some(observer) = &self.policy.expiry {
             observer.expired();
         }

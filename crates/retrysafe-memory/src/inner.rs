@@ -544,6 +544,8 @@ impl Inner {
                 resolved += 1;
                 if !commit_point.allows_takeover() {
                     tracing::warn!(
+                        target: "retrysafe::idempotency",
+                        name = self.settings.name.as_str(),
                         record = ?id,
                         "in-flight claim expired past its commit point: outcome_unknown"
                     );
@@ -553,7 +555,12 @@ impl Inner {
             }
         }
         self.sweep_after_ms.fetch_min(earliest, Ordering::Relaxed);
-        tracing::debug!(resolved, "swept expired in-flight claims");
+        tracing::debug!(
+            target: "retrysafe::idempotency",
+            name = self.settings.name.as_str(),
+            resolved,
+            "swept expired in-flight claims"
+        );
     }
 
     pub(crate) fn complete(

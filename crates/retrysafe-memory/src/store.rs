@@ -289,6 +289,7 @@ impl MemoryStore {
         let day = Duration::from_secs(24 * 60 * 60);
         tracing::info!(
             target: "retrysafe::idempotency",
+            name = store.inner.settings.name.as_str(),
             max_bytes = store.inner.settings.max_bytes,
             fail_closed = store.inner.settings.fail_closed,
             keys_per_second = store.sustained_key_rate(1024, day),

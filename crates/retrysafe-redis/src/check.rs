@@ -222,6 +222,8 @@ where
             Err(e) if e.code().is_some() => {
                 // The server answered, refusing: the configuration cannot be read.
                 tracing::warn!(
+                    target: "retrysafe::redis",
+                    name = self.name().as_str(),
                     error = %e,
                     "cannot read the Redis configuration (CONFIG GET refused): \
                      make sure maxmemory-policy is noeviction and that \
@@ -238,6 +240,8 @@ where
         };
         if report.eviction_policy.is_unsafe() {
             tracing::error!(
+                target: "retrysafe::redis",
+                name = self.name().as_str(),
                 policy = %report.eviction_policy,
                 "Redis maxmemory-policy may evict idempotency records"
             );
@@ -245,6 +249,8 @@ where
         }
         if report.persistent() == Some(false) {
             tracing::warn!(
+                target: "retrysafe::redis",
+                name = self.name().as_str(),
                 "Redis persists nothing (appendonly no, no save schedule): a restart \
                  forgets every idempotency record"
             );

@@ -354,6 +354,7 @@ where
         if !self.config.per_slot.swap(true, Ordering::Relaxed) {
             tracing::debug!(
                 target: "retrysafe::redis",
+                name = self.config.name.as_str(),
                 "Redis Cluster: the in-flight index is kept as one key per hash slot"
             );
         }
@@ -559,6 +560,7 @@ where
         if let Err(e) = self.release(id, token).await {
             tracing::warn!(
                 target: "retrysafe::redis",
+                name = self.config.name.as_str(),
                 error = %e,
                 "could not release a {what} that replicas did not acknowledge"
             );

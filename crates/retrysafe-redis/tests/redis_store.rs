@@ -776,11 +776,20 @@ async fn check_config_reports_unknown_when_config_is_refused() {
     // By default a policy that cannot be read is refused; skipped, it is the user's.
     let refused = RedisStore::connect(url.as_str()).await;
     let restricted = RedisStore::options()
+        .name("orders-redis")
         .skip_config_check()
         .build(manager_to(&url).await)
         .await;
+    let events = Events::default();
+    let subscriber = tracing_subscriber::layer::SubscriberExt::with(
+        tracing_subscriber::registry(),
+        events.clone(),
+    );
     let outcome = match &restricted {
-        Ok(store) => Some(store.check_config().await),
+        Ok(store) => {
+            let _default = tracing::subscriber::set_default(subscriber);
+            Some(store.check_config().await)
+        }
         Err(_) => None,
     };
     let _: i64 = redis::cmd("ACL")
@@ -803,6 +812,34 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         (report.aof, report.rdb, report.persistent()),
         (None, None, None)
     );
+    // Its warning carries the store's name.
+    let events = events.0.lock().unwrap().clone();
+    let refusal = events
+        .iter()
+        .find(|e| e["message"].starts_with("cannot read the Redis configuration"))
+        .unwrap_or_else(|| panic!("{events:#?}"));
+    assert_eq!(refusal["name"], "orders-redis", "{refusal:?}");
+}
+
+/// The fields of every tracing event seen, as text (`message` included).
+#[derive(Clone, Default)]
+struct Events(Arc<Mutex<Vec<std::collections::BTreeMap<String, String>>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Fields<'a>(&'a mut std::collections::BTreeMap<String, String>);
+        impl tracing::field::Visit for Fields<'_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.insert(field.name().to_owned(), format!("{value:?}"));
+            }
+            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
+                self.0.insert(field.name().to_owned(), value.to_owned());
+            }
+        }
+        let mut fields = std::collections::BTreeMap::new();
+        event.record(&mut Fields(&mut fields));
+        self.0.lock().unwrap().push(fields);
+    }
 }
 
 #[tokio::test]

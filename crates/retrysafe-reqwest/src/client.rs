@@ -69,6 +69,8 @@ use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 #[must_use]
 pub struct ClientMiddlewares {
     deadline: Option<Duration>,
+    /// The deadline middleware as far as it is set apart from its timeout (its hook).
+    expiry: DeadlineMiddleware,
     retry: RetryMiddleware,
     budget: RetryBudget,
     breaker: CircuitBreakerMiddleware,
@@ -86,6 +88,7 @@ impl ClientMiddlewares {
     pub fn new() -> Self {
         ClientMiddlewares {
             deadline: None,
+            expiry: DeadlineMiddleware::new(Duration::MAX),
             retry: RetryMiddleware::new(),
             budget: RetryBudget::ratio(),
             breaker: CircuitBreakerMiddleware::default(),
@@ -120,6 +123,17 @@ impl ClientMiddlewares {
     /// by [`build`](Self::build)), as a [`DeadlineMiddleware`] outermost.
     pub fn deadline(mut self, timeout: Duration) -> Self {
         self.deadline = Some(timeout);
+        self
+    }
+
+    /// Calls `f` on every call that ends with a
+    /// [`DeadlineExceeded`](retrysafe_core::error::DeadlineExceeded) error (with a
+    /// [`deadline`](Self::deadline): see [`DeadlineMiddleware::on_expiry`]).
+    pub fn on_expiry(
+        mut self,
+        f: impl Fn(&retrysafe_core::DeadlineExpiry) + Send + Sync + 'static,
+    ) -> Self {
+        self.expiry = self.expiry.on_expiry(f);
         self
     }
 
@@ -170,7 +184,7 @@ impl ClientMiddlewares {
         // Every handle is resolved here, against the recorder installed now.
         let builder = match self.deadline {
             Some(timeout) => {
-                let deadline = DeadlineMiddleware::new(timeout).name(self.name);
+                let deadline = self.expiry.with_timeout(timeout).name(self.name);
                 deadline.resolve_metrics();
                 builder.with(deadline)
             }

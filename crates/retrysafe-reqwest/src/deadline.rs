@@ -111,6 +111,12 @@ impl DeadlineMiddleware {
         self
     }
 
+    /// The same middleware with another timeout.
+    pub(crate) fn with_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
     /// Resolves the expiry counter (else at the first expiry).
     pub(crate) fn resolve_metrics(&self) {
         self.expiry.resolve_metrics();

@@ -115,10 +115,8 @@
 //!             url.full = %request.url(),
 //!             http.request.resend_count = tracing::field::Empty,
 //!         );
-//!         if let Some(attempt) = AttemptNumber::of(extensions) {
-//!             if attempt.resend_count() > 0 {
-//!                 span.record("http.request.resend_count", attempt.resend_count());
-//!             }
+//!         if let Some(attempt) = AttemptNumber::of(extensions).filter(|a| a.resend_count() > 0) {
+//!             span.record("http.request.resend_count", attempt.resend_count());
 //!         }
 //!         span
 //!     }
@@ -299,7 +297,7 @@ impl Middleware for RetryMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (call, token) = RetryPolicy::begin(
+        let (mut call, token) = RetryPolicy::begin(
             &self.policy,
             &mut Head {
                 request: &mut request,
@@ -308,15 +306,21 @@ impl Middleware for RetryMiddleware {
         );
         // The attempts run in the call's `retrysafe.call` span.
         let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
-        run(call, token, request, extensions, next)
+        let answer = run(&mut call, token, request, extensions, next)
             .instrument(span)
-            .await
+            .await;
+        if let Err(Error::Middleware(e)) = &answer
+            && e.is::<DeadlineExceeded>()
+        {
+            call.deadline_expired();
+        }
+        answer
     }
 }
 
 /// The retry loop of one call.
 async fn run(
-    mut call: RetryCall,
+    call: &mut RetryCall,
     mut token: RetryToken,
     request: Request,
     extensions: &mut Extensions,
@@ -327,7 +331,7 @@ async fn run(
     }
     let mut attempts = Attempts::new(request, extensions);
     loop {
-        let result = attempts.send(&mut call, &token, next.clone()).await;
+        let result = attempts.send(call, &token, next.clone()).await;
         let last = attempts.last.as_ref().map(Response::status);
         let outcome = match &result {
             Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
@@ -336,7 +340,7 @@ async fn run(
         };
         match call.decide(outcome, token, attempts.replayable(), last) {
             Decision::Success | Decision::Final => return as_is(result),
-            Decision::GiveUp(_) => return attempts.given_up(&call, result),
+            Decision::GiveUp(_) => return attempts.given_up(call, result),
             Decision::Retry(next_token) => {
                 if let Some(Ok(response)) = result {
                     attempts.last = Some(response);
@@ -348,7 +352,7 @@ async fn run(
             tokio::time::sleep(token.delay()).await;
         }
         if call.too_late() {
-            return attempts.out_of_time(&call, &token);
+            return attempts.out_of_time(call, &token);
         }
     }
 }

@@ -22,12 +22,15 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use retrysafe_core::idempotency::{Decision, RecordId, Scope};
+use retrysafe_core::idempotency::{CommitPoint, Decision, Fingerprinter, RecordId, Scope, Token};
+use retrysafe_core::recovery::{PendingRecord, ReconcilableStore, Resolution, Resolver};
+use retrysafe_core::store::{Claim, ClaimOutcome, FaultyStore, IdempotencyStore};
 use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::{
     EventKind, IdempotencyEvent, IdempotencyLayer, Principal, ProblemKind,
 };
+use retrysafe_tower::server::ServerLayers;
 use tower::ServiceExt;
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -270,6 +273,218 @@ async fn a_copy_of_an_evicted_record_is_answered_409_and_counted_evicted() {
         heard.last(),
         Some(&(EventKind::Evicted, "small".to_owned()))
     );
+}
+
+/// Claims `key` for alice directly in `store`, as a holder that then dies: its lease
+/// expires after `lease` on the paused clock. The fingerprint is that of `post(key)`
+/// with body `body`.
+async fn dead_holder(
+    store: &MemoryStore,
+    key: &str,
+    body: &'static str,
+    lease: Duration,
+) -> (RecordId, Token) {
+    let scope = Scope::from(&Principal::new("alice"));
+    let id = RecordId::new(&scope, &IdempotencyKey::new(key).unwrap());
+    let uri = "/pay".parse().unwrap();
+    let fingerprint = Fingerprinter::default().fingerprint(
+        &axum::http::Method::POST,
+        &uri,
+        &axum::http::HeaderMap::new(),
+        body.as_bytes(),
+    );
+    let token = Token::random();
+    let claim = Claim::new(
+        token,
+        fingerprint,
+        lease,
+        Duration::from_secs(3600),
+        CommitPoint::Before,
+    );
+    assert_eq!(
+        store.claim(&id, &claim).await.unwrap(),
+        ClaimOutcome::Claimed { takeover: false }
+    );
+    (id, token)
+}
+
+const LEASE: Duration = Duration::from_secs(10);
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_after_an_expired_lease_before_the_commit_point_is_counted_takeover() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = MemoryStore::new();
+    let (layer, heard) =
+        listen(IdempotencyLayer::new(store.clone()).handlers_declare_commit_point());
+    let layer = metrics::with_local_recorder(&recorder, || layer.name("orders").build().unwrap());
+    let app = app(layer);
+    dead_holder(&store, "k-1", "a", LEASE).await;
+
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CONFLICT);
+    tokio::time::advance(LEASE + Duration::from_millis(1)).await;
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "orders"),
+        BTreeMap::from([("in_flight", 1), ("takeover", 1), ("replay", 1)])
+    );
+    let heard = heard.lock().unwrap().clone();
+    let takeovers = heard.iter().filter(|(k, _)| *k == EventKind::Takeover);
+    assert_eq!(takeovers.count(), 1, "{heard:?}");
+}
+
+/// A resolver that never knows: records stay pending.
+struct NeverKnows;
+
+impl Resolver for NeverKnows {
+    async fn resolve(&self, _: &PendingRecord) -> Resolution {
+        Resolution::Unknown
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_meeting_an_expired_lease_past_its_commit_point_is_counted_pending() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = MemoryStore::new();
+    // A reconciler runs (its first pass at once, the next long after this test).
+    let _reconciler = store
+        .reconciler(NeverKnows)
+        .interval(Duration::from_secs(3600))
+        .spawn()
+        .unwrap();
+    let (layer, heard) =
+        listen(IdempotencyLayer::new(store.clone()).handlers_declare_commit_point());
+    let layer = metrics::with_local_recorder(&recorder, || layer.name("orders").build().unwrap());
+    let app = app(layer);
+    let (id, token) = dead_holder(&store, "k-1", "a", LEASE).await;
+    store.commit_point(&id, token).await.unwrap();
+    tokio::time::advance(LEASE + Duration::from_millis(1)).await;
+
+    // The claim turns the expired lease into outcome_unknown; with a reconciler
+    // running, the copy is told to come back.
+    assert_eq!(
+        send(&app, post("k-1"), "a").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(
+        send(&app, post("k-1"), "a").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+
+    let seen = take(&snapshotter);
+    assert_eq!(decisions(&seen, "orders"), BTreeMap::from([("pending", 2)]));
+    assert_eq!(
+        value(
+            &seen,
+            "retrysafe_idempotency_outcome_unknown_total",
+            &[("name", "orders"), ("reason", "lease_expired")],
+        ),
+        Some(1)
+    );
+    let heard = heard.lock().unwrap().clone();
+    let pending = heard.iter().filter(|(k, _)| *k == EventKind::Pending);
+    assert_eq!(pending.count(), 2, "{heard:?}");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_copy_of_a_response_too_large_to_store_is_counted_not_stored() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let (layer, heard) = listen(IdempotencyLayer::in_memory().max_stored_response(1000));
+    let layer = metrics::with_local_recorder(&recorder, || layer.name("orders").build().unwrap());
+    let app = app(layer);
+    let big = || post("k-1").header("x-big", "5000");
+    assert_eq!(send(&app, big(), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&app, big(), "a").await, StatusCode::CONFLICT);
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "orders"),
+        BTreeMap::from([("first", 1), ("not_stored", 1)])
+    );
+    let heard = heard.lock().unwrap().clone();
+    assert_eq!(
+        heard.last(),
+        Some(&(EventKind::NotStored, "orders".to_owned()))
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failing_store_is_counted_unavailable_or_unguarded_with_fail_open() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let store = FaultyStore::new(MemoryStore::new());
+    store.fail_all(true);
+    let closed = IdempotencyLayer::new(store.clone()).name("closed");
+    let open = IdempotencyLayer::new(store.clone())
+        .fail_open()
+        .name("open");
+    let (closed, heard_closed) = listen(closed);
+    let (open, heard_open) = listen(open);
+    let (closed, open) = metrics::with_local_recorder(&recorder, || {
+        (closed.build().unwrap(), open.build().unwrap())
+    });
+    let (closed, open) = (app(closed), app(open));
+
+    assert_eq!(
+        send(&closed, post("k-1"), "a").await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    assert_eq!(send(&open, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&open, post("k-1"), "a").await, StatusCode::CREATED);
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "closed"),
+        BTreeMap::from([("unavailable", 1)])
+    );
+    assert_eq!(decisions(&seen, "open"), BTreeMap::from([("unguarded", 2)]));
+    let kinds = |heard: &Heard| -> Vec<EventKind> {
+        heard.lock().unwrap().iter().map(|(k, _)| *k).collect()
+    };
+    assert_eq!(kinds(&heard_closed), [EventKind::Unavailable]);
+    assert_eq!(
+        kinds(&heard_open),
+        [EventKind::Unguarded, EventKind::Unguarded]
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_layer_used_without_build_records_once_it_makes_its_service() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    // Never built: `ServerLayers` makes its service, under the recorder.
+    let layers = ServerLayers::new(IdempotencyLayer::in_memory().name("edge"))
+        .authentication(axum::middleware::map_request(auth));
+    let served = metrics::with_local_recorder(&recorder, || {
+        Router::new()
+            .route("/pay", axum::routing::post(handler))
+            .layer(layers)
+    });
+    assert_eq!(send(&served, post("k-1"), "a").await, StatusCode::CREATED);
+    assert_eq!(send(&served, post("k-1"), "a").await, StatusCode::CREATED);
+
+    let seen = take(&snapshotter);
+    assert_eq!(
+        decisions(&seen, "edge"),
+        BTreeMap::from([("first", 1), ("replay", 1)])
+    );
+    // Renamed after it was built, a layer records under its new name only.
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let layer = metrics::with_local_recorder(&recorder, || {
+        let built = IdempotencyLayer::in_memory().name("old").build().unwrap();
+        built.name("new").build().unwrap()
+    });
+    let app = app(layer);
+    assert_eq!(send(&app, post("k-1"), "a").await, StatusCode::CREATED);
+    let seen = take(&snapshotter);
+    assert_eq!(decisions(&seen, "new"), BTreeMap::from([("first", 1)]));
+    assert_eq!(decisions(&seen, "old"), BTreeMap::new());
 }
 
 /// The `retrysafe.idempotency` spans (their fields as text), and every field of every

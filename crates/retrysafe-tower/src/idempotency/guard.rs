@@ -23,6 +23,7 @@ use retrysafe_core::idempotency::{
     RecordId, Scope, StoredResponse,
 };
 use retrysafe_core::observe::Name;
+use retrysafe_core::observe::handles::Lazy;
 use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE, IdempotencyKey, encode_retry_after};
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::Instant;
@@ -86,8 +87,9 @@ pub(crate) struct GuardConfig {
     pub(crate) on_event: Option<EventHook>,
     /// The layer's name in events, spans and metrics.
     pub(crate) name: Name,
-    /// The metric handles, resolved by `build`.
-    pub(crate) metrics: Metrics,
+    /// The metric handles, resolved under `name` by `build` or when the layer makes its
+    /// service, whichever comes first (a renamed layer starts afresh).
+    pub(crate) metrics: Lazy<Metrics>,
     /// The settings a setter refused, reported by `build`.
     pub(crate) checks: Validate,
 }
@@ -116,9 +118,15 @@ impl GuardConfig {
             responder: None,
             on_event: None,
             name: Name::default(),
-            metrics: Metrics::default(),
+            metrics: Lazy::default(),
             checks: Validate::new(),
         }
+    }
+
+    /// The metric handles, resolved in the current recorder the first time.
+    #[inline]
+    pub(crate) fn metrics(&self) -> &Metrics {
+        self.metrics.get(|| Metrics::resolve(&self.name))
     }
 }
 
@@ -268,13 +276,13 @@ impl Guard {
 
     /// Counts a guarded request's `decision` and records it on its `span`.
     pub fn decided(&self, decision: Decision, span: &Span) {
-        self.config.metrics.decided(decision);
+        self.config.metrics().decided(decision);
         span.record("decision", decision.as_str());
     }
 
     /// Counts a record that became `outcome_unknown` for `reason`.
     pub fn became_unknown(&self, reason: UnknownReason) {
-        self.config.metrics.unknown(reason);
+        self.config.metrics().unknown(reason);
     }
 
     /// The layer's name.
@@ -307,13 +315,13 @@ impl Guard {
 
     /// A store round trip of `op` for the request counted by `trips` is done.
     pub fn round_trip(&self, trips: &mut RoundTrips, op: StoreOp, started: Option<Instant>) {
-        trips.done(&self.config.metrics, op, started);
+        trips.done(self.config.metrics(), op, started);
     }
 
     /// The store round trips of a request with `span`, counted and timed as its span
     /// and the metrics need.
     pub fn round_trips(&self, span: Span) -> RoundTrips {
-        RoundTrips::new(span, &self.config.metrics)
+        RoundTrips::new(span, self.config.metrics())
     }
 
     /// The protocol's settings for this layer.

@@ -8,6 +8,7 @@ use http::{HeaderName, Method, Response};
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope};
 use retrysafe_core::observe::Name;
+use retrysafe_core::observe::handles::Lazy;
 use retrysafe_core::store::{BoxStore, IdempotencyStore};
 use retrysafe_core::wire::Convention;
 use tokio::sync::Semaphore;
@@ -17,7 +18,6 @@ use tower_layer::Layer;
 use super::event::{IdempotencyEvent, UnknownOutcome};
 use super::exec::StoreBackend;
 use super::guard::{Backend, DEFAULT_MAX_IN_FLIGHT, Guard, GuardConfig, ScopeRule, Shared};
-use super::observe::Metrics;
 use super::problem::Problem;
 use super::service::IdempotencyService;
 use super::{MemoryStore, blocks};
@@ -250,9 +250,9 @@ impl<X: Backend> IdempotencyLayer<X> {
     /// backend's) is named in the error. A refused setting keeps its default, so a
     /// layer used without `build` is still safe, but `build` is where mistakes show.
     ///
-    /// It also resolves the layer's metric handles (feature `metrics`), in the
-    /// recorder installed then: only a built layer records metrics (its events, hooks
-    /// and spans do not need `build`).
+    /// It also resolves the layer's metric handles (feature `metrics`) in the recorder
+    /// installed then; a layer used without `build` resolves them when it first makes
+    /// its service (`Layer::layer`), so install the recorder before either.
     ///
     /// ```
     /// use std::time::Duration;
@@ -282,7 +282,8 @@ impl<X: Backend> IdempotencyLayer<X> {
             "must be at most max_in_flight",
         );
         let layer = checks.finish(self)?;
-        Ok(layer.config(|c| c.metrics = Metrics::resolve(&c.name)))
+        layer.guard.config.metrics();
+        Ok(layer)
     }
 }
 
@@ -490,11 +491,15 @@ impl<X> IdempotencyLayer<X> {
 
     /// The layer's name (default `default`): the `name` of its events, its
     /// `retrysafe.idempotency` spans and its metrics (see
-    /// [`retrysafe_core::observe`]). Set it before [`build`](Self::build), which
-    /// resolves the metrics under it.
+    /// [`retrysafe_core::observe`]). Set it before [`build`](Self::build) or
+    /// `Layer::layer`, which resolve the metrics under it; renaming a layer resolves
+    /// them afresh.
     pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
-        self.config(|c| c.name = name)
+        self.config(|c| {
+            c.name = name;
+            c.metrics = Lazy::default();
+        })
     }
 
     /// Calls `f` on every event: each guarded request's decision (claimed, replayed,
@@ -521,6 +526,7 @@ impl<S, X> Layer<S> for IdempotencyLayer<X> {
     type Service = IdempotencyService<S, X>;
 
     fn layer(&self, inner: S) -> Self::Service {
+        self.guard.config.metrics();
         IdempotencyService::new(inner, self.clone())
     }
 }

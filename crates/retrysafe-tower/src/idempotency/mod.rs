@@ -91,7 +91,7 @@
 //! key), never the key itself — and `store_round_trips` with their total
 //! `store_seconds`. A disabled span costs a check: no hashing, no clock read. The same
 //! decisions reach the [`on_event`](IdempotencyLayer::on_event) hook, and, with the
-//! feature `metrics`, the metrics of a built layer (see [`retrysafe_core::observe`]).
+//! feature `metrics`, the layer's metrics (see [`retrysafe_core::observe`]).
 //!
 //! # Backends
 //!

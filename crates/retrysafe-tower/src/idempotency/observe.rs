@@ -1,6 +1,6 @@
 //! What the idempotency layers report besides their answers: the metric handles of a
-//! layer (resolved once, by `build`) and the `retrysafe.idempotency` span of each
-//! guarded request.
+//! layer (resolved once, by `build` or `Layer::layer`) and the `retrysafe.idempotency`
+//! span of each guarded request.
 
 use std::fmt;
 use std::time::Duration;
@@ -92,8 +92,8 @@ fn named_index(reason: UnknownReason) -> Option<usize> {
 }
 
 /// The metric handles of one layer, one per label value, resolved when the layer is
-/// built: nothing is looked up per request. Empty (no-ops) before `build` and without
-/// the feature `metrics`.
+/// built or makes its service: nothing is looked up per request. Empty (no-ops)
+/// without the feature `metrics`.
 #[derive(Clone, Default)]
 pub(crate) struct Metrics {
     decisions: [Counter; Decision::ALL.len()],

@@ -234,7 +234,7 @@ async fn renew_lease(
     state: Arc<Lease>,
 ) {
     let id = claim.id;
-    let metrics = &claim.config.metrics;
+    let metrics = claim.config.metrics();
     loop {
         let now = Instant::now();
         let lease = full.min(cap.saturating_duration_since(now));

@@ -107,10 +107,8 @@
 //!         http.request.method = %request.method(),
 //!         http.request.resend_count = tracing::field::Empty,
 //!     );
-//!     if let Some(attempt) = AttemptNumber::of(request.extensions()) {
-//!         if attempt.resend_count() > 0 {
-//!             span.record("http.request.resend_count", attempt.resend_count());
-//!         }
+//!     if let Some(attempt) = AttemptNumber::of(request.extensions()).filter(|a| a.resend_count() > 0) {
+//!         span.record("http.request.resend_count", attempt.resend_count());
 //!     }
 //!     span
 //! }
