@@ -208,3 +208,33 @@ fn build_names_every_bad_field() {
         .unwrap_err();
     assert_eq!(e.fields().collect::<Vec<_>>(), ["window", "k"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn grpc_unavailable_and_resource_exhausted_in_the_head_are_not_accepts() {
+    // Trailers-Only answers (HTTP 200, the status in the head), as tonic sends a failed
+    // unary call; OK and NOT_FOUND are accepts.
+    for (code, accepted) in [("14", false), ("8", false), ("0", true), ("5", true)] {
+        let layer = AdaptiveThrottleLayer::new().seed(2);
+        let svc = ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(tower::service_fn(move |_req: Request<String>| {
+                let response = Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", code)
+                    .body(String::new())
+                    .unwrap();
+                std::future::ready(Ok::<_, Infallible>(response))
+            }));
+        let request = Request::post("http://api/pkg.Svc/Get")
+            .header("content-type", "application/grpc")
+            .body(String::new())
+            .unwrap();
+        svc.oneshot(request).await.unwrap();
+        let accepts = u64::from(accepted);
+        assert_eq!(
+            layer.throttle().counts(),
+            (1, accepts),
+            "grpc-status {code}"
+        );
+    }
+}

@@ -25,7 +25,7 @@ pub struct AdaptiveThrottleLayer {
     pub(super) config: Arc<Config>,
 }
 
-pub(super) struct Config {
+pub(crate) struct Config {
     pub(super) name: Name,
     pub(super) settings: ThrottleConfig,
     pub(super) throttle: AdaptiveThrottle,
