@@ -769,6 +769,10 @@ impl RetryCall {
     /// error: reported to the policy's expiry observer, if it has one.
     #[cold]
     pub fn deadline_expired(&self) {
+        // A hedge's copy (numbered past the first): the call it copies reports.
+        if self.attempt_base > 0 {
+            return;
+        }
         if let Some(observer) = &self.policy.expiry {
             observer.expired();
         }

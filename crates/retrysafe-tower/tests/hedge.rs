@@ -19,7 +19,7 @@ use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
 use retrysafe_core::strategy::{Idempotent, NoRetry};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::hedge::HedgeLayer;
-use retrysafe_tower::retry::RetryLayer;
+use retrysafe_tower::retry::{ReplayBody, RetryLayer};
 use tokio::time::Instant;
 use tower::{ServiceBuilder, ServiceExt};
 
@@ -368,4 +368,179 @@ async fn a_hedge_refused_below_does_not_end_the_call() {
         .service(callee(&[100, 5], &[], &seen));
     assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
     assert_eq!(seen.lock().unwrap().len(), 1);
+}
+
+/// A callee that answers the n-th call (0-based) after `waits[n]` ms with `statuses[n]`
+/// and, when `marked[n]`, `do-not-retry: 1`; it records every call's head and the time
+/// it arrived.
+fn scripted(
+    waits: &'static [u64],
+    statuses: &'static [u16],
+    marked: &'static [bool],
+    heads: &Heads,
+) -> impl tower::Service<
+    Request<ReplayBody<String>>,
+    Response = Response<String>,
+    Error = Infallible,
+    Future = impl Send,
+> + Clone
++ Send {
+    let heads = Arc::clone(heads);
+    tower::service_fn(move |req: Request<ReplayBody<String>>| {
+        let n = {
+            let mut heads = heads.lock().unwrap();
+            heads.push((Instant::now(), req.headers().clone()));
+            heads.len() - 1
+        };
+        async move {
+            let _ = req.into_body().collect().await;
+            tokio::time::sleep(Duration::from_millis(waits.get(n).copied().unwrap_or(0))).await;
+            let mut response = Response::builder().status(statuses.get(n).copied().unwrap_or(200));
+            if marked.get(n).copied().unwrap_or(false) {
+                response = response.header("do-not-retry", "1");
+            }
+            Ok::<_, Infallible>(response.body(format!("call {n}")).unwrap())
+        }
+    })
+}
+
+/// The heads of the calls a `scripted` callee got, and when each arrived.
+type Heads = Arc<Mutex<Vec<(Instant, http::HeaderMap)>>>;
+
+fn header(heads: &Heads, n: usize, name: &str) -> Option<String> {
+    heads.lock().unwrap()[n]
+        .1
+        .get(name)
+        .map(|v| v.to_str().unwrap().to_owned())
+}
+
+/// A ratio budget with no floor, where each deposit pays for one withdrawal.
+fn one_for_one() -> RetryBudget {
+    RetryBudget::ratio_with(
+        RatioConfig::default()
+            .with_min_per_sec(0)
+            .with_retry_ratio(1.0),
+    )
+}
+
+fn deposits_and_withdrawals(budget: &RetryBudget) -> (u64, u64) {
+    match budget.snapshot() {
+        BudgetSnapshot::Ratio {
+            deposits,
+            withdrawals,
+            ..
+        } => (deposits, withdrawals),
+        other => panic!("{other:?}"),
+    }
+}
+
+// ClientLayers with a hedge: the same race, each copy a call of the fused part.
+
+#[tokio::test(start_paused = true)]
+async fn client_layers_send_a_hedge_with_retry_attempt_from_the_stacks_budget() {
+    use retrysafe_tower::client::ClientLayers;
+
+    let budget = one_for_one();
+    let heads = Heads::default();
+    let hedge = fixed(20);
+    let layers = ClientLayers::new()
+        .budget(budget.clone())
+        .hedge(hedge.clone())
+        .build()
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layers)
+        .service(scripted(&[100, 5], &[], &[], &heads));
+    let started = Instant::now();
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(started.elapsed(), Duration::from_millis(25));
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "call 1");
+    assert_eq!(header(&heads, 0, "retry-attempt"), None);
+    assert_eq!(header(&heads, 1, "retry-attempt").as_deref(), Some("2"));
+    // One deposit for the request (the retry part's), one withdrawal for the hedge,
+    // both in the stack's budget; the hedge layer's own is not used.
+    assert_eq!(deposits_and_withdrawals(&budget), (1, 1));
+    assert_eq!(deposits_and_withdrawals(hedge.retry_budget()), (0, 0));
+    assert_eq!((hedge.stats().sent, hedge.stats().won), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn client_layers_hedges_never_outlive_the_deadline() {
+    use retrysafe_core::error::{DeadlineExceeded, find};
+    use retrysafe_tower::client::ClientLayers;
+
+    // The deadline (30 ms) is outermost: the hedge sent at 20 ms is told what is
+    // left of it, and the call ends with the deadline, both copies with it.
+    let heads = Heads::default();
+    let layers = ClientLayers::new()
+        .deadline(Duration::from_millis(30))
+        .hedge(fixed(20))
+        .build()
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layers)
+        .service(scripted(&[100, 100], &[], &[], &heads));
+    let started = Instant::now();
+    let error = svc.clone().oneshot(get()).await.unwrap_err();
+    assert!(find::<DeadlineExceeded>(&*error).is_some(), "{error}");
+    assert_eq!(started.elapsed(), Duration::from_millis(30));
+    assert_eq!(heads.lock().unwrap().len(), 2);
+    assert_eq!(
+        header(&heads, 0, "request-timeout-ms").as_deref(),
+        Some("30")
+    );
+    assert_eq!(
+        header(&heads, 1, "request-timeout-ms").as_deref(),
+        Some("10")
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        heads.lock().unwrap().len(),
+        2,
+        "nothing is sent after the call"
+    );
+
+    // A deadline shorter than the hedge delay: no hedge at all.
+    let heads = Heads::default();
+    let layers = ClientLayers::new()
+        .deadline(Duration::from_millis(15))
+        .hedge(fixed(20))
+        .build()
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layers)
+        .service(scripted(&[100, 100], &[], &[], &heads));
+    assert!(svc.oneshot(get()).await.is_err());
+    assert_eq!(heads.lock().unwrap().len(), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn client_layers_retry_the_first_copy_but_send_each_hedge_once() {
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use retrysafe_tower::client::ClientLayers;
+
+    // The hedge (sent at 5 ms) answers 503 at 6 ms and is not retried; the first copy
+    // answers 503 at 10 ms and is retried; the retry's 200 wins.
+    let heads = Heads::default();
+    let hedge = fixed(5);
+    let layers = ClientLayers::new()
+        .retry(RetryLayer::new().strategy(StandardRetryStrategy::new().seed(3)))
+        .hedge(hedge.clone())
+        .build()
+        .unwrap();
+    let svc = ServiceBuilder::new().layer(layers).service(scripted(
+        &[10, 1, 0],
+        &[503, 503, 200],
+        &[],
+        &heads,
+    ));
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::OK);
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "call 2");
+    assert_eq!(heads.lock().unwrap().len(), 3);
+    assert_eq!(header(&heads, 1, "retry-attempt").as_deref(), Some("2"));
+    assert_eq!(header(&heads, 2, "retry-attempt").as_deref(), Some("2"));
+    assert_eq!((hedge.stats().sent, hedge.stats().won), (1, 0));
 }

@@ -69,11 +69,15 @@ mod layer;
 mod service;
 
 pub use future::ResponseFuture;
+#[cfg(feature = "client")]
+pub(crate) use layer::Config;
 pub use layer::{HedgeEvent, HedgeLayer, HedgeOutcome, HedgeStats};
 pub use retrysafe_core::budget::RetryBudget;
 pub use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
 pub use retrysafe_core::strategy::{Idempotent, NoRetry};
 pub use service::HedgeService;
+#[cfg(feature = "client")]
+pub(crate) use service::{hedgeable, race};
 
 #[allow(unused_imports, reason = "the docs link it")]
 use crate::retry::ReplayBody;

@@ -220,6 +220,16 @@ impl<S> Layer<S> for AdaptiveThrottleLayer {
     }
 }
 
+impl AdaptiveThrottleLayer {
+    /// The shared configuration, its metric handle resolved (for a stack that makes
+    /// the throttle part of its own service).
+    #[cfg(feature = "client")]
+    pub(crate) fn resolved(&self) -> Arc<Config> {
+        let _ = self.config.rejections();
+        Arc::clone(&self.config)
+    }
+}
+
 impl fmt::Debug for AdaptiveThrottleLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(&self.config, f)

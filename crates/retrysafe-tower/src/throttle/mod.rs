@@ -57,7 +57,11 @@
 mod layer;
 mod service;
 
+#[cfg(feature = "client")]
+pub(crate) use layer::Config;
 pub use layer::{AdaptiveThrottleLayer, ThrottleRejection};
 pub use retrysafe_core::error::Throttled;
 pub use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 pub use service::{AdaptiveThrottleService, ResponseFuture};
+#[cfg(feature = "client")]
+pub(crate) use service::{Admitted, admit};
