@@ -89,25 +89,41 @@ impl HedgeCopy {
 
 /// Shared by the copies of one hedged request: settled once an answer won, so that a
 /// copy dropped after that is known to be cancelled by the hedge (neutral to breakers),
-/// not abandoned by its caller.
+/// not abandoned by its caller; and marked once the request's deposit into the retry
+/// budget is made, so that it is made once, by a retrying layer below or else by the
+/// hedging layer.
 #[doc(hidden)]
 #[derive(Debug, Clone, Default)]
-pub struct HedgeRace(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub struct HedgeRace(std::sync::Arc<std::sync::atomic::AtomicU8>);
+
+/// [`HedgeRace`]: an answer won.
+const SETTLED: u8 = 1;
+/// [`HedgeRace`]: the request's deposit is made.
+const DEPOSITED: u8 = 2;
 
 impl HedgeRace {
-    /// A race not settled yet.
+    /// A race not settled yet, its request's deposit not made.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// An answer won: the other copies are being cancelled.
     pub fn settle(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::Release);
+        self.0
+            .fetch_or(SETTLED, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether an answer won.
     pub fn is_settled(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Acquire)
+        self.0.load(std::sync::atomic::Ordering::Acquire) & SETTLED != 0
+    }
+
+    /// Marks the request's deposit made; `true` when no one had marked it before.
+    pub fn claim_deposit(&self) -> bool {
+        self.0
+            .fetch_or(DEPOSITED, std::sync::atomic::Ordering::AcqRel)
+            & DEPOSITED
+            == 0
     }
 }
 

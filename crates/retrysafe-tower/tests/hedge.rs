@@ -434,6 +434,43 @@ fn deposits_and_withdrawals(budget: &RetryBudget) -> (u64, u64) {
     }
 }
 
+#[tokio::test(start_paused = true)]
+async fn on_its_own_the_hedge_makes_the_requests_deposit() {
+    // No retry layer below: the hedge layer deposits for the request, once, and that
+    // pays for its hedge (with no floor, nothing else could).
+    let budget = one_for_one();
+    let seen = Seen::default();
+    let layer = fixed(20).budget(budget.clone());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[100, 5, 1], &[], &seen));
+    assert_eq!(svc.clone().oneshot(get()).await.unwrap().body(), "call 1");
+    assert_eq!(deposits_and_withdrawals(&budget), (1, 1));
+    // A fast call deposits too, once.
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 2");
+    assert_eq!(deposits_and_withdrawals(&budget), (2, 1));
+    assert_eq!(layer.stats().sent, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_waiting_for_readiness_costs_nothing_when_the_first_copy_wins() {
+    // One slot below: the first copy holds it, so the hedge due at 20 ms waits for
+    // readiness until the first copy has answered, and is never sent nor paid for.
+    let budget = one_for_one();
+    let seen = Seen::default();
+    let layer = fixed(20).budget(budget.clone());
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .concurrency_limit(1)
+        .service(callee(&[100], &[], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(deposits_and_withdrawals(&budget), (1, 0));
+    assert_eq!((layer.stats().sent, layer.stats().budget_refusals), (0, 0));
+}
+
+// ClientLayers with a hedge: the same race, each copy a call of the fused part.
+
 // ClientLayers with a hedge: the same race, each copy a call of the fused part.
 
 #[tokio::test(start_paused = true)]
@@ -543,4 +580,26 @@ async fn client_layers_retry_the_first_copy_but_send_each_hedge_once() {
     assert_eq!(header(&heads, 1, "retry-attempt").as_deref(), Some("2"));
     assert_eq!(header(&heads, 2, "retry-attempt").as_deref(), Some("2"));
     assert_eq!((hedge.stats().sent, hedge.stats().won), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_hedge_refused_after_waiting_for_readiness_leaves_the_first_copys_answer() {
+    // The first copy holds the one slot and answers 503 at 100 ms; the hedge that
+    // waited for the slot is then refused by an empty budget: the 503 is the answer.
+    let empty = RetryBudget::ratio_with(
+        RatioConfig::default()
+            .with_min_per_sec(0)
+            .with_retry_ratio(0.0),
+    );
+    let seen = Seen::default();
+    let layer = fixed(20).budget(empty);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .concurrency_limit(1)
+        .service(callee(&[100], &[503], &seen));
+    let answer = tokio::time::timeout(Duration::from_secs(60), svc.oneshot(get())).await;
+    let response = answer.expect("the call ended").unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!((layer.stats().sent, layer.stats().budget_refusals), (0, 1));
 }
