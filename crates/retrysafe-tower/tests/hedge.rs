@@ -435,6 +435,147 @@ fn deposits_and_withdrawals(budget: &RetryBudget) -> (u64, u64) {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_answer_marked_do_not_retry_wins() {
+    // The hedge's 503 is marked do-not-retry: no retry layer would follow it, so it is
+    // the answer, ahead of the slow first copy's 200.
+    let heads = Heads::default();
+    let layer = fixed(20);
+    let svc = ServiceBuilder::new().layer(layer.clone()).service(scripted(
+        &[100, 5],
+        &[200, 503],
+        &[false, true],
+        &heads,
+    ));
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.body(), "call 1");
+    assert_eq!(layer.stats().won, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn with_no_acceptable_answer_the_first_copys_comes_back() {
+    // Both copies answer 503 (the hedge first): the first copy's answer is returned.
+    let seen = Seen::default();
+    let layer = fixed(20);
+    let svc =
+        ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(callee(&[100, 5], &[503, 503], &seen));
+    let started = Instant::now();
+    let response = svc.oneshot(get()).await.unwrap();
+    assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(response.body(), "call 0");
+    assert_eq!(started.elapsed(), Duration::from_millis(100));
+    assert_eq!((layer.stats().sent, layer.stats().won), (1, 0));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_streaming_body_is_hedged_only_once_it_is_wholly_read() {
+    use bytes::Bytes;
+    use http_body_util::StreamBody;
+
+    // The body's second half comes 50 ms after the first; the hedge is due at 20 ms.
+    let (tx, rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        let chunk = rx.recv().await?;
+        Some((Ok::<_, Infallible>(http_body::Frame::data(chunk)), rx))
+    });
+    let request = Request::put("http://api/items/1")
+        .body(StreamBody::new(stream))
+        .unwrap();
+    tokio::spawn(async move {
+        tx.send(Bytes::from_static(b"hello ")).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        tx.send(Bytes::from_static(b"world")).await.unwrap();
+    });
+    let bodies = Arc::new(Mutex::new(Vec::new()));
+    let arrivals = Arc::new(Mutex::new(Vec::new()));
+    let (b, a) = (Arc::clone(&bodies), Arc::clone(&arrivals));
+    let layer = fixed(20);
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(tower::service_fn(move |req: Request<ReplayBody<_>>| {
+            let n = {
+                let mut a = a.lock().unwrap();
+                a.push(Instant::now());
+                a.len() - 1
+            };
+            let b = Arc::clone(&b);
+            async move {
+                let body = req.into_body().collect().await.unwrap().to_bytes();
+                b.lock().unwrap().push(body);
+                let wait = if n == 0 { 1_000 } else { 5 };
+                tokio::time::sleep(Duration::from_millis(wait)).await;
+                Ok::<_, Infallible>(Response::new(format!("call {n}")))
+            }
+        }));
+    let started = Instant::now();
+    assert_eq!(svc.oneshot(request).await.unwrap().body(), "call 1");
+    let arrivals = arrivals.lock().unwrap().clone();
+    assert_eq!(arrivals.len(), 2);
+    assert!(
+        arrivals[1] - started >= Duration::from_millis(50),
+        "the hedge left at {:?}, before the body was read",
+        arrivals[1] - started
+    );
+    assert!(bodies.lock().unwrap().iter().all(|b| b == "hello world"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_body_over_the_cap_is_never_hedged() {
+    let seen = Seen::default();
+    let layer = fixed(20).max_replay_body(4).build().unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layer.clone())
+        .service(callee(&[100, 5], &[], &seen));
+    let request = Request::put("http://api/items/1")
+        .body(String::from("hello world"))
+        .unwrap();
+    assert_eq!(svc.oneshot(request).await.unwrap().body(), "call 0");
+    assert_eq!(seen.lock().unwrap().len(), 1);
+    assert_eq!(layer.stats().sent, 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_grpc_hedge_carries_grpc_previous_rpc_attempts() {
+    let heads = Heads::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20))
+        .service(scripted(&[100, 5], &[], &[], &heads));
+    // A gRPC call is a POST: hedged when declared idempotent.
+    let mut request = Request::post("http://api/pkg.Svc/Get")
+        .header("content-type", "application/grpc")
+        .body(String::new())
+        .unwrap();
+    request.extensions_mut().insert(Idempotent);
+    assert_eq!(svc.oneshot(request).await.unwrap().body(), "call 1");
+    assert_eq!(header(&heads, 0, "grpc-previous-rpc-attempts"), None);
+    assert_eq!(
+        header(&heads, 1, "grpc-previous-rpc-attempts").as_deref(),
+        Some("1")
+    );
+    assert_eq!(header(&heads, 1, "retry-attempt").as_deref(), Some("2"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_same_budget_in_a_budget_layer_below_is_not_charged_twice() {
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use retrysafe_tower::budget::RetryBudgetLayer;
+
+    // One deposit pays for one withdrawal: a second charge of the hedge would be
+    // refused by the budget layer, and the slow first copy's answer would come.
+    let budget = one_for_one();
+    let seen = Seen::default();
+    let svc = ServiceBuilder::new()
+        .layer(fixed(20).budget(budget.clone()))
+        .layer(RetryLayer::new().strategy(StandardRetryStrategy::new().budget(budget.clone())))
+        .layer(RetryBudgetLayer::new(budget.clone()))
+        .service(callee(&[100, 5], &[], &seen));
+    assert_eq!(svc.oneshot(get()).await.unwrap().body(), "call 1");
+    assert_eq!(deposits_and_withdrawals(&budget), (1, 1));
+}
+
+#[tokio::test(start_paused = true)]
 async fn on_its_own_the_hedge_makes_the_requests_deposit() {
     // No retry layer below: the hedge layer deposits for the request, once, and that
     // pays for its hedge (with no floor, nothing else could).
@@ -468,8 +609,6 @@ async fn a_hedge_waiting_for_readiness_costs_nothing_when_the_first_copy_wins() 
     assert_eq!(deposits_and_withdrawals(&budget), (1, 0));
     assert_eq!((layer.stats().sent, layer.stats().budget_refusals), (0, 0));
 }
-
-// ClientLayers with a hedge: the same race, each copy a call of the fused part.
 
 // ClientLayers with a hedge: the same race, each copy a call of the fused part.
 
