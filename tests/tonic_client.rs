@@ -672,3 +672,72 @@ async fn the_grpc_stack_counts_attempts_and_retries_under_its_name() {
         Some(0.0)
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// Throttle and hedge in the gRPC form
+// ---------------------------------------------------------------------------------------
+
+/// `ClientLayers` with a hedge, `.grpc()`: a check declared idempotent whose first copy
+/// hangs is hedged; the hedge carries `grpc-previous-rpc-attempts: 1` and
+/// `retry-attempt: 2`, and its answer reaches the generated client.
+#[tokio::test]
+async fn the_grpc_stack_hedges_a_hanging_check() {
+    use retrysafe::HedgeLayer;
+
+    let script = Script::new([Step::Hang]);
+    let addr = serve(&script, None).await;
+    let hedge = HedgeLayer::new().delay(Duration::from_millis(20));
+    let layers = ClientLayers::new()
+        .deadline(Duration::from_secs(5))
+        .hedge(hedge.clone())
+        .build()
+        .unwrap();
+    let stack: Stack = BoxCloneSyncService::new(layers.grpc().layer(channel(addr)));
+    let mut client = HealthClient::new(stack);
+
+    let mut request = tonic::Request::new(check_request());
+    request.extensions_mut().insert(Idempotent);
+    let response = client.check(request).await.unwrap();
+    assert_eq!(response.into_inner().status(), ServingStatus::Serving);
+    script.release.notify_one();
+
+    let seen = script.seen();
+    assert_eq!(seen.len(), 2, "{seen:?}");
+    assert_eq!(seen[0].previous_attempts, None);
+    assert_eq!(seen[1].previous_attempts.as_deref(), Some("1"));
+    assert_eq!(seen[1].retry_attempt.as_deref(), Some("2"));
+    assert_eq!((hedge.stats().sent, hedge.stats().won), (1, 1));
+}
+
+/// `ClientLayers` with a throttle, `.grpc()`: a server that answers every check with
+/// `RESOURCE_EXHAUSTED` (not an accept) soon sees few calls; the generated client gets
+/// each local rejection as `UNAVAILABLE` marked `do-not-retry`.
+#[tokio::test]
+async fn the_grpc_stack_throttles_a_refusing_server() {
+    use retrysafe::AdaptiveThrottleLayer;
+
+    let script = Script::new(std::iter::repeat_n(
+        Step::Fail(Code::ResourceExhausted, None),
+        100,
+    ));
+    let addr = serve(&script, None).await;
+    let layers = ClientLayers::new()
+        .throttle(AdaptiveThrottleLayer::new().seed(8))
+        .build()
+        .unwrap();
+    let stack: Stack = BoxCloneSyncService::new(layers.grpc().layer(channel(addr)));
+    let mut client = HealthClient::new(stack);
+
+    let mut rejected = 0;
+    for _ in 0..100 {
+        let status = check(&mut client).await.unwrap_err();
+        if status.code() == Code::Unavailable {
+            assert_eq!(do_not_retry(&status), Some("1"), "{status:?}");
+            rejected += 1;
+        } else {
+            assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+        }
+    }
+    assert_eq!(script.calls() + rejected, 100);
+    assert!(rejected > 80, "{rejected} of 100 rejected");
+}

@@ -30,7 +30,7 @@
 
 use std::fmt;
 use std::num::NonZeroU64;
-use std::sync::atomic::Ordering::Relaxed;
+use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::time::Duration;
 
 use crate::budget::BudgetId;
@@ -44,11 +44,27 @@ const SUB_USIZE: usize = 16;
 /// log2 of [`SUB`].
 const SUB_BITS: u32 = 4;
 /// Histogram buckets: exact below [`SUB`] µs, then [`SUB`] per power of two up to 2^36 µs.
+#[cfg(not(loom))]
 const HIST_BUCKETS: usize = SUB_USIZE * 34;
+/// Under loom, the first four exact buckets (latencies below 4 µs): a model's
+/// recomputation reads few atomics.
+#[cfg(loom)]
+const HIST_BUCKETS: usize = 4;
 /// Samples between two recomputations of the percentile.
+#[cfg(not(loom))]
 const RECOMPUTE_EVERY: u64 = 16;
+/// Under loom, every second sample recomputes.
+#[cfg(loom)]
+const RECOMPUTE_EVERY: u64 = 2;
 /// Samples the window must hold before a percentile is given.
+#[cfg(not(loom))]
 pub const MIN_SAMPLES: u64 = 20;
+/// Samples the window must hold before a percentile is given (2 under loom, so a
+/// model's few samples give one).
+#[cfg(loom)]
+pub const MIN_SAMPLES: u64 = 2;
+/// A generation's epoch while one thread clears it for a new one: never live.
+const CLEARING: u64 = u64::MAX;
 /// The shortest delay a percentile gives: hedging faster than this mostly adds load.
 pub const MIN_PERCENTILE_DELAY: Duration = Duration::from_millis(10);
 
@@ -73,25 +89,41 @@ impl HedgeCopy {
 
 /// Shared by the copies of one hedged request: settled once an answer won, so that a
 /// copy dropped after that is known to be cancelled by the hedge (neutral to breakers),
-/// not abandoned by its caller.
+/// not abandoned by its caller; and marked once the request's deposit into the retry
+/// budget is made, so that it is made once, by a retrying layer below or else by the
+/// hedging layer.
 #[doc(hidden)]
 #[derive(Debug, Clone, Default)]
-pub struct HedgeRace(std::sync::Arc<std::sync::atomic::AtomicBool>);
+pub struct HedgeRace(std::sync::Arc<std::sync::atomic::AtomicU8>);
+
+/// [`HedgeRace`]: an answer won.
+const SETTLED: u8 = 1;
+/// [`HedgeRace`]: the request's deposit is made.
+const DEPOSITED: u8 = 2;
 
 impl HedgeRace {
-    /// A race not settled yet.
+    /// A race not settled yet, its request's deposit not made.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// An answer won: the other copies are being cancelled.
     pub fn settle(&self) {
-        self.0.store(true, std::sync::atomic::Ordering::Release);
+        self.0
+            .fetch_or(SETTLED, std::sync::atomic::Ordering::Release);
     }
 
     /// Whether an answer won.
     pub fn is_settled(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Acquire)
+        self.0.load(std::sync::atomic::Ordering::Acquire) & SETTLED != 0
+    }
+
+    /// Marks the request's deposit made; `true` when no one had marked it before.
+    pub fn claim_deposit(&self) -> bool {
+        self.0
+            .fetch_or(DEPOSITED, std::sync::atomic::Ordering::AcqRel)
+            & DEPOSITED
+            == 0
     }
 }
 
@@ -198,14 +230,19 @@ impl LatencyTracker {
 
 impl Tracker {
     /// The generation of `epoch`, cleared first if it still holds an older epoch's.
+    ///
+    /// The thread that moves a generation on marks it [`CLEARING`], clears it, and
+    /// only then publishes the new epoch (release): a recomputation that reads the new
+    /// epoch (acquire) reads no count of the old one. A generation never moves back to
+    /// an older epoch (a thread still in the old epoch counts into the new one).
     fn current(&self, epoch: u64) -> &Generation {
         let [even, odd] = &self.generations;
         let generation = if epoch.is_multiple_of(2) { even } else { odd };
-        let seen = generation.epoch.load(Relaxed);
-        if seen != epoch
+        let seen = generation.epoch.load(Acquire);
+        if seen < epoch
             && generation
                 .epoch
-                .compare_exchange(seen, epoch, Relaxed, Relaxed)
+                .compare_exchange(seen, CLEARING, Acquire, Relaxed)
                 .is_ok()
         {
             // A sample another thread adds while this clears may be lost: an estimate
@@ -213,6 +250,7 @@ impl Tracker {
             for c in &*generation.counts {
                 c.store(0, Relaxed);
             }
+            generation.epoch.store(epoch, Release);
         }
         generation
     }
@@ -220,7 +258,7 @@ impl Tracker {
     /// Recomputes the percentile over this epoch's and the previous one's samples.
     fn recompute(&self, epoch: u64) {
         let live = |g: &Generation| {
-            let e = g.epoch.load(Relaxed);
+            let e = g.epoch.load(Acquire);
             e == epoch || Some(e) == epoch.checked_sub(1)
         };
         let mut merged = [0u64; HIST_BUCKETS];

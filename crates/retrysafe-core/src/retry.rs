@@ -18,7 +18,7 @@ use crate::classify::{
     is_grpc,
 };
 use crate::deadline::ExpiryObserver;
-use crate::hedge::HedgeCopy;
+use crate::hedge::{HedgeCopy, HedgeRace};
 use crate::idempotency::Token;
 use crate::observe::handles::{Counter, Lazy};
 use crate::observe::{AttemptNumber, Name, names};
@@ -467,6 +467,13 @@ impl RetryPolicy {
             Some(hedge) => RetryToken::hedge(hedge.budget),
             None => this.strategy.acquire_initial_retry_token(budget),
         };
+        // The first copy of a hedged request: the hedging layer above need not deposit.
+        if hedge.is_none()
+            && token.budget_id().is_some()
+            && let Some(race) = head.extensions().get::<HedgeRace>()
+        {
+            race.claim_deposit();
+        }
         let passthrough = no_retry || caller_is_retry_point || hedge.is_some();
         if passthrough {
             token.limit_attempts(1);
@@ -770,6 +777,10 @@ impl RetryCall {
     /// cannot reach, and reported to the policy's expiry observer, if it has one.
     #[cold]
     pub fn deadline_expired(&self) {
+        // A hedge's copy (numbered past the first): the call it copies reports.
+        if self.attempt_base > 0 {
+            return;
+        }
         self.record("deadline", &"exceeded");
         if let Some(observer) = &self.policy.expiry {
             observer.expired();

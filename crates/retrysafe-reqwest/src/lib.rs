@@ -86,6 +86,31 @@
 //! not configure a status-based `reqwest::retry` policy together with
 //! `RetryMiddleware`, which would multiply the attempts of every retry.
 //!
+//! # No hedging or throttling middleware
+//!
+//! There is no reqwest twin of the tower `HedgeLayer`: with reqwest-middleware 0.5 it
+//! would not be as correct, for three reasons.
+//!
+//! - **Bodies.** [`reqwest::Request::try_clone`] gives `None` for a streaming body
+//!   (`Body::wrap_stream`, `Body::wrap`), and a [`reqwest::Body`] does not tell how
+//!   much of it has been read, so a middleware can hedge only bodies that are bytes
+//!   already. The tower form wraps the body in a `ReplayBody` and hedges a streamed
+//!   body once it has been read in full (and never one over its cap).
+//! - **One `Extensions` per call.** [`Next::run`](reqwest_middleware::Next::run) takes
+//!   `&'a mut Extensions` for as long as the copy runs, so the first copy borrows the
+//!   caller's extensions until it ends and a hedge has to run on a clone of them:
+//!   what a middleware below records there for the call comes back from the first
+//!   copy only, even when the hedge's answer wins.
+//! - **Cancelled copies.** When the hedge wins, the first copy is dropped. The
+//!   [`CircuitBreakerMiddleware`] counts a dropped half-open probe as a failure (it
+//!   cannot tell a cancelled copy from an abandoned call), so a cancelled copy could
+//!   open a recovering breaker again. In the tower form, the copies share a mark that
+//!   makes a cancelled copy count as neither a success nor a failure.
+//!
+//! For hedging, or the `AdaptiveThrottleLayer`, use the tower form over a hyper client
+//! instead: `retrysafe_tower::client::ClientLayers` with `.throttle(…)` and `.hedge(…)`
+//! over `hyper_util::client::legacy::Client`, which takes `ReplayBody<B>` bodies.
+//!
 //! # Errors
 //!
 //! The middleware fail with `reqwest_middleware::Error::Middleware(anyhow::Error)`

@@ -117,3 +117,69 @@ async fn a_throttle_keeps_calls_to_a_refusing_server_home() {
     assert_eq!(calls.load(Ordering::SeqCst) + throttled, 200);
     assert!(throttled > 180, "{throttled} of 200 throttled");
 }
+
+#[tokio::test]
+async fn client_layers_hedge_and_throttle_over_http() {
+    use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use retrysafe_tower::client::ClientLayers;
+
+    let calls = Arc::new(AtomicU32::new(0));
+    let addr = serve(&calls).await;
+    // No floor: the request's one deposit pays for its hedge.
+    let budget = RetryBudget::ratio_with(
+        RatioConfig::default()
+            .with_min_per_sec(0)
+            .with_retry_ratio(1.0),
+    );
+    let hedge = HedgeLayer::new().delay(Duration::from_millis(50));
+    let throttle = AdaptiveThrottleLayer::new().seed(11);
+    let layers = ClientLayers::new()
+        .deadline(Duration::from_secs(5))
+        // One attempt per copy: the refusing route is not retried here.
+        .retry(RetryLayer::new().strategy(StandardRetryStrategy::new().max_attempts(1)))
+        .budget(budget.clone())
+        .throttle(throttle.clone())
+        .hedge(hedge.clone())
+        .build()
+        .unwrap();
+    let client = ServiceBuilder::new().layer(layers).service(
+        Client::builder(TokioExecutor::new())
+            .build_http::<retrysafe_tower::retry::ReplayBody<Body>>(),
+    );
+
+    let request = Request::get(format!("http://{addr}/item"))
+        .body(Body::default())
+        .unwrap();
+    let response = client.clone().oneshot(request).await.unwrap();
+    let body = response.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "call 1, attempt 2");
+    assert_eq!((hedge.stats().sent, hedge.stats().won), (1, 1));
+    match budget.snapshot() {
+        BudgetSnapshot::Ratio {
+            deposits,
+            withdrawals,
+            ..
+        } => assert_eq!((deposits, withdrawals), (1, 1)),
+        other => panic!("{other:?}"),
+    }
+
+    calls.store(0, Ordering::SeqCst);
+    let mut throttled = 0;
+    for _ in 0..200 {
+        let request = Request::get(format!("http://{addr}/refuse"))
+            .body(Body::default())
+            .unwrap();
+        match client.clone().oneshot(request).await {
+            Ok(response) => assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE),
+            Err(e) => {
+                assert!(find::<Throttled>(&*e).is_some(), "{e}");
+                throttled += 1;
+            }
+        }
+    }
+    assert_eq!(calls.load(Ordering::SeqCst) + throttled, 200);
+    assert!(throttled > 180, "{throttled} of 200 throttled");
+    // The throttle counted the GET above and the 200 calls, once each.
+    assert_eq!(throttle.throttle().counts().0, 201);
+}

@@ -208,3 +208,87 @@ fn build_names_every_bad_field() {
         .unwrap_err();
     assert_eq!(e.fields().collect::<Vec<_>>(), ["window", "k"]);
 }
+
+#[tokio::test(start_paused = true)]
+async fn grpc_unavailable_and_resource_exhausted_in_the_head_are_not_accepts() {
+    // Trailers-Only answers (HTTP 200, the status in the head), as tonic sends a failed
+    // unary call; OK and NOT_FOUND are accepts.
+    for (code, accepted) in [("14", false), ("8", false), ("0", true), ("5", true)] {
+        let layer = AdaptiveThrottleLayer::new().seed(2);
+        let svc = ServiceBuilder::new()
+            .layer(layer.clone())
+            .service(tower::service_fn(move |_req: Request<String>| {
+                let response = Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", code)
+                    .body(String::new())
+                    .unwrap();
+                std::future::ready(Ok::<_, Infallible>(response))
+            }));
+        let request = Request::post("http://api/pkg.Svc/Get")
+            .header("content-type", "application/grpc")
+            .body(String::new())
+            .unwrap();
+        svc.oneshot(request).await.unwrap();
+        let accepts = u64::from(accepted);
+        assert_eq!(
+            layer.throttle().counts(),
+            (1, accepts),
+            "grpc-status {code}"
+        );
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn client_layers_throttle_once_per_call_and_never_retry_a_rejection() {
+    use retrysafe_core::budget::{BudgetSnapshot, RetryBudget};
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use retrysafe_tower::client::ClientLayers;
+
+    // A callee that refuses everything with 503: the retry part makes up to three
+    // attempts of each call the throttle lets through; a rejection reaches nothing.
+    let calls = Arc::new(AtomicU32::new(0));
+    let layer = AdaptiveThrottleLayer::new().seed(4);
+    let budget = RetryBudget::ratio();
+    let layers = ClientLayers::new()
+        .retry(RetryLayer::new().strategy(StandardRetryStrategy::new().seed(1)))
+        .budget(budget.clone())
+        .throttle(layer.clone())
+        .build()
+        .unwrap();
+    let svc = ServiceBuilder::new()
+        .layer(layers)
+        .service(callee::<ReplayBody<String>>(503, false, &calls));
+    let (mut throttled, mut answered) = (0, 0);
+    for _ in 0..60 {
+        let before = calls.load(Ordering::SeqCst);
+        match svc.clone().oneshot(get()).await {
+            Ok(response) => {
+                assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE);
+                assert_eq!(response.headers()["do-not-retry"], "1");
+                answered += 1;
+            }
+            Err(e) => {
+                assert!(find::<Throttled>(&*e).is_some(), "{e}");
+                assert_eq!(
+                    calls.load(Ordering::SeqCst),
+                    before,
+                    "a rejection stays home"
+                );
+                throttled += 1;
+            }
+        }
+    }
+    assert!(throttled > 30, "{throttled} of 60 throttled");
+    // One request per logical call, however many attempts it made; no accept.
+    assert_eq!(layer.throttle().counts(), (60, 0));
+    // A rejection is no request for the budget: one deposit per call let through.
+    match budget.snapshot() {
+        BudgetSnapshot::Ratio { deposits, .. } => assert_eq!(deposits, answered),
+        other => panic!("{other:?}"),
+    }
+    assert!(
+        u64::from(calls.load(Ordering::SeqCst)) > answered,
+        "the retry part retried"
+    );
+}

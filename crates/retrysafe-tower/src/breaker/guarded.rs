@@ -4,7 +4,7 @@ use std::fmt;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use retrysafe_core::__private::{BreakerFacts, Local, Striped};
+use retrysafe_core::__private::{BreakerFacts, HedgeRace, Local, Striped};
 use retrysafe_core::breaker::CircuitBreaker;
 use retrysafe_core::wire::Convention;
 use tower_service::Service;
@@ -78,7 +78,11 @@ where
     #[inline]
     fn attempt(&mut self, request: Request<ReplayBody<ReqB>>, sent: Sent) -> Self::Future {
         match self.breaker.try_acquire() {
-            Ok(permit) => {
+            Ok(mut permit) => {
+                // A copy of a hedged request: cancelled by the race, it counts as nothing.
+                if let Some(race) = request.extensions().get::<HedgeRace>() {
+                    permit.in_race(race.clone());
+                }
                 let facts = if self.same_names {
                     BreakerFacts::sent(sent.grpc, sent.timeout)
                 } else {

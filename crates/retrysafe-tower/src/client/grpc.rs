@@ -13,7 +13,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use super::layer::ClientLayers;
-use super::service::{self, ClientService};
+use super::service::{self, ClientService, Fused};
 use crate::breaker::{Guarded, ResponseBody};
 use crate::local::{self, BoxError, GrpcStatusLayer, GrpcStatusService};
 use crate::retry::{Attempts, ReplayBody};
@@ -87,6 +87,7 @@ pin_project! {
     pub struct GrpcResponseFuture<S>
     where
         Guarded<IntoGrpcBody<S>>: Attempts<GrpcBody>,
+        Fused<IntoGrpcBody<S>>: Service<Request<ReplayBody<GrpcBody>>>,
     {
         #[pin]
         inner: local::ResponseFuture<service::ResponseFuture<IntoGrpcBody<S>, GrpcBody>>,
@@ -109,6 +110,7 @@ where
 impl<S> fmt::Debug for GrpcResponseFuture<S>
 where
     Guarded<IntoGrpcBody<S>>: Attempts<GrpcBody>,
+    Fused<IntoGrpcBody<S>>: Service<Request<ReplayBody<GrpcBody>>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("GrpcResponseFuture").finish_non_exhaustive()

@@ -11,12 +11,15 @@ use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::observe::Name;
 use tower_layer::Layer;
 
-use super::service::ClientService;
+use super::service::{ClientService, Front};
 use crate::breaker::CircuitBreakerLayer;
+use crate::hedge::HedgeLayer;
 use crate::retry::RetryLayer;
+use crate::throttle::AdaptiveThrottleLayer;
 
-/// The standard client order — deadline → retry → budget → breaker → transport — as
-/// one layer making one fused service; see the [module docs](super).
+/// The standard client order — deadline → (throttle → hedge →) retry → budget →
+/// breaker → transport — as one layer making one service, its retry, budget and
+/// breaker part fused; see the [module docs](super).
 #[must_use]
 #[derive(Clone)]
 pub struct ClientLayers {
@@ -33,6 +36,8 @@ pub struct ClientLayers {
     expiry: ExpiryObserver,
     /// `retry` with `budget` given to it: what the services share.
     fused: RetryLayer,
+    throttle: Option<AdaptiveThrottleLayer>,
+    hedge: Option<HedgeLayer>,
 }
 
 impl ClientLayers {
@@ -52,6 +57,8 @@ impl ClientLayers {
             own_budget: true,
             own_breaker: true,
             expiry,
+            throttle: None,
+            hedge: None,
         }
     }
 
@@ -141,14 +148,41 @@ impl ClientLayers {
         self
     }
 
+    /// An adaptive throttle in front of the stack, below the deadline and above the
+    /// hedge: it sees one call per logical request, and its local rejections — the
+    /// error [`Throttled`](crate::throttle::Throttled) — reach no other part (nothing
+    /// retries them; breakers and budgets do not count them).
+    pub fn throttle(mut self, throttle: AdaptiveThrottleLayer) -> Self {
+        self.throttle = Some(throttle);
+        self
+    }
+
+    /// Hedging, below the deadline and the throttle and above the retry: a slow safe
+    /// request gets more copies, each one a call of the retry, budget and breaker part
+    /// (sent once: the hedge decides what a copy is worth). Every hedge is withdrawn
+    /// from the stack's [`budget`](Self::budget), which replaces the hedge layer's own;
+    /// the request's one deposit is the retry's. One copy of the request body serves
+    /// the hedges and the retries, capped at the larger of the two layers' caps. The
+    /// layer's [`stats`](HedgeLayer::stats) count what the stack does.
+    pub fn hedge(mut self, hedge: HedgeLayer) -> Self {
+        self.hedge = Some(hedge);
+        self
+    }
+
     /// Checks the settings: the error names every one out of range (`deadline`, and the
-    /// retry layer's).
+    /// retry, throttle and hedge layers').
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
         if let Some(timeout) = self.deadline {
             v.timeout(timeout, "deadline");
         }
         v.take(self.retry.clone().build());
+        if let Some(throttle) = &self.throttle {
+            v.take(throttle.clone().build());
+        }
+        if let Some(hedge) = &self.hedge {
+            v.take(hedge.clone().build());
+        }
         v.finish(self)
     }
 }
@@ -173,11 +207,16 @@ impl<S> Layer<S> for ClientLayers {
     fn layer(&self, inner: S) -> Self::Service {
         self.fused.config().policy.resolve_metrics();
         self.breaker.resolve_metrics();
+        let front = Front {
+            throttle: self.throttle.as_ref().map(AdaptiveThrottleLayer::resolved),
+            hedge: (self.hedge.as_ref()).map(|h| h.resolved_with_budget(&self.budget)),
+        };
         ClientService::new(
             inner,
             Arc::clone(self.fused.config()),
             self.breaker.config().clone(),
             self.deadline,
+            front,
         )
     }
 }
@@ -190,6 +229,8 @@ impl fmt::Debug for ClientLayers {
             .field("retry", &self.fused)
             .field("budget", &self.budget)
             .field("breaker", &self.breaker)
+            .field("throttle", &self.throttle)
+            .field("hedge", &self.hedge)
             .finish()
     }
 }

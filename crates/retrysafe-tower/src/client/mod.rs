@@ -1,5 +1,7 @@
 //! Middleware that assembles the standard client order — deadline → retry → budget →
-//! breaker → transport — into one fused service, with the budget given once.
+//! breaker → transport, and with every option on deadline → adaptive throttle → hedge
+//! → retry → budget → breaker → transport — into one service, with the budget given
+//! once and the retry, budget and breaker part fused.
 //!
 //! [`ClientLayers`] is the client twin of the server's
 //! [`ServerLayers`](crate::server::ServerLayers). Its [`ClientService`] behaves as
@@ -31,6 +33,70 @@
 //!
 //! For a tonic generated client, `ClientLayers::grpc` (feature `tonic`) gives a stack
 //! the generated client takes directly (`HealthClient::new(stack)`).
+//!
+//! # Throttle and hedge
+//!
+//! [`ClientLayers::throttle`] and [`ClientLayers::hedge`] put an
+//! [`AdaptiveThrottleLayer`](crate::throttle::AdaptiveThrottleLayer) and a
+//! [`HedgeLayer`](crate::hedge::HedgeLayer) between the deadline and the fused part,
+//! in that order; the fused part stays one future, which they wrap.
+//!
+//! - The deadline is outermost: for a request it may hedge, the stack puts the call's
+//!   deadline in the request's extensions (where the transport sees it too), so the
+//!   hedge sends no copy the deadline cannot cover and every copy's attempts are
+//!   bounded by it: no copy outlives the call.
+//! - The throttle counts one request per logical call, whatever the copies and
+//!   attempts below; its rejection, the error [`Throttled`](crate::throttle::Throttled),
+//!   reaches no other part: nothing retries it, and no budget or breaker counts it.
+//! - Each hedge is a call of the fused part that makes one attempt and no deposit,
+//!   carrying `retry-attempt` (and, for gRPC, `grpc-previous-rpc-attempts`); it is
+//!   withdrawn from the stack's one budget, which replaces the hedge layer's own. The
+//!   request's one deposit is made by its first copy, and each copy passes the breaker
+//!   (a copy cancelled because another won counts as nothing).
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread", start_paused = true)]
+//! # async fn main() {
+//! use std::time::Duration;
+//! use http::{Request, Response};
+//! use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
+//! use retrysafe_tower::client::ClientLayers;
+//! use retrysafe_tower::hedge::HedgeLayer;
+//! use retrysafe_tower::retry::ReplayBody;
+//! use retrysafe_tower::throttle::AdaptiveThrottleLayer;
+//! use tower::{ServiceBuilder, ServiceExt};
+//!
+//! // The first copy is slow; the hedge, marked `retry-attempt: 2`, is not.
+//! let transport = tower::service_fn(|req: Request<ReplayBody<String>>| async move {
+//!     let attempt = req.headers().get("retry-attempt").cloned();
+//!     let wait = if attempt.is_some() { 5 } else { 1_000 };
+//!     tokio::time::sleep(Duration::from_millis(wait)).await;
+//!     let body = if attempt.is_some() { "hedge" } else { "first" };
+//!     Ok::<_, std::convert::Infallible>(Response::new(body.to_owned()))
+//! });
+//! // No floor: only the requests' deposits pay for hedges and retries.
+//! let budget = RetryBudget::ratio_with(RatioConfig::default().with_min_per_sec(0).with_retry_ratio(1.0));
+//! let hedge = HedgeLayer::new().delay(Duration::from_millis(20));
+//! let layers = ClientLayers::new()
+//!     .deadline(Duration::from_secs(2))
+//!     .budget(budget.clone())
+//!     .throttle(AdaptiveThrottleLayer::new().seed(7))
+//!     .hedge(hedge.clone())
+//!     .build()
+//!     .unwrap();
+//! let client = ServiceBuilder::new().layer(layers).service(transport);
+//!
+//! let started = tokio::time::Instant::now();
+//! let request = Request::get("http://api/items").body(String::new()).unwrap();
+//! let response = client.oneshot(request).await.unwrap();
+//! assert_eq!(started.elapsed(), Duration::from_millis(25));
+//! assert_eq!(hedge.stats().won, 1);
+//! // One deposit for the request, one withdrawal for its hedge, in the stack's budget.
+//! let BudgetSnapshot::Ratio { deposits, withdrawals, .. } = budget.snapshot() else { panic!() };
+//! assert_eq!((deposits, withdrawals), (1, 1));
+//! # let _ = response;
+//! # }
+//! ```
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -14,13 +14,16 @@ use tokio::time::Instant;
 use tower_service::Service;
 
 use retrysafe_core::__private::Striped;
+use retrysafe_core::error::Throttled;
+use retrysafe_core::{CallContext, Deadline};
 
 use crate::breaker::{self, Guarded, ResponseBody};
 use crate::local::BoxError;
 use crate::retry::{self, Attempts, ReplayBody};
+use crate::{hedge, throttle};
 
 /// The service of [`ClientLayers`](super::ClientLayers): deadline, retry, budget and
-/// breaker in one.
+/// breaker in one, behind the stack's throttle and hedge when it has them.
 ///
 /// Its `poll_ready` is always ready: the transport's readiness is awaited inside the
 /// response future, where it counts against the deadline (and, for the breaker, after
@@ -33,6 +36,14 @@ pub struct ClientService<S> {
     /// The breaker takes the planner's word for the timeout headers it writes.
     same_names: bool,
     deadline: Option<Duration>,
+    throttle: Option<Arc<throttle::Config>>,
+    hedge: Option<Arc<hedge::Config>>,
+}
+
+/// What the stack puts in front of its fused part (both optional).
+pub(crate) struct Front {
+    pub(crate) throttle: Option<Arc<throttle::Config>>,
+    pub(crate) hedge: Option<Arc<hedge::Config>>,
 }
 
 impl<S> ClientService<S> {
@@ -41,6 +52,7 @@ impl<S> ClientService<S> {
         retry: Arc<retry::Config>,
         breaker: Striped<breaker::Config>,
         deadline: Option<Duration>,
+        front: Front,
     ) -> Self {
         ClientService {
             same_names: Guarded::<S>::same_names(&breaker, retry.policy.convention()),
@@ -48,6 +60,8 @@ impl<S> ClientService<S> {
             retry,
             breaker,
             deadline,
+            throttle: front.throttle,
+            hedge: front.hedge,
         }
     }
 
@@ -65,6 +79,8 @@ impl<S: Clone> Clone for ClientService<S> {
             breaker: self.breaker.clone(),
             same_names: self.same_names,
             deadline: self.deadline,
+            throttle: self.throttle.clone(),
+            hedge: self.hedge.clone(),
         }
     }
 }
@@ -76,6 +92,8 @@ impl<S: fmt::Debug> fmt::Debug for ClientService<S> {
             .field("retry", &self.retry)
             .field("breaker", &self.breaker)
             .field("deadline", &self.deadline)
+            .field("throttle", &self.throttle)
+            .field("hedge", &self.hedge)
             .finish()
     }
 }
@@ -96,36 +114,180 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        // The throttle sees one call per logical request, before any copy or attempt.
+        let admitted = match &self.throttle {
+            Some(config) => match throttle::admit(config, request.headers()) {
+                Some(admitted) => Some(admitted),
+                None => {
+                    return ResponseFuture {
+                        kind: Kind::Throttled,
+                        admitted: None,
+                    };
+                }
+            },
+            None => None,
+        };
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
         // One clock read for the deadline and the first attempt's timeout header. The
         // deadline goes to the retry planner directly, not through the request's
-        // extensions: nothing between needs it there.
+        // extensions: nothing between needs it there (but a hedge: see `hedged`).
         let within = self.deadline.map(|timeout| {
             let now = Instant::now();
             (crate::deadline::deadline_after(timeout, now), now)
         });
+        let kind = match &self.hedge {
+            Some(config) => self.hedged(&Arc::clone(config), service, parts, body, within),
+            None => Kind::Fused {
+                inner: self.fused(service, parts, body, within),
+            },
+        };
+        ResponseFuture { kind, admitted }
+    }
+}
+
+impl<S> ClientService<S> {
+    /// The fused part's call: the retry loop, each attempt through the breaker.
+    fn fused<B>(
+        &self,
+        service: S,
+        parts: http::request::Parts,
+        body: B,
+        within: Option<(Deadline, Instant)>,
+    ) -> retry::Driver<Guarded<S>, B>
+    where
+        Guarded<S>: Attempts<B>,
+        B: Body,
+    {
         // One breaker lookup per call, on the head as the planner leaves it.
         let (breaker, same_names) = (&self.breaker, self.same_names);
-        ResponseFuture {
-            inner: retry::begin(&self.retry, parts, body, within, |parts| {
-                Guarded::new(service, breaker, parts, same_names)
-            }),
+        retry::begin(&self.retry, parts, body, within, |parts| {
+            Guarded::new(service, breaker, parts, same_names)
+        })
+    }
+
+    /// A call through the hedge: a request it may hedge races copies, each one a call
+    /// of the fused part sharing one copy of the body; any other goes to the fused
+    /// part as it is.
+    fn hedged<B>(
+        &self,
+        config: &Arc<hedge::Config>,
+        service: S,
+        mut parts: http::request::Parts,
+        body: B,
+        within: Option<(Deadline, Instant)>,
+    ) -> Kind<S, B>
+    where
+        S: Clone,
+        Guarded<S>: Attempts<B>,
+        Fused<S>: Service<Request<ReplayBody<B>>>,
+        B: Body,
+    {
+        // The deadline is outermost: the hedge and every copy see it.
+        if let Some((deadline, _)) = within {
+            let inherited = CallContext::inherited(&parts.extensions).and_then(|c| c.deadline());
+            let own = parts.extensions.get::<Deadline>().copied();
+            parts
+                .extensions
+                .insert(deadline.tighten(own).tighten(inherited));
         }
+        let Some(hedgeable) = hedge::hedgeable(config, &parts) else {
+            return Kind::Fused {
+                inner: self.fused(service, parts, body, within),
+            };
+        };
+        // One copy of the body serves the hedges and the first copy's retries.
+        let cap = config.replay_cap.max(self.retry.replay_cap);
+        let body = ReplayBody::new(body, cap.min(retry::MAX_REPLAY_CAP));
+        let fused = |inner| Fused {
+            inner,
+            retry: Arc::clone(&self.retry),
+            breaker: self.breaker.clone(),
+            same_names: self.same_names,
+        };
+        let next = fused(self.inner.clone());
+        Kind::Hedged {
+            inner: hedge::race(config, fused(service), next, parts, body, hedgeable),
+        }
+    }
+}
+
+/// The fused part as a service of requests whose body is replayable already: what a
+/// hedge's copies are sent to.
+#[derive(Clone)]
+pub(crate) struct Fused<S> {
+    inner: S,
+    retry: Arc<retry::Config>,
+    breaker: Striped<breaker::Config>,
+    same_names: bool,
+}
+
+impl<S, B, ResB> Service<Request<ReplayBody<B>>> for Fused<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
+    S::Error: Into<BoxError>,
+    B: Body,
+{
+    type Response = Response<ResponseBody<ResB>>;
+    type Error = BoxError;
+    type Future = retry::Driver<Guarded<S>, B>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        let (parts, body) = request.into_parts();
+        let (breaker, same_names) = (&self.breaker, self.same_names);
+        retry::begin_replay(&self.retry, parts, body, None, |parts| {
+            Guarded::new(service, breaker, parts, same_names)
+        })
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for Fused<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Fused")
+            .field("inner", &self.inner)
+            .finish_non_exhaustive()
     }
 }
 
 pin_project! {
     /// The response future of [`ClientService`]: the retry loop, each attempt through
-    /// the breaker, bounded by the deadline.
+    /// the breaker, bounded by the deadline — or the race of a hedged request's copies,
+    /// each such a loop — and the throttle's count of the answer.
     #[allow(private_bounds, reason = "the attempts' maker is an implementation detail")]
     pub struct ResponseFuture<S, B>
     where
         Guarded<S>: Attempts<B>,
+        Fused<S>: Service<Request<ReplayBody<B>>>,
     {
         #[pin]
-        inner: retry::Driver<Guarded<S>, B>,
+        kind: Kind<S, B>,
+        admitted: Option<throttle::Admitted>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<S, B>
+    where
+        Guarded<S>: Attempts<B>,
+        Fused<S>: Service<Request<ReplayBody<B>>>,
+    {
+        Fused {
+            #[pin]
+            inner: retry::Driver<Guarded<S>, B>,
+        },
+        Hedged {
+            #[pin]
+            inner: hedge::ResponseFuture<Fused<S>, B>,
+        },
+        Throttled,
     }
 }
 
@@ -138,17 +300,32 @@ where
     type Output = Result<Response<ResponseBody<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        self.project().inner.poll(cx)
+        let this = self.project();
+        let answer = match this.kind.project() {
+            KindProj::Fused { inner } => ready!(inner.poll(cx)),
+            KindProj::Hedged { inner } => ready!(inner.poll(cx)),
+            KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),
+        };
+        if let (Some(admitted), Ok(response)) = (this.admitted.as_ref(), &answer) {
+            admitted.answered(response);
+        }
+        Poll::Ready(answer)
     }
 }
 
 impl<S, B> fmt::Debug for ResponseFuture<S, B>
 where
-    Guarded<S>: Attempts<B> + fmt::Debug,
+    Guarded<S>: Attempts<B>,
+    Fused<S>: Service<Request<ReplayBody<B>>>,
 {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let kind = match &self.kind {
+            Kind::Fused { .. } => "fused",
+            Kind::Hedged { .. } => "hedged",
+            Kind::Throttled => "throttled",
+        };
         f.debug_struct("ResponseFuture")
-            .field("inner", &self.inner)
-            .finish()
+            .field("kind", &kind)
+            .finish_non_exhaustive()
     }
 }

@@ -134,6 +134,7 @@ where
                 hedging.record_latency();
                 if let Some(answer) = hedging.judge(result, true) {
                     hedging.config.hedges(HedgeOutcome::Lost, hedging.sent);
+                    hedging.deposit_unless_made();
                     return Poll::Ready(answer);
                 }
             }
@@ -145,10 +146,12 @@ where
                 };
             };
             if let Some(answer) = hedging.poll_hedges(cx, primary_running) {
+                hedging.deposit_unless_made();
                 return Poll::Ready(answer);
             }
             if !primary_running && hedging.hedges.is_empty() && !hedging.readying {
                 hedging.config.hedges(HedgeOutcome::Lost, hedging.sent);
+                hedging.deposit_unless_made();
                 return Poll::Ready(hedging.give_kept());
             }
             if !hedging.poll_schedule(this.timer.as_mut(), cx) {
@@ -234,8 +237,10 @@ where
         self.config.delay.record(self.started.elapsed());
     }
 
-    /// Sends the next hedge when it is due and paid for and the service is ready;
-    /// `true` when one was sent (its future still has to be polled).
+    /// Sends the next hedge when it is due, the service is ready and the budget pays
+    /// for it; `true` when something changed that the caller must look at again (a
+    /// hedge sent, the timer set again, or a hedge that waited for readiness given up
+    /// while no copy may be left).
     fn poll_schedule(&mut self, mut timer: Pin<&mut Option<Sleep>>, cx: &mut Context<'_>) -> bool {
         if !self.readying {
             let Some(sleep) = timer.as_mut().as_pin_mut() else {
@@ -245,7 +250,7 @@ where
                 return false;
             }
             match self.hedge_due() {
-                Due::Pay => self.readying = true,
+                Due::Now => self.readying = true,
                 Due::Later(at) => {
                     timer.set(Some(tokio::time::sleep_until(at)));
                     return true;
@@ -256,26 +261,28 @@ where
                 }
             }
         }
-        match self.service.poll_ready(cx) {
-            Poll::Pending => false,
-            Poll::Ready(Err(_)) => {
-                // No hedge through a failed service; the copies in flight go on.
-                self.readying = false;
-                timer.set(None);
-                false
-            }
-            Poll::Ready(Ok(())) => {
-                self.send_hedge();
-                match self.sent < self.config.max_hedges {
-                    true => timer.set(Some(tokio::time::sleep_until(Instant::now() + self.delay))),
-                    false => timer.set(None),
-                }
-                true
-            }
+        let ready = self.service.poll_ready(cx);
+        if ready.is_pending() {
+            return false;
         }
+        self.readying = false;
+        // Paid for only once it can leave: a hedge that waited for readiness while
+        // another copy answered costs nothing.
+        if matches!(ready, Poll::Ready(Err(_))) || !self.pay() {
+            // No hedge through a failed service, nor past the budget or the deadline;
+            // the copies in flight go on.
+            timer.set(None);
+            return true;
+        }
+        self.send_hedge();
+        match self.sent < self.config.max_hedges {
+            true => timer.set(Some(tokio::time::sleep_until(Instant::now() + self.delay))),
+            false => timer.set(None),
+        }
+        true
     }
 
-    /// The timer fired: whether a hedge can be paid for now.
+    /// The timer fired: whether a hedge may be sent now (once the service is ready).
     fn hedge_due(&mut self) -> Due {
         if self.sent >= self.config.max_hedges {
             return Due::Never;
@@ -286,20 +293,45 @@ where
             }
             return Due::Never;
         }
-        if self
-            .request
-            .deadline
-            .is_some_and(|d| d.remaining() < MIN_HEDGE_TIME + MIN_HEDGE_TIME)
-        {
+        if !self.time_left() {
             return Due::Never;
         }
+        Due::Now
+    }
+
+    /// Whether the deadline leaves time for a hedge.
+    fn time_left(&self) -> bool {
+        self.request
+            .deadline
+            .is_none_or(|d| d.remaining() >= MIN_HEDGE_TIME + MIN_HEDGE_TIME)
+    }
+
+    /// Pays for the hedge about to be sent: `false` when the deadline has come too
+    /// close meanwhile or the budget refuses it (a refusal is counted).
+    fn pay(&mut self) -> bool {
+        if !self.time_left() {
+            return false;
+        }
+        // The request's own deposit comes first, when no layer below made it.
+        self.deposit_unless_made();
         if !self.budget().withdraw(RetryCost::Failure) {
             Counts::add(&self.config.counts.refused);
             self.config.hedges(HedgeOutcome::Refused, 1);
             tracing::debug!(name = %self.config.name, "hedge refused by the retry budget");
-            return Due::Never;
+            return false;
         }
-        Due::Pay
+        true
+    }
+
+    /// Makes the request's one deposit into the budget unless a retrying layer below
+    /// (or this one, earlier) made it: a hedging layer on its own funds its hedges
+    /// with the requests it may hedge, as a retrying layer does its retries.
+    fn deposit_unless_made(&self) {
+        if let Some(race) = self.request.template.extensions.get::<HedgeRace>()
+            && race.claim_deposit()
+        {
+            self.budget().deposit();
+        }
     }
 
     /// The budget of the request (the layer's, unless the request brought one).
@@ -343,8 +375,8 @@ where
 
 /// What the hedge timer's firing leads to.
 enum Due {
-    /// Withdrawn from the budget: send once the service is ready.
-    Pay,
+    /// Send once the service is ready (and the budget pays).
+    Now,
     /// Not yet (the body is still streaming): look again then.
     Later(Instant),
     /// No more hedges for this call.

@@ -32,7 +32,7 @@ pub struct HedgeLayer {
     pub(super) config: Arc<Config>,
 }
 
-pub(super) struct Config {
+pub(crate) struct Config {
     pub(super) name: Name,
     pub(super) delay: HedgeDelay,
     /// The quantile of a percentile delay, as set (checked by `build`).
@@ -42,8 +42,8 @@ pub(super) struct Config {
     pub(super) budget: RetryBudget,
     pub(super) classifier: Arc<dyn Classifier>,
     pub(super) convention: Convention,
-    pub(super) replay_cap: usize,
-    pub(super) counts: Counts,
+    pub(crate) replay_cap: usize,
+    pub(super) counts: Arc<Counts>,
     /// `retrysafe_hedges_total{name, outcome}`, resolved when the layer makes its
     /// service.
     pub(super) metrics: Lazy<HedgeMetrics>,
@@ -182,7 +182,7 @@ impl HedgeLayer {
                 classifier: Arc::new(DefaultClassifier::default()),
                 convention: Convention::default(),
                 replay_cap: DEFAULT_REPLAY_CAP,
-                counts: Counts::default(),
+                counts: Arc::default(),
                 metrics: Lazy::default(),
                 on_hedge: None,
             }),
@@ -201,7 +201,7 @@ impl HedgeLayer {
             classifier: Arc::clone(&old.classifier),
             convention: old.convention.clone(),
             replay_cap: old.replay_cap,
-            counts: Counts::default(),
+            counts: Arc::default(),
             metrics: old.metrics.clone(),
             on_hedge: old.on_hedge.clone(),
         };
@@ -321,6 +321,29 @@ impl HedgeLayer {
     /// The budget hedges are withdrawn from.
     pub fn retry_budget(&self) -> &RetryBudget {
         &self.config.budget
+    }
+
+    /// The configuration with `budget` in place of the layer's, sharing everything
+    /// else — its counts too, so [`stats`](Self::stats) still tells — with its metric
+    /// handles resolved: for a stack that gives the budget once.
+    #[cfg(feature = "client")]
+    pub(crate) fn resolved_with_budget(&self, budget: &RetryBudget) -> Arc<Config> {
+        let _ = self.config.metrics();
+        let old = &self.config;
+        Arc::new(Config {
+            name: old.name.clone(),
+            delay: old.delay.clone(),
+            quantile: old.quantile,
+            max_hedges: old.max_hedges,
+            keyed: old.keyed,
+            budget: budget.clone(),
+            classifier: Arc::clone(&old.classifier),
+            convention: old.convention.clone(),
+            replay_cap: old.replay_cap,
+            counts: Arc::clone(&old.counts),
+            metrics: old.metrics.clone(),
+            on_hedge: old.on_hedge.clone(),
+        })
     }
 }
 

@@ -22,8 +22,12 @@
 //!   `RetryBudget` extension, or the layer's [`budget`](HedgeLayer::budget), which it
 //!   puts on every request so the `RetryLayer` below charges the request's deposit and
 //!   its retries to the same budget): a refused withdrawal sends nothing, and is
-//!   counted ([`HedgeLayer::stats`]). In an overload, when every request is slow, the
-//!   budget bounds what hedging adds;
+//!   counted ([`HedgeLayer::stats`]). A hedge is withdrawn only once the service below
+//!   is ready to take it, so one that waited while another copy answered costs
+//!   nothing. The request's one deposit is the `RetryLayer`'s below; with no retrying
+//!   layer below to make it, the hedging layer makes it itself for every request it
+//!   may hedge. In an overload, when every request is slow, the budget bounds what
+//!   hedging adds;
 //! - marks each copy with `retry-attempt: N` (and `grpc-previous-rpc-attempts`), and
 //!   with request extensions telling a `RetryLayer` below to send it once without a
 //!   new deposit, and a `RetryBudgetLayer` below that it was paid for;
@@ -69,11 +73,15 @@ mod layer;
 mod service;
 
 pub use future::ResponseFuture;
+#[cfg(feature = "client")]
+pub(crate) use layer::Config;
 pub use layer::{HedgeEvent, HedgeLayer, HedgeOutcome, HedgeStats};
 pub use retrysafe_core::budget::RetryBudget;
 pub use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
 pub use retrysafe_core::strategy::{Idempotent, NoRetry};
 pub use service::HedgeService;
+#[cfg(feature = "client")]
+pub(crate) use service::{hedgeable, race};
 
 #[allow(unused_imports, reason = "the docs link it")]
 use crate::retry::ReplayBody;

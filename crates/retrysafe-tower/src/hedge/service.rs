@@ -68,33 +68,19 @@ where
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
         let clone = self.inner.clone();
-        let mut service = std::mem::replace(&mut self.inner, clone);
+        let service = std::mem::replace(&mut self.inner, clone);
         let (mut parts, body) = request.into_parts();
         if parts.extensions.get::<RetryBudget>().is_none() {
             parts.extensions.insert(self.config.budget.clone());
         }
         match hedgeable(&self.config, &parts) {
-            Some((facts, deadline)) => {
-                // Every copy's breaker sees a cancellation by the hedge as neutral.
-                parts.extensions.insert(HedgeRace::new());
-                // The first copy is attempt 1; the hedges number on from it.
-                parts.extensions.insert(AttemptNumber::new(1));
-                let first = ReplayBody::new(body, self.config.replay_cap.min(1 << 30));
-                // The first copy holds the wrapped body and streams it; the hedges
-                // replay what it read.
-                let body = first.clone();
-                let template = parts.clone();
-                let primary = service.call(Request::from_parts(parts, first));
+            Some(hedgeable) => {
+                let body = ReplayBody::new(body, self.config.replay_cap.min(1 << 30));
                 let next = self.inner.clone();
-                let request = super::future::Copyable {
-                    template,
-                    body,
-                    facts,
-                    deadline,
-                };
-                ResponseFuture::hedged(primary, next, request, &self.config)
+                race(&self.config, service, next, parts, body, hedgeable)
             }
             None => {
+                let mut service = service;
                 let body = ReplayBody::new(body, 0);
                 ResponseFuture::plain(service.call(Request::from_parts(parts, body)))
             }
@@ -102,10 +88,42 @@ where
     }
 }
 
+/// Starts the race of a hedgeable request (`hedgeable` is what [`hedgeable`] said of
+/// it): its first copy is sent on `service` at once, with `body` (which keeps the copy
+/// the hedges replay); the hedges go to `next`.
+pub(crate) fn race<S, B>(
+    config: &Arc<Config>,
+    mut service: S,
+    next: S,
+    mut parts: http::request::Parts,
+    body: ReplayBody<B>,
+    (facts, deadline): (RequestFacts, Option<Deadline>),
+) -> ResponseFuture<S, B>
+where
+    S: Service<Request<ReplayBody<B>>>,
+{
+    // Every copy's breaker sees a cancellation by the hedge as neutral.
+    parts.extensions.insert(HedgeRace::new());
+    // The first copy is attempt 1; the hedges number on from it.
+    parts.extensions.insert(AttemptNumber::new(1));
+    let template = parts.clone();
+    // The first copy holds the body (the one `ReplayBody::new` made: a clone would wait
+    // for it) and streams it; the hedges replay what it read.
+    let copies = body.clone();
+    let primary = service.call(Request::from_parts(parts, body));
+    let request = super::future::Copyable {
+        template,
+        body: copies,
+        facts,
+        deadline,
+    };
+    ResponseFuture::hedged(primary, next, request, config)
+}
+
 /// The facts of a request this layer may hedge, or `None`: a request that is not safe
 /// to repeat (a keyed POST is, with `hedge_keyed_requests`), one that asks for no
 /// retry, or one whose caller is the retry point (only it may add attempts).
-fn hedgeable(
+pub(crate) fn hedgeable(
     config: &Config,
     parts: &http::request::Parts,
 ) -> Option<(RequestFacts, Option<Deadline>)> {

@@ -148,6 +148,8 @@ pub(crate) use future::Driver;
 pub use future::ResponseFuture;
 #[cfg(feature = "client")]
 pub(crate) use layer::Config;
+#[cfg(feature = "client")]
+pub(crate) use layer::MAX_REPLAY_CAP;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
 pub use retrysafe_core::backoff::{Backoff, Jitter};
 pub use retrysafe_core::observe::AttemptNumber;
@@ -157,5 +159,5 @@ pub use retrysafe_core::strategy::{
 };
 pub use service::RetryService;
 #[cfg(feature = "client")]
-pub(crate) use service::begin;
+pub(crate) use service::{begin, begin_replay};
 pub use transport::failure_of;

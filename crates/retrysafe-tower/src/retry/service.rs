@@ -78,7 +78,7 @@ where
 /// second read), if it has one.
 pub(crate) fn begin<A, B>(
     config: &Config,
-    mut parts: http::request::Parts,
+    parts: http::request::Parts,
     body: B,
     within: Option<(Deadline, tokio::time::Instant)>,
     attempts: impl FnOnce(&http::request::Parts) -> A,
@@ -87,10 +87,25 @@ where
     A: Attempts<B>,
     B: Body,
 {
+    let body = ReplayBody::new(body, config.replay_cap.min(MAX_REPLAY_CAP));
+    begin_replay(config, parts, body, within, attempts)
+}
+
+/// [`begin`] with a body made replayable already (a hedge's copy, which shares the
+/// copy of the body its race keeps).
+pub(crate) fn begin_replay<A, B>(
+    config: &Config,
+    mut parts: http::request::Parts,
+    body: ReplayBody<B>,
+    within: Option<(Deadline, tokio::time::Instant)>,
+    attempts: impl FnOnce(&http::request::Parts) -> A,
+) -> Driver<A, B>
+where
+    A: Attempts<B>,
+{
     let (call, token) =
         RetryPolicy::begin_within(&config.policy, &mut parts, within.map(|(d, _)| d));
     let now = within.map(|(_, now)| now);
-    let body = ReplayBody::new(body, config.replay_cap.min(MAX_REPLAY_CAP));
     let attempts = attempts(&parts);
     Driver::start(attempts, parts, body, token, call, now)
 }

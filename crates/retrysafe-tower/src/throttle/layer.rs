@@ -25,7 +25,7 @@ pub struct AdaptiveThrottleLayer {
     pub(super) config: Arc<Config>,
 }
 
-pub(super) struct Config {
+pub(crate) struct Config {
     pub(super) name: Name,
     pub(super) settings: ThrottleConfig,
     pub(super) throttle: AdaptiveThrottle,
@@ -217,6 +217,16 @@ impl<S> Layer<S> for AdaptiveThrottleLayer {
     fn layer(&self, inner: S) -> Self::Service {
         let _ = self.config.rejections();
         AdaptiveThrottleService::new(inner, Arc::clone(&self.config))
+    }
+}
+
+impl AdaptiveThrottleLayer {
+    /// The shared configuration, its metric handle resolved (for a stack that makes
+    /// the throttle part of its own service).
+    #[cfg(feature = "client")]
+    pub(crate) fn resolved(&self) -> Arc<Config> {
+        let _ = self.config.rejections();
+        Arc::clone(&self.config)
     }
 }
 

@@ -12,6 +12,11 @@
 //! [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it into a
 //! synthesised `UNAVAILABLE` marked `do-not-retry`.
 //!
+//! The answer is judged by its head: a gRPC status there (a Trailers-Only answer, as
+//! tonic sends a failed unary call) counts, `UNAVAILABLE` and `RESOURCE_EXHAUSTED` as
+//! refusals. A status that comes in the trailers of a streamed answer is not seen: the
+//! call counts as accepted (the callee did take it on and answer).
+//!
 //! It sits outermost after the deadline, so it sees one call per logical request:
 //! deadline → **adaptive throttle** → hedge → retry → budget → breaker → transport.
 //! The counts are lock-free and striped per thread (see
@@ -52,7 +57,11 @@
 mod layer;
 mod service;
 
+#[cfg(feature = "client")]
+pub(crate) use layer::Config;
 pub use layer::{AdaptiveThrottleLayer, ThrottleRejection};
 pub use retrysafe_core::error::Throttled;
 pub use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 pub use service::{AdaptiveThrottleService, ResponseFuture};
+#[cfg(feature = "client")]
+pub(crate) use service::{Admitted, admit};

@@ -4,7 +4,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use http::{Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode};
 use pin_project_lite::pin_project;
 use retrysafe_core::classify::RequestFacts;
 use retrysafe_core::error::Throttled;
@@ -54,27 +54,49 @@ where
     }
 
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
-        let config = &self.config;
-        if !config.throttle.admit(config.draws.next()) {
-            tracing::debug!(name = %config.name, "call throttled locally");
-            config.rejected();
-            return ResponseFuture {
-                kind: Kind::Rejected,
-            };
-        }
-        let facts = if retrysafe_core::__private::is_grpc(request.headers()) {
-            RequestFacts::SAFE.grpc()
-        } else {
-            RequestFacts::SAFE
-        };
-        ResponseFuture {
-            kind: Kind::Called {
+        let kind = match admit(&self.config, request.headers()) {
+            Some(admitted) => Kind::Called {
                 future: self.inner.call(request),
-                config: Arc::clone(config),
-                facts,
+                admitted,
             },
+            None => Kind::Rejected,
+        };
+        ResponseFuture { kind }
+    }
+}
+
+/// A call the throttle let through: its answer is counted as an accept, or not.
+pub(crate) struct Admitted {
+    config: Arc<Config>,
+    facts: RequestFacts,
+}
+
+impl Admitted {
+    /// Counts `response` as an accept unless it is a throttle or an overload.
+    pub(crate) fn answered<B>(&self, response: &Response<B>) {
+        if accepted(&self.config, response, &self.facts) {
+            self.config.throttle.record_accept();
         }
     }
+}
+
+/// Draws for a call with these request `headers`: what counts its answer, or `None`
+/// when the throttle rejects it locally (counted and reported).
+pub(crate) fn admit(config: &Arc<Config>, headers: &HeaderMap) -> Option<Admitted> {
+    if !config.throttle.admit(config.draws.next()) {
+        tracing::debug!(name = %config.name, "call throttled locally");
+        config.rejected();
+        return None;
+    }
+    let facts = if retrysafe_core::__private::is_grpc(headers) {
+        RequestFacts::SAFE.grpc()
+    } else {
+        RequestFacts::SAFE
+    };
+    Some(Admitted {
+        config: Arc::clone(config),
+        facts,
+    })
 }
 
 pin_project! {
@@ -92,8 +114,7 @@ pin_project! {
         Called {
             #[pin]
             future: F,
-            config: Arc<Config>,
-            facts: RequestFacts,
+            admitted: Admitted,
         },
     }
 }
@@ -108,16 +129,10 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Rejected => Poll::Ready(Err(Box::new(Throttled::new()))),
-            KindProj::Called {
-                future,
-                config,
-                facts,
-            } => {
+            KindProj::Called { future, admitted } => {
                 let result = ready!(future.poll(cx));
-                if let Ok(response) = &result
-                    && accepted(config, response, facts)
-                {
-                    config.throttle.record_accept();
+                if let Ok(response) = &result {
+                    admitted.answered(response);
                 }
                 Poll::Ready(result.map_err(Into::into))
             }
