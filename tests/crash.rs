@@ -68,6 +68,11 @@ const PATIENCE: Duration = Duration::from_secs(60);
 
 /// The lease of the Redis instances: a dead holder's key is answered 409 this long.
 const LEASE_MS: &str = "400";
+/// How long a handler may run: short, so that the reconciler, which waits this long
+/// past a dead holder's lease before it asks the resolver, settles the killed holders'
+/// records within the resend loop's patience (the delay hooks hold a handler at most
+/// 400 ms).
+const MAX_EXECUTION_MS: &str = "2000";
 
 /// Requests with a delay hook per round, and back-to-back streams without one.
 const SLOW: usize = 6;
@@ -119,7 +124,17 @@ impl Space {
         match self {
             Space::Redis(r) => {
                 let url = redis_url();
-                Server::start_with(&["--store", url.as_str(), "--lease-ms", LEASE_MS], &r.env())
+                Server::start_with(
+                    &[
+                        "--store",
+                        url.as_str(),
+                        "--lease-ms",
+                        LEASE_MS,
+                        "--max-execution-ms",
+                        MAX_EXECUTION_MS,
+                    ],
+                    &r.env(),
+                )
             }
             Space::Postgres(p, false) => {
                 let url = PgSpace::url_named(name);
@@ -129,7 +144,14 @@ impl Space {
                 let url = PgSpace::url_named(name);
                 let [schema] = p.env();
                 Server::start_with(
-                    &["--store", url.as_str(), "--lease-ms", LEASE_MS],
+                    &[
+                        "--store",
+                        url.as_str(),
+                        "--lease-ms",
+                        LEASE_MS,
+                        "--max-execution-ms",
+                        MAX_EXECUTION_MS,
+                    ],
                     &[schema, ("PAYMENTS_PG_MODE", "plain")],
                 )
             }
