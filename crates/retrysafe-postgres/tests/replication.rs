@@ -215,7 +215,11 @@ async fn a_store_built_on_a_pool_of_yours_commits_its_writes_at_the_level_asked(
     // With a level that waits, the server's timeout is twice the call timeout.
     let asked = ("remote_apply".to_owned(), "3s".to_owned());
     assert_eq!(levels(&store).await, vec![asked.clone(); 3]);
-    assert_eq!(session_level(&pool).await, default, "SET LOCAL: the session keeps its own");
+    assert_eq!(
+        session_level(&pool).await,
+        default,
+        "SET LOCAL: the session keeps its own"
+    );
 
     let local = PostgresStore::options()
         .schema(store.schema.clone())

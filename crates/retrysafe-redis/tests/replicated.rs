@@ -4,7 +4,12 @@
 //! primary whose replicas lag behind gets. Then the same over HTTP: an app server on a
 //! loopback port, guarded by an `IdempotencyLayer` over a primary of its own whose
 //! replica is stopped (SIGSTOP) and resumed. The cluster form is in `cluster.rs`.
-#![allow(clippy::unwrap_used, clippy::panic, missing_docs)]
+#![allow(
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::indexing_slicing,
+    missing_docs
+)]
 
 mod common;
 
