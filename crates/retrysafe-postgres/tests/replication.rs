@@ -1,7 +1,8 @@
 //! The replication settings of PostgresStore against the real PostgreSQL at
 //! `DATABASE_URL`, which has no standby: the warning `connect` logs, read from a
 //! tracing layer that captures events, and the `synchronous_commit` level the store's
-//! writes commit at, read by a trigger on the store's table inside those writes.
+//! writes (and the transactional layer's on the store's pool) commit at, read by a
+//! trigger on the store's table inside those writes.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -253,4 +254,56 @@ async fn a_connected_store_commits_its_writes_at_the_level_asked() {
     write_one(&store).await;
     let asked = ("remote_apply".to_owned(), "3s".to_owned());
     assert_eq!(levels(&store).await, vec![asked; 3]);
+}
+
+#[tokio::test]
+async fn the_transactional_layer_on_a_built_store_commits_at_its_level() {
+    use axum::Router;
+    use axum::body::{Body, to_bytes};
+    use axum::extract::Request;
+    use axum::http::StatusCode;
+    use axum::routing::post;
+    use retrysafe_core::idempotency::Principal;
+    use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+    use tower::ServiceExt;
+
+    let store = isolated_store(|o| o).await;
+    note_levels(&store).await;
+    let pool = one_session().await;
+    let default = session_level(&pool).await;
+    let built = PostgresStore::options()
+        .schema(store.schema.clone())
+        .synchronous_commit(SynchronousCommit::RemoteApply)
+        .build(pool.clone())
+        .unwrap();
+    let app = Router::new()
+        .route(
+            "/pay",
+            post(|mut tx: IdempotentTx| async move {
+                let level: String = sqlx::query_scalar("SHOW synchronous_commit")
+                    .fetch_one(&mut *tx)
+                    .await
+                    .unwrap();
+                (StatusCode::CREATED, level)
+            }),
+        )
+        .layer(TxIdempotencyLayer::with_backend(TxBackend::from_store(
+            &built,
+        )))
+        .layer(axum::middleware::map_request(|mut req: Request| async {
+            req.extensions_mut().insert(Principal::new("alice"));
+            req
+        }));
+    let req = Request::post("/pay")
+        .header("idempotency-key", "k")
+        .body(Body::from("pay"))
+        .unwrap();
+    let res = app.oneshot(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::CREATED);
+    let body = to_bytes(res.into_body(), usize::MAX).await.unwrap();
+    assert_eq!(body, "remote_apply", "inside the handler's transaction");
+    let seen = levels(&store).await;
+    assert!(!seen.is_empty(), "the key row was written");
+    assert!(seen.iter().all(|(l, _)| l == "remote_apply"), "{seen:?}");
+    assert_eq!(session_level(&pool).await, default);
 }
