@@ -136,7 +136,9 @@ impl App {
             .build(manager_to(&pair.url()).await)
             .await
             .unwrap()
-            .replicated_writes(1, Duration::from_millis(100));
+            // Long enough for a running loopback replica on a loaded machine: only a
+            // stopped one lets it run out.
+            .replicated_writes(1, Duration::from_millis(500));
         let events = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&events);
         let layer = IdempotencyLayer::new(store)
