@@ -308,6 +308,72 @@ async fn a_synchronous_standby_keeps_every_key_to_one_effect_across_promotion() 
     assert_eq!(with, 0, "keys with two effects with remote_apply");
 }
 
+/// The warnings of target `retrysafe::postgres` logged on this thread (the test's, on
+/// a current-thread runtime) while the guard of [`capture`](Self::capture) lives.
+#[derive(Clone, Default)]
+struct Warnings(Arc<Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Warnings {
+    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
+        struct Text<'a>(&'a mut String);
+        impl tracing::field::Visit for Text<'_> {
+            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
+                self.0.push_str(&format!("{}={value:?} ", field.name()));
+            }
+        }
+        let meta = event.metadata();
+        if *meta.level() == tracing::Level::WARN && meta.target() == "retrysafe::postgres" {
+            let mut text = String::new();
+            event.record(&mut Text(&mut text));
+            self.0.lock().unwrap().push(text);
+        }
+    }
+}
+
+impl Warnings {
+    fn capture(&self) -> tracing::subscriber::DefaultGuard {
+        use tracing_subscriber::layer::SubscriberExt as _;
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+}
+
+/// The check `connect` makes, against a primary that streams to a standby: an
+/// asynchronous one draws a warning that names the way out; a synchronous one, with a
+/// level that waits for it, none.
+#[tokio::test]
+async fn connect_warns_of_an_asynchronous_standby_only() {
+    for sync in [false, true] {
+        let (primary, _standby) = pair(sync).await;
+        let warnings = Warnings::default();
+        let guard = warnings.capture();
+        let mut options = PostgresStore::options();
+        if sync {
+            options = options.synchronous_commit(SynchronousCommit::RemoteApply);
+        }
+        let store = options.connect(&primary.url()).await.unwrap();
+        drop(guard);
+        let seen = warnings.0.lock().unwrap().clone();
+        if sync {
+            assert_eq!(seen, Vec::<String>::new());
+            assert!(
+                store
+                    .check_replication()
+                    .await
+                    .unwrap()
+                    .survives_promotion()
+            );
+        } else {
+            assert_eq!(seen.len(), 1, "{seen:?}");
+            assert!(
+                seen[0].contains("standbys replicate asynchronously")
+                    && seen[0].contains("standbys=1")
+                    && seen[0].contains("synchronous_commit"),
+                "{seen:?}"
+            );
+        }
+    }
+}
+
 /// With a synchronous standby named that never connects, a write waits for ever: the
 /// store gives up after its call timeout and says so (the layer: an unknown outcome),
 /// it never reports success, though PostgreSQL answers a wait cancelled by its

@@ -117,6 +117,10 @@
 //! prepares it).
 //! A guarded request that runs costs a claim and a completion: two round trips. sqlx
 //! also pings a connection as it goes back to the pool, after the call has returned.
+//! On a pool given to [`PostgresStoreOptions::build`] with a
+//! [`synchronous_commit`](PostgresStoreOptions::synchronous_commit) level, each write
+//! runs in a transaction of its own that sets the level (`BEGIN …; SET LOCAL …` and
+//! `COMMIT`): two round trips more per write.
 //!
 //! # The transactional layer
 //!

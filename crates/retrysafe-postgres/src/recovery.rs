@@ -57,14 +57,12 @@ impl ReconcilableStore for PostgresStore {
         stale: Option<Duration>,
     ) -> Result<Option<PendingRecord>, StoreError> {
         self.call(async {
-            let row = sqlx::query(&self.sql().adopt)
+            let query = sqlx::query(&self.sql().adopt)
                 .bind(&id.as_bytes()[..])
-                .bind(&token.to_bytes()[..])
+                .bind(token.to_bytes().to_vec())
                 .bind(micros(hold))
-                .bind(stale.map(micros))
-                .fetch_optional(self.pool())
-                .await
-                .map_err(db_error)?;
+                .bind(stale.map(micros));
+            let row = self.write_returning(query).await.map_err(db_error)?;
             row.map(|row| pending_from_row(*id, &row)).transpose()
         })
         .await

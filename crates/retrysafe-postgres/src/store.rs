@@ -15,7 +15,10 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::observe::Name;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE, StoreError};
 use sqlx::Row;
-use sqlx::postgres::{PgConnectOptions, PgPool, PgPoolOptions, PgRow};
+use sqlx::postgres::{
+    PgArguments, PgConnectOptions, PgPool, PgPoolOptions, PgQueryResult, PgRow, Postgres,
+};
+use sqlx::query::Query;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
@@ -64,6 +67,11 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// - a record is absent from the end of its retention; the rows stay until deleted by
 ///   [`sweep_expired`](Self::sweep_expired) or a [sweeper](Self::spawn_sweeper).
 ///
+/// On a pool given to [`build`](PostgresStoreOptions::build) with a
+/// [`synchronous_commit`](PostgresStoreOptions::synchronous_commit) level, each write
+/// runs in a transaction of its own that sets the level: `BEGIN` and `COMMIT` add two
+/// round trips to it.
+///
 /// A timed-out call is [`StoreError::Timeout`] (also when the pool could not hand out a
 /// connection in time), any other database failure [`StoreError::Unavailable`], and a
 /// row that does not decode [`StoreError::Corrupt`].
@@ -98,6 +106,9 @@ struct Inner {
     call_timeout: Duration,
     reconcilers: Reconcilers,
     name: Name,
+    /// On a pool given to `build` with a `synchronous_commit` level: the level, and the
+    /// `BEGIN` (with its `SET LOCAL`s) of the transaction each write runs in.
+    local: Option<(SynchronousCommit, String)>,
 }
 
 impl fmt::Debug for PostgresStore {
@@ -133,6 +144,7 @@ impl PostgresStore {
                 sql: Sql::new(None, sql::DEFAULT_TABLE),
                 call_timeout: Self::DEFAULT_CALL_TIMEOUT,
                 reconcilers: Reconcilers::default(),
+                local: None,
                 name: Name::default(),
             }),
         }
@@ -300,13 +312,51 @@ impl PostgresStore {
             .unwrap_or(Err(StoreError::Timeout))
     }
 
+    /// The `synchronous_commit` level the store sets with `SET LOCAL` on each write's
+    /// transaction: on a pool given to [`build`](PostgresStoreOptions::build) with a
+    /// level; `None` otherwise (a connected pool sets it on its sessions).
+    pub(crate) fn local_level(&self) -> Option<SynchronousCommit> {
+        self.inner.local.as_ref().map(|(level, _)| *level)
+    }
+
+    /// Runs a write statement: on its own, or, on a pool given to
+    /// [`build`](PostgresStoreOptions::build) with a `synchronous_commit` level, in a
+    /// transaction of its own that sets the level (`SET LOCAL`), so that its commit
+    /// waits as asked, and only its own.
+    pub(crate) async fn write(
+        &self,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<PgQueryResult, sqlx::Error> {
+        let Some((_, begin)) = &self.inner.local else {
+            return query.execute(&self.inner.pool).await;
+        };
+        let mut tx = self.inner.pool.begin_with(begin.clone()).await?;
+        let done = query.execute(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(done)
+    }
+
+    /// Like [`write`](Self::write), for a write that returns at most one row.
+    pub(crate) async fn write_returning(
+        &self,
+        query: Query<'_, Postgres, PgArguments>,
+    ) -> Result<Option<PgRow>, sqlx::Error> {
+        let Some((_, begin)) = &self.inner.local else {
+            return query.fetch_optional(&self.inner.pool).await;
+        };
+        let mut tx = self.inner.pool.begin_with(begin.clone()).await?;
+        let row = query.fetch_optional(&mut *tx).await?;
+        tx.commit().await?;
+        Ok(row)
+    }
+
     /// Runs a token-checked change: one row changed, or the token is stale.
     pub(crate) async fn change(
         &self,
-        query: sqlx::query::Query<'_, sqlx::Postgres, sqlx::postgres::PgArguments>,
+        query: Query<'_, Postgres, PgArguments>,
     ) -> Result<(), StoreError> {
         self.call(async {
-            let done = query.execute(&self.inner.pool).await.map_err(db_error)?;
+            let done = self.write(query).await.map_err(db_error)?;
             if done.rows_affected() == 0 {
                 Err(StoreError::StaleToken)
             } else {
@@ -376,7 +426,9 @@ impl SweeperHandle {
 ///   connection, and holds up to [`max_connections`](Self::max_connections)
 ///   (default 10).
 ///
-/// A pool given to [`build`](Self::build) is used as it is; consider the same settings.
+/// A pool given to [`build`](Self::build) is used as it is (a
+/// [`synchronous_commit`](Self::synchronous_commit) level aside, which the store sets on
+/// its own transactions); consider the same settings.
 ///
 /// ```
 /// use std::time::Duration;
@@ -473,27 +525,33 @@ impl PostgresStoreOptions {
         self
     }
 
-    /// The `synchronous_commit` level of the connected pool's sessions (default: the
-    /// server's). With a synchronous standby named in the server's
+    /// The `synchronous_commit` level of the store's writes (default: the server's, or
+    /// the pool's sessions'). With a synchronous standby named in the server's
     /// `synchronous_standby_names`, [`SynchronousCommit::RemoteApply`] makes every claim,
     /// commit point and completion wait, before it is acknowledged, until the standby
     /// has applied it: a standby promoted after a failover then has every record the
     /// store acknowledged. With asynchronous replication a promoted standby may miss
     /// the last ones, and a copy of such a request runs again there.
     ///
-    /// Set on each connection as it opens (a startup parameter, like
-    /// `statement_timeout`): no round trip per call; the transactional layer's
-    /// transactions on the store's pool commit at the same level. Only for a connected
-    /// pool; on a pool given to [`build`](Self::build), set it on the pool's connect
-    /// options (or the role, `ALTER ROLE … SET synchronous_commit`).
-    /// [`connect`](Self::connect) checks the server's settings and logs a warning when
-    /// they do not match ([`PostgresStore::check_replication`]).
+    /// On a connected pool it is set on each connection as it opens (a startup
+    /// parameter, like `statement_timeout`): no round trip per call. On a pool given to
+    /// [`build`](Self::build), whose sessions are yours, each write of the store (claim,
+    /// commit point, completion, release, renewal, mark, and the reconciler's adoptions
+    /// and settlements) runs in a transaction of its own that begins with
+    /// `SET LOCAL synchronous_commit` (and, for a level that waits for a standby,
+    /// `SET LOCAL statement_timeout`, see below): the level applies to the store's
+    /// commits and to nothing else on the pool, at the cost of two round trips per
+    /// write (`BEGIN` and `COMMIT`). Reads are not affected. Either way, the
+    /// transactional layer's transactions on the store's pool
+    /// ([`TxBackend::from_store`](crate::tx::TxBackend::from_store)) commit at the same
+    /// level. [`connect`](Self::connect) checks the server's settings and logs a warning
+    /// when they do not match ([`PostgresStore::check_replication`]).
     ///
     /// A commit that waits for the standby and is cancelled (by `statement_timeout` or
     /// `pg_cancel_backend`) is committed on the primary but may be missing after a
     /// promotion, and PostgreSQL answers such a COMMIT with success and a warning, not
-    /// an error. So with a level that waits for a standby, the connected pool sets the
-    /// server's `statement_timeout` to twice the call timeout: the store gives up first,
+    /// an error. So with a level that waits for a standby, the store sets the server's
+    /// `statement_timeout` to twice the call timeout: the store gives up first,
     /// and a call that runs out of its call timeout is [`StoreError::Timeout`], which
     /// the layer treats as an unknown outcome (a claim answered 503, a completion as
     /// `completion_lost`), never as success. (A client that stalls for longer than
@@ -519,7 +577,15 @@ impl PostgresStoreOptions {
         let mut v = Validate::new();
         let sql = self.render(&mut v);
         let sql = v.finish(sql)?;
-        Ok(self.store(pool, sql))
+        let local = self.synchronous_commit.map(|level| {
+            let mut begin = format!("BEGIN; SET LOCAL synchronous_commit = {level}");
+            if level.waits_for_standby() {
+                let ms = self.statement_millis();
+                begin.push_str(&format!("; SET LOCAL statement_timeout = {ms}"));
+            }
+            (level, begin)
+        });
+        Ok(self.store(pool, sql, local))
     }
 
     /// Validates the settings, connects a pool to `url` (a `postgres://` URL) as
@@ -551,17 +617,8 @@ impl PostgresStoreOptions {
         let sql = v
             .finish(sql)
             .map_err(|e| sqlx::Error::Configuration(Box::new(e)))?;
-        // Whole milliseconds, rounded up, so the server never gives up first.
-        let statement_ms = self.call_timeout.min(MAX_SPAN).as_micros().div_ceil(1000);
         let asked = self.synchronous_commit;
-        // A statement_timeout that ends a commit's wait for the standby makes the
-        // COMMIT answer success (with a warning) though the standby may not have it:
-        // with a level that waits, the server's timeout is twice the store's, so that
-        // the store gives up first and reports a timeout, an unknown outcome.
-        let statement_ms = match asked {
-            Some(level) if level.waits_for_standby() => statement_ms.saturating_mul(2),
-            _ => statement_ms,
-        };
+        let statement_ms = self.statement_millis();
         let mut options = options.options([("statement_timeout", statement_ms.to_string())]);
         if let Some(level) = asked {
             options = options.options([("synchronous_commit", level.as_str())]);
@@ -572,7 +629,7 @@ impl PostgresStoreOptions {
             .test_before_acquire(false)
             .connect_with(options)
             .await?;
-        let store = self.store(pool, sql);
+        let store = self.store(pool, sql, None);
         replication::warn_on_connect(&store, asked).await;
         Ok(store)
     }
@@ -592,7 +649,26 @@ impl PostgresStoreOptions {
         Sql::new(self.schema.as_deref(), &self.table)
     }
 
-    fn store(self, pool: PgPool, sql: Sql) -> PostgresStore {
+    /// The server's `statement_timeout` for the store's statements, in whole
+    /// milliseconds rounded up, so that the server never gives up first. A
+    /// statement_timeout that ends a commit's wait for the standby makes the COMMIT
+    /// answer success (with a warning) though the standby may not have it: with a level
+    /// that waits, it is twice the call timeout, so that the store gives up first and
+    /// reports a timeout, an unknown outcome.
+    fn statement_millis(&self) -> u128 {
+        let ms = self.call_timeout.min(MAX_SPAN).as_micros().div_ceil(1000);
+        match self.synchronous_commit {
+            Some(level) if level.waits_for_standby() => ms.saturating_mul(2),
+            _ => ms,
+        }
+    }
+
+    fn store(
+        self,
+        pool: PgPool,
+        sql: Sql,
+        local: Option<(SynchronousCommit, String)>,
+    ) -> PostgresStore {
         PostgresStore {
             inner: Arc::new(Inner {
                 pool,
@@ -600,6 +676,7 @@ impl PostgresStoreOptions {
                 call_timeout: self.call_timeout,
                 reconcilers: Reconcilers::default(),
                 name: self.name,
+                local,
             }),
         }
     }
@@ -611,17 +688,15 @@ impl IdempotencyStore for PostgresStore {
         let request = claim.request.map(RequestInfo::encode);
         self.call(async {
             for _ in 0..CLAIM_ATTEMPTS {
-                let row = sqlx::query(&sql.claim)
+                let query = sqlx::query(&sql.claim)
                     .bind(&id.as_bytes()[..])
                     .bind(&claim.fingerprint.as_bytes()[..])
-                    .bind(&claim.token.to_bytes()[..])
+                    .bind(claim.token.to_bytes().to_vec())
                     .bind(commit_point_code(claim.commit_point))
                     .bind(micros(claim.lease))
                     .bind(micros(claim.retention))
-                    .bind(request.as_deref())
-                    .fetch_optional(&self.inner.pool)
-                    .await
-                    .map_err(db_error)?;
+                    .bind(request.as_deref());
+                let row = self.write_returning(query).await.map_err(db_error)?;
                 // No row: the key is held by a row this statement's snapshot predates
                 // (a concurrent claim committed while it waited). Look again.
                 let Some(row) = row else { continue };
@@ -733,12 +808,8 @@ impl IdempotencyStore for PostgresStore {
     async fn mark_notified(&self, id: &RecordId) -> Result<(), StoreError> {
         // No row: the record was resolved or expired meanwhile; nothing to tell.
         self.call(async {
-            sqlx::query(&self.inner.sql.mark_notified)
-                .bind(&id.as_bytes()[..])
-                .execute(&self.inner.pool)
-                .await
-                .map(drop)
-                .map_err(db_error)
+            let query = sqlx::query(&self.inner.sql.mark_notified).bind(&id.as_bytes()[..]);
+            self.write(query).await.map(drop).map_err(db_error)
         })
         .await
     }

@@ -50,6 +50,14 @@ const PATIENCE: Duration = Duration::from_secs(40);
 /// The pause between two tries of one logical request.
 const PAUSE: Duration = Duration::from_millis(25);
 
+/// How long the workers may take to stop once the promotions are over: a worker
+/// finishes its logical request, which takes at most twice [`PATIENCE`].
+const STOPPING: Duration = Duration::from_secs(120);
+
+/// What one worker awaits now (key, instance, try), for the report of a worker that
+/// does not stop.
+type Stage = Arc<Mutex<String>>;
+
 type Effects = Arc<Mutex<HashMap<String, u32>>>;
 
 fn env_number(name: &str, default: u64) -> u64 {
@@ -120,9 +128,15 @@ struct Tally {
 
 /// The final status of `key` at `app` (409 and 503 retried), or `None` when it never
 /// got one within [`PATIENCE`].
-async fn final_status(app: &Router, key: &str, tally: &Tally) -> Option<(StatusCode, bool)> {
+async fn final_status(
+    (app, n): (&Router, usize),
+    key: &str,
+    tally: &Tally,
+    stage: &Stage,
+) -> Option<(StatusCode, bool)> {
     let tries = PATIENCE.as_millis() / PAUSE.as_millis();
-    for _ in 0..tries {
+    for t in 0..tries {
+        *stage.lock().unwrap() = format!("{key}: try {t} on instance {n}");
         let req = Request::post("/pay")
             .header("idempotency-key", key)
             .body(Body::from("pay 10"))
@@ -146,7 +160,7 @@ async fn worker(
     apps: [Router; 2],
     run: String,
     n: usize,
-    stop: Arc<AtomicBool>,
+    (stop, stage): (Arc<AtomicBool>, Stage),
     tally: Arc<Tally>,
 ) {
     let mut i = 0u64;
@@ -155,11 +169,11 @@ async fn worker(
         let (first, other) = if i.is_multiple_of(2) { (0, 1) } else { (1, 0) };
         i += 1;
         tally.logical.fetch_add(1, Ordering::Relaxed);
-        match final_status(&apps[first], &key, &tally).await {
+        match final_status((&apps[first], first), &key, &tally, &stage).await {
             Some((StatusCode::CREATED, _)) => {
                 tally.created.fetch_add(1, Ordering::Relaxed);
                 // The reply was lost, say: the same request again, to the other one.
-                match final_status(&apps[other], &key, &tally).await {
+                match final_status((&apps[other], other), &key, &tally, &stage).await {
                     Some((StatusCode::CREATED, true)) => {
                         tally.replayed_copies.fetch_add(1, Ordering::Relaxed);
                     }
@@ -209,12 +223,15 @@ async fn run(cluster: LocalCluster, replicated: bool, promotions: u64) -> (Local
     let tally = Arc::new(Tally::default());
     let concurrency = env_number("FAILOVER_CONCURRENCY", 32);
     let mut workers = Vec::new();
+    let mut stages = Vec::new();
     for n in 0..concurrency {
+        let stage = Stage::default();
+        stages.push(Arc::clone(&stage));
         workers.push(tokio::spawn(worker(
             apps.clone(),
             prefix.clone(),
             usize::try_from(n).unwrap(),
-            Arc::clone(&stop),
+            (Arc::clone(&stop), stage),
             Arc::clone(&tally),
         )));
     }
@@ -222,8 +239,21 @@ async fn run(cluster: LocalCluster, replicated: bool, promotions: u64) -> (Local
         .await
         .unwrap();
     stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.await.unwrap();
+    // Bounded: a worker that does not stop is a failure that says what it awaits.
+    let stopped = tokio::time::timeout(STOPPING, async {
+        for w in &mut workers {
+            w.await.unwrap();
+        }
+    })
+    .await;
+    if stopped.is_err() {
+        let stuck: Vec<String> = workers
+            .iter()
+            .zip(&stages)
+            .filter(|(w, _)| !w.is_finished())
+            .map(|(_, stage)| stage.lock().unwrap().clone())
+            .collect();
+        panic!("workers still running {STOPPING:?} after the promotions: {stuck:?}");
     }
     let effects = effects.lock().unwrap();
     let duplicates = effects.values().filter(|&&n| n >= 2).count() as u64;

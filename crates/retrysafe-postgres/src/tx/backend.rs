@@ -8,7 +8,7 @@ use retrysafe_tower::idempotency::__private::blocks::duration_setting;
 use sqlx::PgPool;
 
 use super::sql::{self, TxSql};
-use crate::PostgresStore;
+use crate::{PostgresStore, SynchronousCommit};
 
 /// The backend of the
 /// [`TxIdempotencyLayer`](super::TxIdempotencyLayer): where the transactions run (the
@@ -45,6 +45,9 @@ pub struct TxBackend {
     pub(crate) acquire_timeout: Duration,
     pub(crate) commit_timeout: Duration,
     pub(crate) idle_in_transaction: Duration,
+    /// The `synchronous_commit` level set (`SET LOCAL`) on every transaction: the
+    /// store's, for a store built on a pool of yours with one.
+    pub(crate) synchronous_commit: Option<SynchronousCommit>,
     /// The settings a setter refused, reported by the layer's `build`.
     pub(crate) checks: Validate,
 }
@@ -87,7 +90,12 @@ impl TxBackend {
     /// A pool made by [`PostgresStore::connect`] sets the server's `statement_timeout` to
     /// the store's call timeout (1 s by default): it then bounds the handlers'
     /// statements too. Give the layer a pool of its own with [`new`](Self::new) and
-    /// [`schema`](Self::schema) / [`table`](Self::table) for other settings.
+    /// [`schema`](Self::schema) / [`table`](Self::table) for other settings. The
+    /// transactions commit at the store's
+    /// [`synchronous_commit`](crate::PostgresStoreOptions::synchronous_commit) level: a
+    /// connected pool's sessions have it, and on a pool given to
+    /// [`build`](crate::PostgresStoreOptions::build) each transaction sets it
+    /// (`SET LOCAL`).
     pub fn from_store(store: &PostgresStore) -> Self {
         // The store's table name is validated, and qualified as `schema.table` when it
         // has a schema.
@@ -95,7 +103,10 @@ impl TxBackend {
             Some((s, t)) => (Some(s.to_owned()), t.to_owned()),
             None => (None, store.table().to_owned()),
         };
-        Self::make(store.pool().clone(), schema, table)
+        let mut backend = Self::make(store.pool().clone(), schema, table);
+        backend.synchronous_commit = store.local_level();
+        backend.begin = sql::begin(backend.idle_in_transaction, backend.synchronous_commit);
+        backend
     }
 
     fn make(pool: PgPool, schema: Option<String>, table: String) -> Self {
@@ -105,10 +116,11 @@ impl TxBackend {
             sql: Arc::new(TxSql::new(schema.as_deref(), &table)),
             schema,
             table,
-            begin: sql::begin(idle),
+            begin: sql::begin(idle, None),
             acquire_timeout: Duration::from_secs(1),
             commit_timeout: Duration::from_secs(5),
             idle_in_transaction: idle,
+            synchronous_commit: None,
             checks: Validate::new(),
         }
     }
@@ -182,7 +194,7 @@ impl TxBackend {
             });
         if let Some(t) = self.checks.take(checked) {
             self.idle_in_transaction = t;
-            self.begin = sql::begin(t);
+            self.begin = sql::begin(t, self.synchronous_commit);
         }
         self
     }

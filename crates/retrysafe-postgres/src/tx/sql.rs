@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use retrysafe_core::idempotency::RecordId;
 
+use crate::SynchronousCommit;
 use crate::sql::{RECORD_COLUMNS, STATE_IN_PROGRESS, Sql};
 
 /// The statements of one table: the store's (for the completion, shared with
@@ -99,13 +100,17 @@ FROM (SELECT 1) one LEFT JOIN (
 
 /// The `BEGIN` of every transaction, with its `SET LOCAL`s, sent as one simple query
 /// (one round trip).
-pub(crate) fn begin(idle_in_transaction: Duration) -> String {
+pub(crate) fn begin(idle_in_transaction: Duration, level: Option<SynchronousCommit>) -> String {
     // Whole milliseconds, at least 1 (0 would disable the timeout).
     let ms = idle_in_transaction.as_millis().clamp(1, i32::MAX as u128);
-    format!(
+    let mut begin = format!(
         "BEGIN ISOLATION LEVEL READ COMMITTED; \
          SET LOCAL idle_in_transaction_session_timeout = {ms}"
-    )
+    );
+    if let Some(level) = level {
+        begin.push_str(&format!("; SET LOCAL synchronous_commit = {level}"));
+    }
+    begin
 }
 
 /// The key of a record's advisory lock (`pg_try_advisory_xact_lock(bigint)`): the first
@@ -157,11 +162,15 @@ mod tests {
     #[test]
     fn begin_sets_the_idle_timeout_in_whole_milliseconds() {
         assert_eq!(
-            begin(Duration::from_millis(2500)),
+            begin(Duration::from_millis(2500), None),
             "BEGIN ISOLATION LEVEL READ COMMITTED; \
              SET LOCAL idle_in_transaction_session_timeout = 2500"
         );
-        assert!(begin(Duration::from_micros(10)).ends_with("= 1"));
-        assert!(begin(Duration::MAX).ends_with(&format!("= {}", i32::MAX)));
+        assert!(begin(Duration::from_micros(10), None).ends_with("= 1"));
+        assert!(begin(Duration::MAX, None).ends_with(&format!("= {}", i32::MAX)));
+        assert!(
+            begin(Duration::from_secs(1), Some(SynchronousCommit::RemoteApply))
+                .ends_with("= 1000; SET LOCAL synchronous_commit = remote_apply")
+        );
     }
 }
