@@ -13,7 +13,7 @@
 )]
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use axum::Router;
@@ -487,12 +487,31 @@ async fn a_layer_used_without_build_records_once_it_makes_its_service() {
     assert_eq!(decisions(&seen, "old"), BTreeMap::new());
 }
 
-/// The `retrysafe.idempotency` spans (their fields as text), and every field of every
-/// span and event, to look for the raw key.
+/// A span's fields as text.
+type SpanFields = BTreeMap<String, String>;
+
+/// The `retrysafe.idempotency` spans (their fields as text, in the order they were
+/// made), and every field of every span and event, to look for the raw key.
 #[derive(Clone, Default)]
 struct Capture {
-    spans: Arc<Mutex<BTreeMap<u64, BTreeMap<String, String>>>>,
+    spans: Arc<Mutex<Vec<(u64, SpanFields)>>>,
     everything: Arc<Mutex<Vec<String>>>,
+}
+
+/// The capture, installed once as the process's global subscriber. A subscriber set
+/// for one test's thread only races with the other tests of this binary: a span's
+/// callsite first reached by another test while no subscriber wants it can keep
+/// "disabled" cached after this test's subscriber is in place.
+fn capture() -> &'static Capture {
+    static CAPTURE: OnceLock<Capture> = OnceLock::new();
+    CAPTURE.get_or_init(|| {
+        let capture = Capture::default();
+        tracing::subscriber::set_global_default(
+            tracing_subscriber::registry().with(capture.clone()),
+        )
+        .expect("no other global subscriber in this test binary");
+        capture
+    })
 }
 
 struct Fields<'a>(&'a mut BTreeMap<String, String>);
@@ -519,7 +538,7 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
             .unwrap()
             .extend(fields.values().cloned());
         if attrs.metadata().name() == "retrysafe.idempotency" {
-            self.spans.lock().unwrap().insert(id.into_u64(), fields);
+            self.spans.lock().unwrap().push((id.into_u64(), fields));
         }
     }
 
@@ -530,7 +549,9 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
             .lock()
             .unwrap()
             .extend(fields.values().cloned());
-        if let Some(span) = self.spans.lock().unwrap().get_mut(&id.into_u64()) {
+        // Span ids are reused once a span closes: the open one is the latest.
+        let mut spans = self.spans.lock().unwrap();
+        if let Some((_, span)) = spans.iter_mut().rev().find(|(i, _)| *i == id.into_u64()) {
             span.extend(fields);
         }
     }
@@ -547,9 +568,7 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
 
 #[tokio::test(start_paused = true)]
 async fn each_guarded_request_has_a_span_with_hashes_never_the_key() {
-    let capture = Capture::default();
-    let subscriber = tracing_subscriber::registry().with(capture.clone());
-    let _default = tracing::subscriber::set_default(subscriber);
+    let capture = capture();
 
     let key = "order-SECRET-4711";
     let app = app(IdempotencyLayer::in_memory().name("checkout"));
@@ -560,8 +579,15 @@ async fn each_guarded_request_has_a_span_with_hashes_never_the_key() {
         StatusCode::UNPROCESSABLE_ENTITY
     );
 
-    let spans: Vec<BTreeMap<String, String>> =
-        capture.spans.lock().unwrap().values().cloned().collect();
+    // Other tests run beside this one: their layers have other names.
+    let spans: Vec<BTreeMap<String, String>> = capture
+        .spans
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, span)| span.get("name").is_some_and(|name| name == "checkout"))
+        .map(|(_, span)| span.clone())
+        .collect();
     assert_eq!(spans.len(), 3, "{spans:#?}");
     let scope = Scope::from(&Principal::new("alice"));
     let record = RecordId::new(&scope, &IdempotencyKey::new(key).unwrap());
