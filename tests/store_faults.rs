@@ -67,6 +67,11 @@ const STREAMS: u64 = 6;
 /// answered 409 this long.
 const LEASE_MS: &str = "500";
 
+/// How long a handler may run (its handlers are quick): the reconciler waits this long
+/// past an ended lease before it settles the record that lease left behind, so a short
+/// one lets the stranded keys reach their answer within the run.
+const MAX_EXECUTION_MS: &str = "2000";
+
 // ---------------------------------------------------------------------------------
 // Load
 
@@ -234,7 +239,12 @@ where
     let lease = std::env::var("STORE_FAULTS_LEASE_MS").unwrap_or_else(|_| LEASE_MS.to_owned());
     let mut args = vec!["--store", store_url];
     if !space.transactional() {
-        args.extend(["--lease-ms", lease.as_str()]);
+        args.extend([
+            "--lease-ms",
+            lease.as_str(),
+            "--max-execution-ms",
+            MAX_EXECUTION_MS,
+        ]);
     }
     let mut server = Server::start_with(&args, &space.env());
     let api = Api::new(&server);
