@@ -8,19 +8,17 @@ use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Method, StatusCode};
-use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Fingerprint, RecordId, RequestInfo, Scope, StoredResponse, Token,
-};
+use http::Method;
+use retrysafe_core::idempotency::{CommitPoint, RequestInfo, Scope};
+use retrysafe_core::store::IdempotencyStore;
 use retrysafe_core::store::conformance::fresh_id;
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
 use retrysafe_memory::MemoryStore;
 use tracing::field::{Field, Visit};
 use tracing_subscriber::layer::{Context, SubscriberExt};
 
-const LEASE: Duration = Duration::from_secs(10);
-const RETENTION: Duration = Duration::from_secs(60 * 60);
+mod support;
+
+use support::{LEASE, claim, complete};
 
 /// An event: its target and its fields as text (`message` included).
 type Seen = (String, BTreeMap<String, String>);
@@ -50,31 +48,6 @@ impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
     }
 }
 
-fn claim(commit_point: CommitPoint, info: &RequestInfo) -> Claim<'_> {
-    Claim::new(
-        Token::random(),
-        Fingerprint::from_bytes([1; 32]),
-        LEASE,
-        RETENTION,
-        commit_point,
-    )
-    .with_request(info)
-}
-
-/// Claims and completes `id` with a response of `body` bytes.
-async fn complete(store: &MemoryStore, id: &RecordId, body: usize) {
-    let info = RequestInfo::new(Scope::new("tenant"), Method::POST, "/pay");
-    let c = claim(CommitPoint::Undeclared, &info);
-    assert!(matches!(
-        store.claim(id, &c).await.unwrap(),
-        ClaimOutcome::Claimed { .. }
-    ));
-    let body = Bytes::from(vec![b'x'; body]);
-    let response = StoredResponse::new(StatusCode::CREATED, Vec::new(), body, Vec::new());
-    let done = Completed::new(c.fingerprint, Some(response));
-    store.complete(id, c.token, &done, RETENTION).await.unwrap();
-}
-
 #[tokio::test(start_paused = true)]
 async fn every_event_of_a_memory_store_carries_its_name() {
     let events = Events::default();
@@ -91,7 +64,7 @@ async fn every_event_of_a_memory_store_carries_its_name() {
     // A holder that dies past its commit point.
     let info = RequestInfo::new(Scope::new("tenant"), Method::POST, "/pay");
     let dead = fresh_id();
-    let c = claim(CommitPoint::Before, &info);
+    let c = claim(&info, CommitPoint::Before);
     store.claim(&dead, &c).await.unwrap();
     store.commit_point(&dead, c.token).await.unwrap();
     tokio::time::advance(LEASE + Duration::from_millis(1)).await;

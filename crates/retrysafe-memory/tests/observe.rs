@@ -8,22 +8,19 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Method, StatusCode};
+use http::Method;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
-use retrysafe_core::idempotency::{
-    CommitPoint, Completed, Fingerprint, Record, RecordId, RequestInfo, Scope, StoredResponse,
-    Token,
-};
+use retrysafe_core::idempotency::{CommitPoint, Record, RecordId, RequestInfo, Scope};
 use retrysafe_core::recovery::{
     PendingRecord, ReconcilableStore, Resolution, Resolved, ResolvedKind, Resolver,
 };
 use retrysafe_core::store::conformance::fresh_id;
-use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
+use retrysafe_core::store::{ClaimOutcome, IdempotencyStore};
 use retrysafe_memory::{Eviction, EvictionKind, MemoryStore};
 
-const LEASE: Duration = Duration::from_secs(10);
-const RETENTION: Duration = Duration::from_secs(60 * 60);
+mod support;
+
+use support::{LEASE, claim, complete};
 
 /// What the recorder holds now. (Taking it resets the counters and gauges to zero.)
 fn take(snapshotter: &Snapshotter) -> Seen {
@@ -52,35 +49,6 @@ fn value(seen: &Seen, metric: &str, labels: &[(&str, &str)]) -> Option<f64> {
             DebugValue::Gauge(g) => g.into_inner(),
             DebugValue::Histogram(samples) => samples.len() as f64,
         })
-}
-
-fn claim(info: &RequestInfo, commit_point: CommitPoint) -> Claim<'_> {
-    Claim::new(
-        Token::random(),
-        Fingerprint::from_bytes([1; 32]),
-        LEASE,
-        RETENTION,
-        commit_point,
-    )
-    .with_request(info)
-}
-
-/// Claims and completes `id` with a response of `body` bytes.
-async fn complete(store: &MemoryStore, id: &RecordId, body: usize) {
-    let info = RequestInfo::new(Scope::new("tenant"), Method::POST, "/pay");
-    let c = claim(&info, CommitPoint::Undeclared);
-    assert!(matches!(
-        store.claim(id, &c).await.unwrap(),
-        ClaimOutcome::Claimed { .. }
-    ));
-    let response = StoredResponse::new(
-        StatusCode::CREATED,
-        Vec::new(),
-        Bytes::from(vec![b'x'; body]),
-        Vec::new(),
-    );
-    let done = Completed::new(c.fingerprint, Some(response));
-    store.complete(id, c.token, &done, RETENTION).await.unwrap();
 }
 
 #[tokio::test(start_paused = true)]
