@@ -1,4 +1,5 @@
-//! The `payments` example on Redis and on PostgreSQL, driven as real processes: several
+//! The `payments` example on Redis, on a Redis Cluster (a local one of 3 primaries and 3
+//! replicas, made by the test) and on PostgreSQL, driven as real processes: several
 //! instances on one store behaving as one, instances killed with SIGKILL before and
 //! after their effect, a stale holder's late completion, and the store taken away
 //! mid-run (through a TCP proxy that the test cuts and restores).
@@ -26,6 +27,8 @@ use http::StatusCode;
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprinter, Record, Token};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::PostgresStore;
+use retrysafe_redis::redis::{self, cluster_async::ClusterConnection};
+use retrysafe_redis::test_util::LocalCluster;
 use serde_json::json;
 use support::{
     Answer, Api, PgSpace, Proxy, RedisSpace, Server, database_url, eventually, host_port,
@@ -40,12 +43,16 @@ const PATIENCE: Duration = Duration::from_secs(30);
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
     Redis,
+    /// The local Redis Cluster of 3 primaries and 3 replicas ([`LocalCluster::shared`]):
+    /// the example is given one node's URL and finds the cluster.
+    RedisCluster,
     Postgres,
 }
 
 /// One test's namespace on one backend.
 enum Space {
     Redis(RedisSpace),
+    RedisCluster(RedisSpace<ClusterConnection>),
     Postgres(PgSpace),
 }
 
@@ -53,6 +60,7 @@ impl Space {
     async fn new(kind: Kind) -> Space {
         match kind {
             Kind::Redis => Space::Redis(RedisSpace::new().await),
+            Kind::RedisCluster => Space::RedisCluster(cluster_space().await),
             Kind::Postgres => Space::Postgres(PgSpace::new().await),
         }
     }
@@ -62,6 +70,7 @@ impl Space {
     fn url(&self, name: &str) -> String {
         match self {
             Space::Redis(_) => redis_url(),
+            Space::RedisCluster(r) => r.url.clone(),
             Space::Postgres(_) => PgSpace::url_named(name),
         }
     }
@@ -69,6 +78,7 @@ impl Space {
     fn env(&self) -> [(&str, &str); 1] {
         match self {
             Space::Redis(r) => r.env(),
+            Space::RedisCluster(r) => r.env(),
             Space::Postgres(p) => p.env(),
         }
     }
@@ -85,9 +95,18 @@ impl Space {
     async fn amounts(&self, account: &str) -> Vec<i64> {
         match self {
             Space::Redis(r) => r.amounts(account).await,
+            Space::RedisCluster(r) => r.amounts(account).await,
             Space::Postgres(p) => p.amounts(account).await,
         }
     }
+}
+
+/// A key prefix of one test on the shared local Redis Cluster.
+async fn cluster_space() -> RedisSpace<ClusterConnection> {
+    let cluster = tokio::task::spawn_blocking(LocalCluster::shared)
+        .await
+        .unwrap();
+    RedisSpace::cluster(&cluster.urls()).await
 }
 
 /// A fresh instance name (an `application_name`, also a prefix of nothing else).
@@ -210,6 +229,11 @@ async fn postgres_two_instances_behave_as_one() {
     two_instances_behave_as_one(Kind::Postgres).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_two_instances_behave_as_one() {
+    two_instances_behave_as_one(Kind::RedisCluster).await;
+}
+
 async fn waiting_copies_get_the_answer_across_instances(kind: Kind) {
     let space = Space::new(kind).await;
     let a = space.start(&name("a"), &["--in-flight", "wait"]);
@@ -242,6 +266,11 @@ async fn postgres_waiting_copies_get_the_answer_across_instances() {
     waiting_copies_get_the_answer_across_instances(Kind::Postgres).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_waiting_copies_get_the_answer_across_instances() {
+    waiting_copies_get_the_answer_across_instances(Kind::RedisCluster).await;
+}
+
 async fn a_key_is_new_again_after_the_ttl(kind: Kind) {
     let space = Space::new(kind).await;
     let server = space.start(&name("ttl"), &["--ttl-ms", "1000"]);
@@ -269,13 +298,29 @@ async fn postgres_a_key_is_new_again_after_the_ttl() {
     a_key_is_new_again_after_the_ttl(Kind::Postgres).await;
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_a_key_is_new_again_after_the_ttl() {
+    a_key_is_new_again_after_the_ttl(Kind::RedisCluster).await;
+}
+
 // ---------------------------------------------------------------------------------
 // An instance killed (SIGKILL) mid-handler, before its commit point
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_before_the_commit_point_runs_once_after_the_lease() {
-    let space = RedisSpace::new().await;
-    let url = redis_url();
+    killed_before_the_commit_point_runs_once_after_the_lease(RedisSpace::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_killed_before_the_commit_point_runs_once_after_the_lease() {
+    killed_before_the_commit_point_runs_once_after_the_lease(cluster_space().await).await;
+}
+
+async fn killed_before_the_commit_point_runs_once_after_the_lease<C>(space: RedisSpace<C>)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let url = space.url.clone();
     let args = ["--store", url.as_str(), "--lease-ms", "500"];
     let a = Server::start_with(&args, &space.env());
     let b = Server::start_with(&args, &space.env());
@@ -381,8 +426,19 @@ async fn postgres_killed_before_the_commit_point_runs_once_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_after_the_effect_is_outcome_unknown_never_twice() {
-    let space = RedisSpace::new().await;
-    let url = redis_url();
+    killed_after_the_effect_is_outcome_unknown_never_twice(RedisSpace::new().await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_killed_after_the_effect_is_outcome_unknown_never_twice() {
+    killed_after_the_effect_is_outcome_unknown_never_twice(cluster_space().await).await;
+}
+
+async fn killed_after_the_effect_is_outcome_unknown_never_twice<C>(space: RedisSpace<C>)
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    let url = space.url.clone();
     let args = [
         "--store",
         url.as_str(),
@@ -656,6 +712,8 @@ async fn store_unreachable_fails_closed_and_recovers(kind: Kind) {
     let (upstream, default_port) = match kind {
         Kind::Redis => (redis_url(), 6379),
         Kind::Postgres => (database_url(), 5432),
+        // The cluster client learns every node's address from the cluster itself.
+        Kind::RedisCluster => panic!("one proxy cannot stand between a cluster and its client"),
     };
     let proxy = Proxy::start(&host_port(&upstream, default_port)).await;
     let instance = name("proxied");
@@ -685,6 +743,7 @@ async fn store_unreachable_fails_closed_and_recovers(kind: Kind) {
             })
             .await;
         }
+        Space::RedisCluster(_) => unreachable!("refused above"),
         Space::Postgres(p) => {
             eventually("the key lock of up-3", PATIENCE, || async {
                 p.holds_key_lock(&instance).await.then_some(())

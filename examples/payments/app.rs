@@ -65,11 +65,12 @@ use retrysafe::server::ServerLayers;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
+use retrysafe_redis::redis::cluster_async::ClusterConnection;
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;
 
-pub(crate) use ledger::Ledger;
+pub(crate) use ledger::{Ledger, RedisConn};
 use ledger::{Owner, Payment};
 
 /// The principal of requests without an `Authorization` header. It contains a space,
@@ -223,6 +224,14 @@ pub(crate) enum Backend {
         /// The ledger (`Ledger::Redis`).
         ledger: Ledger,
     },
+    /// The same on a Redis Cluster: records in a `RedisStore` over the cluster client
+    /// (its in-flight index kept per slot), payments in a Redis ledger (one slot).
+    RedisCluster {
+        /// The idempotency store.
+        store: RedisStore<ClusterConnection>,
+        /// The ledger (`Ledger::Redis`, on a cluster connection).
+        ledger: Ledger,
+    },
     /// Records and payments in one PostgreSQL transaction per request.
     Postgres {
         /// The store whose table the transactional layer writes its key rows to.
@@ -267,6 +276,10 @@ pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, Conf
             (IdempotencyLayer::new(store), ledger, reconciler)
         }
         Backend::Redis { store, ledger } => {
+            let reconciler = reconciler(&store, &ledger, options)?;
+            (IdempotencyLayer::new(store), ledger, reconciler)
+        }
+        Backend::RedisCluster { store, ledger } => {
             let reconciler = reconciler(&store, &ledger, options)?;
             (IdempotencyLayer::new(store), ledger, reconciler)
         }

@@ -16,7 +16,8 @@
 //!   key per idempotency key, `{prefix}{ledger}:by-key:<scope hash>:<key>`, holding the
 //!   payment and expiring with the key window, written together by one script that
 //!   first checks it. (`{ledger}` is a Redis Cluster hash tag: every ledger key is in
-//!   one slot.)
+//!   one slot, so on a cluster ([`RedisConn::Cluster`]) the script and the reads run
+//!   on the one node that holds that slot.)
 //! - **PostgreSQL**: a `payments` table (in the store's schema when it has one), unique
 //!   on (scope, key), written inside the request's transaction through the
 //!   [`IdempotentTx`] guard, so the payment and the idempotency key commit together; or,
@@ -31,7 +32,9 @@ use retrysafe::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::{self, Row};
 use retrysafe_postgres::tx::IdempotentTx;
-use retrysafe_redis::redis::{self, aio::ConnectionManager};
+use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager};
+use retrysafe_redis::redis::cluster_async::ClusterConnection;
+use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, Value};
 use serde::{Deserialize, Serialize};
 
 /// How long one ledger call to Redis or PostgreSQL may take.
@@ -133,6 +136,53 @@ redis.call('SADD', KEYS[3], ARGV[4])
 return ARGV[1]
 ";
 
+/// A connection to one Redis server, or to a Redis Cluster (every ledger key is in one
+/// slot, so the ledger's scripts and pipelines run on the node that holds it).
+#[derive(Clone)]
+pub(crate) enum RedisConn {
+    /// One server, through a reconnecting manager.
+    Server(ConnectionManager),
+    /// A cluster, through the cluster client (it follows `MOVED` and `ASK`).
+    Cluster(ClusterConnection),
+}
+
+impl std::fmt::Debug for RedisConn {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RedisConn::Server(_) => "RedisConn::Server",
+            RedisConn::Cluster(_) => "RedisConn::Cluster",
+        })
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Server(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Server(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Server(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
 /// The ledger of one backend. Cloning it is cheap and shares the backend.
 #[derive(Debug, Clone)]
 pub(crate) enum Ledger {
@@ -140,7 +190,7 @@ pub(crate) enum Ledger {
     Memory(Arc<Mutex<MemoryLedger>>),
     /// In Redis, under a key prefix.
     Redis {
-        conn: ConnectionManager,
+        conn: RedisConn,
         prefix: Arc<str>,
         window: Duration,
     },
@@ -166,7 +216,7 @@ impl Ledger {
 
     /// A ledger in Redis whose keys start with `prefix`, payments unique per key for
     /// `window`.
-    pub(crate) fn redis(conn: ConnectionManager, prefix: &str, window: Duration) -> Ledger {
+    pub(crate) fn redis(conn: RedisConn, prefix: &str, window: Duration) -> Ledger {
         Ledger::Redis {
             conn,
             prefix: prefix.into(),

@@ -23,7 +23,9 @@
 //! With `--store redis://HOST:PORT` the idempotency records (a `RedisStore`) and the
 //! ledger live in Redis; with `--store postgres://USER@HOST:PORT/DB` each payment is
 //! inserted in the same transaction as its idempotency key (the `TxIdempotencyLayer`).
-//! Several instances on one Redis or one PostgreSQL database behave as one. Two
+//! A Redis URL may name a node of a Redis Cluster: the store and the ledger then use
+//! the cluster client (the ledger's keys share one hash slot). Several instances on one
+//! Redis (or Redis Cluster) or one PostgreSQL database behave as one. Two
 //! environment variables keep instances apart: `PAYMENTS_REDIS_PREFIX` (the prefix of
 //! every Redis key, default `payments:`) and `PAYMENTS_PG_SCHEMA` (the schema of the
 //! tables, default none: the connection's `search_path`). See `app.rs` for the routes and
@@ -46,7 +48,9 @@ use std::io::Write;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use app::RedisConn;
 use retrysafe_postgres::{PostgresStore, SweeperHandle};
+use retrysafe_redis::redis;
 use retrysafe_redis::{CheckError, RedisStore};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
@@ -440,7 +444,9 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 /// Connects to Redis and checks its configuration: the idempotency records go under
-/// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. The error is the message.
+/// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. When the server is a node of
+/// a Redis Cluster (`cluster_enabled:1`), both go through the cluster client instead,
+/// the node being the first the client asks. The error is the message.
 async fn connect_redis(
     url: &str,
     prefix: &str,
@@ -452,15 +458,43 @@ async fn connect_redis(
         CheckError::Store(e) => format!("cannot connect to the redis store at {shown}: {e}"),
         e => format!("cannot use the redis store at {shown}: {e}"),
     })?;
-    let conn = connected.connection().clone();
-    let store = RedisStore::options()
-        .key_prefix(format!("{prefix}idem:"))
-        // Checked by `connect` above, on the same connection.
-        .skip_config_check()
-        .build(conn.clone())
+    let mut conn = connected.connection().clone();
+    let info: String = redis::cmd("INFO")
+        .arg("cluster")
+        .query_async(&mut conn)
         .await
-        .map_err(|e| format!("invalid redis store settings: {e}"))?;
-    match store.check_config().await {
+        .map_err(|e| format!("cannot use the redis store at {shown}: {e}"))?;
+    let options = RedisStore::options()
+        .key_prefix(format!("{prefix}idem:"))
+        // Checked by `connect` above, on the same node.
+        .skip_config_check();
+    let (backend, store_check) = if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        let client = redis::cluster::ClusterClient::builder([url])
+            .connection_timeout(Duration::from_secs(1))
+            .build()
+            .map_err(|e| format!("cannot use the redis cluster at {shown}: {e}"))?;
+        let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
+            .await
+            .map_err(|_| format!("cannot connect to the redis cluster at {shown}: timed out"))?
+            .map_err(|e| format!("cannot connect to the redis cluster at {shown}: {e}"))?;
+        let store = options
+            .per_slot_index()
+            .build(conn.clone())
+            .await
+            .map_err(|e| format!("invalid redis store settings: {e}"))?;
+        let check = store.check_config().await;
+        let ledger = app::Ledger::redis(RedisConn::Cluster(conn), prefix, key_window);
+        (app::Backend::RedisCluster { store, ledger }, check)
+    } else {
+        let store = options
+            .build(conn.clone())
+            .await
+            .map_err(|e| format!("invalid redis store settings: {e}"))?;
+        let check = store.check_config().await;
+        let ledger = app::Ledger::redis(RedisConn::Server(conn), prefix, key_window);
+        (app::Backend::Redis { store, ledger }, check)
+    };
+    match store_check {
         Ok(report) if report.persistent() == Some(false) => eprintln!(
             "warning: {shown} persists nothing: a restart forgets every idempotency \
              record and payment"
@@ -468,8 +502,7 @@ async fn connect_redis(
         Ok(_) => {}
         Err(e) => return Err(format!("cannot use the redis store at {shown}: {e}")),
     }
-    let ledger = app::Ledger::redis(conn, prefix, key_window);
-    Ok(app::Backend::Redis { store, ledger })
+    Ok(backend)
 }
 
 /// Connects to PostgreSQL, creates the tables if needed and starts the sweeper of

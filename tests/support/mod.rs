@@ -35,6 +35,7 @@ use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 use retrysafe_redis::RedisStore;
+use retrysafe_redis::redis::cluster_async::ClusterConnection;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
 use serde_json::{Value, json};
 use tokio::net::{TcpListener, TcpStream};
@@ -458,16 +459,21 @@ pub fn redis_url() -> String {
     std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
 }
 
-/// A key prefix of one test on the Redis at `REDIS_URL`, with direct access to what the
-/// example writes under it. Its keys are deleted (best effort) when dropped.
-pub struct RedisSpace {
+/// A key prefix of one test on the Redis at `REDIS_URL` (or on a Redis Cluster: `C` is
+/// then a `ClusterConnection`), with direct access to what the example writes under it.
+/// On one server its keys are deleted (best effort) when dropped; a test cluster is
+/// private and goes away with the test process.
+pub struct RedisSpace<C = ConnectionManager> {
     /// `PAYMENTS_REDIS_PREFIX` for the example.
     pub prefix: String,
-    /// The Redis server's URL (`REDIS_URL`, or the one given to [`at`](Self::at)).
+    /// The Redis server's URL (`REDIS_URL`, or the one given to [`at`](Self::at)); for
+    /// a cluster, one node's.
     pub url: String,
-    pub conn: ConnectionManager,
+    pub conn: C,
     /// The idempotency store the example uses, seen directly.
-    pub store: RedisStore,
+    pub store: RedisStore<C>,
+    /// Whether the keys are deleted when dropped (one server, not a cluster).
+    cleanup: bool,
 }
 
 impl RedisSpace {
@@ -491,6 +497,28 @@ impl RedisSpace {
                 ),
                 Err(_) => panic!("timed out connecting to Redis at REDIS_URL={url}"),
             };
+        RedisSpace::on(url, conn, true).await
+    }
+}
+
+impl RedisSpace<ClusterConnection> {
+    /// A key prefix of one test on the Redis Cluster whose nodes are `urls` (the
+    /// example is given the first).
+    pub async fn cluster(urls: &[String]) -> RedisSpace<ClusterConnection> {
+        let client = redis::cluster::ClusterClient::new(urls.to_vec()).unwrap();
+        let conn = tokio::time::timeout(Duration::from_secs(30), client.get_async_connection())
+            .await
+            .unwrap_or_else(|_| panic!("timed out connecting to the Redis Cluster at {urls:?}"))
+            .unwrap_or_else(|e| panic!("cannot reach the Redis Cluster at {urls:?}: {e}"));
+        RedisSpace::on(urls[0].clone(), conn, false).await
+    }
+}
+
+impl<C> RedisSpace<C>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    async fn on(url: String, conn: C, cleanup: bool) -> RedisSpace<C> {
         let prefix = format!("payments-test:{}:", unique());
         let store = RedisStore::options()
             .key_prefix(format!("{prefix}idem:"))
@@ -503,6 +531,7 @@ impl RedisSpace {
             url,
             conn,
             store,
+            cleanup,
         }
     }
 
@@ -531,8 +560,11 @@ impl RedisSpace {
     }
 }
 
-impl Drop for RedisSpace {
+impl<C> Drop for RedisSpace<C> {
     fn drop(&mut self) {
+        if !self.cleanup {
+            return;
+        }
         let pattern = format!("{}*", self.prefix);
         let url = self.url.clone();
         let _ = std::thread::spawn(move || {
