@@ -1,14 +1,12 @@
-//! A PostgreSQL streaming standby promoted under load: keyed POSTs go through two app
-//! instances (each an `IdempotencyLayer` over its own `PostgresStore`) to a private
-//! primary with one standby (`pg_basebackup`, on loopback ports of their own); the
-//! primary is stopped at once (`pg_ctl -m immediate`, as a crash), the standby is
-//! promoted, and a TCP forwarder in front of them sends new connections to it.
+//! A PostgreSQL streaming standby promoted under load: keyed POSTs go through the fault
+//! proxy and the client stack to two app instances (each an `IdempotencyLayer` over its
+//! own `PostgresStore`) on a private primary with one standby (`pg_basebackup`, on
+//! loopback ports of their own); the primary is stopped at once (`pg_ctl -m
+//! immediate`, as a crash), the standby is promoted, and a TCP forwarder in front of
+//! them sends new connections to it (the load: `tests/failover/mod.rs`).
 //!
-//! Each logical request is sent to one instance until it gets a final answer (409 and
-//! 503 are retried); a 201 is then sent again to the other instance, as a client whose
-//! reply was lost would. The handler counts its effects per key; a key with two
-//! effects is a claim or completion acknowledged by the primary and missing on the
-//! promoted standby.
+//! A key with two effects is a claim or completion acknowledged by the primary and
+//! missing on the promoted standby.
 //!
 //! Two runs: asynchronous replication (measured: it may or may not lose a write in a
 //! short run), and a synchronous standby with `synchronous_commit = remote_apply`
@@ -25,41 +23,22 @@
 )]
 
 mod example_bin;
+mod failover;
+mod fault_proxy;
 mod support;
 
-use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use axum::Router;
-use axum::body::Body;
-use axum::extract::Request;
-use axum::http::{HeaderMap, StatusCode};
-use axum::routing::post;
+use failover::{Effects, Front, Load, env_number};
 use retrysafe_core::idempotency::{CommitPoint, Fingerprint, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_postgres::{PostgresStore, SynchronousCommit};
-use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
+use retrysafe_tower::idempotency::IdempotencyLayer;
 use support::private::PrivatePg;
 use tokio::net::{TcpListener, TcpStream};
-use tower::ServiceExt;
-
-/// How long one logical request keeps trying (409, 503) before it is given up.
-const PATIENCE: Duration = Duration::from_secs(40);
-
-/// The pause between two tries of one logical request.
-const PAUSE: Duration = Duration::from_millis(25);
-
-type Effects = Arc<Mutex<HashMap<String, u32>>>;
-
-fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// A TCP forwarder on 127.0.0.1 whose upstream port can be switched: connections made
 /// after [`switch`](Self::switch) go to the new upstream.
@@ -141,8 +120,9 @@ async fn pair(sync: bool) -> (PrivatePg, PrivatePg) {
     (primary, standby)
 }
 
-/// One app instance: its own pool (through the forwarder), its own layer.
-async fn instance(url: &str, sync: bool, effects: &Effects) -> Router {
+/// One app instance, served behind its own fault proxy: its own pool (through the
+/// forwarder), its own layer.
+async fn instance(url: &str, sync: bool, (effects, seed): (&Effects, u64)) -> Front {
     let mut options = PostgresStore::options()
         .connect_timeout(Duration::from_secs(1))
         .max_connections(8);
@@ -158,144 +138,49 @@ async fn instance(url: &str, sync: bool, effects: &Effects) -> Router {
         .lease(Duration::from_secs(4))
         .build()
         .unwrap();
-    let effects = Arc::clone(effects);
-    Router::new()
-        .route(
-            "/pay",
-            post(move |headers: HeaderMap| async move {
-                let key = headers["idempotency-key"].to_str().unwrap().to_owned();
-                *effects.lock().unwrap().entry(key).or_insert(0) += 1;
-                (StatusCode::CREATED, "paid")
-            }),
-        )
-        .layer(layer)
-        .layer(axum::middleware::map_request(
-            |mut req: Request| async move {
-                req.extensions_mut().insert(Principal::new("tenant-1"));
-                req
-            },
-        ))
+    Front::start(failover::app(layer, effects), seed).await
 }
 
-#[derive(Debug, Default)]
-struct Tally {
-    logical: AtomicU64,
-    created: AtomicU64,
-    replayed_copies: AtomicU64,
-    unknown: AtomicU64,
-    unavailable_tries: AtomicU64,
-    given_up: AtomicU64,
-}
-
-async fn final_status(app: &Router, key: &str, tally: &Tally) -> Option<(StatusCode, bool)> {
-    let tries = PATIENCE.as_millis() / PAUSE.as_millis();
-    for _ in 0..tries {
-        let req = Request::post("/pay")
-            .header("idempotency-key", key)
-            .body(Body::from("pay 10"))
-            .unwrap();
-        let res = app.clone().oneshot(req).await.unwrap();
-        let replayed = res.headers().contains_key("idempotent-replayed");
-        match res.status() {
-            StatusCode::CONFLICT => {}
-            StatusCode::SERVICE_UNAVAILABLE => {
-                tally.unavailable_tries.fetch_add(1, Ordering::Relaxed);
-            }
-            status => return Some((status, replayed)),
-        }
-        tokio::time::sleep(PAUSE).await;
-    }
-    None
-}
-
-async fn worker(apps: [Router; 2], run: String, n: u64, stop: Arc<AtomicBool>, tally: Arc<Tally>) {
-    let mut i = 0u64;
-    while !stop.load(Ordering::Relaxed) {
-        let key = format!("{run}-{n}-{i}");
-        let (first, other) = if i.is_multiple_of(2) { (0, 1) } else { (1, 0) };
-        i += 1;
-        tally.logical.fetch_add(1, Ordering::Relaxed);
-        match final_status(&apps[first], &key, &tally).await {
-            Some((StatusCode::CREATED, _)) => {
-                tally.created.fetch_add(1, Ordering::Relaxed);
-                match final_status(&apps[other], &key, &tally).await {
-                    Some((StatusCode::CREATED, true)) => {
-                        tally.replayed_copies.fetch_add(1, Ordering::Relaxed);
-                    }
-                    Some((StatusCode::INTERNAL_SERVER_ERROR, _)) => {
-                        tally.unknown.fetch_add(1, Ordering::Relaxed);
-                    }
-                    _ => {}
-                }
-            }
-            Some((StatusCode::INTERNAL_SERVER_ERROR, _)) => {
-                tally.unknown.fetch_add(1, Ordering::Relaxed);
-            }
-            Some(_) => {}
-            None => {
-                tally.given_up.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-    }
-}
-
-/// One promotion under load; the tally grows, the effects map is this promotion's.
-async fn promotion(sync: bool, tally: &Arc<Tally>) -> u64 {
+/// One promotion under load: the number of keys with two effects, and the load's
+/// counts as JSON fields.
+async fn promotion(sync: bool, seed: u64) -> (u64, String) {
     let (primary, standby) = pair(sync).await;
     let forwarder = Forwarder::start(primary.port).await;
     let url = format!("postgres://postgres@127.0.0.1:{}/postgres", forwarder.port);
     let effects = Effects::default();
-    let apps = [
-        instance(&url, sync, &effects).await,
-        instance(&url, sync, &effects).await,
+    let fronts = [
+        instance(&url, sync, (&effects, seed)).await,
+        instance(&url, sync, (&effects, seed + 1)).await,
     ];
-    let stop = Arc::new(AtomicBool::new(false));
     let run = Token::random().to_hex()[..8].to_owned();
-    let mut workers = Vec::new();
-    for n in 0..env_number("PG_FAILOVER_CONCURRENCY", 16) {
-        workers.push(tokio::spawn(worker(
-            apps.clone(),
-            run.clone(),
-            n,
-            Arc::clone(&stop),
-            Arc::clone(tally),
-        )));
-    }
+    let concurrency = env_number("PG_FAILOVER_CONCURRENCY", 16);
+    let load = Load::start([fronts[0].addr, fronts[1].addr], &run, concurrency, seed);
     tokio::time::sleep(Duration::from_millis(1500)).await;
     primary.stop_immediate().await;
     standby.promote().await;
     forwarder.switch(standby.port);
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    stop.store(true, Ordering::Relaxed);
-    for w in workers {
-        w.await.unwrap();
-    }
-    let effects = effects.lock().unwrap();
-    effects.values().filter(|&&n| n >= 2).count() as u64
+    let (tally, _) = load.stop().await;
+    assert!(tally.created() > 0, "the load went through");
+    (failover::duplicates(&effects), tally.json_fields())
 }
 
 async fn run(sync: bool, promotions: u64) -> u64 {
-    let tally = Arc::new(Tally::default());
     let mut duplicates = 0;
-    for _ in 0..promotions {
-        duplicates += promotion(sync, &tally).await;
+    for p in 0..promotions {
+        let (found, counts) = promotion(sync, 2 * p + 1).await;
+        duplicates += found;
+        println!(
+            "{{\"synchronous_commit\": \"{}\", \"promotion\": {}, {counts}, \
+             \"keys_with_two_effects\": {found}}}",
+            if sync { "remote_apply" } else { "async" },
+            p + 1,
+        );
     }
-    let t = &tally;
     println!(
-        "{{\"synchronous_commit\": \"{}\", \"promotions\": {promotions}, \"logical\": {}, \
-         \"created\": {}, \"replayed_copies\": {}, \"keys_with_two_effects\": {duplicates}, \
-         \"outcome_unknown\": {}, \"unavailable_tries\": {}, \"given_up\": {}}}",
+        "{{\"synchronous_commit\": \"{}\", \"promotions\": {promotions}, \
+         \"keys_with_two_effects\": {duplicates}}}",
         if sync { "remote_apply" } else { "async" },
-        t.logical.load(Ordering::Relaxed),
-        t.created.load(Ordering::Relaxed),
-        t.replayed_copies.load(Ordering::Relaxed),
-        t.unknown.load(Ordering::Relaxed),
-        t.unavailable_tries.load(Ordering::Relaxed),
-        t.given_up.load(Ordering::Relaxed),
-    );
-    assert!(
-        t.created.load(Ordering::Relaxed) > 0,
-        "the load went through"
     );
     duplicates
 }
