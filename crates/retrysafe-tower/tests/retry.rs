@@ -1226,11 +1226,10 @@ both_forms!(
     start_paused = true
 );
 
-#[tokio::test(start_paused = true)]
-async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
+async fn a_budget_refusal_on_the_first_retry_marks_the_response(form: Form) {
     let budget = ratio(0, 0.0);
-    let (layer, retries, give_ups) =
-        hooked(RetryLayer::new().strategy(strategy().budget(budget.clone())));
+    let (layer, retries, give_ups) = hooked(RetryLayer::new());
+    let layer = client().retry(layer).budget(budget.clone()).layer(form);
     let ctx = CallContext::new();
     let req = with(get("http://api.local/x"), ctx.clone());
     let (res, seen) = run(layer, req, vec![Ok(status(503))]).await;
@@ -1244,11 +1243,13 @@ async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
     // One deposit for the request, no withdrawal.
     assert_eq!(ratio_counts(&budget), (1, 0));
 
-    // A per-request budget (extension) overrides the strategy's.
+    // A per-request budget (extension) replaces the stack's in the retry's charges;
+    // the stack's budget still counts the request as another budget's.
     let generous = RetryBudget::token_bucket();
+    let shared = ratio(0, 1.0);
     let req = with(get("http://api.local/x"), generous.clone());
     let (res, seen) = run(
-        RetryLayer::new().strategy(strategy().budget(budget.clone())),
+        client().budget(shared.clone()).layer(form),
         req,
         vec![Ok(status(503)), Ok(status(200))],
     )
@@ -1257,8 +1258,36 @@ async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
     assert_eq!(seen.len(), 2);
     // The retry's cost, then refunded by its success.
     assert_eq!(generous.available_retries(), 100);
-    assert_eq!(ratio_counts(&budget), (1, 0));
+    assert_eq!(ratio_counts(&shared), (1, 1));
+
+    // So a stack's budget that affords no retry refuses it all the same: below the
+    // retry, after a real response.
+    let (layer, retries, give_ups) = hooked(RetryLayer::new());
+    let ctx = CallContext::new();
+    let req = with(
+        with(get("http://api.local/x"), generous.clone()),
+        ctx.clone(),
+    );
+    let (res, seen) = run(
+        client().retry(layer).budget(budget.clone()).layer(form),
+        req,
+        vec![Ok(status(503))],
+    )
+    .await;
+    let res = res.unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(marked(&res));
+    assert!(ctx.downstream_gave_up());
+    assert_eq!(retries.lock().unwrap().len(), 1);
+    assert_eq!(give_ups.lock().unwrap()[0].reason, GiveUp::RefusedBelow);
+    assert_eq!(ratio_counts(&budget), (2, 0));
 }
+
+both_forms!(
+    a_budget_refusal_on_the_first_retry_marks_the_response,
+    start_paused = true
+);
 
 async fn a_do_not_retry_reply_is_not_retried_and_recorded(form: Form) {
     let (layer, retries, give_ups) = hooked(layer());
