@@ -123,6 +123,31 @@ async fn client_sets_the_deadline_extension() {
     let res = call.await.unwrap().unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(text(res.into_body()).await, "ok");
+
+    // Tightened by a sooner inherited or own deadline, not by a later one.
+    let inherited = CallContext::new().with_deadline(Deadline::after(ms(30)));
+    let cases = [
+        (Some(inherited), None, 30),
+        (None, Some(Deadline::after(ms(20))), 20),
+        (None, Some(Deadline::after(ms(500))), 100),
+    ];
+    for (ctx, own, seen) in cases {
+        let mut req = get_req();
+        if let Some(ctx) = ctx {
+            req.extensions_mut().insert(ctx);
+        }
+        if let Some(own) = own {
+            req.extensions_mut().insert(own);
+        }
+        let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+        let (req, send) = handle.next_request().await.unwrap();
+        assert_eq!(
+            req.extensions().get::<Deadline>().unwrap().remaining(),
+            ms(seen)
+        );
+        send.send_response(Response::new(Full::default()));
+        call.await.unwrap().unwrap();
+    }
 }
 
 async fn an_inherited_sooner_deadline_wins(form: Form) {
