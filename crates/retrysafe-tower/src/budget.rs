@@ -18,7 +18,7 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
-//! use http::{Request, Response};
+//! use http::{HeaderMap, HeaderName, Request, Response};
 //! use retrysafe_core::budget::{RatioConfig, RetryBudget};
 //! use retrysafe_core::error::BudgetExhausted;
 //! use retrysafe_tower::budget::RetryBudgetLayer;
@@ -49,7 +49,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, ready};
 
-use http::{Request, Response};
+use http::{HeaderMap, HeaderName, Request, Response};
 use pin_project_lite::pin_project;
 use retrysafe_core::__private::{RetryCharged, is_grpc};
 use retrysafe_core::wire::{Convention, parse_retry_attempt};
@@ -178,20 +178,35 @@ fn refuse<B>(config: &Config, request: &Request<B>) -> Option<bool> {
     if RetryCharged::covers(&config.budget, request.extensions()) {
         return None;
     }
-    let retry = request
-        .headers()
-        .get(config.convention.retry_attempt())
+    let admitted = charge(
+        &config.budget,
+        config.convention.retry_attempt(),
+        request.headers(),
+    );
+    (!admitted).then(|| is_grpc(request.headers()))
+}
+
+/// Charges `budget` for an attempt with `headers`, as the budget layer does: a deposit
+/// for a first attempt, a withdrawal for a retry (`retry_attempt` 2 or more). Whether
+/// the attempt is admitted.
+pub(crate) fn charge(
+    budget: &RetryBudget,
+    retry_attempt: &HeaderName,
+    headers: &HeaderMap,
+) -> bool {
+    let retry = headers
+        .get(retry_attempt)
         .and_then(|v| parse_retry_attempt(v.as_bytes()))
         .is_some_and(|n| n >= 2);
     if !retry {
-        config.budget.deposit();
-        None
-    } else if config.budget.withdraw(RetryCost::Failure) {
-        None
+        budget.deposit();
+        true
+    } else if budget.withdraw(RetryCost::Failure) {
+        true
     } else {
-        tracing::debug!(name = %config.budget.name(), "retry refused by the budget");
+        tracing::debug!(name = %budget.name(), "retry refused by the budget");
         tracing::Span::current().record("budget", "refused");
-        Some(is_grpc(request.headers()))
+        false
     }
 }
 

@@ -1,4 +1,12 @@
 //! `CircuitBreakerLayer` at the poll level, over `tower-test` mocks on a paused clock.
+//!
+//! The breaker's behaviour runs on both forms of the client stack (`both_forms!`,
+//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
+//! from one description whose retry makes one attempt per call, so the breaker sees each
+//! call once. Single-form, with no stack behaviour to share:
+//! - `invalid_configuration_is_refused`: the validation of `BreakerConfig` and
+//!   `KeyedBreakers`;
+//! - `futures_and_bodies_are_send`: the types of the standalone `CircuitBreakerService`.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -20,10 +28,16 @@ use http_body::{Body, Frame};
 use http_body_util::BodyExt;
 use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
 use retrysafe_core::error::{CircuitOpen, find};
+use retrysafe_core::strategy::StandardRetryStrategy;
 use retrysafe_tower::breaker::{CircuitBreakerLayer, KeyedBreakers, ResponseBody};
 use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
+use retrysafe_tower::retry::ReplayBody;
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock::{self, Handle};
+
+#[path = "support/forms.rs"]
+mod forms;
+use forms::{Client, Form, FormLayer};
 
 /// A response body: one data frame, then optional trailers.
 #[derive(Debug, Default)]
@@ -62,9 +76,19 @@ impl Body for TestBody {
     }
 }
 
-type Req = Request<()>;
+type Req = Request<String>;
+/// A request as the transport below a client stack gets it.
+type Sent = Request<ReplayBody<String>>;
 type Res = Response<TestBody>;
 type Out = Result<Response<ResponseBody<TestBody>>, BoxError>;
+
+/// The client stack in `form` with `breaker`, its retry making one attempt per call.
+fn stack(form: Form, breaker: CircuitBreakerLayer) -> FormLayer {
+    Client::new()
+        .strategy(StandardRetryStrategy::new().max_attempts(1))
+        .breaker(breaker)
+        .layer(form)
+}
 
 fn config(minimum_calls: u32, probes: u32) -> BreakerConfig {
     let mut config = BreakerConfig::default();
@@ -74,13 +98,13 @@ fn config(minimum_calls: u32, probes: u32) -> BreakerConfig {
 }
 
 fn get(uri: &str) -> Req {
-    Request::get(uri).body(()).unwrap()
+    Request::get(uri).body(String::new()).unwrap()
 }
 
 fn grpc() -> Req {
     Request::post("http://svc.example/pkg.Service/Method")
         .header("content-type", "application/grpc")
-        .body(())
+        .body(String::new())
         .unwrap()
 }
 
@@ -100,7 +124,12 @@ fn grpc_response(body: TestBody) -> Res {
 
 /// Calls `svc` with `request` and answers it with `response` through `handle` (unless
 /// the call is answered without reaching the inner service).
-async fn exchange<S>(svc: &mut S, handle: &mut Handle<Req, Res>, request: Req, response: Res) -> Out
+async fn exchange<S, T>(
+    svc: &mut S,
+    handle: &mut Handle<T, Res>,
+    request: Req,
+    response: Res,
+) -> Out
 where
     S: Service<Req, Response = Response<ResponseBody<TestBody>>, Error = BoxError>,
 {
@@ -129,7 +158,7 @@ fn refusal(out: Option<Out>) -> CircuitOpen {
 }
 
 /// Opens `breaker` by answering `n` calls with 503.
-async fn open<S>(svc: &mut S, handle: &mut Handle<Req, Res>, breaker: &CircuitBreaker, n: u32)
+async fn open<S, T>(svc: &mut S, handle: &mut Handle<T, Res>, breaker: &CircuitBreaker, n: u32)
 where
     S: Service<Req, Response = Response<ResponseBody<TestBody>>, Error = BoxError>,
 {
@@ -140,11 +169,10 @@ where
     assert_eq!(breaker.state(), State::Open);
 }
 
-#[tokio::test(start_paused = true)]
-async fn closed_drives_readiness_in_the_future_and_open_fails_fast() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+async fn closed_drives_readiness_in_the_future_and_open_fails_fast(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
 
     // The inner service is not ready: the breaker still is, and a closed breaker's
     // call waits for the inner readiness inside its future.
@@ -178,11 +206,15 @@ async fn closed_drives_readiness_in_the_future_and_open_fails_fast() {
     assert_eq!(open.retry_in(), Duration::from_secs(3));
 }
 
-#[tokio::test(start_paused = true)]
-async fn half_open_admits_exactly_the_probes() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(
+    closed_drives_readiness_in_the_future_and_open_fails_fast,
+    start_paused = true
+);
+
+async fn half_open_admits_exactly_the_probes(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
     tokio::time::advance(Duration::from_secs(5)).await;
@@ -218,11 +250,12 @@ async fn half_open_admits_exactly_the_probes() {
     assert_eq!(breaker.state(), State::Closed);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_dropped_probe_reopens_the_breaker() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(half_open_admits_exactly_the_probes, start_paused = true);
+
+async fn a_dropped_probe_reopens_the_breaker(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 1));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
     // A probe dropped while waiting for readiness.
@@ -250,13 +283,14 @@ async fn a_dropped_probe_reopens_the_breaker() {
     assert_eq!(breaker.state(), State::Open);
 }
 
-#[tokio::test(start_paused = true)]
-async fn half_open_times_out_when_probes_never_report() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(a_dropped_probe_reopens_the_breaker, start_paused = true);
+
+async fn half_open_times_out_when_probes_never_report(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let mut config = config(2, 1);
     config = config.with_half_open_timeout(Duration::from_secs(2));
     let breaker = CircuitBreaker::new(config);
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
     open(&mut svc, &mut handle, &breaker, 2).await;
 
     tokio::time::advance(Duration::from_secs(5)).await;
@@ -274,11 +308,15 @@ async fn half_open_times_out_when_probes_never_report() {
     assert_eq!(breaker.state(), State::Open);
 }
 
-#[tokio::test(start_paused = true)]
-async fn dependency_and_caller_deadline_failures_are_neutral() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(
+    half_open_times_out_when_probes_never_report,
+    start_paused = true
+);
+
+async fn dependency_and_caller_deadline_failures_are_neutral(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
 
     for _ in 0..10 {
         // A downstream gave up on its own dependency.
@@ -293,7 +331,7 @@ async fn dependency_and_caller_deadline_failures_are_neutral() {
         // (nearly) spent.
         let request = Request::get("http://a.example/")
             .header("request-timeout-ms", "100")
-            .body(())
+            .body(String::new())
             .unwrap();
         let out = answer_after(&mut svc, &mut handle, request, status(504), 95).await;
         assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
@@ -325,10 +363,15 @@ async fn dependency_and_caller_deadline_failures_are_neutral() {
     assert_eq!(breaker.state(), State::Open);
 }
 
+both_forms!(
+    dependency_and_caller_deadline_failures_are_neutral,
+    start_paused = true
+);
+
 /// Calls `svc` with `request` and answers it with `response` after `ms` milliseconds.
-async fn answer_after<S>(
+async fn answer_after<S, T>(
     svc: &mut S,
-    handle: &mut Handle<Req, Res>,
+    handle: &mut Handle<T, Res>,
     request: Req,
     response: Res,
     ms: u64,
@@ -346,16 +389,15 @@ where
     out
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
 
     // 1 s given, answered 504 after 100 ms: the callee's own timeout, a failure.
     let request = Request::get("http://a.example/")
         .header("request-timeout-ms", "1000")
-        .body(())
+        .body(String::new())
         .unwrap();
     let out = answer_after(&mut svc, &mut handle, request, status(504), 100).await;
     assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
@@ -380,12 +422,12 @@ async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
 
     // The same answers when the deadline is spent are neutral.
     let breaker = CircuitBreaker::new(config(2, 3));
-    let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
     for _ in 0..5 {
         let request = Request::get("http://a.example/")
             .header("request-timeout-ms", "1000")
-            .body(())
+            .body(String::new())
             .unwrap();
         let out = answer_after(&mut svc, &mut handle, request, status(504), 990).await;
         assert_eq!(out.unwrap().status(), StatusCode::GATEWAY_TIMEOUT);
@@ -394,11 +436,15 @@ async fn a_timeout_long_before_the_deadline_sent_is_the_callees_fault() {
     assert_eq!(breaker.state(), State::Closed);
 }
 
-#[tokio::test(start_paused = true)]
-async fn grpc_status_in_trailers_counts_at_end_of_stream() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(
+    a_timeout_long_before_the_deadline_sent_is_the_callees_fault,
+    start_paused = true
+);
+
+async fn grpc_status_in_trailers_counts_at_end_of_stream(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(4, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock);
 
     // INTERNAL in the trailers: nothing recorded at the head, a failure at the end.
     let response = grpc_response(TestBody::grpc("13"));
@@ -449,12 +495,16 @@ async fn grpc_status_in_trailers_counts_at_end_of_stream() {
     assert_eq!(breaker.state(), State::Open);
 }
 
-#[tokio::test(start_paused = true)]
-async fn grpc_statuses_synthesise_unavailable() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(
+    grpc_status_in_trailers_counts_at_end_of_stream,
+    start_paused = true
+);
+
+async fn grpc_statuses_synthesise_unavailable(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::default();
-    let mut svc =
-        GrpcStatusLayer::new().layer(CircuitBreakerLayer::new(breaker.clone()).layer(mock));
+    let mut svc = GrpcStatusLayer::new()
+        .layer(stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(mock));
     breaker.force_open();
 
     let response = svc.call(grpc()).now_or_never().unwrap().unwrap();
@@ -468,9 +518,10 @@ async fn grpc_statuses_synthesise_unavailable() {
     assert!(handle.poll_request().is_pending());
 }
 
-#[tokio::test(start_paused = true)]
-async fn keyed_breakers_are_independent_per_authority() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(grpc_statuses_synthesise_unavailable, start_paused = true);
+
+async fn keyed_breakers_are_independent_per_authority(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let changes = Arc::new(Mutex::new(Vec::new()));
     let seen = changes.clone();
     let breakers = KeyedBreakers::per_authority(config(2, 3)).on_state_change(
@@ -480,7 +531,7 @@ async fn keyed_breakers_are_independent_per_authority() {
                 .push((key.clone(), change.from, change.to));
         },
     );
-    let mut svc = CircuitBreakerLayer::keyed(breakers.clone()).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::keyed(breakers.clone())).layer(mock);
 
     for _ in 0..2 {
         let out = exchange(
@@ -509,7 +560,7 @@ async fn keyed_breakers_are_independent_per_authority() {
     assert_eq!(out.unwrap().status(), StatusCode::OK);
     let host_only = Request::get("/x")
         .header("host", "c.example")
-        .body(())
+        .body(String::new())
         .unwrap();
     let out = exchange(&mut svc, &mut handle, host_only, status(200)).await;
     assert_eq!(out.unwrap().status(), StatusCode::OK);
@@ -533,16 +584,20 @@ async fn keyed_breakers_are_independent_per_authority() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn on_state_change_reports_every_transition() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+both_forms!(
+    keyed_breakers_are_independent_per_authority,
+    start_paused = true
+);
+
+async fn on_state_change_reports_every_transition(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     let changes = Arc::new(Mutex::new(Vec::new()));
     let seen = changes.clone();
     let mut config = config(2, 1);
     config = config.with_on_state_change(move |change| {
         seen.lock().unwrap().push((change.from, change.to));
     });
-    let mut svc = CircuitBreakerLayer::with_config(config).layer(mock);
+    let mut svc = stack(form, CircuitBreakerLayer::with_config(config)).layer(mock);
 
     for _ in 0..2 {
         let out = exchange(&mut svc, &mut handle, get("http://a.example/"), status(503)).await;
@@ -562,6 +617,11 @@ async fn on_state_change_reports_every_transition() {
         ]
     );
 }
+
+both_forms!(
+    on_state_change_reports_every_transition,
+    start_paused = true
+);
 
 #[test]
 fn invalid_configuration_is_refused() {
@@ -585,16 +645,18 @@ fn invalid_configuration_is_refused() {
 }
 
 /// The layer wraps a plain `service_fn`, whose future is not `Unpin`.
-#[tokio::test(start_paused = true)]
-async fn wraps_a_plain_service_fn() {
-    let svc = CircuitBreakerLayer::default().layer(tower::service_fn(|_req: Req| async {
-        tokio::task::yield_now().await;
-        Ok::<_, Infallible>(Response::new(TestBody::default()))
-    }));
+async fn wraps_a_plain_service_fn(form: Form) {
+    let svc =
+        stack(form, CircuitBreakerLayer::default()).layer(tower::service_fn(|_req: Sent| async {
+            tokio::task::yield_now().await;
+            Ok::<_, Infallible>(Response::new(TestBody::default()))
+        }));
     let response = svc.oneshot(get("http://a.example/")).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
     assert!(response.body().is_end_stream());
 }
+
+both_forms!(wraps_a_plain_service_fn, start_paused = true);
 
 #[test]
 fn futures_and_bodies_are_send() {
@@ -605,15 +667,14 @@ fn futures_and_bodies_are_send() {
     send::<ResponseBody<TestBody>>();
 }
 
-#[tokio::test(start_paused = true)]
-async fn behind_a_full_buffer_an_open_breaker_still_fails_fast() {
+async fn behind_a_full_buffer_an_open_breaker_still_fails_fast(form: Form) {
     // A tower `Buffer` (what a tonic `Channel` is) whose one slot is taken and whose
     // worker cannot make progress: the inner service is not ready.
-    let (mock, mut handle) = mock::pair::<Req, Res>();
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
     handle.allow(0);
     let buffered = tower::buffer::Buffer::new(mock, 1);
     let breaker = CircuitBreaker::new(config(2, 3));
-    let mut svc = CircuitBreakerLayer::new(breaker.clone()).layer(buffered);
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(buffered);
 
     // Two closed calls queue: one in the buffer's channel, one waiting for a slot.
     let mut first = Box::pin(svc.ready().await.unwrap().call(get("http://a.example/")));
@@ -648,11 +709,15 @@ async fn behind_a_full_buffer_an_open_breaker_still_fails_fast() {
     assert_eq!(b.unwrap().status(), StatusCode::OK);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_breaker_in_the_request_extensions_overrides_the_layers() {
-    let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc =
-        CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(config(2, 3))).layer(mock);
+both_forms!(
+    behind_a_full_buffer_an_open_breaker_still_fails_fast,
+    start_paused = true
+);
+
+async fn a_breaker_in_the_request_extensions_overrides_the_layers(form: Form) {
+    let (mock, mut handle) = mock::pair::<Sent, Res>();
+    let keyed = CircuitBreakerLayer::keyed(KeyedBreakers::per_authority(config(2, 3)));
+    let mut svc = stack(form, keyed).layer(mock);
     let chosen = CircuitBreaker::new(config(2, 3));
 
     // Counted on the chosen breaker, not the layer's map.
@@ -674,3 +739,8 @@ async fn a_breaker_in_the_request_extensions_overrides_the_layers() {
     let open = refusal(svc.call(request).now_or_never());
     assert_eq!(open.retry_in(), Duration::from_secs(5));
 }
+
+both_forms!(
+    a_breaker_in_the_request_extensions_overrides_the_layers,
+    start_paused = true
+);

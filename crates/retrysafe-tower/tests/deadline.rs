@@ -1,6 +1,23 @@
 //! The `DeadlineLayer`, client and server forms: poll-level tests on a paused clock with
 //! tower-test, and one two-hop test between real axum servers on loopback (real clock, no
 //! timing assertions: only orderings).
+//!
+//! A client deadline's behaviour runs on both forms of the client stack (`both_forms!`,
+//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
+//! from one description; the transport sees the time left as the timeout header each
+//! attempt carries. Single-form, the API of the standalone layer with no `ClientLayers`
+//! counterpart:
+//! - `client_sets_the_deadline_extension` and
+//!   `the_extension_after_waiting_for_readiness_is_the_time_left`: the `Deadline`
+//!   extension the `DeadlineLayer` hands the layers below (the fused stack gives the
+//!   deadline to its retry planner directly);
+//! - `the_body_can_be_bounded_too`, `a_bounded_body_forwards_hints_and_completes_in_time`
+//!   and `grpc_statuses_and_a_bounded_body_combine`: `bound_body()`, which
+//!   `ClientLayers` does not offer;
+//! - `client_configuration_is_validated` and `every_bad_server_setting_is_named`: the
+//!   builders' validation (`ClientLayers::build`'s is in its docs);
+//! - the server form (`DeadlineLayer::server()`), and the futures of the server, propagate
+//!   and budget layers polled after completion.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -28,12 +45,41 @@ use retrysafe_core::wire::{MAX_TIMEOUT, TimeoutError};
 use retrysafe_core::{CallContext, Deadline};
 use retrysafe_tower::deadline::DeadlineLayer;
 use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
-use retrysafe_tower::retry::RetryLayer;
+use retrysafe_tower::retry::ReplayBody;
 use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
+#[path = "support/forms.rs"]
+mod forms;
+use forms::{Form, FormLayer};
+
 type Res = Response<Full<Bytes>>;
+/// A request as the transport below a client stack gets it.
+type Sent = Request<ReplayBody<String>>;
+
+/// The client stack in `form` with a deadline of `timeout` on every call.
+fn stack(form: Form, timeout: Duration) -> FormLayer {
+    forms::Client::new().deadline(timeout).layer(form)
+}
+
+/// A GET through a client stack.
+fn get_call() -> Request<String> {
+    Request::get("/").body(String::new()).unwrap()
+}
+
+/// A gRPC call through a client stack.
+fn grpc_call() -> Request<String> {
+    Request::post("/pkg.Svc/Method")
+        .header("content-type", "application/grpc")
+        .body(String::new())
+        .unwrap()
+}
+
+/// The time left that an attempt tells its callee, in whole milliseconds.
+fn timeout_sent(req: &Sent) -> &str {
+    req.headers()["request-timeout-ms"].to_str().unwrap()
+}
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -77,47 +123,22 @@ async fn client_sets_the_deadline_extension() {
     let res = call.await.unwrap().unwrap();
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(text(res.into_body()).await, "ok");
-}
 
-#[tokio::test(start_paused = true)]
-async fn an_inherited_sooner_deadline_wins() {
-    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
-    let mut svc = svc.into_inner();
-
-    // Inside a handler whose caller has 40 ms left.
-    let ctx = CallContext::new().with_deadline(Deadline::after(ms(40)));
-    let future = ctx.sync_scope(|| {
-        futures_util::FutureExt::now_or_never(svc.ready())
-            .unwrap()
-            .unwrap()
-            .call(get_req())
-    });
-    let call = tokio::spawn(future);
-    let (req, send) = handle.next_request().await.unwrap();
-    assert_eq!(
-        req.extensions().get::<Deadline>().unwrap().remaining(),
-        ms(40)
-    );
-    send.send_response(Response::new(Full::default()));
-    call.await.unwrap().unwrap();
-
-    // An inherited context carried by hand in the extensions counts the same.
-    let mut req = get_req();
-    req.extensions_mut()
-        .insert(CallContext::new().with_deadline(Deadline::after(ms(30))));
-    let call = tokio::spawn(svc.ready().await.unwrap().call(req));
-    let (req, send) = handle.next_request().await.unwrap();
-    assert_eq!(
-        req.extensions().get::<Deadline>().unwrap().remaining(),
-        ms(30)
-    );
-    send.send_response(Response::new(Full::default()));
-    call.await.unwrap().unwrap();
-
-    // The request's own sooner deadline wins too; a later one does not.
-    for (own, seen) in [(20, 20), (500, 100)] {
+    // Tightened by a sooner inherited or own deadline, not by a later one.
+    let inherited = CallContext::new().with_deadline(Deadline::after(ms(30)));
+    let cases = [
+        (Some(inherited), None, 30),
+        (None, Some(Deadline::after(ms(20))), 20),
+        (None, Some(Deadline::after(ms(500))), 100),
+    ];
+    for (ctx, own, seen) in cases {
         let mut req = get_req();
-        req.extensions_mut().insert(Deadline::after(ms(own)));
+        if let Some(ctx) = ctx {
+            req.extensions_mut().insert(ctx);
+        }
+        if let Some(own) = own {
+            req.extensions_mut().insert(own);
+        }
         let call = tokio::spawn(svc.ready().await.unwrap().call(req));
         let (req, send) = handle.next_request().await.unwrap();
         assert_eq!(
@@ -129,11 +150,52 @@ async fn an_inherited_sooner_deadline_wins() {
     }
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_expired_call_is_deadline_exceeded() {
-    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
+async fn an_inherited_sooner_deadline_wins(form: Form) {
+    let (svc, mut handle) = mock::spawn_layer::<Sent, Res, _>(stack(form, ms(100)));
     let mut svc = svc.into_inner();
-    let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
+
+    // Inside a handler whose caller has 40 ms left.
+    let ctx = CallContext::new().with_deadline(Deadline::after(ms(40)));
+    let future = ctx.sync_scope(|| {
+        futures_util::FutureExt::now_or_never(svc.ready())
+            .unwrap()
+            .unwrap()
+            .call(get_call())
+    });
+    let call = tokio::spawn(future);
+    let (req, send) = handle.next_request().await.unwrap();
+    assert_eq!(timeout_sent(&req), "40");
+    send.send_response(Response::new(Full::default()));
+    call.await.unwrap().unwrap();
+
+    // An inherited context carried by hand in the extensions counts the same.
+    let mut req = get_call();
+    req.extensions_mut()
+        .insert(CallContext::new().with_deadline(Deadline::after(ms(30))));
+    let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+    let (req, send) = handle.next_request().await.unwrap();
+    assert_eq!(timeout_sent(&req), "30");
+    send.send_response(Response::new(Full::default()));
+    call.await.unwrap().unwrap();
+
+    // The request's own sooner deadline wins too; a later one does not.
+    for (own, seen) in [(20, 20), (500, 100)] {
+        let mut req = get_call();
+        req.extensions_mut().insert(Deadline::after(ms(own)));
+        let call = tokio::spawn(svc.ready().await.unwrap().call(req));
+        let (req, send) = handle.next_request().await.unwrap();
+        assert_eq!(timeout_sent(&req), seen.to_string());
+        send.send_response(Response::new(Full::default()));
+        call.await.unwrap().unwrap();
+    }
+}
+
+both_forms!(an_inherited_sooner_deadline_wins, start_paused = true);
+
+async fn an_expired_call_is_deadline_exceeded(form: Form) {
+    let (svc, mut handle) = mock::spawn_layer::<Sent, Res, _>(stack(form, ms(100)));
+    let mut svc = svc.into_inner();
+    let call = tokio::spawn(svc.ready().await.unwrap().call(get_call()));
     // The callee got the request and never answers.
     let (_req, _send) = handle.next_request().await.unwrap();
     let err = call.await.unwrap().unwrap_err();
@@ -141,64 +203,73 @@ async fn an_expired_call_is_deadline_exceeded() {
     assert_eq!(err.to_string(), "deadline exceeded");
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_error_at_the_deadline_is_deadline_exceeded() {
+both_forms!(an_expired_call_is_deadline_exceeded, start_paused = true);
+
+async fn an_error_at_the_deadline_is_deadline_exceeded(form: Form) {
     // A transport that times the call itself from the timeout header (a tonic
     // `Channel`) fails at the same instant as the deadline: that is the deadline.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)))
-        .service(tower::service_fn(|_req: Request<()>| async {
+        .layer(stack(form, ms(50)))
+        .service(tower::service_fn(|_req: Sent| async {
             tokio::time::sleep(ms(50)).await;
             Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
         }));
-    let err = svc.oneshot(get_req()).await.unwrap_err();
+    let err = svc.oneshot(get_call()).await.unwrap_err();
     assert!(is_deadline_exceeded(&err), "{err}");
 
     // gRPC: the synthesised DEADLINE_EXCEEDED.
     let svc = ServiceBuilder::new()
         .layer(GrpcStatusLayer::new())
-        .layer(DeadlineLayer::new(ms(50)))
-        .service(tower::service_fn(|_req: Request<()>| async {
+        .layer(stack(form, ms(50)))
+        .service(tower::service_fn(|_req: Sent| async {
             tokio::time::sleep(ms(50)).await;
             Err::<Response<Full<Bytes>>, BoxError>("Timeout expired".into())
         }));
-    let res = svc.oneshot(grpc_req()).await.unwrap();
+    let res = svc.oneshot(grpc_call()).await.unwrap();
     assert_eq!(res.headers()["grpc-status"], "4");
 
     // An error before the deadline is passed through as it is.
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)))
-        .service(tower::service_fn(|_req: Request<()>| async {
+        .layer(stack(form, ms(50)))
+        .service(tower::service_fn(|_req: Sent| async {
             tokio::time::sleep(ms(49)).await;
             Err::<Response<Full<Bytes>>, BoxError>("connection reset".into())
         }));
-    let err = svc.oneshot(get_req()).await.unwrap_err();
+    let err = svc.oneshot(get_call()).await.unwrap_err();
     assert!(!is_deadline_exceeded(&err));
     assert_eq!(err.to_string(), "connection reset");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_response_ready_at_the_deadline_is_not_dropped() {
+both_forms!(
+    an_error_at_the_deadline_is_deadline_exceeded,
+    start_paused = true
+);
+
+async fn a_response_ready_at_the_deadline_is_not_dropped(form: Form) {
     let svc = ServiceBuilder::new()
-        .layer(DeadlineLayer::new(ms(50)))
-        .service(tower::service_fn(|_req: Request<()>| async {
+        .layer(stack(form, ms(50)))
+        .service(tower::service_fn(|_req: Sent| async {
             // Answers exactly at the deadline: polled before the timer, it wins.
             tokio::time::sleep(ms(50)).await;
             Ok::<_, Infallible>(Response::new(Full::<Bytes>::from("late but ready")))
         }));
-    let res = svc.oneshot(get_req()).await.unwrap();
+    let res = svc.oneshot(get_call()).await.unwrap();
     assert_eq!(text(res.into_body()).await, "late but ready");
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded() {
-    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(
+both_forms!(
+    a_response_ready_at_the_deadline_is_not_dropped,
+    start_paused = true
+);
+
+async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded(form: Form) {
+    let (svc, mut handle) = mock::spawn_layer::<Sent, Res, _>(
         ServiceBuilder::new()
             .layer(GrpcStatusLayer::new())
-            .layer(DeadlineLayer::new(ms(100))),
+            .layer(stack(form, ms(100))),
     );
     let mut svc = svc.into_inner();
-    let call = tokio::spawn(svc.ready().await.unwrap().call(grpc_req()));
+    let call = tokio::spawn(svc.ready().await.unwrap().call(grpc_call()));
     let (_req, _send) = handle.next_request().await.unwrap();
     let res = call.await.unwrap().unwrap();
     assert_eq!(res.status(), StatusCode::OK);
@@ -207,27 +278,21 @@ async fn an_expired_grpc_call_is_a_synthesised_deadline_exceeded() {
     assert_eq!(res.headers()["do-not-retry"], "1");
 
     // A plain HTTP request through the same layer still gets the error.
-    let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
+    let call = tokio::spawn(svc.ready().await.unwrap().call(get_call()));
     let (_req, _send) = handle.next_request().await.unwrap();
     assert!(is_deadline_exceeded(&call.await.unwrap().unwrap_err()));
 }
 
+both_forms!(
+    an_expired_grpc_call_is_a_synthesised_deadline_exceeded,
+    start_paused = true
+);
+
 #[tokio::test(start_paused = true)]
-async fn waiting_for_readiness_counts() {
+async fn the_extension_after_waiting_for_readiness_is_the_time_left() {
     let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
     let mut svc = svc.into_inner();
-
-    // Never ready: the deadline passes while waiting, and the request is never sent.
     handle.allow(0);
-    // The layer itself is always ready.
-    let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
-    let err = call.await.unwrap().unwrap_err();
-    assert!(is_deadline_exceeded(&err), "{err}");
-    assert!(
-        futures_util::FutureExt::now_or_never(handle.next_request()).is_none(),
-        "no request may be sent once the deadline passed"
-    );
-
     // Ready after 60 ms: the callee sees the 40 ms that are left.
     let call = tokio::spawn(svc.ready().await.unwrap().call(get_req()));
     tokio::time::sleep(ms(60)).await;
@@ -241,20 +306,47 @@ async fn waiting_for_readiness_counts() {
     assert_eq!(call.await.unwrap().unwrap().status(), StatusCode::OK);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_readiness_error_is_returned() {
-    let (svc, mut handle) = mock::spawn_layer::<Request<()>, Res, _>(DeadlineLayer::new(ms(100)));
+async fn waiting_for_readiness_counts(form: Form) {
+    let (svc, mut handle) = mock::spawn_layer::<Sent, Res, _>(stack(form, ms(100)));
+    let mut svc = svc.into_inner();
+
+    // Never ready: the deadline passes while waiting, and the request is never sent.
+    handle.allow(0);
+    // The layer itself is always ready.
+    let call = tokio::spawn(svc.ready().await.unwrap().call(get_call()));
+    let err = call.await.unwrap().unwrap_err();
+    assert!(is_deadline_exceeded(&err), "{err}");
+    assert!(
+        futures_util::FutureExt::now_or_never(handle.next_request()).is_none(),
+        "no request may be sent once the deadline passed"
+    );
+
+    // Ready after 60 ms: sent then, and answered in time.
+    let call = tokio::spawn(svc.ready().await.unwrap().call(get_call()));
+    tokio::time::sleep(ms(60)).await;
+    handle.allow(1);
+    let (_req, send) = handle.next_request().await.unwrap();
+    send.send_response(Response::new(Full::default()));
+    assert_eq!(call.await.unwrap().unwrap().status(), StatusCode::OK);
+}
+
+both_forms!(waiting_for_readiness_counts, start_paused = true);
+
+async fn a_readiness_error_is_returned(form: Form) {
+    let (svc, mut handle) = mock::spawn_layer::<Sent, Res, _>(stack(form, ms(100)));
     let mut svc = svc.into_inner();
     handle.send_error("connection pool closed");
     let err = svc
         .ready()
         .await
         .unwrap()
-        .call(get_req())
+        .call(get_call())
         .await
         .unwrap_err();
     assert_eq!(err.to_string(), "connection pool closed");
 }
+
+both_forms!(a_readiness_error_is_returned, start_paused = true);
 
 type Stalling =
     StreamBody<futures_util::stream::BoxStream<'static, Result<Frame<Bytes>, Infallible>>>;
@@ -567,20 +659,12 @@ async fn server_readiness_is_the_inner_services() {
 
 // ---------------------------------------------------------------- two real hops
 
-type Outbound = retrysafe_tower::deadline::DeadlineService<
-    retrysafe_tower::retry::RetryService<
-        Client<
-            hyper_util::client::legacy::connect::HttpConnector,
-            retrysafe_tower::retry::ReplayBody<Full<Bytes>>,
-        >,
-    >,
->;
+type Transport =
+    Client<hyper_util::client::legacy::connect::HttpConnector, ReplayBody<Full<Bytes>>>;
+type Outbound = <FormLayer as Layer<Transport>>::Service;
 
-fn outbound(timeout: Duration) -> Outbound {
-    ServiceBuilder::new()
-        .layer(DeadlineLayer::new(timeout))
-        .layer(RetryLayer::new())
-        .service(Client::builder(TokioExecutor::new()).build_http())
+fn outbound(form: Form, timeout: Duration) -> Outbound {
+    stack(form, timeout).layer(Client::builder(TokioExecutor::new()).build_http())
 }
 
 async fn serve(app: Router) -> std::net::SocketAddr {
@@ -603,8 +687,7 @@ fn left_ms() -> u128 {
         .as_millis()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn two_real_hops_see_the_deadline_shrink() {
+async fn two_real_hops_see_the_deadline_shrink(form: Form) {
     // B reports the time it was left.
     let b_app = Router::new()
         .route("/", get(|| async { left_ms().to_string() }))
@@ -621,12 +704,12 @@ async fn two_real_hops_see_the_deadline_shrink() {
                 let req = Request::get(format!("http://{b}/"))
                     .body(Full::default())
                     .unwrap();
-                let res = outbound(Duration::from_secs(60))
+                let res = outbound(form, Duration::from_secs(60))
                     .oneshot(req)
                     .await
                     .unwrap();
                 assert_eq!(res.status(), StatusCode::OK);
-                format!("{a_left} {}", incoming_text(res).await)
+                format!("{a_left} {}", text(res.into_body()).await)
             }),
         )
         .layer(DeadlineLayer::server());
@@ -635,9 +718,12 @@ async fn two_real_hops_see_the_deadline_shrink() {
     let req = Request::get(format!("http://{a}/"))
         .body(Full::default())
         .unwrap();
-    let res = outbound(Duration::from_secs(5)).oneshot(req).await.unwrap();
+    let res = outbound(form, Duration::from_secs(5))
+        .oneshot(req)
+        .await
+        .unwrap();
     assert_eq!(res.status(), StatusCode::OK);
-    let reply = incoming_text(res).await;
+    let reply = text(res.into_body()).await;
     let (a_left, b_left) = reply.split_once(' ').unwrap();
     let a_left: u128 = a_left.parse().unwrap();
     let b_left: u128 = b_left.parse().unwrap();
@@ -654,6 +740,12 @@ async fn two_real_hops_see_the_deadline_shrink() {
     assert_eq!(res.status(), StatusCode::BAD_REQUEST);
     assert!(incoming_text(res).await.contains("timeout-invalid"));
 }
+
+both_forms!(
+    two_real_hops_see_the_deadline_shrink,
+    flavor = "multi_thread",
+    worker_threads = 2
+);
 
 #[tokio::test(start_paused = true)]
 async fn a_server_future_polled_after_completion_stays_pending() {

@@ -3,6 +3,27 @@
 //! hints, deadlines, readiness, attempt headers, safe requests, keys, the retry point,
 //! giving up, local failures, default timeouts, hooks, body replay), the
 //! `RetryBudgetLayer` and the `EdgeLayer` in front of it.
+//!
+//! The behaviour the whole client stack shares runs on both of its forms (`both_forms!`,
+//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
+//! from one description. Single-form, the API of one standalone layer with no
+//! `ClientLayers` counterpart:
+//! - `readiness_is_awaited_after_the_backoff_and_counts_against_the_deadline` and
+//!   `readiness_that_outlasts_the_deadline_is_a_deadline_exceeded`: a `RetryLayer` right
+//!   over a service awaits its readiness itself; in a stack the breaker below it is
+//!   always ready and awaits the transport's inside its own future (the deadline's
+//!   `waiting_for_readiness_counts` and the breaker's readiness tests cover that);
+//! - `every_attempt_of_a_budgeted_request_is_tagged`: the `RetryCharged` mark is for a
+//!   separate `RetryBudgetLayer` below; the fused stack has none to read it;
+//! - `a_buffer_between_the_retry_and_budget_layers_keeps_one_deposit_per_request`: a
+//!   `Buffer` between two separate layers;
+//! - `without_a_budget_above_the_budget_layer_counts_every_attempt` and
+//!   `a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts`: a retry layer
+//!   and a budget layer with different budgets; `ClientLayers` is given one;
+//! - `the_budget_layer_charges_foreign_retries`,
+//!   `the_server_budget_layer_answers_503_problems_with_do_not_retry` and
+//!   `the_edge_layer_strips_a_forged_retry_attempt_before_the_budget`: the
+//!   `RetryBudgetLayer` alone, and its server form.
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -40,6 +61,10 @@ use tower::layer::util::{Identity, Stack};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
+#[path = "support/forms.rs"]
+mod forms;
+use forms::{Client, Form, FormLayer};
+
 type Req = Request<ReplayBody<String>>;
 type Res = Response<String>;
 type Handle = mock::Handle<Req, Res>;
@@ -58,6 +83,22 @@ fn strategy() -> StandardRetryStrategy {
 
 fn layer() -> RetryLayer {
     RetryLayer::new().strategy(strategy())
+}
+
+/// The standard client stack with the seeded strategy.
+fn client() -> Client {
+    Client::new().strategy(strategy())
+}
+
+/// The standard client stack in `form`, with `retry`'s settings but the seeded strategy
+/// (the strategy `retry` has is replaced).
+fn stacked(form: Form, retry: RetryLayer) -> FormLayer {
+    client().retry(retry).layer(form)
+}
+
+/// The standard client stack in `form`.
+fn stack(form: Form) -> FormLayer {
+    stacked(form, RetryLayer::new())
 }
 
 fn response(code: u16, headers: &[(&'static str, &str)]) -> Res {
@@ -165,9 +206,10 @@ async fn expect_attempt_after(
 }
 
 /// Readies `svc` and spawns the call.
-async fn call<S>(svc: &mut S, req: Request<String>) -> JoinHandle<Result<Res, BoxError>>
+async fn call<S>(svc: &mut S, req: Request<String>) -> JoinHandle<Result<S::Response, BoxError>>
 where
-    S: Service<Request<String>, Response = Res, Error = BoxError>,
+    S: Service<Request<String>, Error = BoxError>,
+    S::Response: Send + 'static,
     S::Future: Send + 'static,
 {
     let fut = svc.ready().await.unwrap().call(req);
@@ -212,15 +254,16 @@ async fn answer(handle: &mut Handle, replies: Vec<Result<Res, BoxError>>) -> Vec
 
 /// Runs `req` through `layer` over a mock answering `replies`; returns the result and
 /// the attempts, after checking that no other attempt came.
-async fn run<L>(
+async fn run<L, R>(
     layer: L,
     req: Request<String>,
     replies: Vec<Result<Res, BoxError>>,
-) -> (Result<Res, BoxError>, Vec<Seen>)
+) -> (Result<R, BoxError>, Vec<Seen>)
 where
     L: Layer<mock::Mock<Req, Res>>,
-    L::Service: Service<Request<String>, Response = Res, Error = BoxError>,
+    L::Service: Service<Request<String>, Response = R, Error = BoxError>,
     <L::Service as Service<Request<String>>>::Future: Send + 'static,
+    R: Send + 'static,
 {
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = layer.layer(mock);
@@ -232,9 +275,7 @@ where
 }
 
 /// `layer` under the one `GrpcStatusLayer` of a gRPC client stack.
-fn grpc_statuses(
-    layer: RetryLayer,
-) -> ServiceBuilder<Stack<RetryLayer, Stack<GrpcStatusLayer, Identity>>> {
+fn grpc_statuses<L>(layer: L) -> ServiceBuilder<Stack<L, Stack<GrpcStatusLayer, Identity>>> {
     ServiceBuilder::new()
         .layer(GrpcStatusLayer::new())
         .layer(layer)
@@ -244,7 +285,7 @@ fn io_error(kind: io::ErrorKind) -> Result<Res, BoxError> {
     Err(Box::new(io::Error::from(kind)))
 }
 
-fn marked(res: &Res) -> bool {
+fn marked<B>(res: &Response<B>) -> bool {
     res.headers().get("do-not-retry").is_some_and(|v| v == "1")
 }
 
@@ -288,12 +329,11 @@ fn ratio_counts(budget: &RetryBudget) -> (u64, u64) {
 // Delays
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn full_jitter_delays_are_exact() {
+async fn full_jitter_delays_are_exact(form: Form) {
     let [d1, d2] = jitter_delays::<2>();
     assert!(d1 <= ms(50) && d2 <= ms(100), "{d1:?} {d2:?}");
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
 
     let join = call(&mut svc, get("http://api.local/items")).await;
     let (req, reply) = next(&mut handle).await;
@@ -316,8 +356,9 @@ async fn full_jitter_delays_are_exact() {
     no_more_attempts(&mut handle).await;
 }
 
-#[tokio::test(start_paused = true)]
-async fn retry_after_is_a_minimum_delay() {
+both_forms!(full_jitter_delays_are_exact, start_paused = true);
+
+async fn retry_after_is_a_minimum_delay(form: Form) {
     // Replay the generator: a 503 with retry-after is a throttle (base 1 s).
     let mut rng = RngSource::seeded(SEED).next_rng();
     let backoff = Backoff::default();
@@ -328,7 +369,7 @@ async fn retry_after_is_a_minimum_delay() {
     assert!(d2 > Duration::ZERO);
 
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(&mut svc, get("http://api.local/items")).await;
     let (_, reply) = next(&mut handle).await;
     let t0 = Instant::now();
@@ -344,10 +385,11 @@ async fn retry_after_is_a_minimum_delay() {
     );
 }
 
-#[tokio::test(start_paused = true)]
-async fn grpc_pushback_is_the_exact_delay_and_negative_means_no_retry() {
+both_forms!(retry_after_is_a_minimum_delay, start_paused = true);
+
+async fn grpc_pushback_is_the_exact_delay_and_negative_means_no_retry(form: Form) {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(&mut svc, with(grpc_call(), Idempotent)).await;
     let (req, reply) = next(&mut handle).await;
     assert!(req.headers().get("grpc-previous-rpc-attempts").is_none());
@@ -370,7 +412,7 @@ async fn grpc_pushback_is_the_exact_delay_and_negative_means_no_retry() {
 
     // A pushback of 0: at once.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(&mut svc, with(grpc_call(), Idempotent)).await;
     let (_, reply) = next(&mut handle).await;
     let t0 = Instant::now();
@@ -382,12 +424,16 @@ async fn grpc_pushback_is_the_exact_delay_and_negative_means_no_retry() {
     assert_eq!(join.await.unwrap().unwrap().headers()["grpc-status"], "0");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_delay_longer_than_the_time_left_gives_up_at_once() {
+both_forms!(
+    grpc_pushback_is_the_exact_delay_and_negative_means_no_retry,
+    start_paused = true
+);
+
+async fn a_delay_longer_than_the_time_left_gives_up_at_once(form: Form) {
     let (layer, retries, give_ups) = hooked(layer());
     let ctx = CallContext::new();
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer.layer(mock);
+    let mut svc = stacked(form, layer).layer(mock);
     let req = with(
         get("http://api.local/items"),
         Deadline::after(Duration::from_secs(1)),
@@ -414,12 +460,18 @@ async fn a_delay_longer_than_the_time_left_gives_up_at_once() {
     no_more_attempts(&mut handle).await;
 }
 
+both_forms!(
+    a_delay_longer_than_the_time_left_gives_up_at_once,
+    start_paused = true
+);
+
 /// An attempt that never answers (a black hole) under a deadline: an explicit
 /// `attempt_timeout` cuts it and leaves time for a retry; the attempt's time-left header
 /// is the attempt's bound. Without one, the attempt may use the whole deadline.
-#[tokio::test(start_paused = true)]
-async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
-    let bounded = RetryLayer::new().strategy(strategy().attempt_timeout(ms(200)));
+async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline(form: Form) {
+    let bounded = Client::new()
+        .strategy(strategy().attempt_timeout(ms(200)))
+        .layer(form);
     let (mock, mut handle) = mock::pair::<Req, Res>();
     let mut svc = bounded.layer(mock);
     let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
@@ -438,7 +490,7 @@ async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
 
     // The default attempt timeout does not apply under a deadline.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let req = with(get("http://api.local/items"), Deadline::after(ms(1000)));
     let join = call(&mut svc, req).await;
     let (first, _black_hole) = take(&mut handle).await;
@@ -447,6 +499,11 @@ async fn an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline() {
     assert!(err.is::<DeadlineExceeded>(), "{err}");
     no_more_attempts(&mut handle).await;
 }
+
+both_forms!(
+    an_explicit_attempt_timeout_cuts_a_black_hole_under_a_deadline,
+    start_paused = true
+);
 
 // ---------------------------------------------------------------------------------------
 // Readiness
@@ -555,12 +612,11 @@ async fn readiness_that_outlasts_the_deadline_is_a_deadline_exceeded() {
 // Deadline headers
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn the_deadline_header_is_rewritten_on_every_attempt_rounded_down() {
+async fn the_deadline_header_is_rewritten_on_every_attempt_rounded_down(form: Form) {
     let [d1, d2] = jitter_delays::<2>();
     let budget = Duration::from_micros(1_000_500); // 1000.5 ms
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(
         &mut svc,
         with(get("http://api.local/items"), Deadline::after(budget)),
@@ -589,12 +645,16 @@ async fn the_deadline_header_is_rewritten_on_every_attempt_rounded_down() {
     join.await.unwrap().unwrap();
 }
 
-#[tokio::test(start_paused = true)]
-async fn grpc_timeout_is_rewritten_on_every_attempt_rounded_down() {
+both_forms!(
+    the_deadline_header_is_rewritten_on_every_attempt_rounded_down,
+    start_paused = true
+);
+
+async fn grpc_timeout_is_rewritten_on_every_attempt_rounded_down(form: Form) {
     let [d1] = jitter_delays::<1>();
     let budget = Duration::from_micros(1_000_500);
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let req = with(with(grpc_call(), Idempotent), Deadline::after(budget));
     let join = call(&mut svc, req).await;
     let start = Instant::now();
@@ -611,12 +671,16 @@ async fn grpc_timeout_is_rewritten_on_every_attempt_rounded_down() {
     join.await.unwrap().unwrap();
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_timeout_header_set_by_the_caller_or_an_inherited_deadline_is_honoured() {
+both_forms!(
+    grpc_timeout_is_rewritten_on_every_attempt_rounded_down,
+    start_paused = true
+);
+
+async fn a_timeout_header_set_by_the_caller_or_an_inherited_deadline_is_honoured(form: Form) {
     let [d1] = jitter_delays::<1>();
     // A header the caller set, with no Deadline extension.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let req = Request::get("http://api.local/items")
         .header("request-timeout-ms", "300")
         .body(String::new())
@@ -637,7 +701,7 @@ async fn a_timeout_header_set_by_the_caller_or_an_inherited_deadline_is_honoured
 
     // The inherited context's deadline, tightened by a sooner request deadline.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let ctx = CallContext::new().with_deadline(Deadline::after(ms(800)));
     let join = ctx
         .clone()
@@ -658,8 +722,12 @@ async fn a_timeout_header_set_by_the_caller_or_an_inherited_deadline_is_honoured
     join.await.unwrap().unwrap();
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
+both_forms!(
+    a_timeout_header_set_by_the_caller_or_an_inherited_deadline_is_honoured,
+    start_paused = true
+);
+
+async fn a_504_long_before_the_deadline_is_the_callees_own_timeout(form: Form) {
     // The deadline sent was 5 s and the 504 came at once: not the caller's deadline at
     // work (that is a 504 as the deadline runs out), the callee's fault. Retried either
     // way.
@@ -668,7 +736,12 @@ async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
         get("http://api.local/items"),
         Deadline::after(Duration::from_secs(5)),
     );
-    let (res, seen) = run(layer, req, vec![Ok(status(504)), Ok(status(200))]).await;
+    let (res, seen) = run(
+        stacked(form, layer),
+        req,
+        vec![Ok(status(504)), Ok(status(200))],
+    )
+    .await;
     assert_eq!(res.unwrap().status(), StatusCode::OK);
     assert_eq!(seen.len(), 2);
     let retries = events(&retries);
@@ -678,7 +751,7 @@ async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
     // Without a deadline, the callee's own fault.
     let (layer, retries, _) = hooked(self::layer());
     let (res, _) = run(
-        layer,
+        stacked(form, layer),
         get("http://api.local/items"),
         vec![Ok(status(504)), Ok(status(200))],
     )
@@ -690,14 +763,38 @@ async fn a_504_long_before_the_deadline_is_the_callees_own_timeout() {
     );
 }
 
+both_forms!(
+    a_504_long_before_the_deadline_is_the_callees_own_timeout,
+    start_paused = true
+);
+
 // ---------------------------------------------------------------------------------------
 // Attempt headers and safe requests
 // ---------------------------------------------------------------------------------------
 
 #[tokio::test(start_paused = true)]
-async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
-    let (res, seen) = run(
+async fn every_attempt_of_a_budgeted_request_is_tagged() {
+    let (_, seen) = run(
         layer(),
+        with(grpc_call(), Idempotent),
+        vec![
+            Ok(grpc_status("14", &[])),
+            Ok(grpc_status("14", &[])),
+            Ok(grpc_status("0", &[])),
+        ],
+    )
+    .await;
+    let charged = |s: &Seen| s.parts.extensions.get::<RetryCharged>().map(|c| c.attempt);
+    // The first included: a budget layer below skips them all.
+    assert_eq!(
+        seen.iter().map(charged).collect::<Vec<_>>(),
+        [Some(1), Some(2), Some(3)]
+    );
+}
+
+async fn attempts_two_and_later_are_numbered(form: Form) {
+    let (res, seen) = run(
+        stack(form),
         with(grpc_call(), Idempotent),
         vec![
             Ok(grpc_status("14", &[])),
@@ -709,7 +806,6 @@ async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
     assert_eq!(res.unwrap().headers()["grpc-status"], "0");
     let attempt = |s: &Seen| s.header("retry-attempt").map(str::to_owned);
     let previous = |s: &Seen| s.header("grpc-previous-rpc-attempts").map(str::to_owned);
-    let charged = |s: &Seen| s.parts.extensions.get::<RetryCharged>().map(|c| c.attempt);
     assert_eq!(
         seen.iter().map(attempt).collect::<Vec<_>>(),
         [None, Some("2".to_owned()), Some("3".to_owned())]
@@ -718,15 +814,10 @@ async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
         seen.iter().map(previous).collect::<Vec<_>>(),
         [None, Some("1".to_owned()), Some("2".to_owned())]
     );
-    // Every attempt of a budgeted request is tagged, the first included.
-    assert_eq!(
-        seen.iter().map(charged).collect::<Vec<_>>(),
-        [Some(1), Some(2), Some(3)]
-    );
 
     // Plain HTTP: no grpc-previous-rpc-attempts.
     let (_, seen) = run(
-        layer(),
+        stack(form),
         get("http://api.local/x"),
         vec![Ok(status(503)), Ok(status(200))],
     )
@@ -735,11 +826,12 @@ async fn attempts_two_and_later_are_numbered_and_every_attempt_is_tagged() {
     assert_eq!(seen[1].header("grpc-previous-rpc-attempts"), None);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent() {
+both_forms!(attempts_two_and_later_are_numbered, start_paused = true);
+
+async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent(form: Form) {
     let ctx = CallContext::new();
     let req = with(post("http://api.local/orders", "{}"), ctx.clone());
-    let (res, seen) = run(layer(), req, vec![Ok(status(503))]).await;
+    let (res, seen) = run(stack(form), req, vec![Ok(status(503))]).await;
     let res = res.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(seen.len(), 1);
@@ -749,7 +841,7 @@ async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent() {
 
     // A failed connect: nothing was sent, so even a POST is retried.
     let (res, seen) = run(
-        layer(),
+        stack(form),
         post("http://api.local/orders", "{\"n\":1}"),
         vec![io_error(io::ErrorKind::ConnectionRefused), Ok(status(201))],
     )
@@ -760,7 +852,7 @@ async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent() {
 
     // A reset after sending: maybe processed, so not retried; the error comes back.
     let (res, seen) = run(
-        layer(),
+        stack(form),
         post("http://api.local/orders", "{}"),
         vec![io_error(io::ErrorKind::ConnectionReset)],
     )
@@ -774,7 +866,7 @@ async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent() {
 
     // The same reset on a GET is retried.
     let (res, seen) = run(
-        layer(),
+        stack(form),
         get("http://api.local/orders"),
         vec![io_error(io::ErrorKind::ConnectionReset), Ok(status(200))],
     )
@@ -783,11 +875,15 @@ async fn a_post_without_a_key_is_sent_once_unless_nothing_was_sent() {
     assert_eq!(seen.len(), 2);
 }
 
-#[tokio::test(start_paused = true)]
-async fn no_retry_and_idempotent_extensions_and_idempotent_if() {
+both_forms!(
+    a_post_without_a_key_is_sent_once_unless_nothing_was_sent,
+    start_paused = true
+);
+
+async fn no_retry_and_idempotent_extensions_and_idempotent_if(form: Form) {
     let ctx = CallContext::new();
     let req = with(with(get("http://api.local/x"), NoRetry), ctx.clone());
-    let (res, seen) = run(layer(), req, vec![Ok(status(503))]).await;
+    let (res, seen) = run(stack(form), req, vec![Ok(status(503))]).await;
     let res = res.unwrap();
     assert_eq!(seen.len(), 1);
     assert!(!marked(&res));
@@ -796,7 +892,7 @@ async fn no_retry_and_idempotent_extensions_and_idempotent_if() {
     // NoRetry also keeps a POST from getting a generated key.
     let req = with(post("http://api.local/x", "b"), NoRetry);
     let (_, seen) = run(
-        layer().generate_idempotency_keys(),
+        stacked(form, layer().generate_idempotency_keys()),
         req,
         vec![Ok(status(503))],
     )
@@ -804,12 +900,15 @@ async fn no_retry_and_idempotent_extensions_and_idempotent_if() {
     assert_eq!(seen[0].header("idempotency-key"), None);
 
     let req = with(post("http://api.local/x", "b"), Idempotent);
-    let (res, seen) = run(layer(), req, vec![Ok(status(503)), Ok(status(200))]).await;
+    let (res, seen) = run(stack(form), req, vec![Ok(status(503)), Ok(status(200))]).await;
     res.unwrap();
     assert_eq!(seen.len(), 2);
     assert_eq!(seen[1].body, "b");
 
-    let read_only = layer().idempotent_if(|parts| parts.uri.path().starts_with("/query"));
+    let read_only = stacked(
+        form,
+        layer().idempotent_if(|parts| parts.uri.path().starts_with("/query")),
+    );
     let (_, seen) = run(
         read_only.clone(),
         post("http://api.local/query/items", "q"),
@@ -826,8 +925,12 @@ async fn no_retry_and_idempotent_extensions_and_idempotent_if() {
     assert_eq!(seen.len(), 1);
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_custom_convention_renames_every_header() {
+both_forms!(
+    no_retry_and_idempotent_extensions_and_idempotent_if,
+    start_paused = true
+);
+
+async fn a_custom_convention_renames_every_header(form: Form) {
     let convention = Convention::default()
         .with_request_timeout_ms(HeaderName::from_static("x-envoy-expected-rq-timeout-ms"))
         .with_retry_attempt(HeaderName::from_static("x-attempt"))
@@ -843,10 +946,13 @@ async fn a_custom_convention_renames_every_header() {
         ctx.clone(),
     );
     let (res, seen) = run(
-        layer()
-            .convention(convention)
-            .generate_idempotency_keys()
-            .retry_point(),
+        stacked(
+            form,
+            layer()
+                .convention(convention)
+                .generate_idempotency_keys()
+                .retry_point(),
+        ),
         req,
         vec![Ok(status(503)), Ok(status(503)), Ok(status(503))],
     )
@@ -870,20 +976,25 @@ async fn a_custom_convention_renames_every_header() {
     // A renamed mark from below stops the retries; the default name is just a header.
     let convention = Convention::default().with_do_not_retry(HeaderName::from_static("x-final"));
     let (_, seen) = run(
-        layer().convention(convention.clone()),
+        stacked(form, layer().convention(convention.clone())),
         get("http://api.local/x"),
         vec![Ok(response(503, &[("x-final", "1")]))],
     )
     .await;
     assert_eq!(seen.len(), 1);
     let (_, seen) = run(
-        layer().convention(convention),
+        stacked(form, layer().convention(convention)),
         get("http://api.local/x"),
         vec![Ok(response(503, &[("do-not-retry", "1")])), Ok(status(200))],
     )
     .await;
     assert_eq!(seen.len(), 2);
 }
+
+both_forms!(
+    a_custom_convention_renames_every_header,
+    start_paused = true
+);
 
 // ---------------------------------------------------------------------------------------
 // Idempotency keys
@@ -896,9 +1007,8 @@ fn key_of(seen: &Seen) -> Option<IdempotencyKey> {
         .map(|v| IdempotencyKey::from_header(v).unwrap())
 }
 
-#[tokio::test(start_paused = true)]
-async fn generated_keys_are_added_to_post_and_patch_and_kept_across_attempts() {
-    let keys = layer().generate_idempotency_keys();
+async fn generated_keys_are_added_to_post_and_patch_and_kept_across_attempts(form: Form) {
+    let keys = stacked(form, layer().generate_idempotency_keys());
     let (res, seen) = run(
         keys.clone(),
         post("http://api.local/orders", "x"),
@@ -946,7 +1056,7 @@ async fn generated_keys_are_added_to_post_and_patch_and_kept_across_attempts() {
 
     // Without the option, no key is added.
     let (_, seen) = run(
-        layer(),
+        stack(form),
         post("http://api.local/orders", "x"),
         vec![Ok(status(201))],
     )
@@ -954,8 +1064,12 @@ async fn generated_keys_are_added_to_post_and_patch_and_kept_across_attempts() {
     assert!(key_of(&seen[0]).is_none());
 }
 
-#[tokio::test(start_paused = true)]
-async fn keys_inside_a_guarded_handler_are_deterministic_child_keys() {
+both_forms!(
+    generated_keys_are_added_to_post_and_patch_and_kept_across_attempts,
+    start_paused = true
+);
+
+async fn keys_inside_a_guarded_handler_are_deterministic_child_keys(form: Form) {
     let scope = Scope::from(&Principal::new("alice"));
     let inbound = IdempotencyKey::new("order-7").unwrap();
     let expected = IdempotencyContext::detached(scope, inbound.clone(), Token::random());
@@ -968,7 +1082,7 @@ async fn keys_inside_a_guarded_handler_are_deterministic_child_keys() {
     for _run in 0..2 {
         let record = IdempotencyContext::detached(scope, inbound.clone(), Token::random());
         let ctx = CallContext::new().with_idempotency(record);
-        let keys = layer().generate_idempotency_keys();
+        let keys = stacked(form, layer().generate_idempotency_keys());
         let (_, seen) = ctx
             .clone()
             .scope(run(
@@ -998,7 +1112,7 @@ async fn keys_inside_a_guarded_handler_are_deterministic_child_keys() {
     let ctx = CallContext::new().with_idempotency(other);
     let req = with(post("http://ledger.local/entries", "e"), ctx);
     let (_, seen) = run(
-        layer().generate_idempotency_keys(),
+        stacked(form, layer().generate_idempotency_keys()),
         req,
         vec![Ok(status(201))],
     )
@@ -1006,14 +1120,18 @@ async fn keys_inside_a_guarded_handler_are_deterministic_child_keys() {
     assert_ne!(key_of(&seen[0]).unwrap(), first);
 }
 
+both_forms!(
+    keys_inside_a_guarded_handler_are_deterministic_child_keys,
+    start_paused = true
+);
+
 // ---------------------------------------------------------------------------------------
 // The retry point
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn retry_point_sends_the_header_on_every_attempt() {
+async fn retry_point_sends_the_header_on_every_attempt(form: Form) {
     let (_, seen) = run(
-        layer().retry_point(),
+        stacked(form, layer().retry_point()),
         get("http://api.local/x"),
         vec![Ok(status(503)), Ok(status(503)), Ok(status(200))],
     )
@@ -1023,16 +1141,25 @@ async fn retry_point_sends_the_header_on_every_attempt() {
         seen.iter()
             .all(|s| s.header("retry-point") == Some("caller"))
     );
-    let (_, seen) = run(layer(), get("http://api.local/x"), vec![Ok(status(200))]).await;
+    let (_, seen) = run(
+        stack(form),
+        get("http://api.local/x"),
+        vec![Ok(status(200))],
+    )
+    .await;
     assert_eq!(seen[0].header("retry-point"), None);
 }
 
-#[tokio::test(start_paused = true)]
-async fn an_inherited_retry_point_makes_one_attempt_and_does_not_mark() {
+both_forms!(
+    retry_point_sends_the_header_on_every_attempt,
+    start_paused = true
+);
+
+async fn an_inherited_retry_point_makes_one_attempt_and_does_not_mark(form: Form) {
     let (layer, retries, give_ups) = hooked(layer());
     let ctx = CallContext::new().with_caller_is_retry_point(true);
     let req = with(get("http://api.local/x"), ctx.clone());
-    let (res, seen) = run(layer, req, vec![Ok(status(503))]).await;
+    let (res, seen) = run(stacked(form, layer), req, vec![Ok(status(503))]).await;
     let res = res.unwrap();
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(seen.len(), 1);
@@ -1044,12 +1171,16 @@ async fn an_inherited_retry_point_makes_one_attempt_and_does_not_mark() {
     assert_eq!(seen[0].header("retry-point"), Some("caller"));
 }
 
+both_forms!(
+    an_inherited_retry_point_makes_one_attempt_and_does_not_mark,
+    start_paused = true
+);
+
 // ---------------------------------------------------------------------------------------
 // Giving up
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn giving_up_after_the_last_attempt_marks_the_last_response() {
+async fn giving_up_after_the_last_attempt_marks_the_last_response(form: Form) {
     let [d1, d2] = jitter_delays::<2>();
     let (layer, retries, give_ups) = hooked(layer());
     let ctx = CallContext::new();
@@ -1060,13 +1191,17 @@ async fn giving_up_after_the_last_attempt_marks_the_last_response() {
     ];
     let (res, seen) = ctx
         .clone()
-        .scope(run(layer, get("http://api.local/x"), replies))
+        .scope(run(
+            stacked(form, layer),
+            get("http://api.local/x"),
+            replies,
+        ))
         .await;
     let res = res.unwrap();
     assert_eq!(seen.len(), 3);
     assert_eq!(res.headers()["x-n"], "3");
     assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
-    assert_eq!(res.body(), "status 503");
+    assert_eq!(res.body().get_ref(), "status 503");
     assert!(marked(&res));
     assert!(ctx.downstream_gave_up());
 
@@ -1086,11 +1221,15 @@ async fn giving_up_after_the_last_attempt_marks_the_last_response() {
     assert_eq!(seen[1].at - seen[0].at, ceil_ms(d1));
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
+both_forms!(
+    giving_up_after_the_last_attempt_marks_the_last_response,
+    start_paused = true
+);
+
+async fn a_budget_refusal_on_the_first_retry_marks_the_response(form: Form) {
     let budget = ratio(0, 0.0);
-    let (layer, retries, give_ups) =
-        hooked(RetryLayer::new().strategy(strategy().budget(budget.clone())));
+    let (layer, retries, give_ups) = hooked(RetryLayer::new());
+    let layer = client().retry(layer).budget(budget.clone()).layer(form);
     let ctx = CallContext::new();
     let req = with(get("http://api.local/x"), ctx.clone());
     let (res, seen) = run(layer, req, vec![Ok(status(503))]).await;
@@ -1104,11 +1243,13 @@ async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
     // One deposit for the request, no withdrawal.
     assert_eq!(ratio_counts(&budget), (1, 0));
 
-    // A per-request budget (extension) overrides the strategy's.
+    // A per-request budget (extension) replaces the stack's in the retry's charges;
+    // the stack's budget still counts the request as another budget's.
     let generous = RetryBudget::token_bucket();
+    let shared = ratio(0, 1.0);
     let req = with(get("http://api.local/x"), generous.clone());
     let (res, seen) = run(
-        RetryLayer::new().strategy(strategy().budget(budget.clone())),
+        client().budget(shared.clone()).layer(form),
         req,
         vec![Ok(status(503)), Ok(status(200))],
     )
@@ -1117,16 +1258,43 @@ async fn a_budget_refusal_on_the_first_retry_marks_the_response() {
     assert_eq!(seen.len(), 2);
     // The retry's cost, then refunded by its success.
     assert_eq!(generous.available_retries(), 100);
-    assert_eq!(ratio_counts(&budget), (1, 0));
+    assert_eq!(ratio_counts(&shared), (1, 1));
+
+    // So a stack's budget that affords no retry refuses it all the same: below the
+    // retry, after a real response.
+    let (layer, retries, give_ups) = hooked(RetryLayer::new());
+    let ctx = CallContext::new();
+    let req = with(
+        with(get("http://api.local/x"), generous.clone()),
+        ctx.clone(),
+    );
+    let (res, seen) = run(
+        client().retry(layer).budget(budget.clone()).layer(form),
+        req,
+        vec![Ok(status(503))],
+    )
+    .await;
+    let res = res.unwrap();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    assert!(marked(&res));
+    assert!(ctx.downstream_gave_up());
+    assert_eq!(retries.lock().unwrap().len(), 1);
+    assert_eq!(give_ups.lock().unwrap()[0].reason, GiveUp::RefusedBelow);
+    assert_eq!(ratio_counts(&budget), (2, 0));
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_do_not_retry_reply_is_not_retried_and_recorded() {
+both_forms!(
+    a_budget_refusal_on_the_first_retry_marks_the_response,
+    start_paused = true
+);
+
+async fn a_do_not_retry_reply_is_not_retried_and_recorded(form: Form) {
     let (layer, retries, give_ups) = hooked(layer());
     let ctx = CallContext::new();
     let req = with(get("http://api.local/x"), ctx.clone());
     let (res, seen) = run(
-        layer,
+        stacked(form, layer),
         req,
         vec![Ok(response(503, &[("do-not-retry", "1")]))],
     )
@@ -1143,7 +1311,7 @@ async fn a_do_not_retry_reply_is_not_retried_and_recorded() {
     let ctx = CallContext::new();
     let req = with(get("http://api.local/x"), ctx.clone());
     let (_, seen) = run(
-        self::layer(),
+        stack(form),
         req,
         vec![Ok(response(503, &[("do-not-retry", "0")])), Ok(status(200))],
     )
@@ -1152,8 +1320,12 @@ async fn a_do_not_retry_reply_is_not_retried_and_recorded() {
     assert!(!ctx.downstream_gave_up());
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_replayed_response_is_not_retried() {
+both_forms!(
+    a_do_not_retry_reply_is_not_retried_and_recorded,
+    start_paused = true
+);
+
+async fn a_replayed_response_is_not_retried(form: Form) {
     for code in [503, 409, 429] {
         let req = Request::post("http://api.local/orders")
             .header("idempotency-key", "k-1")
@@ -1163,7 +1335,7 @@ async fn a_replayed_response_is_not_retried() {
             code,
             &[("idempotent-replayed", "true"), ("retry-after", "1")],
         );
-        let (res, seen) = run(layer(), req, vec![Ok(replayed)]).await;
+        let (res, seen) = run(stack(form), req, vec![Ok(replayed)]).await;
         assert_eq!(res.unwrap().status().as_u16(), code);
         assert_eq!(seen.len(), 1, "{code}");
     }
@@ -1173,7 +1345,7 @@ async fn a_replayed_response_is_not_retried() {
         .body("x".to_owned())
         .unwrap();
     let (res, seen) = run(
-        layer(),
+        stack(form),
         req,
         vec![Ok(response(409, &[("retry-after", "1")])), Ok(status(201))],
     )
@@ -1183,15 +1355,16 @@ async fn a_replayed_response_is_not_retried() {
     assert!(seen[1].at - seen[0].at >= Duration::from_secs(1));
 }
 
+both_forms!(a_replayed_response_is_not_retried, start_paused = true);
+
 // ---------------------------------------------------------------------------------------
 // Local failures
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
+async fn grpc_statuses_answer_local_failures_with_trailers_only_responses(form: Form) {
     // An expired deadline: nothing is sent.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = grpc_statuses(layer()).service(mock);
+    let mut svc = grpc_statuses(stack(form)).service(mock);
     let deadline = Deadline::after(ms(10));
     tokio::time::advance(ms(10)).await;
     let join = call(&mut svc, with(grpc_call(), deadline)).await;
@@ -1200,12 +1373,12 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
     assert_eq!(res.headers()["content-type"], "application/grpc");
     assert_eq!(res.headers()["grpc-status"], "4");
     assert!(marked(&res));
-    assert!(res.body().is_empty());
+    assert!(res.body().get_ref().is_empty());
     no_more_attempts(&mut handle).await;
 
     // A budget refusal from below: UNAVAILABLE, not retried.
     let (res, seen) = run(
-        grpc_statuses(layer()),
+        grpc_statuses(stack(form)),
         with(grpc_call(), Idempotent),
         vec![Err(Box::new(BudgetExhausted::new()))],
     )
@@ -1217,7 +1390,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // The deadline running out during an attempt: DEADLINE_EXCEEDED.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = grpc_statuses(layer()).service(mock);
+    let mut svc = grpc_statuses(stack(form)).service(mock);
     let join = call(
         &mut svc,
         with(with(grpc_call(), Idempotent), Deadline::after(ms(300))),
@@ -1233,7 +1406,7 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
 
     // Other (non-gRPC) requests still get errors in this mode.
     let (mock, _handle) = mock::pair::<Req, Res>();
-    let mut svc = grpc_statuses(layer()).service(mock);
+    let mut svc = grpc_statuses(stack(form)).service(mock);
     let deadline = Deadline::after(ms(1));
     tokio::time::advance(ms(1)).await;
     let err = call(&mut svc, with(get("http://api.local/x"), deadline))
@@ -1244,10 +1417,14 @@ async fn grpc_statuses_answer_local_failures_with_trailers_only_responses() {
     assert!(err.is::<DeadlineExceeded>());
 }
 
-#[tokio::test(start_paused = true)]
-async fn local_failures_are_typed_errors_by_default() {
+both_forms!(
+    grpc_statuses_answer_local_failures_with_trailers_only_responses,
+    start_paused = true
+);
+
+async fn local_failures_are_typed_errors_by_default(form: Form) {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let deadline = Deadline::after(ms(10));
     tokio::time::advance(ms(10)).await;
     let err = call(&mut svc, with(grpc_call(), deadline))
@@ -1259,7 +1436,7 @@ async fn local_failures_are_typed_errors_by_default() {
     no_more_attempts(&mut handle).await;
 
     let (res, seen) = run(
-        layer(),
+        stack(form),
         with(grpc_call(), Idempotent),
         vec![Err(Box::new(BudgetExhausted::new()))],
     )
@@ -1270,7 +1447,7 @@ async fn local_failures_are_typed_errors_by_default() {
     // The deadline running out during an attempt of a GET: an error, after giving up.
     let ctx = CallContext::new().with_deadline(Deadline::after(ms(300)));
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(&mut svc, with(get("http://api.local/x"), ctx.clone())).await;
     let (_req, _reply) = next(&mut handle).await;
     let err = join.await.unwrap().unwrap_err();
@@ -1279,16 +1456,20 @@ async fn local_failures_are_typed_errors_by_default() {
     no_more_attempts(&mut handle).await;
 }
 
+both_forms!(
+    local_failures_are_typed_errors_by_default,
+    start_paused = true
+);
+
 // ---------------------------------------------------------------------------------------
 // Default timeouts
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn the_default_attempt_timeout_fires_and_retries_a_get() {
+async fn the_default_attempt_timeout_fires_and_retries_a_get(form: Form) {
     let [d1] = jitter_delays::<1>();
     let (layer, retries, _) = hooked(layer());
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer.layer(mock);
+    let mut svc = stacked(form, layer).layer(mock);
     let join = call(&mut svc, get("http://api.local/slow")).await;
     let start = Instant::now();
     let (_first, _unanswered) = next(&mut handle).await;
@@ -1309,10 +1490,14 @@ async fn the_default_attempt_timeout_fires_and_retries_a_get() {
     assert_eq!(retries[0].status, None);
 }
 
-#[tokio::test(start_paused = true)]
-async fn the_default_overall_timeout_ends_the_call_at_30_s() {
+both_forms!(
+    the_default_attempt_timeout_fires_and_retries_a_get,
+    start_paused = true
+);
+
+async fn the_default_overall_timeout_ends_the_call_at_30_s(form: Form) {
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = layer().layer(mock);
+    let mut svc = stack(form).layer(mock);
     let join = call(&mut svc, get("http://api.local/slow")).await;
     let start = Instant::now();
     let mut held = Vec::new();
@@ -1327,8 +1512,9 @@ async fn the_default_overall_timeout_ends_the_call_at_30_s() {
 
     // `no_timeout()`: an attempt may take as long as it takes.
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = RetryLayer::new()
+    let mut svc = Client::new()
         .strategy(strategy().no_timeout())
+        .layer(form)
         .layer(mock);
     let join = call(&mut svc, get("http://api.local/slow")).await;
     let (_req, reply) = next(&mut handle).await;
@@ -1339,19 +1525,23 @@ async fn the_default_overall_timeout_ends_the_call_at_30_s() {
     join.await.unwrap().unwrap();
 }
 
+both_forms!(
+    the_default_overall_timeout_ends_the_call_at_30_s,
+    start_paused = true
+);
+
 // ---------------------------------------------------------------------------------------
 // Request bodies
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn a_body_under_the_cap_is_replayed_byte_for_byte() {
+async fn a_body_under_the_cap_is_replayed_byte_for_byte(form: Form) {
     let body = "{\"amount\": 125, \"note\": \"ünïcödé\"}";
     let req = Request::post("http://api.local/payments")
         .header("idempotency-key", "pay-1")
         .body(body.to_owned())
         .unwrap();
     let (res, seen) = run(
-        layer(),
+        stack(form),
         req,
         vec![Ok(status(503)), Ok(status(502)), Ok(status(201))],
     )
@@ -1368,7 +1558,7 @@ async fn a_body_under_the_cap_is_replayed_byte_for_byte() {
         .body("12345678".to_owned())
         .unwrap();
     let (_, seen) = run(
-        layer().max_replay_body(8),
+        stacked(form, layer().max_replay_body(8)),
         req,
         vec![Ok(status(503)), Ok(status(201))],
     )
@@ -1377,15 +1567,19 @@ async fn a_body_under_the_cap_is_replayed_byte_for_byte() {
     assert_eq!(seen[1].body, "12345678");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_body_over_the_cap_is_sent_once() {
+both_forms!(
+    a_body_under_the_cap_is_replayed_byte_for_byte,
+    start_paused = true
+);
+
+async fn a_body_over_the_cap_is_sent_once(form: Form) {
     let ctx = CallContext::new();
     let req = Request::post("http://api.local/payments")
         .header("idempotency-key", "pay-3")
         .body("123456789".to_owned())
         .unwrap();
     let (res, seen) = run(
-        layer().max_replay_body(8),
+        stacked(form, layer().max_replay_body(8)),
         with(req, ctx.clone()),
         vec![Ok(status(503))],
     )
@@ -1397,26 +1591,30 @@ async fn a_body_over_the_cap_is_sent_once() {
     assert!(layer().max_replay_body((1 << 30) + 1).build().is_err());
 }
 
+both_forms!(a_body_over_the_cap_is_sent_once, start_paused = true);
+
 // ---------------------------------------------------------------------------------------
 // RetryBudgetLayer and EdgeLayer
 // ---------------------------------------------------------------------------------------
 
-#[tokio::test(start_paused = true)]
-async fn the_budget_layer_skips_attempts_the_retry_layer_charged() {
-    // One budget shared by the RetryLayer and the RetryBudgetLayer below it: still
+async fn the_budget_layer_skips_attempts_the_retry_layer_charged(form: Form) {
+    // One budget shared by the RetryLayer and the RetryBudgetLayer below it (given
+    // once to ClientLayers): still
     // exactly one deposit for the logical request and one withdrawal for the retry.
     let budget = ratio(0, 1.0);
     let (mock, mut handle) = mock::pair::<Req, Res>();
-    let mut svc = tower::ServiceBuilder::new()
-        .layer(RetryLayer::new().strategy(strategy().budget(budget.clone())))
-        .layer(RetryBudgetLayer::new(budget.clone()))
-        .service(mock);
+    let mut svc = client().budget(budget.clone()).layer(form).layer(mock);
     let join = call(&mut svc, get("http://api.local/x")).await;
     let seen = answer(&mut handle, vec![Ok(status(503)), Ok(status(200))]).await;
     assert_eq!(join.await.unwrap().unwrap().status(), StatusCode::OK);
     assert_eq!(seen[1].header("retry-attempt"), Some("2"));
     assert_eq!(ratio_counts(&budget), (1, 1));
 }
+
+both_forms!(
+    the_budget_layer_skips_attempts_the_retry_layer_charged,
+    start_paused = true
+);
 
 #[tokio::test(start_paused = true)]
 async fn a_buffer_between_the_retry_and_budget_layers_keeps_one_deposit_per_request() {
@@ -1690,8 +1888,7 @@ async fn a_budget_layer_with_its_own_budget_counts_a_retry_layers_attempts() {
 /// A layer below that refuses after a real response: the retry layer gives up with that
 /// real response, marked — also under the `GrpcStatusLayer` of a gRPC stack, which
 /// synthesises statuses only for refusals that reach it.
-#[tokio::test(start_paused = true)]
-async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one() {
+async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one(form: Form) {
     use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
     use retrysafe_tower::breaker::CircuitBreakerLayer;
 
@@ -1716,27 +1913,25 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
         let gave_up = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&gave_up);
         let retry = RetryLayer::new()
-            .strategy(StandardRetryStrategy::new().seed(1).no_budget())
             .on_give_up(move |e: &GiveUpEvent| seen.lock().unwrap().push(e.reason));
+        let stack = Client::new()
+            .strategy(StandardRetryStrategy::new().seed(1))
+            .retry(retry)
+            .breaker(CircuitBreakerLayer::new(breaker))
+            .layer(form);
         let mut req = Request::post("http://svc/pkg.Svc/Get")
             .header("content-type", "application/grpc")
             .body(String::new())
             .unwrap();
         req.extensions_mut().insert(Idempotent);
         let res = if synthesised {
-            let breaker = CircuitBreakerLayer::new(breaker);
-            grpc_statuses(retry)
-                .service(breaker.layer(inner))
+            grpc_statuses(stack)
+                .service(inner)
                 .oneshot(req)
                 .await
                 .unwrap()
         } else {
-            let breaker = CircuitBreakerLayer::new(breaker);
-            retry
-                .layer(breaker.layer(inner))
-                .oneshot(req)
-                .await
-                .unwrap()
+            stack.layer(inner).oneshot(req).await.unwrap()
         };
         assert_eq!(*calls.lock().unwrap(), 1, "synthesised: {synthesised}");
         assert_eq!(
@@ -1749,10 +1944,14 @@ async fn a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_rea
     }
 }
 
+both_forms!(
+    a_synthesised_refusal_below_after_a_real_response_gives_up_with_the_real_one,
+    start_paused = true
+);
+
 /// Retried, then a failure that is not retryable: the layer gave up all the same, so
 /// the inherited context records it (the server above marks its own failure).
-#[tokio::test(start_paused = true)]
-async fn a_final_failure_after_retries_marks_the_context() {
+async fn a_final_failure_after_retries_marks_the_context(form: Form) {
     for (second, marked) in [(500, true), (404, false)] {
         let answers = Arc::new(Mutex::new(vec![503u16, second]));
         let inner = tower::service_fn(move |_r: Request<ReplayBody<String>>| {
@@ -1766,8 +1965,9 @@ async fn a_final_failure_after_retries_marks_the_context() {
                 )
             }
         });
-        let svc = RetryLayer::new()
-            .strategy(StandardRetryStrategy::new().seed(1).no_budget())
+        let svc = Client::new()
+            .strategy(StandardRetryStrategy::new().seed(1))
+            .layer(form)
             .layer(inner);
         let ctx = CallContext::new();
         let res = ctx
@@ -1780,3 +1980,8 @@ async fn a_final_failure_after_retries_marks_the_context() {
         assert_eq!(ctx.downstream_gave_up(), marked, "{second}");
     }
 }
+
+both_forms!(
+    a_final_failure_after_retries_marks_the_context,
+    start_paused = true
+);

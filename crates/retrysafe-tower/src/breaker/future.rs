@@ -88,6 +88,15 @@ where
         ResponseFuture { state }
     }
 
+    /// A call refused before the breaker (a budget's refusal): `error`, and nothing
+    /// recorded.
+    #[cfg(feature = "client")]
+    pub(crate) fn failed(error: BoxError) -> Self {
+        ResponseFuture {
+            state: State::Failed { error: Some(error) },
+        }
+    }
+
     /// A refused call.
     pub(crate) fn refused(open: CircuitOpen) -> Self {
         ResponseFuture {

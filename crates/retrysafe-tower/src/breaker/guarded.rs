@@ -3,9 +3,11 @@
 use std::fmt;
 use std::task::{Context, Poll};
 
-use http::{Request, Response};
+use http::{HeaderName, Request, Response};
 use retrysafe_core::__private::{BreakerFacts, HedgeRace, Local, Striped};
 use retrysafe_core::breaker::CircuitBreaker;
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::error::BudgetExhausted;
 use retrysafe_core::wire::Convention;
 use tower_service::Service;
 
@@ -29,6 +31,19 @@ pub(crate) struct Guarded<S> {
     /// The breaker reads timeout headers by the names the planner writes them with:
     /// the planner's word is as good as a parse.
     same_names: bool,
+    /// The stack's budget and the planner's `retry-attempt` header name, when the
+    /// request carries a budget of its own: the planner charges that one, and each
+    /// attempt is charged to the stack's too, as a budget layer below the retry layer
+    /// charges attempts counted in another budget (boxed: the rare case).
+    besides: Option<Box<(RetryBudget, HeaderName)>>,
+}
+
+/// The budget a fused stack's attempts go through, as a budget layer below the retry
+/// would: the stack's, and the `retry-attempt` header name that marks a retry.
+#[derive(Clone, Copy)]
+pub(crate) struct StackBudget<'a> {
+    pub(crate) budget: &'a RetryBudget,
+    pub(crate) retry_attempt: &'a HeaderName,
 }
 
 impl<S> Guarded<S> {
@@ -41,17 +56,28 @@ impl<S> Guarded<S> {
 
     /// The attempts of one call of the request with head `parts` on `inner`, guarded by
     /// the breakers of `config`; `same_names` as [`same_names`](Self::same_names) says.
+    /// With `stack`, a request that carries a budget other than the stack's has each
+    /// attempt charged to the stack's as well (the planner charges the request's).
     pub(crate) fn new(
         inner: S,
         config: &Striped<Config>,
         parts: &http::request::Parts,
         same_names: bool,
+        stack: Option<StackBudget<'_>>,
     ) -> Self {
         let breaker = match (parts.extensions.get::<CircuitBreaker>(), &config.breakers) {
             (Some(breaker), _) | (None, Breakers::One(breaker)) => breaker.clone(),
             (None, Breakers::Keyed(select)) => select.select(parts),
         };
+        let besides = match (stack, parts.extensions.get::<RetryBudget>()) {
+            (Some(stack), Some(own)) if own.id() != stack.budget.id() => Some(Box::new((
+                stack.budget.clone(),
+                stack.retry_attempt.clone(),
+            ))),
+            _ => None,
+        };
         Guarded {
+            besides,
             inner,
             timed: breaker.config().slow_call_duration().is_some(),
             same_names,
@@ -77,6 +103,14 @@ where
 
     #[inline]
     fn attempt(&mut self, request: Request<ReplayBody<ReqB>>, sent: Sent) -> Self::Future {
+        // The stack's budget, as a budget layer above the breaker: a refused retry
+        // never reaches the breaker.
+        if let Some(besides) = &self.besides {
+            let (budget, retry_attempt) = &**besides;
+            if !crate::budget::charge(budget, retry_attempt, request.headers()) {
+                return ResponseFuture::failed(Box::new(BudgetExhausted::new()));
+            }
+        }
         match self.breaker.try_acquire() {
             Ok(mut permit) => {
                 // A copy of a hedged request: cancelled by the race, it counts as nothing.

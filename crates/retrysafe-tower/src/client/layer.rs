@@ -117,8 +117,9 @@ impl ClientLayers {
     }
 
     /// The retry layer: strategy, classifier, keys, hooks. Its strategy's own budget is
-    /// not used: every call charges the [`budget`](Self::budget) of the stack (or a
-    /// [`RetryBudget`] extension of its request).
+    /// not used: every call charges the [`budget`](Self::budget) of the stack (and a
+    /// [`RetryBudget`] extension of its request, if any, for its retries: see the
+    /// [module docs](super)).
     pub fn retry(mut self, retry: RetryLayer) -> Self {
         // An unnamed retry layer takes the stack's name.
         let name = self.expiry.name();

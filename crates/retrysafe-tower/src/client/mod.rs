@@ -21,13 +21,16 @@
 //! timeout the attempt's header carries, the clock reading that was computed from — so
 //! it neither parses the header back nor reads the clock again to time the attempt.
 //!
-//! Three differences, all in what only layers in between, or a key function, could see:
+//! A [`RetryBudget`](retrysafe_core::budget::RetryBudget) extension on a request is
+//! the budget the retry planner charges for that request, and each of its attempts is
+//! charged to the stack's budget too — a deposit for the first, a withdrawal for each
+//! retry, a refused retry ending the call with the last real response — as a budget
+//! layer below the retry layer charges attempts counted in another budget.
+//!
+//! Two differences, both in what only layers in between, or a key function, could see:
 //! the call's deadline goes to the retry planner directly, so the transport gets it as
 //! the timeout header of each attempt but not as a
-//! [`Deadline`](retrysafe_core::Deadline) extension; a
-//! [`RetryBudget`](retrysafe_core::budget::RetryBudget) extension on a request
-//! replaces the stack's budget for that request's retries (with the separate layers it
-//! would also be charged to the budget layer's); and a
+//! [`Deadline`](retrysafe_core::Deadline) extension; and a
 //! [`KeyedBreakers`](crate::breaker::KeyedBreakers) key function sees the call's head
 //! once, without the per-attempt `retry-attempt` and timeout headers.
 //!

@@ -17,7 +17,7 @@ use retrysafe_core::__private::Striped;
 use retrysafe_core::error::Throttled;
 use retrysafe_core::{CallContext, Deadline};
 
-use crate::breaker::{self, Guarded, ResponseBody};
+use crate::breaker::{self, Guarded, ResponseBody, StackBudget};
 use crate::local::BoxError;
 use crate::retry::{self, Attempts, ReplayBody};
 use crate::{hedge, throttle};
@@ -162,8 +162,13 @@ impl<S> ClientService<S> {
     {
         // One breaker lookup per call, on the head as the planner leaves it.
         let (breaker, same_names) = (&self.breaker, self.same_names);
+        let policy = &self.retry.policy;
+        let stack = policy.budget().map(|budget| StackBudget {
+            budget,
+            retry_attempt: policy.convention().retry_attempt(),
+        });
         retry::begin(&self.retry, parts, body, within, |parts| {
-            Guarded::new(service, breaker, parts, same_names)
+            Guarded::new(service, breaker, parts, same_names, stack)
         })
     }
 
@@ -242,8 +247,9 @@ where
         let service = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
         let (breaker, same_names) = (&self.breaker, self.same_names);
+        // A hedge's copies are accounted for by the hedge, in the stack's budget.
         retry::begin_replay(&self.retry, parts, body, None, |parts| {
-            Guarded::new(service, breaker, parts, same_names)
+            Guarded::new(service, breaker, parts, same_names, None)
         })
     }
 }

@@ -1,0 +1,148 @@
+//! The two forms of the standard client stack that the behavioural tests run on alike,
+//! so that they cannot drift: the separate layers stacked by hand (`DeadlineLayer` →
+//! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`) and `ClientLayers`, one
+//! fused service. A test describes its stack once, as a [`Client`], and builds it in the
+//! form it is given; [`both_forms!`] runs it once per form.
+#![allow(dead_code, reason = "each test binary uses the part it needs")]
+
+use std::time::Duration;
+
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::strategy::StandardRetryStrategy;
+use retrysafe_tower::breaker::CircuitBreakerLayer;
+use retrysafe_tower::budget::RetryBudgetLayer;
+use retrysafe_tower::client::ClientLayers;
+use retrysafe_tower::deadline::DeadlineLayer;
+use retrysafe_tower::retry::RetryLayer;
+use tower::ServiceBuilder;
+use tower::layer::util::{Identity, Stack};
+use tower::util::Either;
+
+/// Which form of the stack a test builds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Form {
+    /// `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`.
+    Separate,
+    /// `ClientLayers`, one fused service.
+    Fused,
+}
+
+impl Default for Client {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The separate layers, outermost first (the deadline only when one is set).
+pub(crate) type Separate = ServiceBuilder<
+    Stack<
+        CircuitBreakerLayer,
+        Stack<
+            RetryBudgetLayer,
+            Stack<RetryLayer, Stack<Either<DeadlineLayer, Identity>, Identity>>,
+        >,
+    >,
+>;
+
+/// The layer of either form: its services answer alike, `Response<ResponseBody<B>>`
+/// or a `BoxError`.
+pub(crate) type FormLayer = Either<Separate, ClientLayers>;
+
+/// One description of a client stack: the same settings for both forms.
+#[derive(Debug)]
+pub(crate) struct Client {
+    deadline: Option<Duration>,
+    retry: RetryLayer,
+    strategy: StandardRetryStrategy,
+    budget: RetryBudget,
+    breaker: CircuitBreakerLayer,
+}
+
+impl Client {
+    /// No deadline, `RetryLayer::new()` with `StandardRetryStrategy::new()`, a ratio
+    /// budget and a default breaker of the stack's own.
+    pub(crate) fn new() -> Self {
+        Client {
+            deadline: None,
+            retry: RetryLayer::new(),
+            strategy: StandardRetryStrategy::new(),
+            budget: RetryBudget::ratio(),
+            breaker: CircuitBreakerLayer::default(),
+        }
+    }
+
+    /// A deadline on every whole call.
+    pub(crate) fn deadline(mut self, timeout: Duration) -> Self {
+        self.deadline = Some(timeout);
+        self
+    }
+
+    /// The retry layer's settings but its strategy (hooks, keys, convention, cap…):
+    /// its strategy is replaced by [`strategy`](Self::strategy).
+    pub(crate) fn retry(mut self, retry: RetryLayer) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The retry strategy; its budget is replaced by [`budget`](Self::budget).
+    pub(crate) fn strategy(mut self, strategy: StandardRetryStrategy) -> Self {
+        self.strategy = strategy;
+        self
+    }
+
+    /// The budget, given once: the retry layer's and the budget layer's.
+    pub(crate) fn budget(mut self, budget: RetryBudget) -> Self {
+        self.budget = budget;
+        self
+    }
+
+    /// The breaker layer.
+    pub(crate) fn breaker(mut self, breaker: CircuitBreakerLayer) -> Self {
+        self.breaker = breaker;
+        self
+    }
+
+    /// The stack in `form`, as a layer (clone it for more services of one stack).
+    pub(crate) fn layer(self, form: Form) -> FormLayer {
+        let strategy = self.strategy.budget(self.budget.clone());
+        let retry = self.retry.strategy(strategy);
+        match form {
+            Form::Separate => Either::Left(
+                ServiceBuilder::new()
+                    .option_layer(self.deadline.map(DeadlineLayer::new))
+                    .layer(retry)
+                    .layer(RetryBudgetLayer::new(self.budget))
+                    .layer(self.breaker),
+            ),
+            Form::Fused => {
+                let mut layers = ClientLayers::new()
+                    .retry(retry)
+                    .budget(self.budget)
+                    .breaker(self.breaker);
+                if let Some(timeout) = self.deadline {
+                    layers = layers.deadline(timeout);
+                }
+                Either::Right(layers)
+            }
+        }
+    }
+}
+
+/// Runs the test body `async fn $name(form: Form)` once per form, as the tests
+/// `$name::separate` and `$name::fused` (extra `#[tokio::test]` arguments after it).
+#[macro_export]
+macro_rules! both_forms {
+    ($name:ident $(, $($arg:tt)*)?) => {
+        mod $name {
+            #[tokio::test$(($($arg)*))?]
+            async fn separate() {
+                super::$name($crate::forms::Form::Separate).await;
+            }
+
+            #[tokio::test$(($($arg)*))?]
+            async fn fused() {
+                super::$name($crate::forms::Form::Fused).await;
+            }
+        }
+    };
+}
