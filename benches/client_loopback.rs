@@ -27,10 +27,12 @@
 //! `reqwest_retrysafe`); `reqwest_floor` is the same floor as one middleware.
 //!
 //! `hyper_client_layers` is the same stack as `hyper_retrysafe_full` assembled by
-//! `ClientLayers` (one fused service). Beside each case's throughput, the report gives the
-//! client process's CPU time per request (user + system from `/proc/self/stat` around
-//! each run, median over the rounds; 10 ms ticks, so use enough `REQUESTS`), which does
-//! not depend on which side is the bottleneck.
+//! `ClientLayers` (one fused service); `reqwest_client_middlewares` is the same as
+//! `reqwest_retrysafe` assembled by `ClientMiddlewares` (the budget given once). Beside
+//! each case's throughput, the report gives the client process's CPU time per request
+//! (user + system from `/proc/self/stat` around each run, median over the rounds; 10 ms
+//! ticks, so use enough `REQUESTS`), which does not depend on which side is the
+//! bottleneck.
 //!
 //! `cargo bench --bench client_loopback` (env: `ROUNDS`, `REQUESTS`, `CONNS`).
 //!
@@ -62,7 +64,9 @@ use retrysafe::{
     CircuitBreakerLayer, ClientLayers, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
 };
-use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+use retrysafe_reqwest::{
+    CircuitBreakerMiddleware, ClientMiddlewares, DeadlineMiddleware, RetryMiddleware,
+};
 use tokio::time::Instant;
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder, ServiceExt};
@@ -270,6 +274,11 @@ fn reqwest_case(name: &str, conns: usize) -> ClientWithMiddleware {
             .with(RetryMiddleware::new())
             .with(CircuitBreakerMiddleware::default())
             .build(),
+        "reqwest_client_middlewares" => ClientMiddlewares::new()
+            .deadline(Duration::from_secs(10))
+            .build()
+            .unwrap()
+            .client(client),
         _ => panic!("unknown case {name}"),
     }
 }
@@ -368,6 +377,7 @@ const GROUPS: [(&str, &[&str]); 2] = [
             "reqwest_mw_none",
             "reqwest_retry",
             "reqwest_retrysafe",
+            "reqwest_client_middlewares",
             "reqwest_noop3",
             "reqwest_floor",
         ],
