@@ -228,6 +228,19 @@ impl Middleware for CircuitBreakerMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
+        self.attempt(request, extensions, next).await
+    }
+}
+
+impl CircuitBreakerMiddleware {
+    /// One attempt through the breaker (the middleware's work, also run inline by the
+    /// fused form of [`ClientMiddlewares`](crate::ClientMiddlewares)).
+    pub(crate) async fn attempt(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
         let config = &self.config;
         // A breaker in the request's extensions overrides the middleware's (per request).
         let breaker = match extensions.get::<CircuitBreaker>() {

@@ -1,10 +1,16 @@
 //! Middleware in the standard client order, given in one call: [`ClientMiddlewares`].
 //!
 //! The reqwest twin of the tower `ClientLayers`: the deadline, the retry (which charges
-//! the budget, given once) and the breaker, added to a `reqwest_middleware`
-//! [`ClientBuilder`] outermost first — `DeadlineMiddleware` → `RetryMiddleware` →
-//! `CircuitBreakerMiddleware` → reqwest. Breakers per host come from
-//! [`per_authority`](ClientMiddlewares::per_authority).
+//! the budget, given once) and the breaker in the standard order — `DeadlineMiddleware`
+//! → `RetryMiddleware` → `CircuitBreakerMiddleware` → reqwest — fused into one
+//! middleware added to a `reqwest_middleware` [`ClientBuilder`]: one hop, one boxed
+//! future and one timer per attempt, where the three separate middleware make three of
+//! each. Breakers per host come from [`per_authority`](ClientMiddlewares::per_authority).
+//!
+//! One difference from the separate middleware: the deadline is handed to the retry
+//! directly, not put in the reqwest-middleware extensions, so a middleware added after
+//! these does not find a [`Deadline`] there; every attempt
+//! carries the time left in `request-timeout-ms`.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -54,13 +60,17 @@
 
 use std::time::Duration;
 
-use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
+use http::Extensions;
+use reqwest::{Request, Response};
+use reqwest_middleware::{ClientBuilder, ClientWithMiddleware, Middleware, Next};
 use retrysafe_core::__private::Validate;
-use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
+use retrysafe_core::{ConfigError, Deadline};
 
+use crate::retry::Below;
 use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 
 /// The deadline, retry and breaker middleware in the standard order, with the budget
@@ -127,7 +137,7 @@ impl ClientMiddlewares {
     }
 
     /// Calls `f` on every call that ends with a
-    /// [`DeadlineExceeded`](retrysafe_core::error::DeadlineExceeded) error (with a
+    /// [`DeadlineExceeded`] error (with a
     /// [`deadline`](Self::deadline): see [`DeadlineMiddleware::on_expiry`]).
     pub fn on_expiry(
         mut self,
@@ -179,21 +189,25 @@ impl ClientMiddlewares {
         v.finish(self)
     }
 
-    /// Adds the middleware to `builder`, outermost first.
+    /// Adds the middleware to `builder`, as one middleware: the deadline, the retry and
+    /// the breaker run in one hop (see the [module docs](self)); a middleware added
+    /// after it is called once per attempt, as one below a `CircuitBreakerMiddleware`
+    /// would be.
     pub fn apply(self, builder: ClientBuilder) -> ClientBuilder {
         // Every handle is resolved here, against the recorder installed now.
-        let builder = match self.deadline {
-            Some(timeout) => {
-                let deadline = self.expiry.with_timeout(timeout).name(self.name);
-                deadline.resolve_metrics();
-                builder.with(deadline)
-            }
-            None => builder,
-        };
+        let deadline = self.deadline.map(|timeout| {
+            let deadline = self.expiry.with_timeout(timeout).name(self.name);
+            deadline.resolve_metrics();
+            deadline
+        });
         let retry = self.retry.with_budget(self.budget);
         retry.resolve_metrics();
         self.breaker.resolve_metrics();
-        builder.with(retry).with(self.breaker)
+        builder.with(Fused {
+            deadline,
+            retry,
+            breaker: self.breaker,
+        })
     }
 
     /// A client of `client` with the middleware (and no other).
@@ -205,5 +219,39 @@ impl ClientMiddlewares {
 impl Default for ClientMiddlewares {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// The middleware [`ClientMiddlewares`] adds: what `DeadlineMiddleware` →
+/// `RetryMiddleware` → `CircuitBreakerMiddleware` do, in one hop. The deadline goes to
+/// the retry planner directly (the soonest of it, a [`Deadline`] in the extensions and
+/// the inherited one), which bounds every attempt by it and never waits past it; it is
+/// not put in the extensions, so a middleware added after this one does not see it
+/// there (it reads the time left in `request-timeout-ms`, as the server does).
+#[derive(Clone, Debug)]
+struct Fused {
+    deadline: Option<DeadlineMiddleware>,
+    retry: RetryMiddleware,
+    breaker: CircuitBreakerMiddleware,
+}
+
+#[async_trait::async_trait]
+impl Middleware for Fused {
+    async fn handle(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        next: Next<'_>,
+    ) -> reqwest_middleware::Result<Response> {
+        let within = self.deadline.as_ref().map(|d| Deadline::after(d.timeout()));
+        let below = Below::Breaker(&self.breaker, next);
+        let result = self.retry.call(request, extensions, below, within).await;
+        if let (Some(deadline), Err(reqwest_middleware::Error::Middleware(e))) =
+            (&self.deadline, &result)
+            && e.is::<DeadlineExceeded>()
+        {
+            deadline.report_expired();
+        }
+        result
     }
 }

@@ -122,6 +122,12 @@ impl DeadlineMiddleware {
         self.expiry.resolve_metrics();
     }
 
+    /// Counts an expiry and calls the hook (for the fused form of
+    /// [`ClientMiddlewares`](crate::ClientMiddlewares), which runs no `handle` of this).
+    pub(crate) fn report_expired(&self) {
+        self.expiry.expired();
+    }
+
     /// Calls `f` on every call that ends with a [`DeadlineExceeded`] error (the
     /// deadline passed, here or in a middleware below).
     pub fn on_expiry(mut self, f: impl Fn(&DeadlineExpiry) + Send + Sync + 'static) -> Self {

@@ -162,6 +162,7 @@ use retrysafe_core::__private::{
     Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped,
     child_key_label,
 };
+use retrysafe_core::Deadline;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, Failure};
 use retrysafe_core::error::DeadlineExceeded;
@@ -169,6 +170,8 @@ use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
 use tracing::Instrument;
+
+use crate::breaker::CircuitBreakerMiddleware;
 
 /// Retries failed requests that are safe to retry; see the [module docs](self).
 ///
@@ -293,20 +296,56 @@ impl fmt::Debug for RetryMiddleware {
 impl Middleware for RetryMiddleware {
     async fn handle(
         &self,
-        mut request: Request,
+        request: Request,
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> Result<Response> {
-        let (mut call, token) = RetryPolicy::begin(
+        self.call(request, extensions, Below::Next(next), None)
+            .await
+    }
+}
+
+/// Where a retry sends each attempt: the next middleware, or — in the fused form of
+/// [`ClientMiddlewares`](crate::ClientMiddlewares) — a breaker and then the next.
+pub(crate) enum Below<'a> {
+    /// The middleware below, as it is.
+    Next(Next<'a>),
+    /// Through the breaker, in the same hop.
+    Breaker(&'a CircuitBreakerMiddleware, Next<'a>),
+}
+
+impl Below<'_> {
+    async fn send(&self, request: Request, extensions: &mut Extensions) -> Result<Response> {
+        match self {
+            Below::Next(next) => next.clone().run(request, extensions).await,
+            Below::Breaker(breaker, next) => {
+                breaker.attempt(request, extensions, next.clone()).await
+            }
+        }
+    }
+}
+
+impl RetryMiddleware {
+    /// One call: its attempts go to `below`; `within` is a deadline of the caller's own
+    /// (the fused form's), tightened by those in the extensions.
+    pub(crate) async fn call(
+        &self,
+        mut request: Request,
+        extensions: &mut Extensions,
+        below: Below<'_>,
+        within: Option<Deadline>,
+    ) -> Result<Response> {
+        let (mut call, token) = RetryPolicy::begin_within(
             &self.policy,
             &mut Head {
                 request: &mut request,
                 extensions: &mut *extensions,
             },
+            within,
         );
         // The attempts run in the call's `retrysafe.call` span.
         let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
-        let answer = run(&mut call, token, request, extensions, next)
+        let answer = run(&mut call, token, request, extensions, below)
             .instrument(span)
             .await;
         if let Err(Error::Middleware(e)) = &answer
@@ -324,14 +363,14 @@ async fn run(
     mut token: RetryToken,
     request: Request,
     extensions: &mut Extensions,
-    next: Next<'_>,
+    below: Below<'_>,
 ) -> Result<Response> {
     if call.too_late() {
         return Err(deadline_exceeded());
     }
     let mut attempts = Attempts::new(request, extensions);
     loop {
-        let result = attempts.send(call, &token, next.clone()).await;
+        let result = attempts.send(call, &token, &below).await;
         let last = attempts.last.as_ref().map(Response::status);
         let outcome = match &result {
             Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
@@ -394,7 +433,7 @@ impl<'a> Attempts<'a> {
         &mut self,
         call: &mut RetryCall,
         token: &RetryToken,
-        next: Next<'_>,
+        below: &Below<'_>,
     ) -> Option<Result<Response>> {
         let Some(mut attempt) = self
             .first
@@ -409,7 +448,7 @@ impl<'a> Attempts<'a> {
         }
         // Also puts the attempt's `AttemptNumber` in the extensions.
         call.prepare_attempt(attempt.headers_mut(), self.extensions, token);
-        let sent = next.run(attempt, self.extensions);
+        let sent = below.send(attempt, self.extensions);
         let result = match call.attempt_until() {
             Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
             None => Some(sent.await),
