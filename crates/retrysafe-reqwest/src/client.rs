@@ -9,7 +9,7 @@
 //!
 //! One difference from the separate middleware: the deadline is handed to the retry
 //! directly, not put in the reqwest-middleware extensions, so a middleware added after
-//! these does not find a [`Deadline`] there; every attempt
+//! these does not find a [`Deadline`](retrysafe_core::Deadline) there; every attempt
 //! carries the time left in `request-timeout-ms`.
 //!
 //! ```
@@ -64,11 +64,11 @@ use http::Extensions;
 use reqwest::{Request, Response};
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware, Middleware, Next};
 use retrysafe_core::__private::Validate;
+use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
-use retrysafe_core::{ConfigError, Deadline};
 
 use crate::retry::Below;
 use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
@@ -223,11 +223,12 @@ impl Default for ClientMiddlewares {
 }
 
 /// The middleware [`ClientMiddlewares`] adds: what `DeadlineMiddleware` →
-/// `RetryMiddleware` → `CircuitBreakerMiddleware` do, in one hop. The deadline goes to
-/// the retry planner directly (the soonest of it, a [`Deadline`] in the extensions and
-/// the inherited one), which bounds every attempt by it and never waits past it; it is
-/// not put in the extensions, so a middleware added after this one does not see it
-/// there (it reads the time left in `request-timeout-ms`, as the server does).
+/// `RetryMiddleware` → `CircuitBreakerMiddleware` do, in one hop. The deadline (the
+/// soonest of its own, a [`Deadline`](retrysafe_core::Deadline) in the extensions and
+/// the inherited one) goes to the retry planner directly, which bounds every attempt by
+/// it and never waits past it; it is not put in the extensions, so a middleware added
+/// after this one does not see it there (it reads the time left in
+/// `request-timeout-ms`, as the server does).
 #[derive(Clone, Debug)]
 struct Fused {
     deadline: Option<DeadlineMiddleware>,
@@ -243,7 +244,12 @@ impl Middleware for Fused {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
-        let within = self.deadline.as_ref().map(|d| Deadline::after(d.timeout()));
+        // As the separate `DeadlineMiddleware` does: a call with no time left fails here,
+        // before the retry starts (and deposits into the budget).
+        let within = match &self.deadline {
+            Some(deadline) => Some(deadline.settle(extensions)?),
+            None => None,
+        };
         let below = Below::Breaker(&self.breaker, next);
         let result = self.retry.call(request, extensions, below, within).await;
         if let (Some(deadline), Err(reqwest_middleware::Error::Middleware(e))) =

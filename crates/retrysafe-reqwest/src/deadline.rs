@@ -122,6 +122,25 @@ impl DeadlineMiddleware {
         self.expiry.resolve_metrics();
     }
 
+    /// The deadline of a call: the soonest of ours, the one in `extensions` and the
+    /// inherited one. When none of it is left, the expiry is counted and the call fails
+    /// with [`DeadlineExceeded`] before anything below it runs (for the fused form of
+    /// [`ClientMiddlewares`](crate::ClientMiddlewares) too: before the retry deposits
+    /// into its budget).
+    pub(crate) fn settle(&self, extensions: &Extensions) -> reqwest_middleware::Result<Deadline> {
+        let mut deadline =
+            Deadline::after(self.timeout).tighten(extensions.get::<Deadline>().copied());
+        if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
+            deadline = deadline.tighten(Some(inherited));
+        }
+        if deadline.is_expired() {
+            // No call starts that cannot finish in time.
+            self.expiry.expired();
+            return Err(local(DeadlineExceeded::new()));
+        }
+        Ok(deadline)
+    }
+
     /// Counts an expiry and calls the hook (for the fused form of
     /// [`ClientMiddlewares`](crate::ClientMiddlewares), which runs no `handle` of this).
     pub(crate) fn report_expired(&self) {
@@ -164,17 +183,7 @@ impl Middleware for DeadlineMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
-        // The soonest of: ours, the one in the extensions, the inherited one.
-        let mut deadline =
-            Deadline::after(self.timeout).tighten(extensions.get::<Deadline>().copied());
-        if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
-            deadline = deadline.tighten(Some(inherited));
-        }
-        if deadline.is_expired() {
-            // No call starts that cannot finish in time.
-            self.expiry.expired();
-            return Err(local(DeadlineExceeded::new()));
-        }
+        let deadline = self.settle(extensions)?;
         // The middleware below see this call's deadline; the caller's extensions get
         // back what they held (they may be reused for another call).
         let before = extensions.insert(deadline);

@@ -3,6 +3,10 @@
 //! context, in a `reqwest_middleware::Error` nested in another error, and in the chain
 //! of a real `reqwest::Error` (a refused connection to a loopback port), as well as in
 //! the errors the middleware of this crate return against a real axum server.
+//!
+//! The errors of a client stack against a real server run on both forms (`both_forms!`:
+//! the separate middleware and the fused `ClientMiddlewares`). Single-form: the tests
+//! of the helpers on errors built by hand, and on a bare reqwest error (no middleware).
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
@@ -19,11 +23,14 @@ use axum::routing::get;
 use reqwest_middleware::{ClientBuilder, Error};
 use retrysafe_core::breaker::CircuitBreaker;
 use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded};
+use retrysafe_reqwest::CircuitBreakerMiddleware;
 use retrysafe_reqwest::error::{
     find, find_in, is_budget_exhausted, is_circuit_open, is_deadline_exceeded,
 };
-use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware};
 use tokio::net::TcpListener;
+
+mod support;
+use support::{Stack, both_forms};
 
 fn open() -> CircuitOpen {
     CircuitOpen::new(Duration::from_millis(1500))
@@ -149,31 +156,33 @@ async fn the_chain_of_a_real_reqwest_error_is_walked() {
     assert!(!is_deadline_exceeded(&error) && !is_circuit_open(&error));
 }
 
-#[tokio::test]
-async fn errors_of_the_middleware_against_a_real_server_are_found() {
-    let app = Router::new().route(
-        "/",
-        get(|| async {
-            tokio::time::sleep(Duration::from_secs(600)).await;
-            "late"
-        }),
-    );
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+both_forms! {
+    #[tokio::test]
+    async fn errors_of_the_middleware_against_a_real_server_are_found(form) {
+        let app = Router::new().route(
+            "/",
+            get(|| async {
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                "late"
+            }),
+        );
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
 
-    let breaker = CircuitBreaker::default();
-    let client = ClientBuilder::new(reqwest::Client::new())
-        .with(DeadlineMiddleware::new(Duration::from_millis(100)))
-        .with(CircuitBreakerMiddleware::new(breaker.clone()))
-        .build();
+        let breaker = CircuitBreaker::default();
+        let client = Stack::new()
+            .deadline(Duration::from_millis(100))
+            .breaker(CircuitBreakerMiddleware::new(breaker.clone()))
+            .client(form);
 
-    let error = client.get(&url).send().await.unwrap_err();
-    assert!(is_deadline_exceeded(&error), "{error:?}");
-    assert!(!is_circuit_open(&error));
+        let error = client.get(&url).send().await.unwrap_err();
+        assert!(is_deadline_exceeded(&error), "{error:?}");
+        assert!(!is_circuit_open(&error));
 
-    breaker.force_open();
-    let error = client.get(&url).send().await.unwrap_err();
-    assert!(is_circuit_open(&error), "{error:?}");
-    assert!(!is_deadline_exceeded(&error));
+        breaker.force_open();
+        let error = client.get(&url).send().await.unwrap_err();
+        assert!(is_circuit_open(&error), "{error:?}");
+        assert!(!is_deadline_exceeded(&error));
+    }
 }
