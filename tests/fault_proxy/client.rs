@@ -55,6 +55,15 @@ pub struct StackCounts {
 
 /// The stack, its jitter seeded with `seed`, counting into `counts`.
 pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
+    client_stack_with(seed, counts, |config| config)
+}
+
+/// The stack with its breaker's configuration changed by `tune`.
+pub fn client_stack_with(
+    seed: u64,
+    counts: &Arc<StackCounts>,
+    tune: impl FnOnce(BreakerConfig) -> BreakerConfig,
+) -> Stack {
     let backoff = Backoff::new(
         Duration::from_millis(5),
         Duration::from_millis(200),
@@ -70,8 +79,7 @@ pub fn client_stack(seed: u64, counts: &Arc<StackCounts>) -> Stack {
     // the rate counts: with 20 (the default), a cold start on a loaded machine (a burst
     // of attempt timeouts while pools connect) opened it once, and a driver that does
     // not pace then had every remaining request refused at once.
-    let mut config = BreakerConfig::default();
-    config = config.with_minimum_calls(100);
+    let mut config = tune(BreakerConfig::default().with_minimum_calls(100));
     let c = Arc::clone(counts);
     config = config.with_on_state_change(move |change| {
         if change.to == BreakerState::Open {
