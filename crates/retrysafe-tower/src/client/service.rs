@@ -113,7 +113,46 @@ where
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        if self.throttle.is_some() || self.hedge.is_some() {
+            return self.call_in_front(request);
+        }
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        let (parts, body) = request.into_parts();
+        let within = self.within();
+        // Built where it is returned: the future is large, and every move is a copy.
+        ResponseFuture {
+            kind: Kind::Fused {
+                inner: self.fused(service, parts, body, within),
+            },
+            admitted: None,
+        }
+    }
+}
+
+impl<S> ClientService<S> {
+    /// One clock read for the deadline and the first attempt's timeout header. The
+    /// deadline goes to the retry planner directly, not through the request's
+    /// extensions: nothing between needs it there (but a hedge: see `hedged`).
+    #[inline]
+    fn within(&self) -> Option<(Deadline, Instant)> {
+        self.deadline.map(|timeout| {
+            let now = Instant::now();
+            (crate::deadline::deadline_after(timeout, now), now)
+        })
+    }
+
+    /// A call through the throttle or the hedge in front of the fused part (kept out of
+    /// line: the plain stack's call stays small enough to build its future in place).
+    #[inline(never)]
+    fn call_in_front<ReqB, ResB>(&mut self, request: Request<ReqB>) -> ResponseFuture<S, ReqB>
+    where
+        S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
+        S::Error: Into<BoxError>,
+        ReqB: Body,
+    {
         // The throttle sees one call per logical request, before any copy or attempt.
         let admitted = match &self.throttle {
             Some(config) => match throttle::admit(config, request.headers()) {
@@ -130,13 +169,7 @@ where
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
-        // One clock read for the deadline and the first attempt's timeout header. The
-        // deadline goes to the retry planner directly, not through the request's
-        // extensions: nothing between needs it there (but a hedge: see `hedged`).
-        let within = self.deadline.map(|timeout| {
-            let now = Instant::now();
-            (crate::deadline::deadline_after(timeout, now), now)
-        });
+        let within = self.within();
         let kind = match &self.hedge {
             Some(config) => self.hedged(&Arc::clone(config), service, parts, body, within),
             None => Kind::Fused {
@@ -149,6 +182,7 @@ where
 
 impl<S> ClientService<S> {
     /// The fused part's call: the retry loop, each attempt through the breaker.
+    #[inline]
     fn fused<B>(
         &self,
         service: S,

@@ -107,6 +107,7 @@ where
     /// Starts the call: its first attempt made at once, unless the deadline is spent
     /// already. `now` is the clock reading the caller's deadline was made from, if it
     /// read the clock for one (the first attempt's timeout header needs no second read).
+    #[inline]
     pub(crate) fn start(
         mut service: A,
         template: http::request::Parts,
