@@ -342,6 +342,8 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let answer = match this.kind.project() {
+            // Nothing to count: the answer goes out as it comes (no copy of it here).
+            KindProj::Fused { inner } if this.admitted.is_none() => return inner.poll(cx),
             KindProj::Fused { inner } => ready!(inner.poll(cx)),
             KindProj::Hedged { inner } => ready!(inner.poll(cx)),
             KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),
