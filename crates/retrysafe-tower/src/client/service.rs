@@ -144,9 +144,8 @@ impl<S> ClientService<S> {
         })
     }
 
-    /// A call through the throttle or the hedge in front of the fused part (kept out of
-    /// line: the plain stack's call stays small enough to build its future in place).
-    #[inline(never)]
+    /// A call through the throttle or the hedge in front of the fused part.
+    #[inline]
     fn call_in_front<ReqB, ResB>(&mut self, request: Request<ReqB>) -> ResponseFuture<S, ReqB>
     where
         S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
