@@ -480,18 +480,7 @@ impl RetryPolicy {
         }
         // A request numbered already (a hedge's copy) keeps counting from its number.
         let attempt_base = AttemptNumber::of(head.extensions()).map_or(0, |n| n.get() - 1);
-        let span = tracing::info_span!(
-            "retrysafe.call",
-            name = %this.name,
-            attempts = tracing::field::Empty,
-            give_up = tracing::field::Empty,
-            budget = tracing::field::Empty,
-            breaker = tracing::field::Empty,
-            deadline = tracing::field::Empty,
-        );
-        // Boxed, and only when enabled: a disabled span adds a word to every call's
-        // future, not the span's five.
-        let span = (!span.is_disabled()).then(|| Box::new(span));
+        let span = call_span(&this.name);
         let call = RetryCall {
             policy: policy.local(),
             facts,
@@ -582,6 +571,28 @@ impl fmt::Debug for RetryPolicy {
             .field("retry_point", &self.retry_point)
             .finish_non_exhaustive()
     }
+}
+
+/// The call's `retrysafe.call` span, boxed, when enabled: a disabled span adds a word
+/// to every call's future, not the span's five.
+#[inline]
+fn call_span(name: &Name) -> Option<Box<tracing::Span>> {
+    // Neither a subscriber nor, through tracing's `log` feature, a logger could take
+    // it: not made at all (a disabled span still formats its fields for `log`, and
+    // logs its drop).
+    if !tracing::level_enabled!(tracing::Level::INFO) && log::max_level() < log::LevelFilter::Info {
+        return None;
+    }
+    let span = tracing::info_span!(
+        "retrysafe.call",
+        name = %name,
+        attempts = tracing::field::Empty,
+        give_up = tracing::field::Empty,
+        budget = tracing::field::Empty,
+        breaker = tracing::field::Empty,
+        deadline = tracing::field::Empty,
+    );
+    (!span.is_disabled()).then(|| Box::new(span))
 }
 
 /// A random 128-bit key (32 hex digits, always valid).

@@ -113,7 +113,45 @@ where
         Poll::Ready(Ok(()))
     }
 
+    #[inline]
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        if self.throttle.is_some() || self.hedge.is_some() {
+            return self.call_in_front(request);
+        }
+        let clone = self.inner.clone();
+        let service = std::mem::replace(&mut self.inner, clone);
+        let (parts, body) = request.into_parts();
+        let within = self.within();
+        // Built where it is returned: the future is large, and every move is a copy.
+        ResponseFuture {
+            kind: Kind::Fused {
+                inner: self.fused(service, parts, body, within),
+            },
+            admitted: None,
+        }
+    }
+}
+
+impl<S> ClientService<S> {
+    /// One clock read for the deadline and the first attempt's timeout header. The
+    /// deadline goes to the retry planner directly, not through the request's
+    /// extensions: nothing between needs it there (but a hedge: see `hedged`).
+    #[inline]
+    fn within(&self) -> Option<(Deadline, Instant)> {
+        self.deadline.map(|timeout| {
+            let now = Instant::now();
+            (crate::deadline::deadline_after(timeout, now), now)
+        })
+    }
+
+    /// A call through the throttle or the hedge in front of the fused part.
+    #[inline]
+    fn call_in_front<ReqB, ResB>(&mut self, request: Request<ReqB>) -> ResponseFuture<S, ReqB>
+    where
+        S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
+        S::Error: Into<BoxError>,
+        ReqB: Body,
+    {
         // The throttle sees one call per logical request, before any copy or attempt.
         let admitted = match &self.throttle {
             Some(config) => match throttle::admit(config, request.headers()) {
@@ -130,13 +168,7 @@ where
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
-        // One clock read for the deadline and the first attempt's timeout header. The
-        // deadline goes to the retry planner directly, not through the request's
-        // extensions: nothing between needs it there (but a hedge: see `hedged`).
-        let within = self.deadline.map(|timeout| {
-            let now = Instant::now();
-            (crate::deadline::deadline_after(timeout, now), now)
-        });
+        let within = self.within();
         let kind = match &self.hedge {
             Some(config) => self.hedged(&Arc::clone(config), service, parts, body, within),
             None => Kind::Fused {
@@ -149,6 +181,7 @@ where
 
 impl<S> ClientService<S> {
     /// The fused part's call: the retry loop, each attempt through the breaker.
+    #[inline]
     fn fused<B>(
         &self,
         service: S,
@@ -308,6 +341,8 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.project();
         let answer = match this.kind.project() {
+            // Nothing to count: the answer goes out as it comes (no copy of it here).
+            KindProj::Fused { inner } if this.admitted.is_none() => return inner.poll(cx),
             KindProj::Fused { inner } => ready!(inner.poll(cx)),
             KindProj::Hedged { inner } => ready!(inner.poll(cx)),
             KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),

@@ -107,6 +107,7 @@ where
     /// Starts the call: its first attempt made at once, unless the deadline is spent
     /// already. `now` is the clock reading the caller's deadline was made from, if it
     /// read the clock for one (the first attempt's timeout header needs no second read).
+    #[inline]
     pub(crate) fn start(
         mut service: A,
         template: http::request::Parts,
@@ -208,7 +209,29 @@ where
         // The call's span, entered while its attempts are polled (a disabled span is
         // neither cloned nor entered).
         let _entered = this.call.span().map(|span| span.clone().entered());
-        let answer = ready!(this.poll_call(cx));
+        // The attempt under way first, its response returned where it lies when it is
+        // the answer (as it is more often than not): a large response is copied once
+        // less for every layer of `Poll` and `Option` it is not wrapped in.
+        let over = match this.state.as_mut().project() {
+            StateProj::Calling { future } => match future.poll(cx) {
+                Poll::Ready(Ok(response)) => {
+                    *this.armed = false;
+                    match this.decide(Seen::response(response.status(), response.headers())) {
+                        Next::Answer => {
+                            this.state.set(State::Failed { error: None });
+                            return Poll::Ready(Ok(response));
+                        }
+                        next => this.after(next, Outcome::Response(response)),
+                    }
+                }
+                polled => ready!(this.attempt_over(polled, cx)),
+            },
+            _ => None,
+        };
+        let answer = match over {
+            Some(answer) => answer,
+            None => ready!(this.poll_call(cx)),
+        };
         if let Err(error) = &answer
             && error.is::<DeadlineExceeded>()
         {
@@ -284,7 +307,13 @@ where
                 (self.decide(outcome.seen()), outcome)
             }
         };
-        Poll::Ready(match next {
+        Poll::Ready(self.after(next, outcome))
+    }
+
+    /// `Calling`, decided: the answer, or `None` when a retry was scheduled.
+    #[inline]
+    fn after(&mut self, next: Next, outcome: Outcome<R>) -> Option<Answer<R>> {
+        match next {
             Next::Answer => {
                 self.state.set(State::Failed { error: None });
                 Some(outcome.into_answer())
@@ -295,7 +324,7 @@ where
                 None
             }
             Next::Done => Some(Err(polled_after_completion())),
-        })
+        }
     }
 
     /// `Calling`: what the attempt produced, once it produced something or its timer

@@ -76,6 +76,7 @@ where
 /// made replayable, the first attempt. `within` is a deadline of the caller's own and
 /// the clock reading it was made from (so the first attempt's timeout header needs no
 /// second read), if it has one.
+#[inline]
 pub(crate) fn begin<A, B>(
     config: &Config,
     parts: http::request::Parts,
@@ -93,6 +94,7 @@ where
 
 /// [`begin`] with a body made replayable already (a hedge's copy, which shares the
 /// copy of the body its race keeps).
+#[inline]
 pub(crate) fn begin_replay<A, B>(
     config: &Config,
     mut parts: http::request::Parts,
