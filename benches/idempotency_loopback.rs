@@ -35,7 +35,9 @@
 //! `IDEM_LOOPBACK_SERVE=routes` serves one server with both routes of the same handler,
 //! `/bare` and `/guarded`, for an outside load generator: `wrk`, driven by
 //! `scripts/bench-idempotency-capacity`, which measures the server's CPU time per
-//! request (`IDEM_LOOPBACK_STORE_MIB` sets the store's byte budget there).
+//! request. `IDEM_LOOPBACK_STORE_MIB` sets the guarded store's byte budget in every
+//! mode (with `IDEM_LOOPBACK_STORE_MIB=1`, `first` under callgrind runs with the store
+//! shrinking records to tombstones and dropping tombstones).
 //!
 //! Settings: `IDEM_LOOPBACK_ROUNDS` (12), `IDEM_LOOPBACK_CONNS` (32),
 //! `IDEM_LOOPBACK_REQUESTS` (per connection at `C` connections, 300),
@@ -173,8 +175,19 @@ fn server_runtime(workers: usize) -> Res<tokio::runtime::Runtime> {
 fn start_servers(runtime: &tokio::runtime::Runtime) -> Res<(SocketAddr, SocketAddr)> {
     runtime.block_on(async {
         let bare = serve(router(None)).await?;
-        let guarded = serve(router(Some(IdempotencyLayer::new(MemoryStore::new())))).await?;
+        let guarded = serve(router(Some(IdempotencyLayer::new(store()?)))).await?;
         Ok((bare, guarded))
+    })
+}
+
+/// The guarded server's store: `IDEM_LOOPBACK_STORE_MIB` sets its byte budget (default:
+/// the MemoryStore's).
+fn store() -> Res<MemoryStore> {
+    Ok(match std::env::var("IDEM_LOOPBACK_STORE_MIB") {
+        Ok(mib) => MemoryStore::new()
+            .max_bytes(mib.parse::<u64>()? * 1024 * 1024)
+            .build()?,
+        Err(_) => MemoryStore::new(),
     })
 }
 
@@ -186,14 +199,7 @@ fn start_servers(runtime: &tokio::runtime::Runtime) -> Res<(SocketAddr, SocketAd
 fn serve_routes(workers: usize) -> Res<()> {
     let runtime = server_runtime(workers)?;
     let addr = runtime.block_on(async {
-        // IDEM_LOOPBACK_STORE_MIB: the store's byte budget (default: the MemoryStore's).
-        let store = match std::env::var("IDEM_LOOPBACK_STORE_MIB") {
-            Ok(mib) => MemoryStore::new()
-                .max_bytes(mib.parse::<u64>()? * 1024 * 1024)
-                .build()?,
-            Err(_) => MemoryStore::new(),
-        };
-        let layer = IdempotencyLayer::new(store);
+        let layer = IdempotencyLayer::new(store()?);
         let guarded = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
             post(create_reading).layer(layer)
         } else {

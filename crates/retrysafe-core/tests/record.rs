@@ -198,6 +198,36 @@ fn scopes_and_record_ids_separate_callers() {
     assert!(id.to_hex().chars().all(|c| c.is_ascii_hexdigit()));
 }
 
+// The hashes are a stored format (Redis key names, PostgreSQL rows): pinned, whatever
+// is cached between calls (the principal's scope, the last scope's record prefix).
+#[test]
+fn record_ids_are_stable_across_scopes_in_any_order() {
+    let alice = Principal::new("alice");
+    let short = IdempotencyKey::new("k").unwrap();
+    let long =
+        IdempotencyKey::new("a-key-long-enough-to-need-a-third-block-of-sha-256-input-0123456789")
+            .unwrap();
+    let (short_hex, long_hex) = (
+        "ef82ba084c439d7ac1ff26fdd3ffa2b6ef60540ec47ebfe7a195ef074899bf9f",
+        "953f6539bb4dbdcecb3edd8f4a10b55c74368ba4f3df338cad51506521dd5ac3",
+    );
+    let bob = Scope::from(&Principal::new("bob"));
+    for _ in 0..2 {
+        for scope in [Scope::from(&alice), Scope::from(&alice.clone())] {
+            assert_eq!(
+                scope.as_bytes()[..4],
+                [0x50, 0x38, 0xd0, 0x1d],
+                "the scope of a principal"
+            );
+            assert_eq!(RecordId::new(&scope, &short).to_hex(), short_hex);
+            assert_eq!(RecordId::new(&scope, &long).to_hex(), long_hex);
+            assert_ne!(RecordId::new(&bob, &short).to_hex(), short_hex);
+        }
+    }
+    let thread = std::thread::spawn(move || RecordId::new(&Scope::from(&alice), &long));
+    assert_eq!(thread.join().unwrap().to_hex(), long_hex);
+}
+
 #[test]
 fn tokens_are_random_and_round_trip() {
     let a = Token::random();

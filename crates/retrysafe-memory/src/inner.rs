@@ -320,24 +320,7 @@ impl Inner {
     /// or the trace of an evicted one), encoded. Called under the id's shard lock (the
     /// caller decodes after releasing it).
     pub(crate) fn kept(&self, id: &RecordId, now_ms: u64) -> Option<Blob> {
-        let mut r = self.retained();
-        match r.find(id, now_ms) {
-            Kept::Entry(e) => match e
-                .pending
-                .as_ref()
-                .and_then(|p| p.adopted(now_ms).map(|a| (p.fingerprint, a)))
-            {
-                Some((fingerprint, a)) => Some(blob(&Record::Resolving(Resolving::new(
-                    fingerprint,
-                    a.until_ms,
-                )))),
-                None => Some(Arc::clone(&e.bytes)),
-            },
-            Kept::Tombstone => Some(blob(&Record::Evicted(
-                retrysafe_core::idempotency::Evicted::new(),
-            ))),
-            Kept::Absent => None,
-        }
+        kept_in(&mut self.retained(), id, now_ms)
     }
 
     /// Whether `id` is kept as an `outcome_unknown` record.
@@ -448,11 +431,15 @@ impl Inner {
         let now = Instant::now();
         let now_ms = self.millis(now);
         let Some(entry) = map.get_mut(id) else {
-            if let Some(bytes) = self.kept(id, now_ms) {
-                return Found::Kept(bytes);
-            }
-            if self.retained().refuses_new() {
-                return Found::Refused;
+            {
+                // One acquisition of the records' lock for both questions.
+                let mut r = self.retained();
+                if let Some(bytes) = kept_in(&mut r, id, now_ms) {
+                    return Found::Kept(bytes);
+                }
+                if r.refuses_new() {
+                    return Found::Refused;
+                }
             }
             if !self.reserve_slot() {
                 return Found::Full(now);
@@ -735,6 +722,27 @@ impl Inner {
                 hook(&Eviction::new(*kind, *id, settings.name.clone()));
             }
         }
+    }
+}
+
+/// [`Inner::kept`] with the records already locked.
+fn kept_in(r: &mut Retained, id: &RecordId, now_ms: u64) -> Option<Blob> {
+    match r.find(id, now_ms) {
+        Kept::Entry(e) => match e
+            .pending
+            .as_ref()
+            .and_then(|p| p.adopted(now_ms).map(|a| (p.fingerprint, a)))
+        {
+            Some((fingerprint, a)) => Some(blob(&Record::Resolving(Resolving::new(
+                fingerprint,
+                a.until_ms,
+            )))),
+            None => Some(Arc::clone(&e.bytes)),
+        },
+        Kept::Tombstone => Some(blob(&Record::Evicted(
+            retrysafe_core::idempotency::Evicted::new(),
+        ))),
+        Kept::Absent => None,
     }
 }
 

@@ -63,6 +63,7 @@
 
 mod eviction;
 mod inner;
+mod order;
 mod reconcile;
 mod retained;
 mod sketch;

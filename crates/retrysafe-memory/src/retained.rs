@@ -3,7 +3,7 @@
 //! (`outcome_unknown`) records never shrink: a tombstone would never be reconciled, nor
 //! its hook told. When they alone fill the bound, new claims are refused.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use retrysafe_core::__private::DigestHash;
 use retrysafe_core::idempotency::{Fingerprint, RecordId, RequestInfo, Token, UnknownReason};
 use retrysafe_core::observe::handles::Gauge;
 
+use crate::order::{NIL, Order, Slot};
 use crate::sketch::Sketch;
 use crate::tombstones::Tombstones;
 
@@ -36,6 +37,8 @@ pub(crate) struct Entry {
     pub(crate) pending: Option<Box<Pending>>,
     pub(crate) scope: u64,
     seq: u64,
+    /// Its place in the LRU ([`NIL`] for an `outcome_unknown` record, never listed).
+    slot: Slot,
     weight: u64,
 }
 
@@ -126,11 +129,9 @@ pub(crate) struct Gauges {
 pub(crate) struct Retained {
     bounds: Bounds,
     entries: HashMap<RecordId, Entry, DigestHash>,
-    /// The completed records, least recently used first (`outcome_unknown` ones are
-    /// never shrunk, so never listed).
-    lru: BTreeMap<u64, RecordId>,
-    /// The same, per scope: (scope, seq).
-    by_scope: BTreeSet<(u64, u64)>,
+    /// The completed records, least recently used first, overall and per scope
+    /// (`outcome_unknown` ones are never shrunk, so never listed).
+    lru: Order,
     /// The ids of the `outcome_unknown` records, for `due`.
     unknown: HashSet<RecordId, DigestHash>,
     bytes: u64,
@@ -157,8 +158,7 @@ impl Retained {
         Retained {
             bounds,
             entries: HashMap::default(),
-            lru: BTreeMap::new(),
-            by_scope: BTreeSet::new(),
+            lru: Order::default(),
             unknown: HashSet::default(),
             bytes: 0,
             pending_bytes: 0,
@@ -242,14 +242,14 @@ impl Retained {
         let weight = weight(&bytes, pending.as_deref());
         let seq = self.next_seq;
         self.next_seq += 1;
-        if pending.is_some() {
+        let slot = if pending.is_some() {
             self.unknown.insert(id);
             self.pending_bytes = self.pending_bytes.saturating_add(weight);
+            NIL
         } else {
-            self.lru.insert(seq, id);
-            self.by_scope.insert((scope, seq));
             self.sketch.add(scope, weight);
-        }
+            self.lru.push(id, scope)
+        };
         self.entries.insert(
             id,
             Entry {
@@ -258,6 +258,7 @@ impl Retained {
                 pending,
                 scope,
                 seq,
+                slot,
                 weight,
             },
         );
@@ -274,8 +275,7 @@ impl Retained {
             self.unknown.remove(id);
             self.pending_bytes = self.pending_bytes.saturating_sub(entry.weight);
         } else {
-            self.lru.remove(&entry.seq);
-            self.by_scope.remove(&(entry.scope, entry.seq));
+            self.lru.remove(entry.slot);
             self.sketch.sub(entry.scope, entry.weight);
         }
         self.bytes = self.bytes.saturating_sub(entry.weight);
@@ -303,7 +303,8 @@ impl Retained {
     ///
     /// A record already among the most recently used quarter is left where it is: at
     /// most a quarter of the records are newer than it, so it is far from being shrunk,
-    /// and moving it would cost four B-tree operations on every replay of a busy key.
+    /// and moving it would write to three other records' nodes (cache misses in a
+    /// large store) on every replay of a busy key.
     fn touch(&mut self, id: &RecordId) -> Option<&mut Entry> {
         let seq = self.next_seq;
         let recent = self.entries.len() as u64 / 4;
@@ -313,11 +314,8 @@ impl Retained {
             return Some(entry);
         }
         self.next_seq += 1;
-        self.lru.remove(&entry.seq);
-        self.by_scope.remove(&(entry.scope, entry.seq));
         entry.seq = seq;
-        self.lru.insert(seq, *id);
-        self.by_scope.insert((entry.scope, seq));
+        self.lru.touch(entry.slot);
         Some(entry)
     }
 
@@ -367,18 +365,13 @@ impl Retained {
             if held <= share {
                 break;
             }
-            let of_scope = self
-                .by_scope
-                .range((scope, 0)..=(scope, u64::MAX))
-                .filter_map(|(_, seq)| self.lru.get(seq).copied());
-            match self.pick(of_scope, keep) {
+            match self.pick(self.lru.of_scope(scope), keep) {
                 Some(id) => return Some((id, true)),
                 // The sketch overestimated a scope that holds nothing else.
                 None => self.sketch.forget(scope),
             }
         }
-        self.pick(self.lru.values().copied(), keep)
-            .map(|id| (id, false))
+        self.pick(self.lru.iter(), keep).map(|id| (id, false))
     }
 
     /// The first of `candidates` (least recently used first) that is not `keep`. Only

@@ -142,10 +142,11 @@ impl MemoryStore {
 
     /// The bytes a kept record costs beyond its encoded length and its 32-byte key: its
     /// slot in the record map (the key, the record's handle, expiry, scope and LRU
-    /// position: 80 bytes, at a load factor down to 7/16 just after the table grew),
-    /// its entries in the two LRU trees (by age, and by scope and age; B-tree leaves
-    /// filled about half when appended to), and the reference counts and malloc
-    /// rounding in front of the record's own allocation (glibc malloc, 64-bit).
+    /// position, at a load factor down to 7/16 just after the table grew), its node in
+    /// the LRU's slab (its id, scope and the links of the two lists, by age and by
+    /// scope and age: 72 bytes, the slab as large as the most records it held), and the
+    /// reference counts and malloc rounding in front of the record's own allocation
+    /// (glibc malloc, 64-bit).
     ///
     /// Measured with a counting allocator (`tests/heap.rs`, 14 300 and 14 400 records,
     /// on both sides of a growth of the record map): the store's structures take 220 to

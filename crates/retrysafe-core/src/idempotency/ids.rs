@@ -1,5 +1,6 @@
+use std::cell::RefCell;
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use http::{HeaderMap, HeaderName, Method, Uri};
 use sha2::{Digest, Sha256};
@@ -8,6 +9,7 @@ use crate::wire::IdempotencyKey;
 
 /// Feeds length-prefixed fields into a SHA-256 behind a domain separator, so that no two
 /// different field lists hash alike.
+#[derive(Clone)]
 pub(crate) struct Hasher(Sha256);
 
 impl Hasher {
@@ -49,19 +51,29 @@ fn hex(bytes: &[u8]) -> String {
 /// assert_eq!(alice.as_str(), "alice");
 /// assert_ne!(Scope::from(&alice), Scope::from(&Principal::new("bob")));
 /// ```
-#[derive(Clone, PartialEq, Eq, Hash)]
-pub struct Principal {
-    id: Arc<str>,
+#[derive(Clone)]
+pub struct Principal(Arc<Named>);
+
+/// A principal's name and label, and its scope once a layer asked for it: the scope's
+/// SHA-256 is computed once per principal, not once per request that clones it.
+struct Named {
+    id: Box<str>,
     label: Option<Arc<str>>,
+    scope: OnceLock<Scope>,
 }
 
 impl Principal {
+    fn named(id: String, label: Option<Arc<str>>) -> Self {
+        Principal(Arc::new(Named {
+            id: id.into_boxed_str(),
+            label,
+            scope: OnceLock::new(),
+        }))
+    }
+
     /// A principal named `id`. Only its hash is ever stored.
     pub fn new(id: impl Into<String>) -> Self {
-        Principal {
-            id: Arc::from(id.into()),
-            label: None,
-        }
+        Principal::named(id.into(), None)
     }
 
     /// A principal named `id` with a `label` that may be stored beside its records and
@@ -76,26 +88,39 @@ impl Principal {
     /// assert_eq!(Scope::from(&p), Scope::from(&Principal::new("tenant-7f3a")));
     /// ```
     pub fn with_label(id: impl Into<String>, label: impl Into<String>) -> Self {
-        Principal {
-            id: Arc::from(id.into()),
-            label: Some(Arc::from(label.into())),
-        }
+        Principal::named(id.into(), Some(Arc::from(label.into())))
     }
 
     /// The principal's name.
     pub fn as_str(&self) -> &str {
-        &self.id
+        &self.0.id
     }
 
     /// The label given with [`Principal::with_label`], if any.
     pub fn label(&self) -> Option<&str> {
-        self.label.as_deref()
+        self.0.label.as_deref()
     }
 
     /// The label, shared.
     #[doc(hidden)]
     pub fn label_arc(&self) -> Option<Arc<str>> {
-        self.label.clone()
+        self.0.label.clone()
+    }
+}
+
+impl PartialEq for Principal {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+            || (self.as_str() == other.as_str() && self.label() == other.label())
+    }
+}
+
+impl Eq for Principal {}
+
+impl std::hash::Hash for Principal {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.as_str().hash(state);
+        self.label().hash(state);
     }
 }
 
@@ -153,9 +178,11 @@ impl Scope {
 
 impl From<&Principal> for Scope {
     fn from(p: &Principal) -> Self {
-        let mut h = Hasher::new("retrysafe/v1/scope/principal");
-        h.field(p.as_str().as_bytes());
-        Scope(h.finish())
+        *p.0.scope.get_or_init(|| {
+            let mut h = Hasher::new("retrysafe/v1/scope/principal");
+            h.field(p.as_str().as_bytes());
+            Scope(h.finish())
+        })
     }
 }
 
@@ -163,6 +190,21 @@ impl fmt::Debug for Scope {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Scope({})", hex(self.0.get(..8).unwrap_or(&[])))
     }
+}
+
+/// The record-id hash fed with its domain and `scope`. Those fill the first SHA-256
+/// block, so the state after them (one compressed block) is the same for every key of
+/// the scope.
+fn record_prefix(scope: &Scope) -> Hasher {
+    let mut h = Hasher::new("retrysafe/v1/record");
+    h.field(scope.as_bytes());
+    h
+}
+
+thread_local! {
+    /// The last scope a record id was made for on this thread, and its
+    /// [`record_prefix`]: the requests of one scope in a row hash one block less.
+    static RECORD_PREFIX: RefCell<Option<(Scope, Hasher)>> = const { RefCell::new(None) };
 }
 
 /// The key of one record: a SHA-256 of (scope, idempotency key).
@@ -182,8 +224,20 @@ pub struct RecordId([u8; 32]);
 impl RecordId {
     /// The record key of `key` in `scope`.
     pub fn new(scope: &Scope, key: &IdempotencyKey) -> Self {
-        let mut h = Hasher::new("retrysafe/v1/record");
-        h.field(scope.as_bytes()).field(key.as_str().as_bytes());
+        let mut h = RECORD_PREFIX
+            .try_with(|last| {
+                let mut last = last.borrow_mut();
+                match &*last {
+                    Some((of, prefix)) if of == scope => prefix.clone(),
+                    _ => {
+                        let prefix = record_prefix(scope);
+                        *last = Some((*scope, prefix.clone()));
+                        prefix
+                    }
+                }
+            })
+            .unwrap_or_else(|_| record_prefix(scope));
+        h.field(key.as_str().as_bytes());
         RecordId(h.finish())
     }
 

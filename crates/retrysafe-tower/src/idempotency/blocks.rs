@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::header::{CONTENT_LENGTH, CONTENT_TYPE};
-use http::{HeaderMap, Response};
+use http::{HeaderMap, HeaderName, HeaderValue, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
 use retrysafe_core::ConfigError;
@@ -278,15 +278,49 @@ pub fn replay_response<B>(
     convention: &Convention,
     stored: &StoredResponse,
 ) -> Response<ResponseBody<B>> {
+    let headers = stored.headers.iter().map(|(n, v)| (n.clone(), v.clone()));
     let mut res = Response::new(ResponseBody::full(
         stored.body.clone(),
         stored.trailer_map(),
     ));
     *res.status_mut() = stored.status;
-    *res.headers_mut() = stored.header_map();
-    res.headers_mut()
-        .insert(convention.idempotent_replayed().clone(), REPLAYED_VALUE);
+    *res.headers_mut() = replayed_headers(convention, headers);
     res
+}
+
+/// [`replay_response`] of a response the caller owns (a record just decoded): its
+/// headers and trailers are moved, not copied.
+pub(crate) fn replay_owned<B>(
+    convention: &Convention,
+    stored: StoredResponse,
+) -> Response<ResponseBody<B>> {
+    let StoredResponse {
+        status,
+        headers,
+        body,
+        trailers,
+        ..
+    } = stored;
+    let trailers = (!trailers.is_empty()).then(|| trailers.into_iter().collect());
+    let mut res = Response::new(ResponseBody::full(body, trailers));
+    *res.status_mut() = status;
+    *res.headers_mut() = replayed_headers(convention, headers.into_iter());
+    res
+}
+
+/// The stored `headers` (multi-value headers intact) and `idempotent-replayed: true`,
+/// in a map with room for one header more (the `content-length` a server sets), so
+/// that it is not grown again on the way out.
+fn replayed_headers(
+    convention: &Convention,
+    headers: impl ExactSizeIterator<Item = (HeaderName, HeaderValue)>,
+) -> HeaderMap {
+    let mut map = HeaderMap::with_capacity(headers.len() + 2);
+    for (name, value) in headers {
+        map.append(name, value);
+    }
+    map.insert(convention.idempotent_replayed().clone(), REPLAYED_VALUE);
+    map
 }
 
 /// A duration setting named `field`, validated as the layers validate theirs: greater
@@ -312,5 +346,53 @@ pub fn duration_setting(
         Err(ConfigError::new(field, "is too large"))
     } else {
         Ok(value)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::indexing_slicing)]
+mod tests {
+    use http::StatusCode;
+    use http_body_util::{BodyExt, Empty};
+
+    use super::*;
+
+    // A replay from a borrowed or an owned record is the same response: status,
+    // multi-value headers in order, the marker, body and trailers.
+    #[tokio::test]
+    async fn a_replay_moved_out_of_its_record_is_the_replay_of_the_record() {
+        let h = |n: &'static str, v: &'static str| {
+            (HeaderName::from_static(n), HeaderValue::from_static(v))
+        };
+        let stored = StoredResponse::new(
+            StatusCode::CREATED,
+            vec![
+                h("x-a", "1"),
+                h("content-type", "text/plain"),
+                h("x-a", "2"),
+            ],
+            Bytes::from_static(b"done"),
+            vec![h("grpc-status", "0"), h("x-t", "1"), h("x-t", "2")],
+        );
+        let convention = Convention::default();
+        let borrowed = replay_response::<Empty<Bytes>>(&convention, &stored);
+        let owned = replay_owned::<Empty<Bytes>>(&convention, stored);
+        for res in [borrowed, owned] {
+            assert_eq!(res.status(), StatusCode::CREATED);
+            let values: Vec<_> = res.headers().get_all("x-a").iter().collect();
+            assert_eq!(values, ["1", "2"]);
+            assert_eq!(res.headers()["content-type"], "text/plain");
+            assert_eq!(
+                res.headers()[convention.idempotent_replayed()],
+                REPLAYED_VALUE
+            );
+            assert_eq!(res.headers().len(), 4);
+            let body = res.into_body().collect().await.unwrap();
+            let trailers = body.trailers().cloned().unwrap();
+            let values: Vec<_> = trailers.get_all("x-t").iter().collect();
+            assert_eq!(values, ["1", "2"]);
+            assert_eq!(trailers["grpc-status"], "0");
+            assert_eq!(body.to_bytes(), "done");
+        }
     }
 }

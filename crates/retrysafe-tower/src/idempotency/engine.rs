@@ -98,7 +98,7 @@ fn deliver<E: Engine>(guard: &Guard, protocol: &mut Protocol, engine: &mut E) {
 /// runs the handler is the engine's to take; given here, it is a bug, answered 500.)
 pub fn answer_of<B>(guard: &Guard, step: Step) -> Res<B> {
     match step {
-        Step::Replay(stored) => guard.replay(&stored),
+        Step::Replay(stored) => guard.replay_owned(stored),
         Step::Problem(problem) => guard.problem(problem),
         _ => guard.problem_of(
             ProblemKind::HandlerPanicked,

@@ -334,6 +334,11 @@ impl Guard {
         blocks::replay_response(&self.config.convention, stored)
     }
 
+    /// [`replay`](Self::replay) of a response the caller owns: moved, not copied.
+    pub(crate) fn replay_owned<B>(&self, stored: StoredResponse) -> Res<B> {
+        blocks::replay_owned(&self.config.convention, stored)
+    }
+
     /// Collects a handler's response to store it: the body up to the storable limit
     /// and until `until` (see [`blocks::capture_response_body`]); the stored form keeps
     /// the headers the filter lets through. `None` when the body failed, or panicked,

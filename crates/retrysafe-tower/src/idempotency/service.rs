@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
+use futures_util::FutureExt;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
@@ -199,18 +200,7 @@ where
         fingerprint,
         span: span.clone(),
     };
-    let guard = layer.guard.clone();
-    spawned(&guard, permit, span, move || async move {
-        layer
-            .backend
-            .run(Call {
-                guard: &layer.guard,
-                handler,
-                request: Guarded::Keyed(request),
-            })
-            .await
-    })
-    .await
+    spawned(layer, handler, Guarded::Keyed(request), permit, span).await
 }
 
 /// Takes a slot of the in-flight bound (within the fair share of `scope`), then buffers the body within the limit and
@@ -272,23 +262,19 @@ where
         Err((_, answer)) => return Ok(*answer),
     };
     let req = Request::from_parts(parts, RequestBody::buffered(body));
-    let guard = layer.guard.clone();
-    spawned(&guard, permit, Span::current(), move || async move {
-        layer
-            .backend
-            .run(Call {
-                guard: &layer.guard,
-                handler,
-                request: Guarded::Unkeyed(req),
-            })
-            .await
-    })
+    spawned(
+        layer,
+        handler,
+        Guarded::Unkeyed(req),
+        permit,
+        Span::current(),
+    )
     .await
 }
 
-/// Runs `task` (the claim, the handler and the completion) and awaits it, holding
-/// `permit` and a token of the layer's [`TaskTracker`](tokio_util::task::TaskTracker)
-/// until it is done.
+/// Runs `request` through the layer's backend (the claim, the handler and the
+/// completion) as a task and awaits it, holding `permit` and a token of the layer's
+/// [`TaskTracker`](tokio_util::task::TaskTracker) until it is done.
 ///
 /// The task is polled in place, on the caller's task: no spawn and no hand-off between
 /// worker threads per request (moving the large task into a spawned one was the
@@ -298,28 +284,35 @@ where
 /// the caller cancels nothing. A panic of the task (the backends catch handler panics;
 /// this is one of our own) answers 500 `handler-panicked`.
 ///
-/// The task is made by `task` inside its box, so the (large) future is never moved. It
-/// runs in `span` (the request's `retrysafe.idempotency` span), or, when that one is
-/// disabled, in the caller's.
-async fn spawned<B, E, F, Fut>(
-    guard: &Guard,
+/// The task owns the layer (no second clone of it for the answer to a panic, which the
+/// task gives itself) and makes the backend's (large) future inside its box on its
+/// first poll, so that future is never moved. It runs in `span` (the request's
+/// `retrysafe.idempotency` span), or, when that one is disabled, in the caller's.
+async fn spawned<H, X>(
+    layer: IdempotencyLayer<X>,
+    handler: H,
+    request: Guarded<H::ReqBody>,
     permit: Slot,
     span: Span,
-    task: F,
-) -> Result<Res<B>, E>
+) -> Answer<H>
 where
-    B: Send + 'static,
-    E: Send + 'static,
-    F: FnOnce() -> Fut + Send + 'static,
-    Fut: Future<Output = Result<Res<B>, E>> + Send,
+    H: Handler,
+    X: Backend,
 {
-    let token = guard.shared.tracker.token();
+    let token = layer.guard.shared.tracker.token();
     let task = Box::pin(
         async move {
-            let res = task().await;
+            let call = Call {
+                guard: &layer.guard,
+                handler,
+                request,
+            };
+            let res = AssertUnwindSafe(layer.backend.run(call))
+                .catch_unwind()
+                .await;
             drop(permit);
             drop(token);
-            res
+            res.unwrap_or_else(|panic| Ok(panicked(&layer.guard, &*panic)))
         }
         .instrument(if span.is_disabled() {
             Span::current()
@@ -327,21 +320,21 @@ where
             span
         }),
     );
-    match Detached::new(task).await {
-        Ok(res) => res,
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .copied()
-                .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-                .unwrap_or("a panic");
-            tracing::error!(target: "retrysafe::idempotency", error = what, "guarded task panicked");
-            Ok(guard.problem_of(
-                ProblemKind::HandlerPanicked,
-                "the request could not be completed",
-            ))
-        }
-    }
+    Detached::new(task).await
+}
+
+/// The answer to a panic of a guarded task.
+fn panicked<B>(guard: &Guard, panic: &(dyn Any + Send)) -> Res<B> {
+    let what = panic
+        .downcast_ref::<&str>()
+        .copied()
+        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
+        .unwrap_or("a panic");
+    tracing::error!(target: "retrysafe::idempotency", error = what, "guarded task panicked");
+    guard.problem_of(
+        ProblemKind::HandlerPanicked,
+        "the request could not be completed",
+    )
 }
 
 /// A future polled in place that is spawned, unfinished, when it is dropped: see
@@ -370,24 +363,15 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    type Output = Result<F::Output, Box<dyn Any + Send>>;
+    type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let Some(task) = self.task.as_mut() else {
             return Poll::Pending; // polled after it finished
         };
-        let polled = std::panic::catch_unwind(AssertUnwindSafe(|| task.as_mut().poll(cx)));
-        match polled {
-            Ok(Poll::Pending) => Poll::Pending,
-            Ok(Poll::Ready(out)) => {
-                self.task = None;
-                Poll::Ready(Ok(out))
-            }
-            Err(panic) => {
-                self.task = None;
-                Poll::Ready(Err(panic))
-            }
-        }
+        let out = std::task::ready!(task.as_mut().poll(cx));
+        self.task = None;
+        Poll::Ready(out)
     }
 }
 
