@@ -16,7 +16,8 @@
 #![allow(clippy::print_stdout)]
 
 #[path = "payments/app.rs"]
-#[allow(dead_code)] // `serve`: this demo serves through its chaos layer
+// `serve`: this demo serves through its chaos layer; `RedisConn`: for the payments binary.
+#[allow(dead_code, unused_imports)]
 mod app;
 
 use std::collections::{BTreeMap, BTreeSet};
