@@ -194,6 +194,33 @@ both_forms! {
     }
 }
 
+/// Four calls to `url`, each with another deadline besides the client's own (60 s): its
+/// own alone, a sooner one per request (5 s), a later one per request (1 h), and an
+/// inherited one (2 s).
+async fn send_with_four_deadlines(client: &reqwest_middleware::ClientWithMiddleware, url: &str) {
+    // Its own.
+    client.get(url).send().await.unwrap();
+    // A sooner one set per request.
+    client
+        .get(url)
+        .with_extension(Deadline::after(Duration::from_secs(5)))
+        .send()
+        .await
+        .unwrap();
+    // A later one per request: ours is sooner.
+    client
+        .get(url)
+        .with_extension(Deadline::after(Duration::from_secs(3600)))
+        .send()
+        .await
+        .unwrap();
+    // The inherited one, of the inbound request being served.
+    CallContext::new()
+        .with_deadline(Deadline::after(Duration::from_secs(2)))
+        .scope(async { client.get(url).send().await.unwrap() })
+        .await;
+}
+
 #[tokio::test]
 async fn the_middleware_below_sees_the_soonest_deadline() {
     let (_server, base) = serve().await;
@@ -202,27 +229,7 @@ async fn the_middleware_below_sees_the_soonest_deadline() {
     let client = client(DeadlineMiddleware::new(timeout), &probe);
     let url = format!("{base}/fast");
 
-    // Its own.
-    client.get(&url).send().await.unwrap();
-    // A sooner one set per request.
-    client
-        .get(&url)
-        .with_extension(Deadline::after(Duration::from_secs(5)))
-        .send()
-        .await
-        .unwrap();
-    // A later one per request: ours is sooner.
-    client
-        .get(&url)
-        .with_extension(Deadline::after(Duration::from_secs(3600)))
-        .send()
-        .await
-        .unwrap();
-    // The inherited one, of the inbound request being served.
-    CallContext::new()
-        .with_deadline(Deadline::after(Duration::from_secs(2)))
-        .scope(async { client.get(&url).send().await.unwrap() })
-        .await;
+    send_with_four_deadlines(&client, &url).await;
 
     let seen: Vec<Duration> = probe.seen().into_iter().map(Option::unwrap).collect();
     assert_eq!(seen.len(), 4);
@@ -249,27 +256,7 @@ both_forms! {
         let client = Stack::new().deadline(timeout).below(probe.clone()).client(form);
         let url = format!("{base}/fast");
 
-        // Its own.
-        client.get(&url).send().await.unwrap();
-        // A sooner one set per request.
-        client
-            .get(&url)
-            .with_extension(Deadline::after(Duration::from_secs(5)))
-            .send()
-            .await
-            .unwrap();
-        // A later one per request: ours is sooner.
-        client
-            .get(&url)
-            .with_extension(Deadline::after(Duration::from_secs(3600)))
-            .send()
-            .await
-            .unwrap();
-        // The inherited one, of the inbound request being served.
-        CallContext::new()
-            .with_deadline(Deadline::after(Duration::from_secs(2)))
-            .scope(async { client.get(&url).send().await.unwrap() })
-            .await;
+        send_with_four_deadlines(&client, &url).await;
 
         let told = probe.told();
         assert_eq!(told.len(), 4);
