@@ -28,8 +28,10 @@ pin_project! {
     }
 }
 
-/// The call whose outcome waits for the end of the stream.
-struct Pending(Option<Call>);
+/// The call whose outcome waits for the end of the stream (boxed: every response of the
+/// breaker carries this field, and only a gRPC response with its status in the trailers
+/// fills it; a response kept small is moved inline, not by a `memcpy` call).
+struct Pending(Option<Box<Call>>);
 
 impl Drop for Pending {
     fn drop(&mut self) {
@@ -52,7 +54,7 @@ impl<B> ResponseBody<B> {
     pub(crate) fn pending(inner: B, call: Call) -> Self {
         ResponseBody {
             inner,
-            pending: Pending(Some(call)),
+            pending: Pending(Some(Box::new(call))),
         }
     }
 

@@ -245,8 +245,17 @@ impl<S> ClientService<S> {
             same_names: self.same_names,
         };
         let next = fused(self.inner.clone());
+        // Boxed: the race is larger than the plain loop, and every call's future would
+        // carry its size (a rare path, which allocates for its copies anyway).
         Kind::Hedged {
-            inner: hedge::race(config, fused(service), next, parts, body, hedgeable),
+            inner: Box::pin(hedge::race(
+                config,
+                fused(service),
+                next,
+                parts,
+                body,
+                hedgeable,
+            )),
         }
     }
 }
@@ -323,8 +332,7 @@ pin_project! {
             inner: retry::Driver<Guarded<S>, B>,
         },
         Hedged {
-            #[pin]
-            inner: hedge::ResponseFuture<Fused<S>, B>,
+            inner: Pin<Box<hedge::ResponseFuture<Fused<S>, B>>>,
         },
         Throttled,
     }
@@ -344,7 +352,7 @@ where
             // Nothing to count: the answer goes out as it comes (no copy of it here).
             KindProj::Fused { inner } if this.admitted.is_none() => return inner.poll(cx),
             KindProj::Fused { inner } => ready!(inner.poll(cx)),
-            KindProj::Hedged { inner } => ready!(inner.poll(cx)),
+            KindProj::Hedged { inner } => ready!(inner.as_mut().poll(cx)),
             KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),
         };
         if let (Some(admitted), Ok(response)) = (this.admitted.as_ref(), &answer) {
