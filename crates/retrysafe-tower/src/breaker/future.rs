@@ -53,18 +53,21 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    /// An admitted call of `request` on `service`: called at once when `service` is
-    /// ready already (polled with a no-op waker: the future polls it again with the
-    /// caller's waker when it is not), else awaiting its readiness in the future. `now`
-    /// is a clock reading the caller just made, if any, to time the call from.
+    /// An admitted call of `request` on `service`: called at once, in place, when
+    /// `service` is ready already (polled with a no-op waker), else awaiting its
+    /// readiness in the future — the instance polled goes there, to be polled again with
+    /// the caller's waker, and `service` becomes a fresh clone. So the common case clones
+    /// nothing. `now` is a clock reading the caller just made, if any, to time the call
+    /// from.
     #[inline]
     pub(crate) fn admitted(
-        mut service: S,
+        service: &mut S,
         request: Request<ReqB>,
         mut call: Call,
         now: Option<Instant>,
     ) -> Self
     where
+        S: Clone,
         S::Error: Into<BoxError>,
     {
         let state = match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
@@ -80,10 +83,13 @@ where
                 call.failed(&*error);
                 State::Failed { error: Some(error) }
             }
-            Poll::Pending => State::Readying {
-                waiting: Some(Box::new((service, request))),
-                call: Some(call),
-            },
+            Poll::Pending => {
+                let fresh = service.clone();
+                State::Readying {
+                    waiting: Some(Box::new((std::mem::replace(service, fresh), request))),
+                    call: Some(call),
+                }
+            }
         };
         ResponseFuture { state }
     }

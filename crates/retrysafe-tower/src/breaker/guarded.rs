@@ -123,9 +123,7 @@ where
                     BreakerFacts::of(request.headers(), &self.config.convention)
                 };
                 let call = Call::new(permit, facts, self.config.clone(), self.timed);
-                let clone = self.inner.clone();
-                let service = std::mem::replace(&mut self.inner, clone);
-                ResponseFuture::admitted(service, request, call, sent.at)
+                ResponseFuture::admitted(&mut self.inner, request, call, sent.at)
             }
             Err(open) => refused(open),
         }

@@ -93,7 +93,7 @@ where
                 }
                 let facts = BreakerFacts::of(request.headers(), &config.convention);
                 ResponseFuture::admitted(
-                    self.inner.clone(),
+                    &mut self.inner,
                     request,
                     Call::new(permit, facts, config.local(), timed),
                     None,

@@ -118,8 +118,9 @@ where
         if self.throttle.is_some() || self.hedge.is_some() {
             return self.call_in_front(request);
         }
-        let clone = self.inner.clone();
-        let service = std::mem::replace(&mut self.inner, clone);
+        // A clone for the call (this service's own is never polled: no readiness of
+        // it is reserved that the call should take).
+        let service = self.inner.clone();
         let (parts, body) = request.into_parts();
         let within = self.within();
         // Built where it is returned: the future is large, and every move is a copy.
@@ -165,8 +166,9 @@ impl<S> ClientService<S> {
             },
             None => None,
         };
-        let clone = self.inner.clone();
-        let service = std::mem::replace(&mut self.inner, clone);
+        // A clone for the call (this service's own is never polled: no readiness of
+        // it is reserved that the call should take).
+        let service = self.inner.clone();
         let (parts, body) = request.into_parts();
         let within = self.within();
         let kind = match &self.hedge {
@@ -285,8 +287,9 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        let clone = self.inner.clone();
-        let service = std::mem::replace(&mut self.inner, clone);
+        // A clone for the call (this service's own is never polled: no readiness of
+        // it is reserved that the call should take).
+        let service = self.inner.clone();
         let (parts, body) = request.into_parts();
         let (breaker, same_names) = (&self.breaker, self.same_names);
         // A hedge's copies are accounted for by the hedge, in the stack's budget.
