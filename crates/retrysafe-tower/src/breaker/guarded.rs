@@ -1,6 +1,7 @@
 //! The fused client stack's way through the breaker (see [`Guarded`]).
 
 use std::fmt;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 
 use http::{HeaderName, Request, Response};
@@ -23,7 +24,11 @@ use crate::retry::{Attempts, ReplayBody, Sent};
 /// timeout its header carries, the clock reading it was computed from) instead of the
 /// breaker reading the attempt's headers and the clock again.
 pub(crate) struct Guarded<S> {
-    inner: S,
+    /// The transport to clone for each attempt but the first (which the stack's service
+    /// makes on its own instance, so a call that is not retried clones nothing): shared
+    /// with that service, behind a lock so that a transport that is `Send` but not
+    /// `Sync` keeps the future `Send` (locked only to clone).
+    transport: Transport<S>,
     config: Local<Config>,
     /// The breaker of the call: the request's own, the layer's one, or its key's.
     breaker: CircuitBreaker,
@@ -37,6 +42,9 @@ pub(crate) struct Guarded<S> {
     /// charges attempts counted in another budget (boxed: the rare case).
     besides: Option<Box<(RetryBudget, HeaderName)>>,
 }
+
+/// The transport of a fused stack, shared by its service and its calls' futures.
+pub(crate) type Transport<S> = Arc<Mutex<S>>;
 
 /// The budget a fused stack's attempts go through, as a budget layer below the retry
 /// would: the stack's, and the `retry-attempt` header name that marks a retry.
@@ -59,7 +67,7 @@ impl<S> Guarded<S> {
     /// With `stack`, a request that carries a budget other than the stack's has each
     /// attempt charged to the stack's as well (the planner charges the request's).
     pub(crate) fn new(
-        inner: S,
+        transport: &Transport<S>,
         config: &Striped<Config>,
         parts: &http::request::Parts,
         same_names: bool,
@@ -78,7 +86,7 @@ impl<S> Guarded<S> {
         };
         Guarded {
             besides,
-            inner,
+            transport: Arc::clone(transport),
             timed: breaker.config().slow_call_duration().is_some(),
             same_names,
             config: config.local(),
@@ -101,8 +109,31 @@ where
         Poll::Ready(Ok(()))
     }
 
-    #[inline]
+    /// An attempt on a clone of the transport (a retry, or a hedge's copy).
     fn attempt(&mut self, request: Request<ReplayBody<ReqB>>, sent: Sent) -> Self::Future {
+        let mut service = self
+            .transport
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
+        self.attempt_on(&mut service, request, sent)
+    }
+}
+
+impl<S> Guarded<S> {
+    /// An attempt on `service` (the stack service's own instance for a first attempt:
+    /// called in place when it is ready).
+    #[inline]
+    pub(crate) fn attempt_on<ReqB, ResB>(
+        &mut self,
+        service: &mut S,
+        request: Request<ReplayBody<ReqB>>,
+        sent: Sent,
+    ) -> ResponseFuture<S, ReplayBody<ReqB>>
+    where
+        S: Service<Request<ReplayBody<ReqB>>, Response = Response<ResB>> + Clone,
+        S::Error: Into<BoxError>,
+    {
         // The stack's budget, as a budget layer above the breaker: a refused retry
         // never reaches the breaker.
         if let Some(besides) = &self.besides {
@@ -123,7 +154,7 @@ where
                     BreakerFacts::of(request.headers(), &self.config.convention)
                 };
                 let call = Call::new(permit, facts, self.config.clone(), self.timed);
-                ResponseFuture::admitted(&mut self.inner, request, call, sent.at)
+                ResponseFuture::admitted(service, request, call, sent.at)
             }
             Err(open) => refused(open),
         }
@@ -133,7 +164,7 @@ where
 impl<S: fmt::Debug> fmt::Debug for Guarded<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Guarded")
-            .field("inner", &self.inner)
+            .field("transport", &self.transport)
             .field("breaker", &self.breaker)
             .finish_non_exhaustive()
     }

@@ -43,7 +43,7 @@ impl ClientLayers {
     }
 }
 
-impl<S> Layer<S> for GrpcClientLayers {
+impl<S: Clone> Layer<S> for GrpcClientLayers {
     type Service = GrpcClientService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {

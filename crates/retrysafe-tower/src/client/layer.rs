@@ -202,7 +202,7 @@ impl Default for ClientLayers {
     }
 }
 
-impl<S> Layer<S> for ClientLayers {
+impl<S: Clone> Layer<S> for ClientLayers {
     type Service = ClientService<S>;
 
     fn layer(&self, inner: S) -> Self::Service {

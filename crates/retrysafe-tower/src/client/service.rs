@@ -3,7 +3,7 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll, ready};
 use std::time::Duration;
 
@@ -17,7 +17,7 @@ use retrysafe_core::__private::Striped;
 use retrysafe_core::error::Throttled;
 use retrysafe_core::{CallContext, Deadline};
 
-use crate::breaker::{self, Guarded, ResponseBody, StackBudget};
+use crate::breaker::{self, Guarded, ResponseBody, StackBudget, Transport};
 use crate::local::BoxError;
 use crate::retry::{self, Attempts, ReplayBody};
 use crate::{hedge, throttle};
@@ -30,7 +30,10 @@ use crate::{hedge, throttle};
 /// the permit is taken), as in the separate layers. Hence `S: Clone` (wrap a service
 /// that is not in a `tower::buffer::Buffer`).
 pub struct ClientService<S> {
+    /// The transport a call's first attempt is made on (in place, when it is ready).
     inner: S,
+    /// The transport the calls' futures clone for their retries and hedges.
+    transport: Transport<S>,
     retry: Arc<retry::Config>,
     breaker: Striped<breaker::Config>,
     /// The breaker takes the planner's word for the timeout headers it writes.
@@ -53,9 +56,13 @@ impl<S> ClientService<S> {
         breaker: Striped<breaker::Config>,
         deadline: Option<Duration>,
         front: Front,
-    ) -> Self {
+    ) -> Self
+    where
+        S: Clone,
+    {
         ClientService {
             same_names: Guarded::<S>::same_names(&breaker, retry.policy.convention()),
+            transport: Arc::new(Mutex::new(inner.clone())),
             inner,
             retry,
             breaker,
@@ -75,6 +82,7 @@ impl<S: Clone> Clone for ClientService<S> {
     fn clone(&self) -> Self {
         ClientService {
             inner: self.inner.clone(),
+            transport: Arc::clone(&self.transport),
             retry: self.retry.clone(),
             breaker: self.breaker.clone(),
             same_names: self.same_names,
@@ -118,15 +126,12 @@ where
         if self.throttle.is_some() || self.hedge.is_some() {
             return self.call_in_front(request);
         }
-        // A clone for the call (this service's own is never polled: no readiness of
-        // it is reserved that the call should take).
-        let service = self.inner.clone();
         let (parts, body) = request.into_parts();
         let within = self.within();
         // Built where it is returned: the future is large, and every move is a copy.
         ResponseFuture {
             kind: Kind::Fused {
-                inner: self.fused(service, parts, body, within),
+                inner: self.fused(parts, body, within),
             },
             admitted: None,
         }
@@ -166,15 +171,12 @@ impl<S> ClientService<S> {
             },
             None => None,
         };
-        // A clone for the call (this service's own is never polled: no readiness of
-        // it is reserved that the call should take).
-        let service = self.inner.clone();
         let (parts, body) = request.into_parts();
         let within = self.within();
         let kind = match &self.hedge {
-            Some(config) => self.hedged(&Arc::clone(config), service, parts, body, within),
+            Some(config) => self.hedged(&Arc::clone(config), parts, body, within),
             None => Kind::Fused {
-                inner: self.fused(service, parts, body, within),
+                inner: self.fused(parts, body, within),
             },
         };
         ResponseFuture { kind, admitted }
@@ -182,17 +184,18 @@ impl<S> ClientService<S> {
 }
 
 impl<S> ClientService<S> {
-    /// The fused part's call: the retry loop, each attempt through the breaker.
+    /// The fused part's call: the retry loop, each attempt through the breaker; the
+    /// first attempt on this service's own transport, the others on clones of it.
     #[inline]
-    fn fused<B>(
-        &self,
-        service: S,
+    fn fused<B, ResB>(
+        &mut self,
         parts: http::request::Parts,
         body: B,
         within: Option<(Deadline, Instant)>,
     ) -> retry::Driver<Guarded<S>, B>
     where
-        Guarded<S>: Attempts<B>,
+        S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
+        S::Error: Into<BoxError>,
         B: Body,
     {
         // One breaker lookup per call, on the head as the planner leaves it.
@@ -202,25 +205,29 @@ impl<S> ClientService<S> {
             budget,
             retry_attempt: policy.convention().retry_attempt(),
         });
-        retry::begin(&self.retry, parts, body, within, |parts| {
-            Guarded::new(service, breaker, parts, same_names, stack)
-        })
+        let (transport, inner) = (&self.transport, &mut self.inner);
+        retry::begin(
+            &self.retry,
+            (parts, body),
+            within,
+            |parts| Guarded::new(transport, breaker, parts, same_names, stack),
+            |guarded, request, sent| guarded.attempt_on(inner, request, sent),
+        )
     }
 
     /// A call through the hedge: a request it may hedge races copies, each one a call
     /// of the fused part sharing one copy of the body; any other goes to the fused
     /// part as it is.
-    fn hedged<B>(
-        &self,
+    fn hedged<B, ResB>(
+        &mut self,
         config: &Arc<hedge::Config>,
-        service: S,
         mut parts: http::request::Parts,
         body: B,
         within: Option<(Deadline, Instant)>,
     ) -> Kind<S, B>
     where
-        S: Clone,
-        Guarded<S>: Attempts<B>,
+        S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
+        S::Error: Into<BoxError>,
         Fused<S>: Service<Request<ReplayBody<B>>>,
         B: Body,
     {
@@ -234,26 +241,25 @@ impl<S> ClientService<S> {
         }
         let Some(hedgeable) = hedge::hedgeable(config, &parts) else {
             return Kind::Fused {
-                inner: self.fused(service, parts, body, within),
+                inner: self.fused(parts, body, within),
             };
         };
         // One copy of the body serves the hedges and the first copy's retries.
         let cap = config.replay_cap.max(self.retry.replay_cap);
         let body = ReplayBody::new(body, cap.min(retry::MAX_REPLAY_CAP));
-        let fused = |inner| Fused {
-            inner,
+        let fused = || Fused {
+            transport: Arc::clone(&self.transport),
             retry: Arc::clone(&self.retry),
             breaker: self.breaker.clone(),
             same_names: self.same_names,
         };
-        let next = fused(self.inner.clone());
         // Boxed: the race is larger than the plain loop, and every call's future would
         // carry its size (a rare path, which allocates for its copies anyway).
         Kind::Hedged {
             inner: Box::pin(hedge::race(
                 config,
-                fused(service),
-                next,
+                fused(),
+                fused(),
                 parts,
                 body,
                 hedgeable,
@@ -264,9 +270,8 @@ impl<S> ClientService<S> {
 
 /// The fused part as a service of requests whose body is replayable already: what a
 /// hedge's copies are sent to.
-#[derive(Clone)]
 pub(crate) struct Fused<S> {
-    inner: S,
+    transport: Transport<S>,
     retry: Arc<retry::Config>,
     breaker: Striped<breaker::Config>,
     same_names: bool,
@@ -287,22 +292,34 @@ where
     }
 
     fn call(&mut self, request: Request<ReplayBody<B>>) -> Self::Future {
-        // A clone for the call (this service's own is never polled: no readiness of
-        // it is reserved that the call should take).
-        let service = self.inner.clone();
-        let (parts, body) = request.into_parts();
         let (breaker, same_names) = (&self.breaker, self.same_names);
-        // A hedge's copies are accounted for by the hedge, in the stack's budget.
-        retry::begin_replay(&self.retry, parts, body, None, |parts| {
-            Guarded::new(service, breaker, parts, same_names, None)
-        })
+        // A hedge's copies are accounted for by the hedge, in the stack's budget; each
+        // attempt is made on a clone of the transport.
+        retry::begin_replay(
+            &self.retry,
+            request.into_parts(),
+            None,
+            |parts| Guarded::new(&self.transport, breaker, parts, same_names, None),
+            Attempts::attempt,
+        )
+    }
+}
+
+impl<S> Clone for Fused<S> {
+    fn clone(&self) -> Self {
+        Fused {
+            transport: Arc::clone(&self.transport),
+            retry: Arc::clone(&self.retry),
+            breaker: self.breaker.clone(),
+            same_names: self.same_names,
+        }
     }
 }
 
 impl<S: fmt::Debug> fmt::Debug for Fused<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fused")
-            .field("inner", &self.inner)
+            .field("transport", &self.transport)
             .finish_non_exhaustive()
     }
 }

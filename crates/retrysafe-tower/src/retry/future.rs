@@ -104,17 +104,18 @@ impl<A, B> Driver<A, B>
 where
     A: Attempts<B>,
 {
-    /// Starts the call: its first attempt made at once, unless the deadline is spent
-    /// already. `now` is the clock reading the caller's deadline was made from, if it
-    /// read the clock for one (the first attempt's timeout header needs no second read).
+    /// Starts the call: its first attempt made at once by `first` (given the attempts'
+    /// maker), unless the deadline is spent already. `now` is the clock reading the
+    /// caller's deadline was made from, if it read the clock for one (the first
+    /// attempt's timeout header needs no second read).
     #[inline]
     pub(crate) fn start(
         mut service: A,
-        template: http::request::Parts,
-        body: ReplayBody<B>,
+        (template, body): (http::request::Parts, ReplayBody<B>),
         token: RetryToken,
         call: RetryCall,
         now: Option<Instant>,
+        first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
     ) -> Self {
         let backup = body.clone();
         // One clock read for the check, the timeout header and the breaker's timing.
@@ -143,7 +144,7 @@ where
             // records its verdict on it.
             let _entered = call.span().map(tracing::Span::enter);
             State::Calling {
-                future: service.attempt(Request::from_parts(parts, body), sent),
+                future: first(&mut service, Request::from_parts(parts, body), sent),
             }
         };
         Driver {

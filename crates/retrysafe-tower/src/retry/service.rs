@@ -8,7 +8,7 @@ use retrysafe_core::__private::RetryPolicy;
 use retrysafe_core::Deadline;
 use tower_service::Service;
 
-use super::attempts::{Attempts, Plain};
+use super::attempts::{Attempts, Plain, Sent};
 use super::body::ReplayBody;
 use super::future::{Driver, ResponseFuture};
 use super::layer::{Config, MAX_REPLAY_CAP};
@@ -67,29 +67,35 @@ where
         let clone = self.inner.clone();
         let service = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = request.into_parts();
-        ResponseFuture::new(begin(&self.config, parts, body, None, |_| Plain(service)))
+        ResponseFuture::new(begin(
+            &self.config,
+            (parts, body),
+            None,
+            |_| Plain(service),
+            Attempts::attempt,
+        ))
     }
 }
 
 /// Starts a call of `parts` and `body` (the attempts' maker, ready or not, made by
-/// `attempts` from the head as the planner leaves it): the planner's `begin`, the body
-/// made replayable, the first attempt. `within` is a deadline of the caller's own and
-/// the clock reading it was made from (so the first attempt's timeout header needs no
-/// second read), if it has one.
+/// `attempts` from the head as the planner leaves it; the first attempt made by `first`):
+/// the planner's `begin`, the body made replayable, the first attempt. `within` is a
+/// deadline of the caller's own and the clock reading it was made from (so the first
+/// attempt's timeout header needs no second read), if it has one.
 #[inline]
 pub(crate) fn begin<A, B>(
     config: &Config,
-    parts: http::request::Parts,
-    body: B,
+    (parts, body): (http::request::Parts, B),
     within: Option<(Deadline, tokio::time::Instant)>,
     attempts: impl FnOnce(&http::request::Parts) -> A,
+    first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
 ) -> Driver<A, B>
 where
     A: Attempts<B>,
     B: Body,
 {
     let body = ReplayBody::new(body, config.replay_cap.min(MAX_REPLAY_CAP));
-    begin_replay(config, parts, body, within, attempts)
+    begin_replay(config, (parts, body), within, attempts, first)
 }
 
 /// [`begin`] with a body made replayable already (a hedge's copy, which shares the
@@ -97,10 +103,10 @@ where
 #[inline]
 pub(crate) fn begin_replay<A, B>(
     config: &Config,
-    mut parts: http::request::Parts,
-    body: ReplayBody<B>,
+    (mut parts, body): (http::request::Parts, ReplayBody<B>),
     within: Option<(Deadline, tokio::time::Instant)>,
     attempts: impl FnOnce(&http::request::Parts) -> A,
+    first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
 ) -> Driver<A, B>
 where
     A: Attempts<B>,
@@ -109,5 +115,5 @@ where
         RetryPolicy::begin_within(&config.policy, &mut parts, within.map(|(d, _)| d));
     let now = within.map(|(_, now)| now);
     let attempts = attempts(&parts);
-    Driver::start(attempts, parts, body, token, call, now)
+    Driver::start(attempts, (parts, body), token, call, now, first)
 }
