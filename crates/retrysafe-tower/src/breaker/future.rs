@@ -38,8 +38,9 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<S, R, F> {
-        // Admitted: awaiting the readiness of a clone of the inner service (boxed: this
-        // slow path is rare, and the future stays small for the common one).
+        // Admitted: awaiting the readiness of the inner service, the instance that was
+        // not ready (boxed: this slow path is rare, and the future stays small for the
+        // common one).
         Readying { waiting: Option<Box<(S, R)>>, call: Option<Call> },
         Calling { #[pin] future: F, call: Option<Call> },
         Refused { open: Option<CircuitOpen> },

@@ -18,9 +18,10 @@ use crate::local::BoxError;
 ///
 /// [`poll_ready`](Service::poll_ready) is always ready and never polls the inner
 /// service: [`call`](Service::call) asks the breaker, answers a refusal at once, and
-/// otherwise returns a future that drives the readiness of a clone of the inner
-/// service before calling it. Hence `S: Clone` (wrap a service that is not in a
-/// `tower::buffer::Buffer`).
+/// otherwise calls the inner service at once when it is ready (polled with a no-op
+/// waker), or returns a future that drives its readiness before calling it (the instance
+/// polled moves into the future; the service keeps a clone). Hence `S: Clone` (wrap a
+/// service that is not in a `tower::buffer::Buffer`).
 pub struct CircuitBreakerService<S> {
     inner: S,
     config: Striped<Config>,
