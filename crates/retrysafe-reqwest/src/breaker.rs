@@ -228,18 +228,40 @@ impl Middleware for CircuitBreakerMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
-        self.attempt(request, extensions, next).await
+        self.attempt(request, extensions, next, None).await
     }
 }
 
+/// What the fused form's retry planner knows of an attempt as it sends it: the breaker
+/// takes its word instead of reading the attempt's headers and the clock again.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Sent {
+    /// A gRPC request.
+    pub(crate) grpc: bool,
+    /// The time the attempt's timeout header was written from, if it has one.
+    pub(crate) timeout: Option<Duration>,
+    /// The clock reading that time was computed from, if the clock was read for it.
+    pub(crate) at: Option<Instant>,
+}
+
 impl CircuitBreakerMiddleware {
+    /// Whether this breaker reads timeout headers by the names `names` writes them
+    /// with (then the planner's word is as good as a parse).
+    pub(crate) fn same_names(&self, names: &Convention) -> bool {
+        let own = &self.config.convention;
+        own.request_timeout_ms() == names.request_timeout_ms()
+            && own.grpc_timeout() == names.grpc_timeout()
+    }
+
     /// One attempt through the breaker (the middleware's work, also run inline by the
-    /// fused form of [`ClientMiddlewares`](crate::ClientMiddlewares)).
+    /// fused form of [`ClientMiddlewares`](crate::ClientMiddlewares), which passes what
+    /// its planner wrote as `sent`).
     pub(crate) async fn attempt(
         &self,
         request: Request,
         extensions: &mut Extensions,
         next: Next<'_>,
+        sent: Option<Sent>,
     ) -> reqwest_middleware::Result<Response> {
         let config = &self.config;
         // A breaker in the request's extensions overrides the middleware's (per request).
@@ -258,9 +280,13 @@ impl CircuitBreakerMiddleware {
                 return Err(local(open));
             }
         };
-        let facts = BreakerFacts::of(request.headers(), &config.convention);
+        let facts = match sent {
+            Some(sent) => BreakerFacts::sent(sent.grpc, sent.timeout),
+            None => BreakerFacts::of(request.headers(), &config.convention),
+        };
         let timed = breaker.config().slow_call_duration().is_some();
-        let started = (timed || facts.carries_deadline()).then(Instant::now);
+        let at = sent.and_then(|sent| sent.at);
+        let started = (timed || facts.carries_deadline()).then(|| at.unwrap_or_else(Instant::now));
 
         let result = next.run(request, extensions).await;
 

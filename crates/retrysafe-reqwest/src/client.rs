@@ -204,6 +204,7 @@ impl ClientMiddlewares {
         retry.resolve_metrics();
         self.breaker.resolve_metrics();
         builder.with(Fused {
+            same_names: self.breaker.same_names(retry.names()),
             deadline,
             retry,
             breaker: self.breaker,
@@ -234,6 +235,8 @@ struct Fused {
     deadline: Option<DeadlineMiddleware>,
     retry: RetryMiddleware,
     breaker: CircuitBreakerMiddleware,
+    /// The breaker takes the planner's word for the timeout headers it writes.
+    same_names: bool,
 }
 
 #[async_trait::async_trait]
@@ -250,7 +253,7 @@ impl Middleware for Fused {
             Some(deadline) => Some(deadline.settle(extensions)?),
             None => None,
         };
-        let below = Below::Breaker(&self.breaker, next);
+        let below = Below::Breaker(&self.breaker, next, self.same_names);
         let result = self.retry.call(request, extensions, below, within).await;
         if let (Some(deadline), Err(reqwest_middleware::Error::Middleware(e))) =
             (&self.deadline, &result)

@@ -169,9 +169,10 @@ use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
+use tokio::time::Instant;
 use tracing::Instrument;
 
-use crate::breaker::CircuitBreakerMiddleware;
+use crate::breaker::{CircuitBreakerMiddleware, Sent};
 
 /// Retries failed requests that are safe to retry; see the [module docs](self).
 ///
@@ -276,6 +277,11 @@ impl RetryMiddleware {
     pub(crate) fn resolve_metrics(&self) {
         self.policy.resolve_metrics();
     }
+
+    /// The header names its calls write.
+    pub(crate) fn names(&self) -> &Convention {
+        self.policy.convention()
+    }
 }
 
 impl Default for RetryMiddleware {
@@ -310,16 +316,25 @@ impl Middleware for RetryMiddleware {
 pub(crate) enum Below<'a> {
     /// The middleware below, as it is.
     Next(Next<'a>),
-    /// Through the breaker, in the same hop.
-    Breaker(&'a CircuitBreakerMiddleware, Next<'a>),
+    /// Through the breaker, in the same hop; with `true` when the breaker reads timeout
+    /// headers by the names the planner writes them with, so it takes the planner's word.
+    Breaker(&'a CircuitBreakerMiddleware, Next<'a>, bool),
 }
 
 impl Below<'_> {
-    async fn send(&self, request: Request, extensions: &mut Extensions) -> Result<Response> {
+    async fn send(
+        &self,
+        request: Request,
+        extensions: &mut Extensions,
+        sent: Sent,
+    ) -> Result<Response> {
         match self {
             Below::Next(next) => next.clone().run(request, extensions).await,
-            Below::Breaker(breaker, next) => {
-                breaker.attempt(request, extensions, next.clone()).await
+            Below::Breaker(breaker, next, same_names) => {
+                let sent = same_names.then_some(sent);
+                breaker
+                    .attempt(request, extensions, next.clone(), sent)
+                    .await
             }
         }
     }
@@ -446,9 +461,26 @@ impl<'a> Attempts<'a> {
         if token.attempt() >= 2 {
             self.extensions.clone_from(&self.base);
         }
-        // Also puts the attempt's `AttemptNumber` in the extensions.
-        call.prepare_attempt(attempt.headers_mut(), self.extensions, token);
-        let sent = below.send(attempt, self.extensions);
+        // One clock read for the timeout header and the breaker's timing (none without
+        // a deadline). Also puts the attempt's `AttemptNumber` in the extensions.
+        let (at, left) = match call.deadline() {
+            Some(deadline) => {
+                let now = Instant::now();
+                (
+                    Some(now),
+                    Some(deadline.instant().saturating_duration_since(now)),
+                )
+            }
+            None => (None, None),
+        };
+        let timeout =
+            call.prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
+        let facts = Sent {
+            grpc: call.is_grpc(),
+            timeout,
+            at,
+        };
+        let sent = below.send(attempt, self.extensions, facts);
         let result = match call.attempt_until() {
             Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
             None => Some(sent.await),
