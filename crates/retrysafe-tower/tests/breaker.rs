@@ -211,6 +211,67 @@ both_forms!(
     start_paused = true
 );
 
+/// A transport whose first instance to be polled fails its readiness, and stays failed:
+/// tower's contract is that such an instance is discarded, not called again.
+#[derive(Clone)]
+struct FailsOnce {
+    /// Whether the next instance polled fails (shared by every clone).
+    fail_next: Arc<Mutex<bool>>,
+    /// This instance failed its readiness.
+    failed: bool,
+    calls: Arc<Mutex<u32>>,
+}
+
+impl Service<Sent> for FailsOnce {
+    type Response = Res;
+    type Error = BoxError;
+    type Future = std::future::Ready<Result<Res, BoxError>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        if !self.failed && std::mem::take(&mut *self.fail_next.lock().unwrap()) {
+            self.failed = true;
+        }
+        if self.failed {
+            return Poll::Ready(Err("this instance is broken".into()));
+        }
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, _: Sent) -> Self::Future {
+        assert!(!self.failed, "called an instance that failed its readiness");
+        *self.calls.lock().unwrap() += 1;
+        std::future::ready(Ok(status(200)))
+    }
+}
+
+async fn an_instance_that_failed_its_readiness_is_not_called_again(form: Form) {
+    let calls = Arc::new(Mutex::new(0));
+    let transport = FailsOnce {
+        fail_next: Arc::new(Mutex::new(true)),
+        failed: false,
+        calls: calls.clone(),
+    };
+    let breaker = CircuitBreaker::new(config(10, 1));
+    let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(transport);
+
+    // The first call's transport fails its readiness: that call fails, recorded.
+    let first = svc.ready().await.unwrap().call(get("http://a.example/")).await;
+    assert!(first.unwrap_err().to_string().contains("broken"));
+    assert_eq!(breaker.window().failures, 1);
+    // The next calls go to a sound instance.
+    for _ in 0..3 {
+        let response = svc.ready().await.unwrap().call(get("http://a.example/")).await;
+        assert_eq!(response.unwrap().status(), StatusCode::OK);
+    }
+    assert_eq!(*calls.lock().unwrap(), 3);
+    assert_eq!(breaker.window().successes, 3);
+}
+
+both_forms!(
+    an_instance_that_failed_its_readiness_is_not_called_again,
+    start_paused = true
+);
+
 async fn half_open_admits_exactly_the_probes(form: Form) {
     let (mock, mut handle) = mock::pair::<Sent, Res>();
     let breaker = CircuitBreaker::new(config(2, 3));

@@ -57,18 +57,20 @@ where
     /// An admitted call of `request` on `service`: called at once, in place, when
     /// `service` is ready already (polled with a no-op waker), else awaiting its
     /// readiness in the future — the instance polled goes there, to be polled again with
-    /// the caller's waker, and `service` becomes a fresh clone. So the common case clones
-    /// nothing. `now` is a clock reading the caller just made, if any, to time the call
-    /// from.
+    /// the caller's waker. Either way that leaves `service` to the next call only when it
+    /// is good for one: an instance that moved into the future, or that failed its
+    /// readiness (tower's contract: discard it), is replaced by `fresh()`. So the common
+    /// case clones nothing. `now` is a clock reading the caller just made, if any, to
+    /// time the call from.
     #[inline]
     pub(crate) fn admitted(
         service: &mut S,
         request: Request<ReqB>,
         mut call: Call,
         now: Option<Instant>,
+        fresh: impl FnOnce() -> S,
     ) -> Self
     where
-        S: Clone,
         S::Error: Into<BoxError>,
     {
         let state = match service.poll_ready(&mut Context::from_waker(Waker::noop())) {
@@ -80,17 +82,15 @@ where
                 }
             }
             Poll::Ready(Err(error)) => {
+                *service = fresh();
                 let error = error.into();
                 call.failed(&*error);
                 State::Failed { error: Some(error) }
             }
-            Poll::Pending => {
-                let fresh = service.clone();
-                State::Readying {
-                    waiting: Some(Box::new((std::mem::replace(service, fresh), request))),
-                    call: Some(call),
-                }
-            }
+            Poll::Pending => State::Readying {
+                waiting: Some(Box::new((std::mem::replace(service, fresh()), request))),
+                call: Some(call),
+            },
         };
         ResponseFuture { state }
     }

@@ -24,10 +24,11 @@ use crate::retry::{Attempts, ReplayBody, Sent};
 /// timeout its header carries, the clock reading it was computed from) instead of the
 /// breaker reading the attempt's headers and the clock again.
 pub(crate) struct Guarded<S> {
-    /// The transport to clone for each attempt but the first (which the stack's service
-    /// makes on its own instance, so a call that is not retried clones nothing): shared
-    /// with that service, behind a lock so that a transport that is `Send` but not
-    /// `Sync` keeps the future `Send` (locked only to clone).
+    /// The transport to clone for each attempt but a plain call's first (which the
+    /// stack's service makes on its own instance, so a call that is not retried clones
+    /// nothing; every copy of a hedged request clones): a copy shared with that service
+    /// and never polled, behind a lock so that a transport that is `Send` but not `Sync`
+    /// keeps the future `Send` (locked only to clone).
     transport: Transport<S>,
     config: Local<Config>,
     /// The breaker of the call: the request's own, the layer's one, or its key's.
@@ -62,7 +63,7 @@ impl<S> Guarded<S> {
             && config.convention.grpc_timeout() == names.grpc_timeout()
     }
 
-    /// The attempts of one call of the request with head `parts` on `inner`, guarded by
+    /// The attempts of one call of the request with head `parts` on `transport`, guarded by
     /// the breakers of `config`; `same_names` as [`same_names`](Self::same_names) says.
     /// With `stack`, a request that carries a budget other than the stack's has each
     /// attempt charged to the stack's as well (the planner charges the request's).
@@ -111,19 +112,32 @@ where
 
     /// An attempt on a clone of the transport (a retry, or a hedge's copy).
     fn attempt(&mut self, request: Request<ReplayBody<ReqB>>, sent: Sent) -> Self::Future {
-        let mut service = self
-            .transport
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
+        let mut service = self.fresh();
         self.attempt_on(&mut service, request, sent)
     }
 }
 
+impl<S: Clone> Guarded<S> {
+    /// A clone of the shared transport (never polled).
+    fn fresh(&self) -> S {
+        clone_of(&self.transport)
+    }
+}
+
+/// A clone of the shared `transport` (locked only for the clone).
+pub(crate) fn clone_of<S: Clone>(transport: &Transport<S>) -> S {
+    transport
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .clone()
+}
+
 impl<S> Guarded<S> {
-    /// An attempt on `service` (the stack service's own instance for a first attempt:
-    /// called in place when it is ready). Inlined into its two callers: out of line,
-    /// its request and its future were each copied once more (counted: + 80 per call).
+    /// An attempt on `service` (the stack service's own instance for a call's first
+    /// attempt: called in place when it is ready, and replaced by a clone of the shared
+    /// transport when it moves into the future or fails its readiness). Inlined into its
+    /// two callers: out of line, its request and its future were each copied once more
+    /// (counted: + 80 per call).
     #[inline(always)]
     pub(crate) fn attempt_on<ReqB, ResB>(
         &mut self,
@@ -155,7 +169,8 @@ impl<S> Guarded<S> {
                     BreakerFacts::of(request.headers(), &self.config.convention)
                 };
                 let call = Call::new(permit, facts, self.config.clone(), self.timed);
-                ResponseFuture::admitted(service, request, call, sent.at)
+                let transport = &self.transport;
+                ResponseFuture::admitted(service, request, call, sent.at, || clone_of(transport))
             }
             Err(open) => refused(open),
         }

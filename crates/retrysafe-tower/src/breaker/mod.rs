@@ -10,9 +10,10 @@
 //!   next probe (a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack
 //!   turns it into a synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either
 //!   way it is never retried: the error is a local failure to a `RetryLayer`, the status
-//!   carries `do-not-retry: 1`. An admitted call returns a future that drives the readiness of
-//!   a *clone* of the inner service and then calls it — so a full `Buffer` (such as a
-//!   tonic `Channel`) behind an open breaker still fails fast.
+//!   carries `do-not-retry: 1`. An admitted call is made on a *clone* of the inner
+//!   service — at once when that is ready, else by a future that drives its readiness
+//!   and then calls it — so a full `Buffer` (such as a tonic `Channel`) behind an open
+//!   breaker still fails fast.
 //! - The closed path is lock-free (one atomic load to admit, one compare-and-swap to
 //!   record). In half-open, exactly `half_open_probes` calls go through however many
 //!   race; a probe whose future is dropped before its response counts as a failure,

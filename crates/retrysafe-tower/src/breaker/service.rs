@@ -18,10 +18,9 @@ use crate::local::BoxError;
 ///
 /// [`poll_ready`](Service::poll_ready) is always ready and never polls the inner
 /// service: [`call`](Service::call) asks the breaker, answers a refusal at once, and
-/// otherwise calls the inner service at once when it is ready (polled with a no-op
-/// waker), or returns a future that drives its readiness before calling it (the instance
-/// polled moves into the future; the service keeps a clone). Hence `S: Clone` (wrap a
-/// service that is not in a `tower::buffer::Buffer`).
+/// otherwise calls a clone of the inner service at once when that is ready (polled with
+/// a no-op waker), or returns a future that drives its readiness before calling it.
+/// Hence `S: Clone` (wrap a service that is not in a `tower::buffer::Buffer`).
 pub struct CircuitBreakerService<S> {
     inner: S,
     config: Striped<Config>,
@@ -93,11 +92,14 @@ where
                     permit.in_race(race.clone());
                 }
                 let facts = BreakerFacts::of(request.headers(), &config.convention);
+                // A clone per call: this service keeps an instance never polled, so that
+                // no call is made on one that failed its readiness.
                 ResponseFuture::admitted(
-                    &mut self.inner,
+                    &mut self.inner.clone(),
                     request,
                     Call::new(permit, facts, config.local(), timed),
                     None,
+                    || self.inner.clone(),
                 )
             }
             Err(open) => refused(open),
