@@ -255,12 +255,22 @@ async fn an_instance_that_failed_its_readiness_is_not_called_again(form: Form) {
     let mut svc = stack(form, CircuitBreakerLayer::new(breaker.clone())).layer(transport);
 
     // The first call's transport fails its readiness: that call fails, recorded.
-    let first = svc.ready().await.unwrap().call(get("http://a.example/")).await;
+    let first = svc
+        .ready()
+        .await
+        .unwrap()
+        .call(get("http://a.example/"))
+        .await;
     assert!(first.unwrap_err().to_string().contains("broken"));
     assert_eq!(breaker.window().failures, 1);
     // The next calls go to a sound instance.
     for _ in 0..3 {
-        let response = svc.ready().await.unwrap().call(get("http://a.example/")).await;
+        let response = svc
+            .ready()
+            .await
+            .unwrap()
+            .call(get("http://a.example/"))
+            .await;
         assert_eq!(response.unwrap().status(), StatusCode::OK);
     }
     assert_eq!(*calls.lock().unwrap(), 3);
