@@ -818,6 +818,21 @@ impl RetryCall {
         self.deadline.map(Deadline::remaining)
     }
 
+    /// [`time_left`](Self::time_left) with the clock reading it was computed from, for an
+    /// adapter that also times the attempt from it: one read, none without a deadline.
+    pub fn read_time_left(&self) -> (Option<Instant>, Option<Duration>) {
+        match self.deadline {
+            Some(deadline) => {
+                let now = Instant::now();
+                (
+                    Some(now),
+                    Some(deadline.instant().saturating_duration_since(now)),
+                )
+            }
+            None => (None, None),
+        }
+    }
+
     /// [`too_late`](Self::too_late) with the time left read once by
     /// [`time_left`](Self::time_left).
     pub fn too_late_with(left: Option<Duration>) -> bool {

@@ -248,9 +248,7 @@ impl CircuitBreakerMiddleware {
     /// Whether this breaker reads timeout headers by the names `names` writes them
     /// with (then the planner's word is as good as a parse).
     pub(crate) fn same_names(&self, names: &Convention) -> bool {
-        let own = &self.config.convention;
-        own.request_timeout_ms() == names.request_timeout_ms()
-            && own.grpc_timeout() == names.grpc_timeout()
+        self.config.convention.same_timeout_names(names)
     }
 
     /// One attempt through the breaker (the middleware's work, also run inline by the

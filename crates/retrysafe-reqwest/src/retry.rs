@@ -169,7 +169,6 @@ use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
-use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::breaker::{CircuitBreakerMiddleware, Sent};
@@ -463,16 +462,7 @@ impl<'a> Attempts<'a> {
         }
         // One clock read for the timeout header and the breaker's timing (none without
         // a deadline). Also puts the attempt's `AttemptNumber` in the extensions.
-        let (at, left) = match call.deadline() {
-            Some(deadline) => {
-                let now = Instant::now();
-                (
-                    Some(now),
-                    Some(deadline.instant().saturating_duration_since(now)),
-                )
-            }
-            None => (None, None),
-        };
+        let (at, left) = call.read_time_left();
         let timeout =
             call.prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
         let facts = Sent {

@@ -92,6 +92,24 @@ names! {
 }
 
 impl Convention {
+    /// Whether `other` names the timeout headers (`request-timeout-ms`, `grpc-timeout`)
+    /// as this convention does: then a value one of them wrote is what the other would
+    /// read back, and a layer may take the writer's word instead of parsing the header.
+    ///
+    /// ```
+    /// use http::HeaderName;
+    /// use retrysafe_core::wire::Convention;
+    /// let envoy = Convention::default()
+    ///     .with_request_timeout_ms(HeaderName::from_static("x-envoy-expected-rq-timeout-ms"));
+    /// assert!(Convention::default().same_timeout_names(&Convention::default()));
+    /// assert!(!Convention::default().same_timeout_names(&envoy));
+    /// ```
+    #[must_use]
+    pub fn same_timeout_names(&self, other: &Convention) -> bool {
+        self.request_timeout_ms == other.request_timeout_ms
+            && self.grpc_timeout == other.grpc_timeout
+    }
+
     /// Removes from `headers` every inbound header that only a trusted peer may send:
     /// `retry-point`, `retry-attempt`, `grpc-previous-rpc-attempts`,
     /// `request-timeout-ms` and `grpc-timeout`.

@@ -59,8 +59,7 @@ impl<S> Guarded<S> {
     /// Whether a breaker of `config` reads timeout headers by the names the planner
     /// writes them with (`names`): checked once per service, not per call.
     pub(crate) fn same_names(config: &Config, names: &Convention) -> bool {
-        config.convention.request_timeout_ms() == names.request_timeout_ms()
-            && config.convention.grpc_timeout() == names.grpc_timeout()
+        config.convention.same_timeout_names(names)
     }
 
     /// The attempts of one call of the request with head `parts` on `transport`, guarded by

@@ -125,7 +125,7 @@ where
                 call.deadline()
                     .map(|d| d.instant().saturating_duration_since(now)),
             ),
-            None => read_time_left(&call),
+            None => call.read_time_left(),
         };
         let state = if RetryCall::too_late_with(left) {
             State::Failed {
@@ -158,22 +158,6 @@ where
             retry: None,
             call,
         }
-    }
-}
-
-/// The clock reading and the time left before the call's deadline: one read, none
-/// without a deadline.
-#[inline]
-fn read_time_left(call: &RetryCall) -> (Option<Instant>, Option<Duration>) {
-    match call.deadline() {
-        Some(deadline) => {
-            let now = Instant::now();
-            (
-                Some(now),
-                Some(deadline.instant().saturating_duration_since(now)),
-            )
-        }
-        None => (None, None),
     }
 }
 
@@ -446,7 +430,7 @@ where
             // The deadline may have passed during the backoff or the wait. One clock
             // read for the check and the timeout header.
             Poll::Ready(Ok(())) => {
-                let (at, left) = read_time_left(self.call);
+                let (at, left) = self.call.read_time_left();
                 if RetryCall::too_late_with(left) {
                     return Poll::Ready(Some(self.out_of_time()));
                 }
