@@ -37,6 +37,10 @@
 //!   retry (as tower's policy keeps), the `request-timeout-ms` header written, one
 //!   deposit into a retrysafe ratio budget, a breaker permit taken and its success
 //!   recorded (`retrysafe_core::breaker::CircuitBreaker`), the status classified;
+//! - `floor_separate`: `floor` plus what separate layers must hand each other through
+//!   the request (the `Deadline` extension, the whole head kept, the "counted" mark, the
+//!   breaker's reading of the timeout header): the least a hand-made stack of the four
+//!   layers can cost;
 //! - `floor_header`: `bare` plus only the `request-timeout-ms` header write of `floor`
 //!   (the one piece of it that tower's `Retry` has no counterpart for and that the
 //!   wire convention makes mandatory on every attempt).
@@ -73,7 +77,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::Floor;
+use floor::{Floor, FloorSeparate};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -176,7 +180,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 12] = [
+const NAMES: [&str; 13] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -189,6 +193,7 @@ const NAMES: [&str; 12] = [
     "tower_resilience_retry",
     "floor",
     "floor_header",
+    "floor_separate",
 ];
 
 /// The case `name` (a base name, `_fail10` for the flaky inner service).
@@ -264,6 +269,7 @@ fn case(name: &str) -> Option<Runner> {
         ),
         "floor" => runner(Floor::new(inner(fail), true), fail),
         "floor_header" => runner(Floor::new(inner(fail), false), fail),
+        "floor_separate" => runner(FloorSeparate::new(inner(fail)), fail),
         _ => return None,
     })
 }

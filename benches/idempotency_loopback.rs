@@ -25,7 +25,8 @@
 //! per-case medians and quartiles of the rounds' throughputs and of the per-round ratios
 //! to `bare`, with the load average and the CPU share other processes used.
 //!
-//! `IDEM_LOOPBACK_CALLGRIND=bare|first|replay` with `IDEM_LOOPBACK_CALLS=N` instead runs
+//! `IDEM_LOOPBACK_CALLGRIND=bare|first|replay` (or the floor's `floor`, `floor_replay`,
+//! `store`, `store_replay`: see `support/idem_floor.rs`) with `IDEM_LOOPBACK_CALLS=N` instead runs
 //! one process (server runtime as above, the client on the main thread) sending N
 //! requests on one connection after one warm-up request, for
 //! `valgrind --tool=callgrind`: (instructions for N − instructions for 0) / N is the
@@ -65,7 +66,7 @@ use axum::Router;
 use axum::body::Body;
 use axum::http::header::{CONTENT_TYPE, HOST, HeaderName};
 use axum::http::{Request, StatusCode};
-use axum::routing::post;
+use axum::routing::{MethodRouter, post};
 use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
@@ -130,12 +131,17 @@ async fn create_reading(
     create().await
 }
 
-fn router(layer: Option<IdempotencyLayer>) -> Router {
-    let routes = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
-        Router::new().route("/payments", post(create_reading))
+/// The POST handler: `create`, or `create_reading` with `IDEM_LOOPBACK_READ_BODY`.
+fn handler() -> MethodRouter {
+    if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
+        post(create_reading)
     } else {
-        Router::new().route("/payments", post(create))
-    };
+        post(create)
+    }
+}
+
+fn router(layer: Option<IdempotencyLayer>) -> Router {
+    let routes = Router::new().route("/payments", handler());
     let routes = match layer {
         Some(layer) => routes.layer(layer),
         None => routes,
@@ -180,6 +186,19 @@ fn start_servers(runtime: &tokio::runtime::Runtime) -> Res<(SocketAddr, SocketAd
     })
 }
 
+/// The floor's byte budget in MiB: `IDEM_LOOPBACK_STORE_MIB`, else the MemoryStore's
+/// default (64).
+fn store_mib() -> Res<usize> {
+    Ok(match std::env::var("IDEM_LOOPBACK_STORE_MIB") {
+        Ok(mib) => mib.parse()?,
+        Err(_) => 64,
+    })
+}
+
+/// The hand-made floor of a guard (`/floor`), a yardstick: see its module.
+#[path = "support/idem_floor.rs"]
+mod idem_floor;
+
 /// The guarded server's store: `IDEM_LOOPBACK_STORE_MIB` sets its byte budget (default:
 /// the MemoryStore's).
 fn store() -> Res<MemoryStore> {
@@ -199,20 +218,11 @@ fn store() -> Res<MemoryStore> {
 fn serve_routes(workers: usize) -> Res<()> {
     let runtime = server_runtime(workers)?;
     let addr = runtime.block_on(async {
-        let layer = IdempotencyLayer::new(store()?);
-        let guarded = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
-            post(create_reading).layer(layer)
-        } else {
-            post(create).layer(layer)
-        };
-        let bare = if std::env::var_os("IDEM_LOOPBACK_READ_BODY").is_some() {
-            post(create_reading)
-        } else {
-            post(create)
-        };
         let routes = Router::new()
-            .route("/bare", bare)
-            .route("/guarded", guarded);
+            .route("/bare", handler())
+            .route("/guarded", handler().layer(IdempotencyLayer::new(store()?)))
+            .route("/floor", floor_route(false)?)
+            .route("/floor_store", floor_route(true)?);
         serve(authenticated(routes)).await
     })?;
     println!("{addr} {}", std::process::id());
@@ -505,10 +515,23 @@ fn drive(workers: usize) -> Res<()> {
 // ---------------------------------------------------------------------------------------
 
 fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
-    let case = Case::parse(case)?;
+    // The floor's cases (`floor`, `floor_replay`, `store`, `store_replay`) run the
+    // `first` and `replay` requests against a server guarded by the floor instead.
+    let (floor, case) = match case {
+        "floor" => (Some(false), Case::First),
+        "floor_replay" => (Some(false), Case::Replay),
+        "store" => (Some(true), Case::First),
+        "store_replay" => (Some(true), Case::Replay),
+        other => (None, Case::parse(other)?),
+    };
     let server = server_runtime(workers)?;
-    let (bare, guarded) = start_servers(&server)?;
-    let addr = if case == Case::Bare { bare } else { guarded };
+    let addr = match floor {
+        Some(store) => server.block_on(async { serve(floor_router(store)?).await })?,
+        None => {
+            let (bare, guarded) = start_servers(&server)?;
+            if case == Case::Bare { bare } else { guarded }
+        }
+    };
     let client = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -520,6 +543,24 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
     drop(client);
     server.shutdown_timeout(Duration::from_secs(1));
     Ok(())
+}
+
+/// The handler behind the floor's guard, at `/payments`.
+fn floor_router(store: bool) -> Res<Router> {
+    Ok(authenticated(
+        Router::new().route("/payments", floor_route(store)?),
+    ))
+}
+
+/// The handler behind the floor's guard: over its own map, or over a `MemoryStore`
+/// (`store`).
+fn floor_route(store: bool) -> Res<MethodRouter> {
+    let layer = if store {
+        idem_floor::FloorLayer::with_store(self::store()?)
+    } else {
+        idem_floor::FloorLayer::new(store_mib()? * 1024 * 1024)
+    };
+    Ok(handler().layer(layer))
 }
 
 #[path = "support/http1.rs"]

@@ -10,6 +10,14 @@
 //! with [`Floor::with_timer`], the deadline enforced by a `tokio::time::Sleep` made when
 //! the call first waits (as `DeadlineLayer` does). With `all = false` only the header is
 //! written.
+//!
+//! [`FloorSeparate`] (`floor_separate`) adds what four *separate* layers must hand each
+//! other through the request, by their contracts, on top of the floor: the `Deadline`
+//! extension the deadline layer inserts for the layers below it; the whole head (its
+//! extensions too) kept by the retry layer for a retry; the extension by which the retry
+//! layer tells a budget layer below that the attempt is counted; and the breaker's
+//! reading of the attempt's timeout header (it is not told the time the retry layer
+//! wrote there).
 
 use std::future::Future;
 use std::pin::Pin;
@@ -18,10 +26,12 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use pin_project_lite::pin_project;
-use retrysafe::RetryBudget;
+use retrysafe::core::__private::BreakerFacts;
 use retrysafe::core::breaker::{CircuitBreaker, Permit};
 use retrysafe::core::classify::BreakerOutcome;
 use retrysafe::core::error::DeadlineExceeded;
+use retrysafe::wire::Convention;
+use retrysafe::{Deadline, RetryBudget};
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
@@ -66,7 +76,7 @@ where
 {
     type Response = Response<R>;
     type Error = BoxError;
-    type Future = FloorFuture<S::Future>;
+    type Future = FloorFuture<S::Future, (Method, Uri, HeaderMap)>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
@@ -109,7 +119,7 @@ where
 }
 
 pin_project! {
-    pub(crate) struct FloorFuture<F> {
+    pub(crate) struct FloorFuture<F, K> {
         #[pin]
         future: F,
         // Made when the call first waits.
@@ -117,12 +127,12 @@ pin_project! {
         sleep: Option<Sleep>,
         deadline: Option<Instant>,
         // The head a retry would resend.
-        kept: Option<(Method, Uri, HeaderMap)>,
+        kept: Option<K>,
         permit: Option<Permit>,
     }
 }
 
-impl<F, R, E> Future for FloorFuture<F>
+impl<F, K, R, E> Future for FloorFuture<F, K>
 where
     F: Future<Output = Result<Response<R>, E>>,
     E: Into<BoxError>,
@@ -155,5 +165,83 @@ where
         }
         *this.kept = None;
         Poll::Ready(result)
+    }
+}
+
+/// `floor_separate`: the floor plus the hand-overs of separate layers (see the module
+/// docs).
+#[derive(Clone)]
+#[allow(dead_code, reason = "used by the in-process bench only")]
+pub(crate) struct FloorSeparate<S> {
+    inner: S,
+    budget: RetryBudget,
+    breaker: CircuitBreaker,
+    convention: Convention,
+}
+
+impl<S> FloorSeparate<S> {
+    #[allow(dead_code, reason = "used by the in-process bench only")]
+    pub(crate) fn new(inner: S) -> Self {
+        FloorSeparate {
+            inner,
+            budget: RetryBudget::ratio(),
+            breaker: CircuitBreaker::default(),
+            convention: Convention::default(),
+        }
+    }
+}
+
+/// The retry layer's mark for a budget layer below (as large as retrysafe's).
+#[derive(Clone, Copy)]
+#[allow(dead_code, reason = "used by the in-process bench only")]
+struct Counted {
+    #[allow(dead_code, reason = "carried, as the mark is")]
+    attempt: u32,
+    #[allow(dead_code, reason = "carried, as the mark is")]
+    budget: u64,
+}
+
+impl<S, B, R> Service<Request<B>> for FloorSeparate<S>
+where
+    S: Service<Request<B>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = FloorFuture<S::Future, http::request::Parts>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut request: Request<B>) -> Self::Future {
+        let now = Instant::now();
+        let at = now + TIMEOUT;
+        // The deadline layer: the deadline, for the layers below.
+        request.extensions_mut().insert(Deadline::at(at));
+        // The retry layer: the whole head kept for a retry, the attempt's header, and
+        // the "counted" mark for the budget layer below.
+        let (parts, body) = request.into_parts();
+        let kept = Some(parts.clone());
+        let mut request = Request::from_parts(parts, body);
+        let left = u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
+        request
+            .headers_mut()
+            .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(left));
+        request.extensions_mut().insert(Counted {
+            attempt: 1,
+            budget: 1,
+        });
+        self.budget.deposit();
+        // The breaker: the attempt's timeout, read back from its header.
+        std::hint::black_box(BreakerFacts::of(request.headers(), &self.convention));
+        let permit = self.breaker.try_acquire().ok();
+        FloorFuture {
+            future: self.inner.call(request),
+            sleep: None,
+            deadline: None,
+            kept,
+            permit,
+        }
     }
 }
