@@ -37,6 +37,9 @@
 //!   retry (as tower's policy keeps), the `request-timeout-ms` header written, one
 //!   deposit into a retrysafe ratio budget, a breaker permit taken and its success
 //!   recorded (`retrysafe_core::breaker::CircuitBreaker`), the status classified;
+//! - `floor_required`: `floor` plus the reads of the request every retrying call must
+//!   make and the floor leaves out (inherited context, the request's own extensions,
+//!   its key, content-type and timeout headers);
 //! - `floor_separate`: `floor` plus what separate layers must hand each other through
 //!   the request (the `Deadline` extension, the whole head kept, the "counted" mark, the
 //!   breaker's reading of the timeout header): the least a hand-made stack of the four
@@ -77,7 +80,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::{Floor, FloorSeparate};
+use floor::{Floor, FloorRequired, FloorSeparate};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -180,7 +183,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 13] = [
+const NAMES: [&str; 14] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -194,6 +197,7 @@ const NAMES: [&str; 13] = [
     "floor",
     "floor_header",
     "floor_separate",
+    "floor_required",
 ];
 
 /// The case `name` (a base name, `_fail10` for the flaky inner service).
@@ -270,6 +274,7 @@ fn case(name: &str) -> Option<Runner> {
         "floor" => runner(Floor::new(inner(fail), true), fail),
         "floor_header" => runner(Floor::new(inner(fail), false), fail),
         "floor_separate" => runner(FloorSeparate::new(inner(fail)), fail),
+        "floor_required" => runner(FloorRequired::new(inner(fail)), fail),
         _ => return None,
     })
 }

@@ -11,6 +11,12 @@
 //! the call first waits (as `DeadlineLayer` does). With `all = false` only the header is
 //! written.
 //!
+//! [`FloorRequired`] (`floor_required`) adds to the floor the reads of the request that
+//! DESIGN.md requires of every retrying call and that the floor leaves out: the
+//! inherited call context (its deadline), the request's own `NoRetry`, `Idempotent`,
+//! `RetryBudget`, `Deadline`, hedge-copy and attempt-number extensions, and its
+//! `idempotency-key`, `content-type` (gRPC or not) and timeout headers.
+//!
 //! [`FloorSeparate`] (`floor_separate`) adds what four *separate* layers must hand each
 //! other through the request, by their contracts, on top of the floor: the `Deadline`
 //! extension the deadline layer inserts for the layers below it; the whole head (its
@@ -243,5 +249,61 @@ where
             kept,
             permit,
         }
+    }
+}
+
+/// `floor_required`: the floor plus the reads every retrying call must make (see the
+/// module docs), hand-made.
+#[derive(Clone)]
+#[allow(dead_code, reason = "used by the in-process bench only")]
+pub(crate) struct FloorRequired<S> {
+    floor: Floor<S>,
+    convention: Convention,
+}
+
+impl<S> FloorRequired<S> {
+    #[allow(dead_code, reason = "used by the in-process bench only")]
+    pub(crate) fn new(inner: S) -> Self {
+        FloorRequired {
+            floor: Floor::new(inner, true),
+            convention: Convention::default(),
+        }
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for FloorRequired<S>
+where
+    S: Service<Request<B>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = FloorFuture<S::Future, (Method, Uri, HeaderMap)>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.floor.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        use retrysafe::CallContext;
+        use retrysafe::core::hedge::HedgeCopy;
+        use retrysafe::core::observe::AttemptNumber;
+        use retrysafe::core::strategy::{Idempotent, NoRetry};
+        let extensions = request.extensions();
+        let headers = request.headers();
+        let c = &self.convention;
+        std::hint::black_box((
+            CallContext::inherited(extensions).and_then(|c| c.deadline()),
+            extensions.get::<NoRetry>().is_some(),
+            extensions.get::<Idempotent>().is_some(),
+            extensions.get::<RetryBudget>().is_some(),
+            extensions.get::<Deadline>().copied(),
+            extensions.get::<HedgeCopy>().is_some(),
+            extensions.get::<AttemptNumber>().is_some(),
+            headers.contains_key(c.idempotency_key()),
+            retrysafe::core::__private::is_grpc(headers),
+            headers.get(c.request_timeout_ms()).is_some(),
+        ));
+        self.floor.call(request)
     }
 }
