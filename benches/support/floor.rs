@@ -95,8 +95,6 @@ where
         if self.all {
             let now = Instant::now();
             let at = now + TIMEOUT;
-            let left =
-                u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
             kept = Some((
                 request.method().clone(),
                 request.uri().clone(),
@@ -104,7 +102,7 @@ where
             ));
             request
                 .headers_mut()
-                .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(left));
+                .insert(REQUEST_TIMEOUT_MS, time_left(at, now));
             self.budget.deposit();
             permit = self.breaker.try_acquire().ok();
             deadline = self.timer.then_some(at);
@@ -122,6 +120,14 @@ where
             permit,
         }
     }
+}
+
+/// The `request-timeout-ms` value of a deadline `at`, read at `now`.
+#[inline]
+fn time_left(at: Instant, now: Instant) -> HeaderValue {
+    HeaderValue::from(
+        u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX),
+    )
 }
 
 pin_project! {
@@ -230,10 +236,9 @@ where
         let (parts, body) = request.into_parts();
         let kept = Some(parts.clone());
         let mut request = Request::from_parts(parts, body);
-        let left = u64::try_from(at.saturating_duration_since(now).as_millis()).unwrap_or(u64::MAX);
         request
             .headers_mut()
-            .insert(REQUEST_TIMEOUT_MS, HeaderValue::from(left));
+            .insert(REQUEST_TIMEOUT_MS, time_left(at, now));
         request.extensions_mut().insert(Counted {
             attempt: 1,
             budget: 1,
