@@ -80,7 +80,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::{Floor, FloorRequired, FloorSeparate};
+use floor::{Floor, FloorSeparate, floor_required};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -274,7 +274,7 @@ fn case(name: &str) -> Option<Runner> {
         "floor" => runner(Floor::new(inner(fail), true), fail),
         "floor_header" => runner(Floor::new(inner(fail), false), fail),
         "floor_separate" => runner(FloorSeparate::new(inner(fail)), fail),
-        "floor_required" => runner(FloorRequired::new(inner(fail)), fail),
+        "floor_required" => runner(floor_required(inner(fail)), fail),
         _ => return None,
     })
 }

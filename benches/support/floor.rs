@@ -11,7 +11,7 @@
 //! the call first waits (as `DeadlineLayer` does). With `all = false` only the header is
 //! written.
 //!
-//! [`FloorRequired`] (`floor_required`) adds to the floor the reads of the request that
+//! [`floor_required`] adds to the floor the reads of the request that
 //! DESIGN.md requires of every retrying call and that the floor leaves out: the
 //! inherited call context (its deadline), the request's own `NoRetry`, `Idempotent`,
 //! `RetryBudget`, `Deadline`, hedge-copy and attempt-number extensions, and its
@@ -45,6 +45,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 const REQUEST_TIMEOUT_MS: HeaderName = HeaderName::from_static("request-timeout-ms");
 const TIMEOUT: Duration = Duration::from_secs(10);
+/// The header names the yardsticks read by (the default convention).
+static CONVENTION: std::sync::LazyLock<Convention> = std::sync::LazyLock::new(Convention::default);
 
 #[derive(Clone)]
 pub(crate) struct Floor<S> {
@@ -188,7 +190,6 @@ pub(crate) struct FloorSeparate<S> {
     inner: S,
     budget: RetryBudget,
     breaker: CircuitBreaker,
-    convention: Convention,
 }
 
 impl<S> FloorSeparate<S> {
@@ -198,7 +199,6 @@ impl<S> FloorSeparate<S> {
             inner,
             budget: RetryBudget::ratio(),
             breaker: CircuitBreaker::default(),
-            convention: Convention::default(),
         }
     }
 }
@@ -245,7 +245,7 @@ where
         });
         self.budget.deposit();
         // The breaker: the attempt's timeout, read back from its header.
-        std::hint::black_box(BreakerFacts::of(request.headers(), &self.convention));
+        std::hint::black_box(BreakerFacts::of(request.headers(), &CONVENTION));
         let permit = self.breaker.try_acquire().ok();
         FloorFuture {
             future: self.inner.call(request),
@@ -258,57 +258,36 @@ where
 }
 
 /// `floor_required`: the floor plus the reads every retrying call must make (see the
-/// module docs), hand-made.
-#[derive(Clone)]
+/// module docs), hand-made: made before the floor's call, by a `MapRequest`.
 #[allow(dead_code, reason = "used by the in-process bench only")]
-pub(crate) struct FloorRequired<S> {
-    floor: Floor<S>,
-    convention: Convention,
+pub(crate) fn floor_required<S, B>(inner: S) -> FloorRequired<S, B> {
+    tower::util::MapRequest::new(Floor::new(inner, true), read_required::<B>)
 }
 
-impl<S> FloorRequired<S> {
-    #[allow(dead_code, reason = "used by the in-process bench only")]
-    pub(crate) fn new(inner: S) -> Self {
-        FloorRequired {
-            floor: Floor::new(inner, true),
-            convention: Convention::default(),
-        }
-    }
-}
+/// The service of [`floor_required`].
+pub(crate) type FloorRequired<S, B> =
+    tower::util::MapRequest<Floor<S>, fn(Request<B>) -> Request<B>>;
 
-impl<S, B, R> Service<Request<B>> for FloorRequired<S>
-where
-    S: Service<Request<B>, Response = Response<R>>,
-    S::Error: Into<BoxError>,
-{
-    type Response = Response<R>;
-    type Error = BoxError;
-    type Future = FloorFuture<S::Future, (Method, Uri, HeaderMap)>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
-        self.floor.poll_ready(cx)
-    }
-
-    fn call(&mut self, request: Request<B>) -> Self::Future {
-        use retrysafe::CallContext;
-        use retrysafe::core::hedge::HedgeCopy;
-        use retrysafe::core::observe::AttemptNumber;
-        use retrysafe::core::strategy::{Idempotent, NoRetry};
-        let extensions = request.extensions();
-        let headers = request.headers();
-        let c = &self.convention;
-        std::hint::black_box((
-            CallContext::inherited(extensions).and_then(|c| c.deadline()),
-            extensions.get::<NoRetry>().is_some(),
-            extensions.get::<Idempotent>().is_some(),
-            extensions.get::<RetryBudget>().is_some(),
-            extensions.get::<Deadline>().copied(),
-            extensions.get::<HedgeCopy>().is_some(),
-            extensions.get::<AttemptNumber>().is_some(),
-            headers.contains_key(c.idempotency_key()),
-            retrysafe::core::__private::is_grpc(headers),
-            headers.get(c.request_timeout_ms()).is_some(),
-        ));
-        self.floor.call(request)
-    }
+/// The reads of [`floor_required`].
+fn read_required<B>(request: Request<B>) -> Request<B> {
+    use retrysafe::CallContext;
+    use retrysafe::core::hedge::HedgeCopy;
+    use retrysafe::core::observe::AttemptNumber;
+    use retrysafe::core::strategy::{Idempotent, NoRetry};
+    let extensions = request.extensions();
+    let headers = request.headers();
+    let c = &*CONVENTION;
+    std::hint::black_box((
+        CallContext::inherited(extensions).and_then(|c| c.deadline()),
+        extensions.get::<NoRetry>().is_some(),
+        extensions.get::<Idempotent>().is_some(),
+        extensions.get::<RetryBudget>().is_some(),
+        extensions.get::<Deadline>().copied(),
+        extensions.get::<HedgeCopy>().is_some(),
+        extensions.get::<AttemptNumber>().is_some(),
+        headers.contains_key(c.idempotency_key()),
+        retrysafe::core::__private::is_grpc(headers),
+        headers.get(c.request_timeout_ms()).is_some(),
+    ));
+    request
 }

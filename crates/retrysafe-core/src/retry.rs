@@ -819,17 +819,18 @@ impl RetryCall {
     }
 
     /// [`time_left`](Self::time_left) with the clock reading it was computed from, for an
-    /// adapter that also times the attempt from it: one read, none without a deadline.
-    pub fn read_time_left(&self) -> (Option<Instant>, Option<Duration>) {
+    /// adapter that also times the attempt from it: the reading `now` the caller just
+    /// made, else one read of its own (none without a deadline).
+    pub fn read_time_left(&self, now: Option<Instant>) -> (Option<Instant>, Option<Duration>) {
         match self.deadline {
             Some(deadline) => {
-                let now = Instant::now();
+                let now = now.unwrap_or_else(Instant::now);
                 (
                     Some(now),
                     Some(deadline.instant().saturating_duration_since(now)),
                 )
             }
-            None => (None, None),
+            None => (now, None),
         }
     }
 

@@ -462,7 +462,7 @@ impl<'a> Attempts<'a> {
         }
         // One clock read for the timeout header and the breaker's timing (none without
         // a deadline). Also puts the attempt's `AttemptNumber` in the extensions.
-        let (at, left) = call.read_time_left();
+        let (at, left) = call.read_time_left(None);
         let timeout =
             call.prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
         let facts = Sent {

@@ -119,14 +119,7 @@ where
     ) -> Self {
         let backup = body.clone();
         // One clock read for the check, the timeout header and the breaker's timing.
-        let (at, left) = match now {
-            Some(now) => (
-                Some(now),
-                call.deadline()
-                    .map(|d| d.instant().saturating_duration_since(now)),
-            ),
-            None => call.read_time_left(),
-        };
+        let (at, left) = call.read_time_left(now);
         let state = if RetryCall::too_late_with(left) {
             State::Failed {
                 error: Some(Box::new(DeadlineExceeded::new())),
@@ -430,7 +423,7 @@ where
             // The deadline may have passed during the backoff or the wait. One clock
             // read for the check and the timeout header.
             Poll::Ready(Ok(())) => {
-                let (at, left) = self.call.read_time_left();
+                let (at, left) = self.call.read_time_left(None);
                 if RetryCall::too_late_with(left) {
                     return Poll::Ready(Some(self.out_of_time()));
                 }
