@@ -300,27 +300,27 @@ where
     X: Backend,
 {
     let token = layer.guard.shared.tracker.token();
-    let task = Box::pin(
-        async move {
-            let call = Call {
-                guard: &layer.guard,
-                handler,
-                request,
-            };
-            let res = AssertUnwindSafe(layer.backend.run(call))
-                .catch_unwind()
-                .await;
-            drop(permit);
-            drop(token);
-            res.unwrap_or_else(|panic| Ok(panicked(&layer.guard, &*panic)))
-        }
-        .instrument(if span.is_disabled() {
-            Span::current()
-        } else {
-            span
-        }),
-    );
-    Detached::new(task).await
+    // Made in its box at once, and instrumented from outside it: the task is large
+    // (the backend's future lies in it), and every move of it is a copy.
+    let task = Box::pin(async move {
+        let call = Call {
+            guard: &layer.guard,
+            handler,
+            request,
+        };
+        let res = AssertUnwindSafe(layer.backend.run(call))
+            .catch_unwind()
+            .await;
+        drop(permit);
+        drop(token);
+        res.unwrap_or_else(|panic| Ok(panicked(&layer.guard, &*panic)))
+    });
+    let span = if span.is_disabled() {
+        Span::current()
+    } else {
+        span
+    };
+    Detached::new(task, span).await
 }
 
 /// The answer to a panic of a guarded task.
@@ -346,6 +346,8 @@ where
 {
     /// `None` once it has finished (or panicked).
     task: Option<Pin<Box<F>>>,
+    /// Entered while the task is polled, here or spawned.
+    span: Span,
 }
 
 impl<F> Detached<F>
@@ -353,8 +355,11 @@ where
     F: Future + Send + 'static,
     F::Output: Send + 'static,
 {
-    fn new(task: Pin<Box<F>>) -> Self {
-        Detached { task: Some(task) }
+    fn new(task: Pin<Box<F>>, span: Span) -> Self {
+        Detached {
+            task: Some(task),
+            span,
+        }
     }
 }
 
@@ -366,10 +371,14 @@ where
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let Some(task) = self.task.as_mut() else {
+        let this = &mut *self;
+        let Some(task) = this.task.as_mut() else {
             return Poll::Pending; // polled after it finished
         };
-        let out = std::task::ready!(task.as_mut().poll(cx));
+        let out = {
+            let _entered = this.span.enter();
+            std::task::ready!(task.as_mut().poll(cx))
+        };
         self.task = None;
         Poll::Ready(out)
     }
@@ -385,7 +394,7 @@ where
             return;
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(task)),
+            Ok(runtime) => drop(runtime.spawn(task.instrument(self.span.clone()))),
             // Only while a runtime is torn down, which would cancel a spawned task too.
             Err(_) => tracing::error!(
                 target: "retrysafe::idempotency",
