@@ -104,7 +104,12 @@ pub struct ReplayBody<B> {
 enum Kind<B> {
     /// The wrapped body had ended before it was wrapped: nothing to read, copy or share.
     Empty,
-    Shared(Handle<B>),
+    /// A clone not polled yet: the shared copy only.
+    Fresh(Arc<Shared<B>>),
+    /// A handle that reads. Boxed, as `Fresh` holds a pointer only: a request is moved
+    /// many times on its way through a client (hyper's dispatch moves it half a dozen
+    /// times), and a body two words wide keeps every one of those copies small.
+    Shared(Box<Handle<B>>),
 }
 
 /// One attempt's view of a shared, replayable body.
@@ -218,12 +223,12 @@ impl<B> ReplayBody<B> {
             failed: false,
         });
         ReplayBody {
-            kind: Kind::Shared(Handle {
+            kind: Kind::Shared(Box::new(Handle {
                 shared,
                 state: Some(state),
                 cursor: Cursor::default(),
                 finished: false,
-            }),
+            })),
         }
     }
 
@@ -232,9 +237,16 @@ impl<B> ReplayBody<B> {
     ///
     /// It can turn false while an attempt is streaming, never back to true.
     pub fn is_replayable(&self) -> bool {
+        self.flags()
+            .is_none_or(|flags| flags & (CAPPED | FAILED) == 0)
+    }
+
+    /// The shared copy's flags; `None` for an empty body.
+    fn flags(&self) -> Option<u8> {
         match &self.kind {
-            Kind::Empty => true,
-            Kind::Shared(handle) => handle.shared.flags() & (CAPPED | FAILED) == 0,
+            Kind::Empty => None,
+            Kind::Fresh(shared) => Some(shared.flags()),
+            Kind::Shared(handle) => Some(handle.shared.flags()),
         }
     }
 
@@ -242,34 +254,25 @@ impl<B> ReplayBody<B> {
     /// copy was neither capped nor failed. A clone then replays it without waiting for
     /// any other attempt (a hedge is sent only then).
     pub fn is_buffered(&self) -> bool {
-        match &self.kind {
-            Kind::Empty => true,
-            Kind::Shared(handle) => handle.shared.flags() == COMPLETE,
-        }
+        self.flags().is_none_or(|flags| flags == COMPLETE)
     }
 
     /// Whether the copy was dropped (or never started) because the body is larger than
     /// the cap. A capped body is sent once and not retried.
     pub fn is_capped(&self) -> bool {
-        match &self.kind {
-            Kind::Empty => false,
-            Kind::Shared(handle) => handle.shared.flags() & CAPPED != 0,
-        }
+        self.flags().is_some_and(|flags| flags & CAPPED != 0)
     }
 }
 
 impl<B> Clone for ReplayBody<B> {
     /// Returns the body of the next attempt: it starts from the beginning, replaying the
-    /// copy. Allocates nothing.
+    /// copy. Allocates nothing (its first poll allocates its reader handle, a few
+    /// words).
     fn clone(&self) -> Self {
         let kind = match &self.kind {
             Kind::Empty => Kind::Empty,
-            Kind::Shared(handle) => Kind::Shared(Handle {
-                shared: Arc::clone(&handle.shared),
-                state: None,
-                cursor: Cursor::default(),
-                finished: false,
-            }),
+            Kind::Fresh(shared) => Kind::Fresh(Arc::clone(shared)),
+            Kind::Shared(handle) => Kind::Fresh(Arc::clone(&handle.shared)),
         };
         ReplayBody { kind }
     }
@@ -287,8 +290,13 @@ where
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        match &mut self.get_mut().kind {
-            Kind::Empty => Poll::Ready(None),
+        let kind = &mut self.get_mut().kind;
+        if let Kind::Fresh(shared) = kind {
+            // Its first poll: it takes the place of the reading handle.
+            *kind = Kind::Shared(Box::new(Handle::fresh(Arc::clone(shared))));
+        }
+        match kind {
+            Kind::Empty | Kind::Fresh(_) => Poll::Ready(None),
             Kind::Shared(handle) => handle.poll_frame(cx),
         }
     }
@@ -296,6 +304,11 @@ where
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Empty => true,
+            Kind::Fresh(shared) => shared
+                .lock()
+                .state
+                .as_deref()
+                .is_some_and(|state| Cursor::default().at_end(state)),
             Kind::Shared(handle) => handle.is_end_stream(),
         }
     }
@@ -303,6 +316,12 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Empty => SizeHint::with_exact(0),
+            Kind::Fresh(shared) => match shared.lock().state.as_deref() {
+                Some(state) => Cursor::default().size_hint(state),
+                // Another clone holds the state: what is left for this one, which has
+                // not started, is the whole body.
+                None => shared.whole_size,
+            },
             Kind::Shared(handle) => handle.size_hint(),
         }
     }
@@ -314,6 +333,15 @@ impl<B> fmt::Debug for ReplayBody<B> {
         match &self.kind {
             Kind::Empty => {
                 d.field("empty", &true);
+            }
+            Kind::Fresh(shared) => {
+                d.field("cap", &shared.cap)
+                    .field("replayable", &self.is_replayable())
+                    .field("capped", &self.is_capped())
+                    .field("holds_inner", &false)
+                    .field("finished", &false)
+                    .field("frames_sent", &0)
+                    .field("bytes_sent", &0);
             }
             Kind::Shared(handle) => {
                 d.field("cap", &handle.shared.cap)
@@ -332,6 +360,16 @@ impl<B> fmt::Debug for ReplayBody<B> {
 // === impl Handle ===
 
 impl<B> Handle<B> {
+    /// A handle that starts from the beginning, its reader state still parked.
+    fn fresh(shared: Arc<Shared<B>>) -> Self {
+        Handle {
+            shared,
+            state: None,
+            cursor: Cursor::default(),
+            finished: false,
+        }
+    }
+
     /// Calls `f` with the reader state: this handle's own, or the one parked in the slot
     /// (`None` while another handle holds it).
     fn with_state<R>(&self, f: impl FnOnce(Option<&State<B>>) -> R) -> R {
