@@ -360,8 +360,9 @@ impl Inner {
             .is_some_and(|e| e.pending.is_some())
     }
 
-    /// What is kept of an encoded completed record: a response heavier than the whole
-    /// record bound would be shrunk at once, so only the "not stored" marker is kept.
+    /// What is kept of an encoded completed record: a response heavier than the record
+    /// bound of a shard would be shrunk at once, so only the "not stored" marker is
+    /// kept.
     fn stored_form(&self, bytes: Blob) -> Blob {
         let shard = self.bounds().share(self.retained_shards);
         if crate::retained::weight(&bytes, None) <= shard.records {
