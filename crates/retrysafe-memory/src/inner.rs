@@ -20,9 +20,7 @@ use tokio::time::Instant;
 
 use crate::MemoryStore;
 use crate::eviction::{Eviction, EvictionKind};
-use crate::retained::{
-    Adoption, Blob, Bounds, Found as Kept, Gauges, MAX_SHARDS, Pending, Report, Retained, Totals,
-};
+use crate::retained::{Adoption, Blob, Bounds, Found as Kept, Gauges, Pending, Report, Retained};
 use retrysafe_core::observe::Name;
 
 /// The number of in-flight shards (selected by the first byte of the record id, which
@@ -211,14 +209,9 @@ pub(crate) struct Inner {
     /// in-flight entries: a full map is not swept before then, so refusing a claim stays
     /// cheap while every claim is live.
     sweep_after_ms: AtomicU64,
-    /// The completed and `outcome_unknown` records and the tombstones, in the first
-    /// `retained_shards` of these by record id ([`crate::retained::shards`]; one for a
-    /// small store, the others stay empty). A shard is locked after an in-flight shard
-    /// lock, never before, and never with another.
-    retained: [Mutex<Retained>; MAX_SHARDS],
-    retained_shards: usize,
-    /// What the shards of `retained` share.
-    totals: Arc<Totals>,
+    /// The completed and `outcome_unknown` records and the tombstones. Locked after a
+    /// shard lock, never before.
+    retained: Mutex<Retained>,
     /// The tokens that recently released, marked or settled a record. Locked after a
     /// shard lock, never before.
     recent: Mutex<Recent>,
@@ -244,23 +237,15 @@ impl fmt::Debug for Inner {
 impl Inner {
     pub(crate) fn new(settings: Settings) -> Self {
         let bounds = bounds(&settings);
-        let n = crate::retained::shards(&bounds);
-        let totals = Arc::new(Totals::default());
-        let retained = std::array::from_fn(|_| {
-            Mutex::new(Retained::new(
-                bounds.share(n),
-                Arc::clone(&totals),
-                settings.gauges.clone(),
-                settings.on_eviction.is_some(),
-            ))
-        });
         Inner {
             shards: std::array::from_fn(|_| Mutex::new(Claims::default())),
             in_flight: AtomicUsize::new(0),
             sweep_after_ms: AtomicU64::new(u64::MAX),
-            retained,
-            retained_shards: n,
-            totals,
+            retained: Mutex::new(Retained::new(
+                bounds,
+                settings.gauges.clone(),
+                settings.on_eviction.is_some(),
+            )),
             recent: Mutex::default(),
             evictions: Evictions::default(),
             reconcilers: Reconcilers::default(),
@@ -283,17 +268,8 @@ impl Inner {
         self.shards.iter()
     }
 
-    /// The shard of the records that holds `id`'s.
-    pub(crate) fn retained(&self, id: &RecordId) -> MutexGuard<'_, Retained> {
-        // The second byte of the id: independent of the in-flight shard (the first).
-        let index = usize::from(id.as_bytes()[1]) & (self.retained_shards - 1);
-        let [first, ..] = &self.retained;
-        lock(self.retained.get(index).unwrap_or(first))
-    }
-
-    /// Every shard of the records, one at a time.
-    pub(crate) fn retained_shards(&self) -> impl Iterator<Item = &Mutex<Retained>> {
-        self.retained.iter().take(self.retained_shards)
+    pub(crate) fn retained(&self) -> MutexGuard<'_, Retained> {
+        lock(&self.retained)
     }
 
     pub(crate) fn recent(&self) -> MutexGuard<'_, Recent> {
@@ -310,15 +286,13 @@ impl Inner {
 
     /// Bytes, records and tombstones kept.
     pub(crate) fn retained_stats(&self) -> (u64, u64, u64) {
-        self.retained_shards().fold((0, 0, 0), |(b, n, t), shard| {
-            let r = lock(shard);
-            (b + r.bytes(), n + r.len() as u64, t + r.tombstones() as u64)
-        })
+        let r = self.retained();
+        (r.bytes(), r.len() as u64, r.tombstones() as u64)
     }
 
     pub(crate) fn effective_retention(&self) -> Option<Duration> {
         let now_ms = self.millis(Instant::now());
-        self.totals
+        self.retained()
             .effective_retention_ms(now_ms)
             .map(Duration::from_millis)
     }
@@ -350,22 +324,20 @@ impl Inner {
     /// or the trace of an evicted one), encoded. Called under the id's shard lock (the
     /// caller decodes after releasing it).
     pub(crate) fn kept(&self, id: &RecordId, now_ms: u64) -> Option<Blob> {
-        kept_in(&mut self.retained(id), id, now_ms)
+        kept_in(&mut self.retained(), id, now_ms)
     }
 
     /// Whether `id` is kept as an `outcome_unknown` record.
     pub(crate) fn is_unknown(&self, id: &RecordId, now_ms: u64) -> bool {
-        self.retained(id)
+        self.retained()
             .peek_mut(id, now_ms)
             .is_some_and(|e| e.pending.is_some())
     }
 
-    /// What is kept of an encoded completed record: a response heavier than the record
-    /// bound of a shard would be shrunk at once, so only the "not stored" marker is
-    /// kept.
+    /// What is kept of an encoded completed record: a response heavier than the whole
+    /// record bound would be shrunk at once, so only the "not stored" marker is kept.
     fn stored_form(&self, bytes: Blob) -> Blob {
-        let shard = self.bounds().share(self.retained_shards);
-        if crate::retained::weight(&bytes, None) <= shard.records {
+        if crate::retained::weight(&bytes, None) <= self.bounds().records {
             return bytes;
         }
         match Record::decode(Bytes::copy_from_slice(&bytes)) {
@@ -389,7 +361,7 @@ impl Inner {
         let now_ms = self.millis(now);
         let expires_ms = self.millis(after(now, retention));
         let report = self
-            .retained(&id)
+            .retained()
             .insert(id, bytes, expires_ms, scope, pending, now_ms);
         self.queue_evicted(report);
     }
@@ -474,7 +446,7 @@ impl Inner {
         let Some(entry) = map.get_mut(id) else {
             {
                 // One acquisition of the records' lock for both questions.
-                let mut r = self.retained(id);
+                let mut r = self.retained();
                 if let Some(bytes) = kept_in(&mut r, id, now_ms) {
                     return Found::Kept(bytes);
                 }
@@ -699,7 +671,7 @@ impl Inner {
         let _map = self.lock(id);
         let now_ms = self.millis(Instant::now());
         if let Some(p) = self
-            .retained(id)
+            .retained()
             .peek_mut(id, now_ms)
             .and_then(|e| e.pending.as_mut())
         {

@@ -45,8 +45,7 @@
 //!   let a duplicate run. When the map is full a new claim gets
 //!   [`StoreError::Full`](retrysafe_core::store::StoreError::Full) (the layer answers
 //!   503), after expired leases were swept out of the way;
-//! - **completed and `outcome_unknown` records** live in the store's own LRU (one per
-//!   shard of the records, in a store large enough to have several), bounded
+//! - **completed and `outcome_unknown` records** live in the store's own LRU, bounded
 //!   by bytes and changed under the same locks as the claims, so that no claim slips
 //!   in while a record is being pushed out. A record pushed out leaves a compact
 //!   *tombstone* until its retention ends: a copy of its request is refused (409

@@ -103,20 +103,18 @@ impl Inner {
             );
         }
         let now_ms = self.millis(Instant::now());
-        for shard in self.retained_shards() {
-            let r = lock(shard);
-            let unknown = r.unknown_ids().filter(|id| {
-                r.get(id).is_some_and(|e| {
-                    e.expires_ms > now_ms
-                        && e.pending.as_ref().is_some_and(|p| {
-                            p.due_ms <= now_ms
-                                && p.stale_for(stale, now_ms)
-                                && p.adopted(now_ms).is_none()
-                        })
-                })
-            });
-            due.extend(unknown.take(limit.saturating_sub(due.len())));
-        }
+        let r = self.retained();
+        let unknown = r.unknown_ids().filter(|id| {
+            r.get(id).is_some_and(|e| {
+                e.expires_ms > now_ms
+                    && e.pending.as_ref().is_some_and(|p| {
+                        p.due_ms <= now_ms
+                            && p.stale_for(stale, now_ms)
+                            && p.adopted(now_ms).is_none()
+                    })
+            })
+        });
+        due.extend(unknown.take(limit.saturating_sub(due.len())));
         due
     }
 
@@ -135,13 +133,11 @@ impl Inner {
             );
         }
         let now_ms = self.millis(Instant::now());
-        for shard in self.retained_shards() {
-            let r = lock(shard);
-            let unknown = r
-                .unknown_ids()
-                .filter(|id| r.get(id).is_some_and(|e| e.expires_ms > now_ms));
-            found.extend(unknown.take(limit.saturating_sub(found.len())));
-        }
+        let r = self.retained();
+        let unknown = r
+            .unknown_ids()
+            .filter(|id| r.get(id).is_some_and(|e| e.expires_ms > now_ms));
+        found.extend(unknown.take(limit.saturating_sub(found.len())));
         found
     }
 
@@ -172,7 +168,7 @@ impl Inner {
             }
             return Some(of_claim(*id, e, now_ms));
         }
-        let mut r = self.retained(id);
+        let mut r = self.retained();
         let p = r.peek_mut(id, now_ms)?.pending.as_mut()?;
         if adoption.is_some() {
             let ready = stale.is_none_or(|s| p.stale_for(s, now_ms));
@@ -205,7 +201,7 @@ impl Inner {
             return Ok(());
         }
         let mine = self
-            .retained(id)
+            .retained()
             .peek_mut(id, now_ms)
             .and_then(|e| e.pending.as_ref())
             .is_some_and(|p| adopted_by(p.adoption));
@@ -250,7 +246,7 @@ impl Inner {
     /// Settles an adopted `outcome_unknown` record. Under its shard lock.
     fn settle_unknown(&self, id: RecordId, settlement: Settlement, notified: bool, now: Instant) {
         let now_ms = self.millis(now);
-        let mut r = self.retained(&id);
+        let mut r = self.retained();
         let wait = match settlement {
             Settlement::Complete {
                 response,

@@ -5,7 +5,6 @@
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -108,38 +107,6 @@ pub(crate) struct Bounds {
     pub(crate) fail_closed: bool,
 }
 
-impl Bounds {
-    /// One shard's share of these bounds, when the records are split into `shards`.
-    pub(crate) fn share(self, shards: usize) -> Bounds {
-        let n = shards.max(1) as u64;
-        Bounds {
-            records: self.records / n,
-            tombstones: self.tombstones / n,
-            fail_closed: self.fail_closed,
-        }
-    }
-}
-
-/// The least share of the record bound a shard is given: a store whose record bound is
-/// under two of these keeps its records under one lock, in exactly one LRU.
-pub(crate) const MIN_SHARD_RECORDS: u64 = 4 << 20;
-
-/// The most shards the records of a store are split into.
-pub(crate) const MAX_SHARDS: usize = 8;
-
-/// How many shards (a power of two, at most [`MAX_SHARDS`]) the completed and
-/// `outcome_unknown` records of a store with `bounds` are split into, by record id, so
-/// that concurrent requests for different keys seldom wait for each other's lock: as
-/// many as give each at least [`MIN_SHARD_RECORDS`]. Each shard has its share of both
-/// bounds, and its own LRU and fairness sketch (the ids are SHA-256, so every shard
-/// sees about the same mix of scopes and keys).
-pub(crate) fn shards(bounds: &Bounds) -> usize {
-    let fit = usize::try_from(bounds.records / MIN_SHARD_RECORDS).unwrap_or(usize::MAX);
-    let n = fit.clamp(1, MAX_SHARDS);
-    // The largest power of two not above `n`.
-    1 << n.ilog2()
-}
-
 /// What a change dropped, reported outside the locks.
 #[derive(Debug, Default)]
 pub(crate) struct Report {
@@ -157,53 +124,7 @@ pub(crate) struct Gauges {
     pub(crate) effective_retention: Gauge,
 }
 
-/// What the shards of a store's records share: the totals its gauges and
-/// [`MemoryStore::effective_retention`](crate::MemoryStore::effective_retention)
-/// report.
-#[derive(Debug, Default)]
-pub(crate) struct Totals {
-    /// The bytes of every shard (kept only while the bytes gauge is enabled).
-    bytes: AtomicU64,
-    /// Of the tombstones dropped before their expiry, in any shard: the latest made,
-    /// and the latest expiry (ms).
-    forgotten_made_ms: AtomicU64,
-    forgotten_until_ms: AtomicU64,
-    ever_forgot: AtomicBool,
-}
-
-impl Totals {
-    /// How far back every key is still remembered: `None` while no tombstone was
-    /// dropped before its expiry (or all such would have expired by now).
-    pub(crate) fn effective_retention_ms(&self, now_ms: u64) -> Option<u64> {
-        (self.ever_forgot.load(Ordering::Acquire)
-            && self.forgotten_until_ms.load(Ordering::Acquire) > now_ms)
-            .then(|| now_ms.saturating_sub(self.forgotten_made_ms.load(Ordering::Acquire)))
-    }
-
-    /// Notes a tombstone dropped before its expiry; the latest made of all.
-    fn forgot(&self, made_ms: u64, expires_ms: u64) -> u64 {
-        // Both are bucketed (to the second): most drops change neither.
-        if self.forgotten_until_ms.load(Ordering::Relaxed) < expires_ms {
-            self.forgotten_until_ms
-                .fetch_max(expires_ms, Ordering::AcqRel);
-        }
-        let latest = self.forgotten_made_ms.load(Ordering::Relaxed);
-        let latest = if latest < made_ms {
-            self.forgotten_made_ms
-                .fetch_max(made_ms, Ordering::AcqRel)
-                .max(made_ms)
-        } else {
-            latest
-        };
-        if !self.ever_forgot.load(Ordering::Relaxed) {
-            self.ever_forgot.store(true, Ordering::Release);
-        }
-        latest
-    }
-}
-
-/// The records, the tombstones and the sketch of who holds them: the whole store's,
-/// or one shard's share of them (see [`shards`]).
+/// The records, the tombstones and the sketch of who holds them.
 #[derive(Debug)]
 pub(crate) struct Retained {
     bounds: Bounds,
@@ -219,22 +140,21 @@ pub(crate) struct Retained {
     next_seq: u64,
     /// Who holds the completed records' bytes.
     sketch: Sketch,
-    /// The tombstones; those of the scopes that held more than their share are dropped
-    /// first.
-    tombstones: Tombstones,
-    totals: Arc<Totals>,
+    /// Tombstones of the scopes that held more than their share: dropped first.
+    heavy: Tombstones,
+    light: Tombstones,
+    /// Of the tombstones dropped before their expiry: the latest made, and the latest
+    /// expiry (ms).
+    forgotten_made_ms: u64,
+    forgotten_until_ms: u64,
+    ever_forgot: bool,
     gauges: Gauges,
     /// Whether the records shrunk to tombstones are reported (an eviction hook is set).
     report_shrunk: bool,
 }
 
 impl Retained {
-    pub(crate) fn new(
-        bounds: Bounds,
-        totals: Arc<Totals>,
-        gauges: Gauges,
-        report_shrunk: bool,
-    ) -> Self {
+    pub(crate) fn new(bounds: Bounds, gauges: Gauges, report_shrunk: bool) -> Self {
         Retained {
             bounds,
             entries: HashMap::default(),
@@ -244,8 +164,11 @@ impl Retained {
             pending_bytes: 0,
             next_seq: 0,
             sketch: Sketch::default(),
-            tombstones: Tombstones::default(),
-            totals,
+            heavy: Tombstones::default(),
+            light: Tombstones::default(),
+            forgotten_made_ms: 0,
+            forgotten_until_ms: 0,
+            ever_forgot: false,
             gauges,
             report_shrunk,
         }
@@ -260,7 +183,7 @@ impl Retained {
     }
 
     pub(crate) fn tombstones(&self) -> usize {
-        self.tombstones.len()
+        self.heavy.len() + self.light.len()
     }
 
     pub(crate) fn tombstone_bytes(&self) -> u64 {
@@ -280,7 +203,8 @@ impl Retained {
     /// The record of `id`, its tombstone, or nothing. An expired record is removed; a
     /// record found counts as used.
     pub(crate) fn find(&mut self, id: &RecordId, now_ms: u64) -> Found<'_> {
-        self.tombstones.expire(now_ms);
+        self.heavy.expire(now_ms);
+        self.light.expire(now_ms);
         match self.entries.get(id).map(|e| e.expires_ms <= now_ms) {
             Some(true) => {
                 self.remove(id);
@@ -288,7 +212,7 @@ impl Retained {
             Some(false) => return self.touch(id).map_or(Found::Absent, Found::Entry),
             None => {}
         }
-        if self.tombstones.contains(id, now_ms) {
+        if self.heavy.contains(id, now_ms) || self.light.contains(id, now_ms) {
             Found::Tombstone
         } else {
             Found::Absent
@@ -313,7 +237,8 @@ impl Retained {
         now_ms: u64,
     ) -> Report {
         self.remove(&id);
-        self.tombstones.remove(&id);
+        self.heavy.remove(&id);
+        self.light.remove(&id);
         let weight = weight(&bytes, pending.as_deref());
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -338,8 +263,9 @@ impl Retained {
             },
         );
         self.bytes = self.bytes.saturating_add(weight);
-        self.count_bytes(weight, true);
-        self.fit(id, now_ms)
+        let report = self.fit(id, now_ms);
+        self.gauges.bytes.set(self.bytes as f64);
+        report
     }
 
     /// Removes the record of `id` (not its tombstone); returns it.
@@ -353,21 +279,8 @@ impl Retained {
             self.sketch.sub(entry.scope, entry.weight);
         }
         self.bytes = self.bytes.saturating_sub(entry.weight);
-        self.count_bytes(entry.weight, false);
+        self.gauges.bytes.set(self.bytes as f64);
         Some(entry)
-    }
-
-    /// Tells the bytes gauge of `weight` added (or removed): the total of every shard.
-    fn count_bytes(&self, weight: u64, added: bool) {
-        if !self.gauges.bytes.enabled() {
-            return;
-        }
-        let total = if added {
-            self.totals.bytes.fetch_add(weight, Ordering::AcqRel) + weight
-        } else {
-            self.totals.bytes.fetch_sub(weight, Ordering::AcqRel) - weight
-        };
-        self.gauges.bytes.set(total as f64);
     }
 
     /// The ids of the `outcome_unknown` records.
@@ -377,6 +290,13 @@ impl Retained {
 
     pub(crate) fn get(&self, id: &RecordId) -> Option<&Entry> {
         self.entries.get(id)
+    }
+
+    /// How far back every key is still remembered: `None` while no tombstone was
+    /// dropped before its expiry (or all such would have expired by now).
+    pub(crate) fn effective_retention_ms(&self, now_ms: u64) -> Option<u64> {
+        (self.ever_forgot && self.forgotten_until_ms > now_ms)
+            .then(|| now_ms.saturating_sub(self.forgotten_made_ms))
     }
 
     /// Counts the record of `id` as used; returns it.
@@ -414,16 +334,21 @@ impl Retained {
         if self.bounds.fail_closed {
             return report;
         }
-        let mut latest_made = None;
         while self.tombstone_bytes() > self.bounds.tombstones {
-            let Some(dropped) = self.tombstones.drop_oldest() else {
+            let Some(dropped) = self
+                .heavy
+                .drop_oldest()
+                .or_else(|| self.light.drop_oldest())
+            else {
                 break;
             };
-            latest_made = Some(self.totals.forgot(dropped.made_ms, dropped.expires_ms));
+            self.forgotten_made_ms = self.forgotten_made_ms.max(dropped.made_ms);
+            self.forgotten_until_ms = self.forgotten_until_ms.max(dropped.expires_ms);
+            self.ever_forgot = true;
             report.dropped.push(dropped.id);
         }
-        if let Some(made_ms) = latest_made {
-            let remembered_ms = now_ms.saturating_sub(made_ms);
+        if !report.dropped.is_empty() {
+            let remembered_ms = now_ms.saturating_sub(self.forgotten_made_ms);
             self.gauges
                 .effective_retention
                 .set(Duration::from_millis(remembered_ms).as_secs_f64());
@@ -469,7 +394,12 @@ impl Retained {
         if entry.expires_ms <= now_ms {
             return false;
         }
-        self.tombstones.insert(id, heavy, now_ms, entry.expires_ms);
+        let table = if heavy {
+            &mut self.heavy
+        } else {
+            &mut self.light
+        };
+        table.insert(id, now_ms, entry.expires_ms);
         true
     }
 }
@@ -488,40 +418,4 @@ pub(crate) fn weight(bytes: &[u8], pending: Option<&Pending>) -> u64 {
         .saturating_add(KEY_BYTES)
         .saturating_add(crate::MemoryStore::ENTRY_OVERHEAD)
         .saturating_add(extra)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn bounds(max_bytes: u64) -> Bounds {
-        let tombstones = max_bytes / 4;
-        Bounds {
-            records: max_bytes - tombstones,
-            tombstones,
-            fail_closed: false,
-        }
-    }
-
-    #[test]
-    fn small_stores_keep_one_shard_large_ones_up_to_eight() {
-        for (max_bytes, shards) in [
-            (0, 1),
-            (32 * 1024, 1),
-            (10 << 20, 1),
-            (11 << 20, 2),
-            (12 << 20, 2),
-            (32 << 20, 4),
-            (64 << 20, 8),
-            (1 << 40, 8),
-        ] {
-            let b = bounds(max_bytes);
-            assert_eq!(super::shards(&b), shards, "{max_bytes}");
-            // Every shard gets at least its least share, and the shares fit the bound.
-            let share = b.share(shards);
-            assert!(shards == 1 || share.records >= MIN_SHARD_RECORDS);
-            assert!(share.records * shards as u64 <= b.records);
-            assert!(share.tombstones * shards as u64 <= b.tombstones);
-        }
-    }
 }

@@ -28,16 +28,6 @@ use crate::retained::Gauges;
 ///   replaces it. A record weighs its encoded length ([`Record::encoded_len`]) plus the
 ///   32-byte key plus [`ENTRY_OVERHEAD`](Self::ENTRY_OVERHEAD), the cost of the store's
 ///   own structures, so that the bound holds the store's real memory.
-/// - **Shards.** A store whose record bound is 8 MiB or more (`max_bytes` from 11 MiB)
-///   splits its records by record id into shards, each under its own lock with its
-///   own LRU, fairness sketch and tombstones and its share of both bounds: as many as
-///   give each shard 4 MiB of records, at most 8 (8 for the default 64 MiB). Requests
-///   for different keys then seldom wait for each other's lock. The least recently
-///   used record is the one of its shard, and fairness is decided per shard: the ids
-///   are SHA-256, so every shard sees about the same mix of scopes and keys. The
-///   heaviest record kept is a shard's share of the record bound (6 MiB by default,
-///   above the layer's default `max_stored_response` of 1 MiB). A smaller store keeps
-///   exactly one LRU under one lock.
 /// - **Under pressure, records shrink; keys are not forgotten.** A record pushed out
 ///   of the LRU leaves a *tombstone* ([`TOMBSTONE_BYTES`](Self::TOMBSTONE_BYTES): a
 ///   16-byte truncated record id and an expiry bucket) until its retention ends: a copy
@@ -168,9 +158,8 @@ impl MemoryStore {
     /// record's weight carries.
     pub const ENTRY_OVERHEAD: u64 = 400;
 
-    /// The bytes a tombstone costs: a 16-byte truncated record id, two 4-byte time
-    /// buckets and its class (of a heavy scope or not) in a hash table (at a load factor
-    /// down to 7/16), and the whole 32-byte id
+    /// The bytes a tombstone costs: a 16-byte truncated record id and two 4-byte time
+    /// buckets in a hash table (at a load factor down to 7/16), and the whole 32-byte id
     /// in its expiry bucket's list (given to the eviction hook), with room to grow:
     /// about 100 bytes at the lowest load factor of the table (`tests/heap.rs` checks a
     /// store of mostly tombstones against its weight).
@@ -218,10 +207,8 @@ impl MemoryStore {
     /// The byte bound of the completed and `outcome_unknown` records (three quarters)
     /// and of their tombstones (one quarter), default 64 MiB, weighed as described on
     /// [`MemoryStore`]. Past it, completed records shrink to tombstones, and then the
-    /// oldest tombstones are dropped (`outcome_unknown` records never shrink). A
-    /// response heavier than the record bound of its shard (the whole record bound in
-    /// a store of one shard; see [`MemoryStore`]) is not kept at all (copies get
-    /// `response-not-stored`). Must be greater than zero.
+    /// oldest tombstones are dropped (`outcome_unknown` records never shrink). A response heavier than the whole record bound is not
+    /// kept at all (copies get `response-not-stored`). Must be greater than zero.
     pub fn max_bytes(self, max: u64) -> Self {
         self.configure(|s| s.max_bytes = max)
     }

@@ -150,32 +150,6 @@ async fn evictions_reach_the_hook_and_the_gauges_by_name() {
     assert!(remembered > Duration::ZERO);
 }
 
-/// A store large enough to split its records into shards reports the bytes of all of
-/// them, before and under pressure.
-#[tokio::test(start_paused = true)]
-async fn the_bytes_gauge_of_a_sharded_store_is_its_total() {
-    let recorder = DebuggingRecorder::new();
-    let snapshotter = recorder.snapshotter();
-    let max_bytes = 64 << 20;
-    let store = metrics::with_local_recorder(&recorder, || {
-        MemoryStore::new()
-            .name("big")
-            .max_bytes(max_bytes)
-            .build()
-            .unwrap()
-    });
-    let bytes = |s: &Seen| value(s, "retrysafe_memory_store_bytes", &[("name", "big")]);
-    for n in [20, 400] {
-        for _ in 0..n {
-            complete(&store, &fresh_id(), 256 * 1024).await;
-        }
-        let total = store.cached_bytes();
-        assert!(total > 20 * 256 * 1024 && total <= max_bytes, "{total}");
-        assert_eq!(bytes(&take(&snapshotter)), Some(total as f64), "after {n}");
-    }
-    assert!(store.tombstones_len() > 0, "there was pressure");
-}
-
 /// Answers from a list: `DidNotHappen` for everything.
 struct DidNotHappen;
 
