@@ -140,9 +140,9 @@ pub(crate) struct Retained {
     next_seq: u64,
     /// Who holds the completed records' bytes.
     sketch: Sketch,
-    /// Tombstones of the scopes that held more than their share: dropped first.
-    heavy: Tombstones,
-    light: Tombstones,
+    /// The tombstones; those of the scopes that held more than their share are dropped
+    /// first.
+    tombstones: Tombstones,
     /// Of the tombstones dropped before their expiry: the latest made, and the latest
     /// expiry (ms).
     forgotten_made_ms: u64,
@@ -164,8 +164,7 @@ impl Retained {
             pending_bytes: 0,
             next_seq: 0,
             sketch: Sketch::default(),
-            heavy: Tombstones::default(),
-            light: Tombstones::default(),
+            tombstones: Tombstones::default(),
             forgotten_made_ms: 0,
             forgotten_until_ms: 0,
             ever_forgot: false,
@@ -183,7 +182,7 @@ impl Retained {
     }
 
     pub(crate) fn tombstones(&self) -> usize {
-        self.heavy.len() + self.light.len()
+        self.tombstones.len()
     }
 
     pub(crate) fn tombstone_bytes(&self) -> u64 {
@@ -203,8 +202,7 @@ impl Retained {
     /// The record of `id`, its tombstone, or nothing. An expired record is removed; a
     /// record found counts as used.
     pub(crate) fn find(&mut self, id: &RecordId, now_ms: u64) -> Found<'_> {
-        self.heavy.expire(now_ms);
-        self.light.expire(now_ms);
+        self.tombstones.expire(now_ms);
         match self.entries.get(id).map(|e| e.expires_ms <= now_ms) {
             Some(true) => {
                 self.remove(id);
@@ -212,7 +210,7 @@ impl Retained {
             Some(false) => return self.touch(id).map_or(Found::Absent, Found::Entry),
             None => {}
         }
-        if self.heavy.contains(id, now_ms) || self.light.contains(id, now_ms) {
+        if self.tombstones.contains(id, now_ms) {
             Found::Tombstone
         } else {
             Found::Absent
@@ -237,8 +235,7 @@ impl Retained {
         now_ms: u64,
     ) -> Report {
         self.remove(&id);
-        self.heavy.remove(&id);
-        self.light.remove(&id);
+        self.tombstones.remove(&id);
         let weight = weight(&bytes, pending.as_deref());
         let seq = self.next_seq;
         self.next_seq += 1;
@@ -335,11 +332,7 @@ impl Retained {
             return report;
         }
         while self.tombstone_bytes() > self.bounds.tombstones {
-            let Some(dropped) = self
-                .heavy
-                .drop_oldest()
-                .or_else(|| self.light.drop_oldest())
-            else {
+            let Some(dropped) = self.tombstones.drop_oldest() else {
                 break;
             };
             self.forgotten_made_ms = self.forgotten_made_ms.max(dropped.made_ms);
@@ -394,12 +387,7 @@ impl Retained {
         if entry.expires_ms <= now_ms {
             return false;
         }
-        let table = if heavy {
-            &mut self.heavy
-        } else {
-            &mut self.light
-        };
-        table.insert(id, now_ms, entry.expires_ms);
+        self.tombstones.insert(id, heavy, now_ms, entry.expires_ms);
         true
     }
 }

@@ -158,8 +158,9 @@ impl MemoryStore {
     /// record's weight carries.
     pub const ENTRY_OVERHEAD: u64 = 400;
 
-    /// The bytes a tombstone costs: a 16-byte truncated record id and two 4-byte time
-    /// buckets in a hash table (at a load factor down to 7/16), and the whole 32-byte id
+    /// The bytes a tombstone costs: a 16-byte truncated record id, two 4-byte time
+    /// buckets and its class (of a heavy scope or not) in a hash table (at a load factor
+    /// down to 7/16), and the whole 32-byte id
     /// in its expiry bucket's list (given to the eviction hook), with room to grow:
     /// about 100 bytes at the lowest load factor of the table (`tests/heap.rs` checks a
     /// store of mostly tombstones against its weight).
