@@ -160,10 +160,10 @@ impl MemoryStore {
 
     /// The bytes a tombstone costs: a 16-byte truncated record id, two 4-byte time
     /// buckets and its class (of a heavy scope or not) in a hash table (at a load factor
-    /// down to 7/16), and the whole 32-byte id
-    /// in its expiry bucket's list (given to the eviction hook), with room to grow:
-    /// about 100 bytes at the lowest load factor of the table (`tests/heap.rs` checks a
-    /// store of mostly tombstones against its weight).
+    /// down to 7/16), and the whole 32-byte id in its expiry bucket's list (given to the
+    /// eviction hook), with room to grow: about 100 bytes at the lowest load factor of
+    /// the table (`tests/heap.rs` checks a store of mostly tombstones against its
+    /// weight).
     pub const TOMBSTONE_BYTES: u64 = 128;
 
     /// A store with the default bounds and no eviction hook.

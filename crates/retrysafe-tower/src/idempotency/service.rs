@@ -394,7 +394,10 @@ where
             return;
         };
         match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => drop(runtime.spawn(task.instrument(self.span.clone()))),
+            Ok(runtime) => {
+                let span = std::mem::replace(&mut self.span, Span::none());
+                drop(runtime.spawn(task.instrument(span)));
+            }
             // Only while a runtime is torn down, which would cancel a spawned task too.
             Err(_) => tracing::error!(
                 target: "retrysafe::idempotency",

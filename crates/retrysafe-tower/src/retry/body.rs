@@ -304,11 +304,7 @@ where
     fn is_end_stream(&self) -> bool {
         match &self.kind {
             Kind::Empty => true,
-            Kind::Fresh(shared) => shared
-                .lock()
-                .state
-                .as_deref()
-                .is_some_and(|state| Cursor::default().at_end(state)),
+            Kind::Fresh(shared) => shared.ends_at_start(),
             Kind::Shared(handle) => handle.is_end_stream(),
         }
     }
@@ -316,12 +312,7 @@ where
     fn size_hint(&self) -> SizeHint {
         match &self.kind {
             Kind::Empty => SizeHint::with_exact(0),
-            Kind::Fresh(shared) => match shared.lock().state.as_deref() {
-                Some(state) => Cursor::default().size_hint(state),
-                // Another clone holds the state: what is left for this one, which has
-                // not started, is the whole body.
-                None => shared.whole_size,
-            },
+            Kind::Fresh(shared) => shared.size_from_start(),
             Kind::Shared(handle) => handle.size_hint(),
         }
     }
@@ -370,15 +361,6 @@ impl<B> Handle<B> {
         }
     }
 
-    /// Calls `f` with the reader state: this handle's own, or the one parked in the slot
-    /// (`None` while another handle holds it).
-    fn with_state<R>(&self, f: impl FnOnce(Option<&State<B>>) -> R) -> R {
-        match &self.state {
-            Some(state) => f(Some(state)),
-            None => f(self.shared.lock().state.as_deref()),
-        }
-    }
-
     /// Gives the reader state back to the slot, waking any handle waiting for it.
     fn release(&mut self) {
         if let Some(state) = self.state.take() {
@@ -419,19 +401,22 @@ where
         if self.finished {
             return true;
         }
-        self.with_state(|state| state.is_some_and(|state| self.cursor.at_end(state)))
+        // A handle without the state has not started (it gives the state back only
+        // once finished): it sees the body from its start.
+        match &self.state {
+            Some(state) => self.cursor.at_end(state),
+            None => self.shared.ends_at_start(),
+        }
     }
 
     fn size_hint(&self) -> SizeHint {
         if self.finished {
             return SizeHint::with_exact(0);
         }
-        self.with_state(|state| match state {
+        match &self.state {
             Some(state) => self.cursor.size_hint(state),
-            // Another clone holds the state; this one has not started, so what is left
-            // for it is the whole body.
-            None => self.shared.whole_size,
-        })
+            None => self.shared.size_from_start(),
+        }
     }
 }
 
@@ -442,6 +427,26 @@ impl<B> Drop for Handle<B> {
 }
 
 // === impl Shared ===
+
+impl<B: Body> Shared<B> {
+    /// For a handle that has not started: whether the body has no frame for it, as
+    /// the parked reader state says (not while another handle holds the state).
+    fn ends_at_start(&self) -> bool {
+        self.lock()
+            .state
+            .as_deref()
+            .is_some_and(|state| Cursor::default().at_end(state))
+    }
+
+    /// For a handle that has not started: the size of what it will send. While another
+    /// handle holds the reader state, the whole body.
+    fn size_from_start(&self) -> SizeHint {
+        match self.lock().state.as_deref() {
+            Some(state) => Cursor::default().size_hint(state),
+            None => self.whole_size,
+        }
+    }
+}
 
 impl<B> Shared<B> {
     fn flags(&self) -> u8 {
@@ -495,33 +500,50 @@ impl Cursor {
         B: Body,
         B::Error: Into<BoxError>,
     {
-        let mut state = state.project();
+        match self.replay(state.as_ref().get_ref()) {
+            Some(frame) => Poll::Ready(Some(frame)),
+            None => self.read_on(state, shared, cx),
+        }
+    }
 
-        // Replay what earlier attempts read.
-        if self.frames < *state.frames {
-            let chunk = if *state.failed {
+    /// What earlier attempts read and this handle has not sent yet: a chunk, the
+    /// trailers, or the failure that ended the copy; `None` when it has caught up.
+    fn replay<B>(&mut self, state: &State<B>) -> Option<Result<Frame<Bytes>, BoxError>> {
+        if self.frames < state.frames {
+            let chunk = if state.failed {
                 Err(Unavailable::Failed)
             } else {
                 state.chunks.get(self.frames).ok_or(Unavailable::Capped)
             };
-            return Poll::Ready(Some(match chunk {
+            return Some(match chunk {
                 Ok(chunk) => {
                     self.frames += 1;
                     self.bytes += chunk.len() as u64;
                     Ok(Frame::data(chunk.clone()))
                 }
                 Err(unavailable) => Err(unavailable.into()),
-            }));
+            });
         }
         if let (false, Some(trailers)) = (self.trailers_sent, state.trailers.as_ref()) {
             self.trailers_sent = true;
-            return Poll::Ready(Some(Ok(Frame::trailers(trailers.clone()))));
+            return Some(Ok(Frame::trailers(trailers.clone())));
         }
-        if *state.failed {
-            return Poll::Ready(Some(Err(Unavailable::Failed.into())));
-        }
+        state.failed.then(|| Err(Unavailable::Failed.into()))
+    }
 
-        // Read on from the wrapped body.
+    /// The next frame read from the wrapped body, copied on the way unless capped (or
+    /// the end of the body, or its failure, recorded for every handle).
+    fn read_on<B>(
+        &mut self,
+        state: Pin<&mut State<B>>,
+        shared: &Shared<B>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+    where
+        B: Body,
+        B::Error: Into<BoxError>,
+    {
+        let mut state = state.project();
         let Some(inner) = state.inner.as_mut().as_pin_mut() else {
             return Poll::Ready(None);
         };
