@@ -404,6 +404,35 @@ fn request_timeout_ms_encoding_rounds_down() {
     assert_eq!(encode_request_timeout_ms(Duration::MAX), "2592000000");
 }
 
+/// The encoders keep their last value per thread: a value repeated, alternated with
+/// others, or encoded on another thread comes out as a fresh encoding would.
+#[test]
+fn timeout_encodings_repeated_and_alternated_stay_exact() {
+    let ms = |m| encode_request_timeout_ms(Duration::from_millis(m));
+    let grpc = |n| encode_grpc_timeout(Duration::from_nanos(n));
+    for _ in 0..3 {
+        assert_eq!(ms(10_000), "10000");
+        assert_eq!(ms(10_000), "10000");
+        assert_eq!(ms(9_999), "9999");
+        assert_eq!(grpc(10_000_000_000), "10000000u");
+        assert_eq!(grpc(10_000_000_000), "10000000u");
+        assert_eq!(grpc(1), "1n");
+        assert_eq!(encode_request_timeout_ms(Duration::from_micros(10_000_999)), "10000");
+    }
+    let kept = ms(250);
+    let other = std::thread::spawn(|| {
+        let a = encode_request_timeout_ms(Duration::from_millis(250));
+        let b = encode_request_timeout_ms(Duration::from_millis(251));
+        (a, b)
+    })
+    .join()
+    .unwrap();
+    assert_eq!(other.0, "250");
+    assert_eq!(other.1, "251");
+    assert_eq!(kept, "250");
+    assert_eq!(ms(250), "250");
+}
+
 // ---------------------------------------------------------------- grpc-timeout
 
 #[test]

@@ -80,8 +80,20 @@ pub fn parse_retry_attempt(value: &[u8]) -> Option<u32> {
 }
 
 /// Encodes an attempt number for `retry-attempt` (or `grpc-previous-rpc-attempts`).
+///
+/// ```
+/// use retrysafe_core::wire::encode_retry_attempt;
+/// assert_eq!(encode_retry_attempt(2), "2");
+/// assert_eq!(encode_retry_attempt(10), "10");
+/// ```
 pub fn encode_retry_attempt(attempt: u32) -> HeaderValue {
-    HeaderValue::from(attempt)
+    // The numbers retries have (a handful of attempts) need neither formatting nor an
+    // allocation.
+    const DIGITS: [&str; 10] = ["0", "1", "2", "3", "4", "5", "6", "7", "8", "9"];
+    match usize::try_from(attempt).ok().and_then(|i| DIGITS.get(i)) {
+        Some(digit) => HeaderValue::from_static(digit),
+        None => HeaderValue::from(attempt),
+    }
 }
 
 /// A parsed `grpc-retry-pushback-ms` value (gRFC A6).
