@@ -417,7 +417,10 @@ fn timeout_encodings_repeated_and_alternated_stay_exact() {
         assert_eq!(grpc(10_000_000_000), "10000000u");
         assert_eq!(grpc(10_000_000_000), "10000000u");
         assert_eq!(grpc(1), "1n");
-        assert_eq!(encode_request_timeout_ms(Duration::from_micros(10_000_999)), "10000");
+        assert_eq!(
+            encode_request_timeout_ms(Duration::from_micros(10_000_999)),
+            "10000"
+        );
     }
     let kept = ms(250);
     let other = std::thread::spawn(|| {

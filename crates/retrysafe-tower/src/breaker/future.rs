@@ -123,6 +123,12 @@ where
         loop {
             let mut state = self.as_mut().project().state;
             let answer = match state.as_mut().project() {
+                // The common case first, answered where it is: a call that has answered
+                // keeps its state (the inner future and no call: see `calling`), so
+                // nothing is dropped or written on the way out.
+                StateProj::Calling { future, call } => {
+                    return calling(future, call, cx);
+                }
                 StateProj::Readying { waiting, call } => {
                     match ready!(poll_readying(waiting, call, cx)) {
                         Ok(Some(next)) => {
@@ -136,24 +142,47 @@ where
                         Err(error) => Err(error),
                     }
                 }
-                StateProj::Failed { error } => Err(error
-                    .take()
-                    .unwrap_or_else(|| "breaker response future polled after completion".into())),
-                StateProj::Calling { future, call } => {
-                    let result = ready!(future.poll(cx));
-                    responded(result, call.take())
+                StateProj::Failed { error } => {
+                    Err(error.take().unwrap_or_else(polled_after_completion))
                 }
                 StateProj::Refused { open } => Err(refused(open)),
                 StateProj::Done => {
-                    return Poll::Ready(Err(
-                        "breaker response future polled after completion".into()
-                    ));
+                    return Poll::Ready(Err(polled_after_completion()));
                 }
             };
             state.set(State::Done);
             return Poll::Ready(answer);
         }
     }
+}
+
+/// `Calling`: awaits the inner service's answer and records it. Every call in this
+/// state has its `Call` until it answers, so a call without one has answered already.
+#[inline]
+fn calling<F, ResB, E>(
+    future: Pin<&mut F>,
+    call: &mut Option<Call>,
+    cx: &mut Context<'_>,
+) -> Poll<Result<Response<ResponseBody<ResB>>, BoxError>>
+where
+    F: Future<Output = Result<Response<ResB>, E>>,
+    E: Into<BoxError>,
+{
+    if call.is_none() {
+        return Poll::Ready(Err(polled_after_completion()));
+    }
+    let result = ready!(future.poll(cx));
+    let Some(call) = call.take() else {
+        return Poll::Ready(Err(polled_after_completion()));
+    };
+    Poll::Ready(match result {
+        Ok(response) => Ok(call.respond(response)),
+        Err(error) => {
+            let error = error.into();
+            call.failed(&*error);
+            Err(error)
+        }
+    })
 }
 
 /// The state of a future of service `S` for requests of body `ReqB`.
@@ -196,22 +225,8 @@ where
     }
 }
 
-/// `Calling`, the inner service answered: records the outcome on the permit.
-fn responded<ResB, E: Into<BoxError>>(
-    result: Result<Response<ResB>, E>,
-    call: Option<Call>,
-) -> Result<Response<ResponseBody<ResB>>, BoxError> {
-    match (result, call) {
-        (Ok(response), Some(call)) => Ok(call.respond(response)),
-        (Ok(response), None) => Ok(response.map(ResponseBody::plain)),
-        (Err(error), call) => {
-            let error = error.into();
-            if let Some(call) = call {
-                call.failed(&*error);
-            }
-            Err(error)
-        }
-    }
+fn polled_after_completion() -> BoxError {
+    "breaker response future polled after completion".into()
 }
 
 /// `Refused`: the refusal, [`CircuitOpen`].
