@@ -425,13 +425,15 @@ impl RetryPolicy {
         Self::begin_within(policy, head, None)
     }
 
-    /// [`begin`](Self::begin) for a call that also has a deadline of its own, `within`
-    /// (a fused stack's, which need not travel in the request's extensions): the call's
-    /// deadline is the soonest of it and those `begin` reads.
+    /// [`begin`](Self::begin) for a call that also has a deadline of its own (a fused
+    /// stack's, which need not travel in the request's extensions), `within`: the
+    /// deadline and the reading of tokio's clock it was made from. The call's deadline
+    /// is the soonest of it and those `begin` reads; the budget counts the request at
+    /// that reading ([`RetryStrategy::acquire_initial_retry_token_at`]).
     pub fn begin_within<H: RequestHead + ?Sized>(
         policy: &Striped<Self>,
         head: &mut H,
-        within: Option<Deadline>,
+        within: Option<(Deadline, Instant)>,
     ) -> (RetryCall, RetryToken) {
         let this: &Self = policy;
         let context = CallContext::inherited(head.extensions());
@@ -449,9 +451,10 @@ impl RetryPolicy {
             head.headers_mut()
                 .insert(this.convention.retry_point().clone(), RETRY_POINT_CALLER);
         }
-        let deadline = match (this.deadline_of(head, context.as_ref(), facts.grpc), within) {
-            (Some(d), within) => Some(d.tighten(within)),
-            (None, within) => within,
+        let own = within.map(|(deadline, _)| deadline);
+        let deadline = match (this.deadline_of(head, context.as_ref(), facts.grpc), own) {
+            (Some(d), own) => Some(d.tighten(own)),
+            (None, own) => own,
         };
         // Every attempt carries the deadline header when there is a deadline.
         facts.deadline_sent = deadline.is_some();
@@ -465,7 +468,12 @@ impl RetryPolicy {
         let hedge = head.extensions().get::<HedgeCopy>().copied();
         let mut token = match hedge {
             Some(hedge) => RetryToken::hedge(hedge.budget),
-            None => this.strategy.acquire_initial_retry_token(budget),
+            None => match within {
+                // The clock reading the caller's deadline was made from is the call's
+                // start: the budget counts the request there (one clock read less).
+                Some((_, now)) => this.strategy.acquire_initial_retry_token_at(budget, now),
+                None => this.strategy.acquire_initial_retry_token(budget),
+            },
         };
         // The first copy of a hedged request: the hedging layer above need not deposit.
         if hedge.is_none()

@@ -38,6 +38,8 @@
 use std::fmt;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::ConfigError;
 use crate::backoff::{Backoff, RetryRng, RngSource};
 use crate::budget::{BudgetId, RetryBudget, RetryCost};
@@ -169,6 +171,19 @@ pub trait RetryStrategy: fmt::Debug + Send + Sync + 'static {
     /// into the budget: `budget` when the request overrides it, otherwise the
     /// strategy's.
     fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken;
+
+    /// [`acquire_initial_retry_token`](Self::acquire_initial_retry_token) at `now`, a
+    /// reading of tokio's clock the caller has just made (for the call's deadline): a
+    /// budget that counts requests by time takes it instead of reading the clock again
+    /// ([`RetryBudget::deposit_at`]). The default ignores `now`.
+    fn acquire_initial_retry_token_at(
+        &self,
+        budget: Option<RetryBudget>,
+        now: Instant,
+    ) -> RetryToken {
+        let _ = now;
+        self.acquire_initial_retry_token(budget)
+    }
 
     /// After a failed attempt: the token of the next attempt (with its
     /// [`delay`](RetryToken::delay)), or why to give up. `time_left` is the time left
@@ -349,10 +364,17 @@ fn attempt_bound(timeout: Duration) -> Duration {
     timeout.clamp(MIN_ATTEMPT_TIME, MAX_TIMEOUT)
 }
 
-impl RetryStrategy for StandardRetryStrategy {
-    fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken {
+impl StandardRetryStrategy {
+    /// The first attempt's token, its request's one deposit made by `deposit` into
+    /// `budget` (the request's own) or the strategy's.
+    #[inline]
+    fn initial_token(
+        &self,
+        budget: Option<RetryBudget>,
+        deposit: impl FnOnce(&RetryBudget),
+    ) -> RetryToken {
         let budget_id = budget.as_ref().or(self.budget.as_ref()).map(|budget| {
-            budget.deposit();
+            deposit(budget);
             budget.id()
         });
         RetryToken {
@@ -364,6 +386,20 @@ impl RetryStrategy for StandardRetryStrategy {
             budget,
             budget_id,
         }
+    }
+}
+
+impl RetryStrategy for StandardRetryStrategy {
+    fn acquire_initial_retry_token(&self, budget: Option<RetryBudget>) -> RetryToken {
+        self.initial_token(budget, RetryBudget::deposit)
+    }
+
+    fn acquire_initial_retry_token_at(
+        &self,
+        budget: Option<RetryBudget>,
+        now: Instant,
+    ) -> RetryToken {
+        self.initial_token(budget, |budget| budget.deposit_at(now))
     }
 
     fn refresh_retry_token(

@@ -266,7 +266,12 @@ impl EpochClock {
 
     /// The current epoch: bucket widths elapsed since the clock was created.
     pub(crate) fn epoch(&self) -> u64 {
-        let elapsed = nanos(now().saturating_duration_since(self.start));
+        self.epoch_at(now())
+    }
+
+    /// The epoch of the clock reading `now`.
+    pub(crate) fn epoch_at(&self, now: Instant) -> u64 {
+        let elapsed = nanos(now.saturating_duration_since(self.start));
         // Usually the clock is still in the bucket of the last epoch computed: checking
         // that takes a multiplication, where computing the epoch takes a division.
         let hint = self.hint.load(Relaxed);

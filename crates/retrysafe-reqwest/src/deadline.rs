@@ -69,6 +69,8 @@
 
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use http::Extensions;
 use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
@@ -76,6 +78,7 @@ use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
+use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 
 use retrysafe_tower::deadline::DeadlineBody;
@@ -127,18 +130,25 @@ impl DeadlineMiddleware {
     /// with [`DeadlineExceeded`] before anything below it runs (for the fused form of
     /// [`ClientMiddlewares`](crate::ClientMiddlewares) too: before the retry deposits
     /// into its budget).
-    pub(crate) fn settle(&self, extensions: &Extensions) -> reqwest_middleware::Result<Deadline> {
-        let mut deadline =
-            Deadline::after(self.timeout).tighten(extensions.get::<Deadline>().copied());
+    /// Returns it with the one clock reading it took.
+    pub(crate) fn settle(
+        &self,
+        extensions: &Extensions,
+    ) -> reqwest_middleware::Result<(Deadline, Instant)> {
+        let now = Instant::now();
+        let ours = now
+            .checked_add(self.timeout.min(MAX_TIMEOUT))
+            .unwrap_or(now);
+        let mut deadline = Deadline::at(ours).tighten(extensions.get::<Deadline>().copied());
         if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
             deadline = deadline.tighten(Some(inherited));
         }
-        if deadline.is_expired() {
+        if deadline.instant() <= now {
             // No call starts that cannot finish in time.
             self.expiry.expired();
             return Err(local(DeadlineExceeded::new()));
         }
-        Ok(deadline)
+        Ok((deadline, now))
     }
 
     /// Counts an expiry and calls the hook (for the fused form of
@@ -183,7 +193,7 @@ impl Middleware for DeadlineMiddleware {
         extensions: &mut Extensions,
         next: Next<'_>,
     ) -> reqwest_middleware::Result<Response> {
-        let deadline = self.settle(extensions)?;
+        let (deadline, _) = self.settle(extensions)?;
         // The middleware below see this call's deadline; the caller's extensions get
         // back what they held (they may be reused for another call).
         let before = extensions.insert(deadline);

@@ -154,6 +154,7 @@
 //! ```
 
 use std::fmt;
+use std::time::Duration;
 
 use http::{Extensions, HeaderMap, Method};
 use reqwest::{Request, Response};
@@ -169,6 +170,7 @@ use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 use retrysafe_core::strategy::{GiveUp, RetryStrategy, RetryToken};
 use retrysafe_core::wire::Convention;
+use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::breaker::{CircuitBreakerMiddleware, Sent};
@@ -341,13 +343,14 @@ impl Below<'_> {
 
 impl RetryMiddleware {
     /// One call: its attempts go to `below`; `within` is a deadline of the caller's own
-    /// (the fused form's), tightened by those in the extensions.
+    /// (the fused form's) and the clock reading it was made from; the deadline is
+    /// tightened by those in the extensions.
     pub(crate) async fn call(
         &self,
         mut request: Request,
         extensions: &mut Extensions,
         below: Below<'_>,
-        within: Option<Deadline>,
+        within: Option<(Deadline, Instant)>,
     ) -> Result<Response> {
         let (mut call, token) = RetryPolicy::begin_within(
             &self.policy,
@@ -359,7 +362,8 @@ impl RetryMiddleware {
         );
         // The attempts run in the call's `retrysafe.call` span.
         let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
-        let answer = run(&mut call, token, request, extensions, below)
+        let now = within.map(|(_, now)| now);
+        let answer = run(&mut call, token, request, extensions, below, now)
             .instrument(span)
             .await;
         if let Err(Error::Middleware(e)) = &answer
@@ -372,17 +376,21 @@ impl RetryMiddleware {
 }
 
 /// The retry loop of one call.
+/// The retry loop of one call; `now` is the clock reading the caller made its deadline
+/// from, if it made one (the first attempt's check and header need no other).
 async fn run(
     call: &mut RetryCall,
     mut token: RetryToken,
     request: Request,
     extensions: &mut Extensions,
     below: Below<'_>,
+    now: Option<Instant>,
 ) -> Result<Response> {
-    if call.too_late() {
+    let first = call.read_time_left(now);
+    if RetryCall::too_late_with(first.1) {
         return Err(deadline_exceeded());
     }
-    let mut attempts = Attempts::new(request, extensions);
+    let mut attempts = Attempts::new(request, extensions, first);
     loop {
         let result = attempts.send(call, &token, &below).await;
         let last = attempts.last.as_ref().map(Response::status);
@@ -413,6 +421,9 @@ async fn run(
 struct Attempts<'a> {
     /// The first attempt's request, until it is sent.
     first: Option<Request>,
+    /// The clock reading and the time left the first attempt is sent with (read for
+    /// the call's check that time is left).
+    first_left: (Option<Instant>, Option<Duration>),
     /// What every retry starts from; `None` for a body that cannot be cloned (a
     /// stream), which is then sent once.
     template: Option<Request>,
@@ -426,11 +437,16 @@ struct Attempts<'a> {
 }
 
 impl<'a> Attempts<'a> {
-    fn new(request: Request, extensions: &'a mut Extensions) -> Self {
+    fn new(
+        request: Request,
+        extensions: &'a mut Extensions,
+        first_left: (Option<Instant>, Option<Duration>),
+    ) -> Self {
         let base = extensions.clone();
         Attempts {
             template: request.try_clone(),
             first: Some(request),
+            first_left,
             last: None,
             extensions,
             base,
@@ -449,20 +465,22 @@ impl<'a> Attempts<'a> {
         token: &RetryToken,
         below: &Below<'_>,
     ) -> Option<Result<Response>> {
-        let Some(mut attempt) = self
-            .first
-            .take()
-            .or_else(|| self.template.as_ref().and_then(Request::try_clone))
-        else {
-            // (Unreachable: a retry needs a template.)
-            return Some(Err(deadline_exceeded()));
+        // One clock read for the timeout header and the breaker's timing (none without
+        // a deadline; the first attempt's was made for the call's check).
+        let (mut attempt, (at, left)) = match self.first.take() {
+            Some(first) => (first, self.first_left),
+            None => {
+                let Some(retry) = self.template.as_ref().and_then(Request::try_clone) else {
+                    // (Unreachable: a retry needs a template.)
+                    return Some(Err(deadline_exceeded()));
+                };
+                (retry, call.read_time_left(None))
+            }
         };
         if token.attempt() >= 2 {
             self.extensions.clone_from(&self.base);
         }
-        // One clock read for the timeout header and the breaker's timing (none without
-        // a deadline). Also puts the attempt's `AttemptNumber` in the extensions.
-        let (at, left) = call.read_time_left(None);
+        // Also puts the attempt's `AttemptNumber` in the extensions.
         let timeout =
             call.prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
         let facts = Sent {

@@ -104,6 +104,8 @@ mod ratio;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::time::Instant;
+
 use crate::ConfigError;
 use crate::config::Validate;
 use crate::observe::handles::{Counter, Lazy};
@@ -593,7 +595,28 @@ impl RetryBudget {
     /// A ratio budget counts it; a token bucket ignores it.
     pub fn deposit(&self) {
         match &self.inner.kind {
-            Inner::Ratio(r) => r.deposit(),
+            Inner::Ratio(r) => r.deposit_at(crate::sync::now()),
+            Inner::TokenBucket(_) => {}
+        }
+    }
+
+    /// [`deposit`](Self::deposit) at `now`, a reading of tokio's clock the caller has
+    /// just made (for its deadline, say): a ratio budget counts the request in the
+    /// window of that instant instead of reading the clock again.
+    ///
+    /// ```
+    /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+    /// # async fn main() {
+    /// use retrysafe_core::budget::{BudgetSnapshot, RetryBudget};
+    ///
+    /// let budget = RetryBudget::ratio();
+    /// budget.deposit_at(tokio::time::Instant::now());
+    /// assert!(matches!(budget.snapshot(), BudgetSnapshot::Ratio { deposits: 1, .. }));
+    /// # }
+    /// ```
+    pub fn deposit_at(&self, now: Instant) {
+        match &self.inner.kind {
+            Inner::Ratio(r) => r.deposit_at(now),
             Inner::TokenBucket(_) => {}
         }
     }

@@ -29,6 +29,8 @@ use std::fmt;
 use std::num::NonZeroU64;
 use std::sync::atomic::Ordering::{AcqRel, Acquire, Relaxed};
 
+use tokio::time::Instant;
+
 use super::{BudgetSnapshot, RatioConfig};
 use crate::stripe::{CachePadded, EpochClock, nanos, stripe_count, thread_stripe};
 use crate::sync::AtomicU64;
@@ -104,12 +106,12 @@ impl Ratio {
         &self.config
     }
 
-    /// Counts one request.
-    pub(super) fn deposit(&self) {
+    /// Counts one request at the clock reading `now`.
+    pub(super) fn deposit_at(&self, now: Instant) {
         let Some(stripe) = self.deposits.get(thread_stripe() & self.stripe_mask) else {
             return;
         };
-        let mut epoch = self.clock.0.epoch();
+        let mut epoch = self.clock.0.epoch_at(now);
         'rotate: loop {
             let (slot, lap) = position(epoch);
             let Some(cell) = stripe.0.get(slot) else {

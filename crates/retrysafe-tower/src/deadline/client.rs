@@ -207,16 +207,15 @@ where
     }
 }
 
-/// Sets the call's [`Deadline`] extension to the soonest of: now plus `timeout`, the
-/// request's own, the inherited one; returns it with the one clock read it took (the
-/// timeout is used as at most 30 days, so the sum cannot overflow in practice; it
-/// saturates anyway).
-/// The deadline `timeout` after `now` (used as at most 30 days).
+/// The deadline `timeout` after `now` (the timeout is used as at most 30 days, so the
+/// sum cannot overflow in practice; it saturates anyway).
 pub(crate) fn deadline_after(timeout: Duration, now: Instant) -> Deadline {
     let timeout = timeout.min(MAX_TIMEOUT);
     Deadline::at(now.checked_add(timeout).unwrap_or(now))
 }
 
+/// Sets the call's [`Deadline`] extension to the soonest of: now plus `timeout`, the
+/// request's own, the inherited one; returns it with the one clock read it took.
 fn settle(timeout: Duration, extensions: &mut http::Extensions) -> (Deadline, Instant) {
     let now = Instant::now();
     let mut deadline = deadline_after(timeout, now).tighten(extensions.get::<Deadline>().copied());

@@ -111,8 +111,7 @@ pub(crate) fn begin_replay<A, B>(
 where
     A: Attempts<B>,
 {
-    let (call, token) =
-        RetryPolicy::begin_within(&config.policy, &mut parts, within.map(|(d, _)| d));
+    let (call, token) = RetryPolicy::begin_within(&config.policy, &mut parts, within);
     let now = within.map(|(_, now)| now);
     let attempts = attempts(&parts);
     Driver::start(attempts, (parts, body), token, call, now, first)
