@@ -19,7 +19,7 @@ use retrysafe_core::{CallContext, Deadline};
 
 use crate::breaker::{self, Guarded, ResponseBody, StackBudget, Transport};
 use crate::local::BoxError;
-use crate::retry::{self, Attempts, ReplayBody};
+use crate::retry::{self, Attempts, ReplayBody, Within};
 use crate::{hedge, throttle};
 
 /// The service of [`ClientLayers`](super::ClientLayers): deadline, retry, budget and
@@ -143,10 +143,15 @@ impl<S> ClientService<S> {
     /// deadline goes to the retry planner directly, not through the request's
     /// extensions: nothing between needs it there (but a hedge: see `hedged`).
     #[inline]
-    fn within(&self) -> Option<(Deadline, Instant)> {
+    fn within(&self) -> Option<Within> {
         self.deadline.map(|timeout| {
             let now = Instant::now();
-            (crate::deadline::deadline_after(timeout, now), now)
+            let (deadline, left) = crate::deadline::deadline_and_left(timeout, now);
+            Within {
+                deadline,
+                now,
+                left,
+            }
         })
     }
 
@@ -191,7 +196,7 @@ impl<S> ClientService<S> {
         &mut self,
         parts: http::request::Parts,
         body: B,
-        within: Option<(Deadline, Instant)>,
+        within: Option<Within>,
     ) -> retry::Driver<Guarded<S>, B>
     where
         S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
@@ -223,7 +228,7 @@ impl<S> ClientService<S> {
         config: &Arc<hedge::Config>,
         mut parts: http::request::Parts,
         body: B,
-        within: Option<(Deadline, Instant)>,
+        within: Option<Within>,
     ) -> Kind<S, B>
     where
         S: Service<Request<ReplayBody<B>>, Response = Response<ResB>> + Clone,
@@ -232,7 +237,7 @@ impl<S> ClientService<S> {
         B: Body,
     {
         // The deadline is outermost: the hedge and every copy see it.
-        if let Some((deadline, _)) = within {
+        if let Some(Within { deadline, .. }) = within {
             let inherited = CallContext::inherited(&parts.extensions).and_then(|c| c.deadline());
             let own = parts.extensions.get::<Deadline>().copied();
             parts

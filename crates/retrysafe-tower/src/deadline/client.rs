@@ -209,9 +209,17 @@ where
 
 /// The deadline `timeout` after `now` (the timeout is used as at most 30 days, so the
 /// sum cannot overflow in practice; it saturates anyway).
-pub(crate) fn deadline_after(timeout: Duration, now: Instant) -> Deadline {
+fn deadline_after(timeout: Duration, now: Instant) -> Deadline {
+    deadline_and_left(timeout, now).0
+}
+
+/// [`deadline_after`], with the time from `now` to it.
+pub(crate) fn deadline_and_left(timeout: Duration, now: Instant) -> (Deadline, Duration) {
     let timeout = timeout.min(MAX_TIMEOUT);
-    Deadline::at(now.checked_add(timeout).unwrap_or(now))
+    match now.checked_add(timeout) {
+        Some(at) => (Deadline::at(at), timeout),
+        None => (Deadline::at(now), Duration::ZERO),
+    }
 }
 
 /// Sets the call's [`Deadline`] extension to the soonest of: now plus `timeout`, the

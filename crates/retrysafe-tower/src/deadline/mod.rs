@@ -143,7 +143,7 @@ mod server;
 
 pub use body::{BoundBody, DeadlineBody, Unbounded, WrapBody};
 #[cfg(feature = "client")]
-pub(crate) use client::deadline_after;
+pub(crate) use client::deadline_and_left;
 pub use client::{DeadlineLayer, DeadlineService, ResponseFuture};
 pub use retrysafe_core::error::DeadlineExceeded;
 pub use retrysafe_core::{Deadline, DeadlineExpiry};

@@ -107,19 +107,24 @@ where
     /// Starts the call: its first attempt made at once by `first` (given the attempts'
     /// maker), unless the deadline is spent already. `now` is the clock reading the
     /// caller's deadline was made from, if it read the clock for one (the first
-    /// attempt's timeout header needs no second read).
+    /// attempt's timeout header needs no second read), with the call's time left at
+    /// that reading when the caller knows it.
     #[inline]
     pub(crate) fn start(
         mut service: A,
         (template, body): (http::request::Parts, ReplayBody<B>),
         token: RetryToken,
         call: RetryCall,
-        now: Option<Instant>,
+        now: Option<(Instant, Option<Duration>)>,
         first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
     ) -> Self {
         let backup = body.clone();
         // One clock read for the check, the timeout header and the breaker's timing.
-        let (at, left) = call.read_time_left(now);
+        let (at, left) = match now {
+            Some((now, Some(left))) => (Some(now), Some(left)),
+            Some((now, None)) => call.read_time_left(Some(now)),
+            None => call.read_time_left(None),
+        };
         let state = if RetryCall::too_late_with(left) {
             State::Failed {
                 error: Some(Box::new(DeadlineExceeded::new())),

@@ -159,5 +159,5 @@ pub use retrysafe_core::strategy::{
 };
 pub use service::RetryService;
 #[cfg(feature = "client")]
-pub(crate) use service::{begin, begin_replay};
+pub(crate) use service::{Within, begin, begin_replay};
 pub use transport::failure_of;

@@ -1,6 +1,7 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use http::{Request, Response};
 use http_body::Body;
@@ -77,16 +78,29 @@ where
     }
 }
 
+/// A deadline of a fused stack's own, made at the start of a call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Within {
+    /// The deadline.
+    pub(crate) deadline: Deadline,
+    /// The clock reading it was made from.
+    pub(crate) now: tokio::time::Instant,
+    /// The time from `now` to the deadline (the timeout it was made with), known
+    /// without a subtraction.
+    pub(crate) left: Duration,
+}
+
 /// Starts a call of `parts` and `body` (the attempts' maker, ready or not, made by
 /// `attempts` from the head as the planner leaves it; the first attempt made by `first`):
 /// the planner's `begin`, the body made replayable, the first attempt. `within` is a
-/// deadline of the caller's own and the clock reading it was made from (so the first
-/// attempt's timeout header needs no second read), if it has one.
+/// deadline of the caller's own, if it has one: its clock reading is the call's start
+/// (the budget's deposit and the first attempt's check and timeout header need no
+/// other), and its time left the first attempt's when no sooner deadline applies.
 #[inline]
 pub(crate) fn begin<A, B>(
     config: &Config,
     (parts, body): (http::request::Parts, B),
-    within: Option<(Deadline, tokio::time::Instant)>,
+    within: Option<Within>,
     attempts: impl FnOnce(&http::request::Parts) -> A,
     first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
 ) -> Driver<A, B>
@@ -104,15 +118,26 @@ where
 pub(crate) fn begin_replay<A, B>(
     config: &Config,
     (mut parts, body): (http::request::Parts, ReplayBody<B>),
-    within: Option<(Deadline, tokio::time::Instant)>,
+    within: Option<Within>,
     attempts: impl FnOnce(&http::request::Parts) -> A,
     first: impl FnOnce(&mut A, Request<ReplayBody<B>>, Sent) -> A::Future,
 ) -> Driver<A, B>
 where
     A: Attempts<B>,
 {
-    let (call, token) = RetryPolicy::begin_within(&config.policy, &mut parts, within);
-    let now = within.map(|(_, now)| now);
+    let (call, token) = RetryPolicy::begin_within(
+        &config.policy,
+        &mut parts,
+        within.map(|w| (w.deadline, w.now)),
+    );
+    // The call's deadline is ours (nothing in the request is sooner): the time left at
+    // our reading is the timeout it was made with.
+    let now = within.map(|w| {
+        (
+            w.now,
+            (call.deadline() == Some(w.deadline)).then_some(w.left),
+        )
+    });
     let attempts = attempts(&parts);
     Driver::start(attempts, (parts, body), token, call, now, first)
 }
