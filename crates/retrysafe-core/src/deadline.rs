@@ -38,9 +38,24 @@ impl Deadline {
 
     /// A deadline `timeout` from now (saturating: at most [`MAX_TIMEOUT`] ahead).
     pub fn after(timeout: Duration) -> Self {
-        let now = Instant::now();
-        let timeout = timeout.min(MAX_TIMEOUT);
-        Deadline(now.checked_add(timeout).unwrap_or(now))
+        Self::after_from(timeout, Instant::now())
+    }
+
+    /// A deadline `timeout` after the clock reading `now` (saturating: at most
+    /// [`MAX_TIMEOUT`] ahead), for a caller that uses the reading for more than the
+    /// deadline (the time left at it is `timeout`: no second read, no subtraction).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use retrysafe_core::Deadline;
+    /// use tokio::time::Instant;
+    ///
+    /// let now = Instant::now();
+    /// let deadline = Deadline::after_from(Duration::from_secs(2), now);
+    /// assert_eq!(deadline.instant() - now, Duration::from_secs(2));
+    /// ```
+    pub fn after_from(timeout: Duration, now: Instant) -> Self {
+        Deadline(now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now))
     }
 
     /// The instant.

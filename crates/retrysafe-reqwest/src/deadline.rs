@@ -69,8 +69,6 @@
 
 use std::time::Duration;
 
-use tokio::time::Instant;
-
 use http::Extensions;
 use reqwest::{Request, Response, ResponseBuilderExt};
 use reqwest_middleware::{Middleware, Next};
@@ -78,8 +76,8 @@ use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
-use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
+use tokio::time::Instant;
 
 use retrysafe_tower::deadline::DeadlineBody;
 
@@ -129,17 +127,14 @@ impl DeadlineMiddleware {
     /// inherited one. When none of it is left, the expiry is counted and the call fails
     /// with [`DeadlineExceeded`] before anything below it runs (for the fused form of
     /// [`ClientMiddlewares`](crate::ClientMiddlewares) too: before the retry deposits
-    /// into its budget).
-    /// Returns it with the one clock reading it took.
+    /// into its budget). Returns it with the one clock reading it took.
     pub(crate) fn settle(
         &self,
         extensions: &Extensions,
     ) -> reqwest_middleware::Result<(Deadline, Instant)> {
         let now = Instant::now();
-        let ours = now
-            .checked_add(self.timeout.min(MAX_TIMEOUT))
-            .unwrap_or(now);
-        let mut deadline = Deadline::at(ours).tighten(extensions.get::<Deadline>().copied());
+        let mut deadline =
+            Deadline::after_from(self.timeout, now).tighten(extensions.get::<Deadline>().copied());
         if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
             deadline = deadline.tighten(Some(inherited));
         }

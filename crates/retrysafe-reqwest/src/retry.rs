@@ -375,7 +375,6 @@ impl RetryMiddleware {
     }
 }
 
-/// The retry loop of one call.
 /// The retry loop of one call; `now` is the clock reading the caller made its deadline
 /// from, if it made one (the first attempt's check and header need no other).
 async fn run(

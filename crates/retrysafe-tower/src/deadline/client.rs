@@ -207,26 +207,25 @@ where
     }
 }
 
-/// The deadline `timeout` after `now` (the timeout is used as at most 30 days, so the
-/// sum cannot overflow in practice; it saturates anyway).
-fn deadline_after(timeout: Duration, now: Instant) -> Deadline {
-    deadline_and_left(timeout, now).0
-}
-
-/// [`deadline_after`], with the time from `now` to it.
+/// The deadline `timeout` after `now` ([`Deadline::after_from`]), with the time from
+/// `now` to it, known without a subtraction (none left when the sum saturated, which
+/// 30 days never makes it do).
 pub(crate) fn deadline_and_left(timeout: Duration, now: Instant) -> (Deadline, Duration) {
-    let timeout = timeout.min(MAX_TIMEOUT);
-    match now.checked_add(timeout) {
-        Some(at) => (Deadline::at(at), timeout),
-        None => (Deadline::at(now), Duration::ZERO),
-    }
+    let deadline = Deadline::after_from(timeout, now);
+    let left = if deadline.instant() == now {
+        Duration::ZERO
+    } else {
+        timeout.min(MAX_TIMEOUT)
+    };
+    (deadline, left)
 }
 
 /// Sets the call's [`Deadline`] extension to the soonest of: now plus `timeout`, the
 /// request's own, the inherited one; returns it with the one clock read it took.
 fn settle(timeout: Duration, extensions: &mut http::Extensions) -> (Deadline, Instant) {
     let now = Instant::now();
-    let mut deadline = deadline_after(timeout, now).tighten(extensions.get::<Deadline>().copied());
+    let mut deadline =
+        Deadline::after_from(timeout, now).tighten(extensions.get::<Deadline>().copied());
     if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
         deadline = deadline.tighten(Some(inherited));
     }
