@@ -54,6 +54,7 @@ impl Deadline {
     /// let deadline = Deadline::after_from(Duration::from_secs(2), now);
     /// assert_eq!(deadline.instant() - now, Duration::from_secs(2));
     /// ```
+    #[inline]
     pub fn after_from(timeout: Duration, now: Instant) -> Self {
         Deadline(now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now))
     }
