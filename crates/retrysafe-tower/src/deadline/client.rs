@@ -14,7 +14,6 @@ use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
-use retrysafe_core::wire::MAX_TIMEOUT;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
@@ -210,12 +209,13 @@ where
 /// The deadline `timeout` after `now` ([`Deadline::after_from`]), with the time from
 /// `now` to it, known without a subtraction (none left when the sum saturated, which
 /// 30 days never makes it do).
+#[cfg(feature = "client")]
 pub(crate) fn deadline_and_left(timeout: Duration, now: Instant) -> (Deadline, Duration) {
     let deadline = Deadline::after_from(timeout, now);
     let left = if deadline.instant() == now {
         Duration::ZERO
     } else {
-        timeout.min(MAX_TIMEOUT)
+        timeout.min(retrysafe_core::wire::MAX_TIMEOUT)
     };
     (deadline, left)
 }
