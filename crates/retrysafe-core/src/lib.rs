@@ -101,7 +101,18 @@ pub mod __private {
     };
     pub use crate::store::{DynIdempotencyStore, StoreFuture};
     pub use crate::strategy::RetryCharged;
-    pub use crate::stripe::{Local, MAX_ANCHORS, Striped};
+    pub use crate::stripe::{CachePadded, Local, MAX_ANCHORS, Striped};
+
+    /// This thread's stripe index (any `usize`; reduce it modulo a stripe count),
+    /// the one the striped counters use.
+    pub fn thread_stripe() -> usize {
+        crate::stripe::thread_stripe()
+    }
+
+    /// How many stripes the striped counters have (a power of two).
+    pub fn stripe_count() -> usize {
+        crate::stripe::stripe_count()
+    }
 }
 pub use context::{CallContext, Scoped};
 pub use deadline::{Deadline, DeadlineExpiry};

@@ -21,7 +21,8 @@ use crate::sync::{Arc, AtomicU64, AtomicUsize, now};
 /// `CachePadded`s never share a line, so writes to one do not slow down the other.
 #[derive(Debug, Default)]
 #[repr(align(128))]
-pub(crate) struct CachePadded<T>(pub(crate) T);
+#[doc(hidden)]
+pub struct CachePadded<T>(pub T);
 
 /// The next stripe index to hand out to a thread that touches a striped counter for
 /// the first time.

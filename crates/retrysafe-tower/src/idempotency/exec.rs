@@ -168,7 +168,7 @@ struct StoreEngine<'a> {
     claimed_at: Option<Instant>,
     /// The claim's place among the renewed ones (set by `run`, dropped once the
     /// record is settled).
-    renewal: Option<Registration>,
+    renewal: Option<Registration<'a>>,
     /// The handler's view of the claim (set by `run`): the renewal task marks its
     /// lease lost there.
     context: Option<IdempotencyContext>,

@@ -2,19 +2,21 @@
 //! simply never polled) still has its lease renewed.
 //!
 //! Every claim of a [`StoreBackend`](super::StoreBackend) is registered here while its
-//! handler runs (a lock and a map insertion, removed again when the record is
-//! settled). One *driver* task per backend sleeps until the first renewal of the
-//! oldest registered claim is due — a third of a lease after its claim — and only then
-//! spawns that claim's renewal task: a request answered sooner costs no task and no
-//! timer. The driver lives outside every handler's task, so nothing a handler does can
-//! delay it, and it stops once no claim waits for a first renewal.
+//! handler runs, and removed again when the record is settled. A registration goes to
+//! the shard of the thread that makes it (a lock no other worker takes but the driver,
+//! at most once per third of a lease, and a slot of a slab): nothing per request is
+//! written where the other workers write. One *driver* task per backend sleeps until the
+//! first renewal of the oldest registered claim is due — a third of a lease after its
+//! claim — and only then spawns that claim's renewal task: a request answered sooner
+//! costs no task and no timer. The driver lives outside every handler's task, so nothing
+//! a handler does can delay it, and it stops once no claim waits for a first renewal.
 
-use std::collections::{BTreeMap, HashMap};
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
+use retrysafe_core::__private::{CachePadded, stripe_count, thread_stripe};
 use retrysafe_core::idempotency::{IdempotencyContext, RecordId, Token};
 use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
 use tokio::task::JoinHandle;
@@ -26,7 +28,7 @@ use super::observe::StoreOp;
 /// The claims of one backend whose leases are renewed, shared by its clones.
 #[derive(Clone, Default)]
 pub(crate) struct Renewals {
-    shared: Arc<Mutex<State>>,
+    shared: Arc<Shared>,
 }
 
 impl fmt::Debug for Renewals {
@@ -35,18 +37,118 @@ impl fmt::Debug for Renewals {
     }
 }
 
+struct Shared {
+    /// The registered claims, one shard per thread stripe, each on cache lines of its
+    /// own.
+    shards: Box<[CachePadded<Mutex<Shard>>]>,
+    /// The number of the driver that runs, `0` when none does.
+    driver: AtomicU64,
+    /// The longest the driver sleeps, in nanoseconds: the shortest third of a lease
+    /// registered (`u64::MAX` before the first).
+    tick: AtomicU64,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            shards: (0..stripe_count())
+                .map(|_| CachePadded::default())
+                .collect(),
+            driver: AtomicU64::new(0),
+            tick: AtomicU64::new(u64::MAX),
+        }
+    }
+}
+
+/// The numbers of the drivers (`0` is none).
+static DRIVERS: AtomicU64 = AtomicU64::new(1);
+
+/// The shard of the calling thread among `shards` (the stripe count, a power of two):
+/// its stripe, as the striped counters of the budgets and breakers pick theirs.
+fn shard_of_thread(shards: usize) -> usize {
+    thread_stripe() & (shards - 1)
+}
+
+/// The claims registered in one shard: a slab, its free slots chained.
 #[derive(Default)]
-struct State {
-    /// The number of the next registration.
-    next: u64,
-    /// Claims not renewed yet, by when their first renewal is due.
-    waiting: BTreeMap<(Instant, u64), Renewable>,
-    /// Claims whose renewal task runs.
-    renewing: HashMap<u64, (Renewal, Arc<Lease>)>,
-    /// The longest the driver sleeps: the shortest third of a lease registered.
-    tick: Option<Duration>,
-    /// The number of the driver that runs, if one does.
-    driver: Option<u64>,
+struct Shard {
+    slots: Vec<Slot>,
+    /// The first free slot, if any.
+    free: Option<usize>,
+}
+
+enum Slot {
+    /// Free, with the next free slot.
+    Free(Option<usize>),
+    /// A claim not renewed yet, and when its first renewal is due.
+    Waiting(Instant, Renewable),
+    /// A claim whose renewal task runs (aborted when the slot is dropped), and its
+    /// lease as last renewed.
+    Renewing { _task: Renewal, lease: Arc<Lease> },
+}
+
+impl Shard {
+    fn insert(&mut self, slot: Slot) -> usize {
+        match self.free {
+            Some(at) => {
+                let Some(place) = self.slots.get_mut(at) else {
+                    // The chain only holds slots of the slab.
+                    self.free = None;
+                    return self.insert(slot);
+                };
+                if let Slot::Free(next) = place {
+                    self.free = *next;
+                }
+                *place = slot;
+                at
+            }
+            None => {
+                self.slots.push(slot);
+                self.slots.len() - 1
+            }
+        }
+    }
+
+    fn remove(&mut self, at: usize) -> Option<Slot> {
+        let place = self.slots.get_mut(at)?;
+        if let Slot::Free(_) = place {
+            return None;
+        }
+        let slot = std::mem::replace(place, Slot::Free(self.free));
+        self.free = Some(at);
+        Some(slot)
+    }
+
+    /// Starts the renewal tasks of the claims due at `now`; when the next one waiting
+    /// is due, if one waits.
+    fn start_due(&mut self, now: Instant) -> Option<Instant> {
+        let mut next: Option<Instant> = None;
+        for slot in &mut self.slots {
+            let Slot::Waiting(due, _) = slot else {
+                continue;
+            };
+            if *due > now {
+                next = Some(next.map_or(*due, |n| n.min(*due)));
+                continue;
+            }
+            let Slot::Waiting(_, claim) = std::mem::replace(slot, Slot::Free(None)) else {
+                continue;
+            };
+            let lease = Arc::new(Lease::new(claim.claimed_at, claim.lease));
+            let task = tokio::spawn(renew_lease(
+                claim.store,
+                (claim.lease, claim.timeout),
+                claim.held,
+                claim.cap,
+                Arc::clone(&lease),
+            ));
+            *slot = Slot::Renewing {
+                _task: Renewal(task),
+                lease,
+            };
+        }
+        next
+    }
 }
 
 /// A claim to renew: what its renewal task needs.
@@ -76,140 +178,176 @@ pub(crate) struct Held {
 }
 
 impl Renewals {
-    fn lock(&self) -> MutexGuard<'_, State> {
-        lock(&self.shared)
-    }
-
     /// Registers a claim whose lease is to be renewed until its registration is
     /// dropped. Also says whether a driver was started for it: then the caller yields
     /// once before running the handler, so that the driver arms its timer before a
     /// handler can block this thread (a task spawned from a worker waits in that
     /// worker's own queue until the worker is free).
-    pub(crate) fn register(&self, claim: Renewable) -> (Registration, bool) {
+    pub(crate) fn register(&self, claim: Renewable) -> (Registration<'_>, bool) {
+        let shared = &*self.shared;
         let third = claim.lease / 3;
         let due = claim.claimed_at + third;
         let fallback = claim.claimed_at + claim.lease;
-        let mut state = self.lock();
-        let number = state.next;
-        state.next += 1;
-        state.tick = Some(state.tick.map_or(third, |t| t.min(third)));
-        state.waiting.insert((due, number), claim);
-        let started = state.driver.is_none();
-        if started {
-            state.driver = Some(number);
-            tokio::spawn(drive(Arc::downgrade(&self.shared), number));
+        // Read first: the shortest third is nearly always set already, and a read
+        // leaves the line shared between the workers.
+        let nanos = nanos(third);
+        if nanos < shared.tick.load(Ordering::Relaxed) {
+            shared.tick.fetch_min(nanos, Ordering::Relaxed);
         }
-        drop(state);
+        let shard = shard_of_thread(shared.shards.len());
+        let slot = match shared.shards.get(shard) {
+            Some(s) => lock(&s.0).insert(Slot::Waiting(due, claim)),
+            None => unreachable_shard(),
+        };
         let registration = Registration {
-            renewals: self.clone(),
-            key: (due, number),
+            renewals: self,
+            shard,
+            slot,
             fallback,
         };
-        (registration, started)
+        (registration, self.ensure_driver())
+    }
+
+    /// Starts a driver unless one runs; whether this call started it.
+    fn ensure_driver(&self) -> bool {
+        let shared = &self.shared;
+        if shared.driver.load(Ordering::SeqCst) != 0 {
+            return false;
+        }
+        let number = DRIVERS.fetch_add(1, Ordering::Relaxed);
+        if shared
+            .driver
+            .compare_exchange(0, number, Ordering::SeqCst, Ordering::SeqCst)
+            .is_err()
+        {
+            return false;
+        }
+        tokio::spawn(drive(Arc::downgrade(shared), number));
+        true
+    }
+}
+
+#[cold]
+fn unreachable_shard() -> ! {
+    // A shard index is taken modulo the number of shards.
+    unreachable!("renewal shard out of range")
+}
+
+impl Shared {
+    /// Starts the renewal tasks of the claims due at `now`, in every shard; when the
+    /// driver should look again, or `None` when no claim waits.
+    fn start_due(&self, now: Instant) -> Option<Instant> {
+        let first = self
+            .shards
+            .iter()
+            .filter_map(|shard| lock(&shard.0).start_due(now))
+            .min()?;
+        // A claim registered while the driver sleeps is due at least a tick after it
+        // fell asleep: it is never found late.
+        let tick = Duration::from_nanos(self.tick.load(Ordering::Relaxed));
+        Some(first.min(now.checked_add(tick).unwrap_or(first)))
     }
 }
 
 /// Runs the renewals of one backend: sleeps until the first renewal of the oldest
 /// waiting claim is due, starts the renewal tasks of the claims due, and stops when no
 /// claim waits.
-async fn drive(shared: Weak<Mutex<State>>, number: u64) {
+async fn drive(shared: Weak<Shared>, number: u64) {
     let _stopped = Stopped {
         shared: shared.clone(),
         number,
     };
     loop {
-        let Some(shared) = shared.upgrade() else {
+        let Some(s) = shared.upgrade() else {
             return;
         };
-        let next = start_due(&mut lock(&shared), Instant::now(), number);
-        drop(shared);
-        match next {
-            Some(next) => tokio::time::sleep_until(next).await,
-            None => return,
-        }
+        let now = Instant::now();
+        let next = match s.start_due(now) {
+            Some(next) => next,
+            None => {
+                // Nothing waits: stop. A claim registered after the look above either
+                // is seen by the second look, or finds no driver and starts one.
+                let cleared =
+                    s.driver
+                        .compare_exchange(number, 0, Ordering::SeqCst, Ordering::SeqCst);
+                if cleared.is_err() {
+                    return;
+                }
+                let Some(next) = s.start_due(now) else {
+                    return;
+                };
+                let resumed =
+                    s.driver
+                        .compare_exchange(0, number, Ordering::SeqCst, Ordering::SeqCst);
+                if resumed.is_err() {
+                    return; // another driver took over
+                }
+                next
+            }
+        };
+        drop(s);
+        tokio::time::sleep_until(next).await;
     }
-}
-
-/// Starts the renewal tasks of the claims due at `now`; when the driver should look
-/// again, or `None` (and the driver is gone) when no claim waits.
-fn start_due(state: &mut State, now: Instant, driver: u64) -> Option<Instant> {
-    while let Some(entry) = state.waiting.first_entry() {
-        if entry.key().0 > now {
-            break;
-        }
-        let ((_, number), claim) = entry.remove_entry();
-        let lease = Arc::new(Lease::new(claim.claimed_at, claim.lease));
-        let task = tokio::spawn(renew_lease(
-            claim.store,
-            (claim.lease, claim.timeout),
-            claim.held,
-            claim.cap,
-            Arc::clone(&lease),
-        ));
-        state.renewing.insert(number, (Renewal(task), lease));
-    }
-    let Some(((first, _), _)) = state.waiting.first_key_value() else {
-        if state.driver == Some(driver) {
-            state.driver = None;
-        }
-        return None;
-    };
-    // A claim registered while the driver sleeps is due at least a tick after it fell
-    // asleep: it is never found late.
-    let tick = state.tick.unwrap_or(Duration::ZERO);
-    Some((*first).min(now + tick))
 }
 
 /// Marks the driver gone however its task ends (a runtime that shuts down drops it),
 /// so that the next registration starts another.
 struct Stopped {
-    shared: Weak<Mutex<State>>,
+    shared: Weak<Shared>,
     number: u64,
 }
 
 impl Drop for Stopped {
     fn drop(&mut self) {
         if let Some(shared) = self.shared.upgrade() {
-            let mut state = lock(&shared);
-            if state.driver == Some(self.number) {
-                state.driver = None;
-            }
+            let _ =
+                shared
+                    .driver
+                    .compare_exchange(self.number, 0, Ordering::SeqCst, Ordering::SeqCst);
         }
     }
 }
 
 /// A claim's place among the renewed ones; dropping it (the record is settled) stops
 /// its renewals.
-pub(crate) struct Registration {
-    renewals: Renewals,
-    key: (Instant, u64),
+pub(crate) struct Registration<'a> {
+    renewals: &'a Renewals,
+    shard: usize,
+    slot: usize,
     /// The end of the lease if it was never renewed.
     fallback: Instant,
 }
 
-impl Registration {
+impl Registration<'_> {
+    fn shard(&self) -> Option<MutexGuard<'_, Shard>> {
+        self.renewals
+            .shared
+            .shards
+            .get(self.shard)
+            .map(|s| lock(&s.0))
+    }
+
     /// The end of the claim's lease, as last renewed.
     pub(crate) fn lease_until(&self) -> Instant {
-        let state = self.renewals.lock();
-        state
-            .renewing
-            .get(&self.key.1)
-            .map_or(self.fallback, |(_, lease)| lease.until())
+        let Some(shard) = self.shard() else {
+            return self.fallback;
+        };
+        match shard.slots.get(self.slot) {
+            Some(Slot::Renewing { lease, .. }) => lease.until(),
+            _ => self.fallback,
+        }
     }
 }
 
-impl Drop for Registration {
+impl Drop for Registration<'_> {
     fn drop(&mut self) {
-        let mut state = self.renewals.lock();
-        let waiting = state.waiting.remove(&self.key);
-        let renewing = state.renewing.remove(&self.key.1);
-        drop(state);
+        let removed = self.shard().and_then(|mut shard| shard.remove(self.slot));
         // Dropped outside the lock: a renewal task is aborted.
-        drop((waiting, renewing));
+        drop(removed);
     }
 }
 
-fn lock(state: &Mutex<State>) -> MutexGuard<'_, State> {
+fn lock<T>(state: &Mutex<T>) -> MutexGuard<'_, T> {
     // The state stays consistent at every step: a panic elsewhere leaves it usable.
     state.lock().unwrap_or_else(PoisonError::into_inner)
 }
@@ -297,4 +435,119 @@ impl Lease {
 
 fn nanos(d: Duration) -> u64 {
     u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use retrysafe_core::idempotency::{RecordId, Token};
+    use retrysafe_core::store::{BoxStore, FaultyStore};
+    use retrysafe_memory::MemoryStore;
+    use tokio::time::Instant;
+
+    use super::{Held, Renewable, Renewals};
+    use crate::idempotency::guard::GuardConfig;
+
+    const LEASE: Duration = Duration::from_secs(3);
+
+    fn claim(store: &BoxStore, config: &Arc<GuardConfig>, n: u8) -> Renewable {
+        let now = Instant::now();
+        Renewable {
+            store: store.clone(),
+            lease: LEASE,
+            timeout: Duration::from_millis(100),
+            claimed_at: now,
+            cap: now + Duration::from_secs(60),
+            held: Held {
+                id: RecordId::from_bytes([n; 32]),
+                token: Token::from_bytes([n; 16]),
+                context: None,
+                config: Arc::clone(config),
+            },
+        }
+    }
+
+    /// Lets the driver and the renewal tasks run at the current (paused) instant.
+    async fn settle() {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    }
+
+    // Claims registered from several threads (so in several shards) are each renewed
+    // once a third of their lease has passed, and not before; a claim settled before
+    // that is never renewed; once nothing waits the driver stops, and the next
+    // registration starts another. The store answers every renewal `stale` (it holds no
+    // claim), which ends each renewal task after its first renewal.
+    #[tokio::test(start_paused = true)]
+    async fn claims_of_every_thread_are_renewed_at_a_third_and_the_driver_stops() {
+        let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
+        let store = BoxStore::from_arc(faulty.clone());
+        let config = Arc::new(GuardConfig::new(false));
+        let renewals = Renewals::default();
+
+        let (first, started) = renewals.register(claim(&store, &config, 1));
+        assert!(started, "the first registration starts the driver");
+        let (settled_early, started) = renewals.register(claim(&store, &config, 2));
+        assert!(!started, "one driver per backend");
+        // Two claims registered on other threads, in the runtime's context (their
+        // threads' shards), held here.
+        let handle = tokio::runtime::Handle::current();
+        let (third, fourth) = std::thread::scope(|s| {
+            let register = |n| {
+                let (handle, renewals, store, config) = (&handle, &renewals, &store, &config);
+                s.spawn(move || {
+                    let _entered = handle.enter();
+                    let (registration, started) = renewals.register(claim(store, config, n));
+                    assert!(!started);
+                    registration
+                })
+            };
+            let (third, fourth) = (register(3), register(4));
+            (
+                third.join().expect("registered"),
+                fourth.join().expect("registered"),
+            )
+        });
+        assert_ne!(
+            (third.shard, third.slot),
+            (fourth.shard, fourth.slot),
+            "two registrations, two slots"
+        );
+        settle().await;
+        assert_eq!(
+            faulty.calls(),
+            0,
+            "nothing renewed before a third of the lease"
+        );
+        drop(settled_early);
+        tokio::time::advance(LEASE / 3 + Duration::from_millis(1)).await;
+        settle().await;
+        assert_eq!(faulty.calls(), 3, "each claim still held renewed once");
+        assert!(first.lease_until() >= first.fallback);
+
+        drop((first, third, fourth));
+        tokio::time::advance(LEASE).await;
+        settle().await;
+        assert_eq!(faulty.calls(), 3);
+        assert_eq!(
+            renewals
+                .shared
+                .driver
+                .load(std::sync::atomic::Ordering::SeqCst),
+            0,
+            "the driver stopped once no claim waited"
+        );
+        let (again, started) = renewals.register(claim(&store, &config, 5));
+        assert!(
+            started,
+            "a registration after the driver stopped starts another"
+        );
+        tokio::time::advance(LEASE / 3 + Duration::from_millis(1)).await;
+        settle().await;
+        assert_eq!(faulty.calls(), 4);
+        drop(again);
+    }
 }
