@@ -56,7 +56,7 @@ impl Backend for TxBackend {
                 let row = KeyRow::new(self, guard, &request);
                 run_keyed(guard, self, row, handler, request).await
             }
-            Guarded::Unkeyed(request) => run_unkeyed(guard, self, handler, request).await,
+            Guarded::Unkeyed(request) => run_unkeyed(guard, self, handler, *request).await,
         }
     }
 }
@@ -98,7 +98,7 @@ async fn run_keyed<H: Handler>(
     backend: &TxBackend,
     row: KeyRow,
     handler: H,
-    request: GuardedRequest,
+    request: Box<GuardedRequest>,
 ) -> Answer<H> {
     let token = row.token;
     let deadline = request.deadline();

@@ -77,10 +77,18 @@ impl Backend for StoreBackend {
             .then(|| ConfigError::new("lease", "must be longer than three store_timeout"))
     }
 
-    async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
-        match call.request {
-            Guarded::Keyed(request) => execute(call.guard, self, call.handler, request).await,
-            Guarded::Unkeyed(request) => Call::unguarded(call.handler, request).await,
+    // (An `async` block, not an `async fn`: that would keep a second copy of `call` in
+    // the future, which lies in the request's task.)
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an `async fn` keeps its arguments twice in its future"
+    )]
+    fn run<H: Handler>(&self, call: Call<'_, H>) -> impl Future<Output = Answer<H>> + Send {
+        async move {
+            match call.request {
+                Guarded::Keyed(request) => execute(call.guard, self, call.handler, request).await,
+                Guarded::Unkeyed(request) => Call::unguarded(call.handler, *request).await,
+            }
         }
     }
 }
@@ -133,7 +141,7 @@ async fn execute<H: Handler>(
     guard: &Guard,
     backend: &StoreBackend,
     handler: H,
-    request: GuardedRequest,
+    request: Box<GuardedRequest>,
 ) -> Answer<H> {
     let policy = guard
         .policy()
@@ -145,7 +153,8 @@ async fn execute<H: Handler>(
     match step {
         Step::Run => engine.run(guard, &mut protocol, handler, request).await,
         Step::RunUnguarded => {
-            let req = Request::from_parts(request.parts, RequestBody::buffered(request.body));
+            let GuardedRequest { parts, body, .. } = *request;
+            let req = Request::from_parts(parts, RequestBody::buffered(body));
             handler
                 .call(req)
                 .await
@@ -210,7 +219,7 @@ impl<'a> StoreEngine<'a> {
         guard: &Guard,
         protocol: &mut Protocol,
         handler: H,
-        request: GuardedRequest,
+        request: Box<GuardedRequest>,
     ) -> Answer<H> {
         let backend = self.backend;
         let token = self.token;

@@ -422,18 +422,24 @@ impl GuardedRequest {
     /// (made by `ctx` from scope and key), so outbound client layers derive child keys
     /// from the record. Both are request extensions too.
     pub fn into_request<B>(
-        self,
+        self: Box<Self>,
         ctx: impl FnOnce(Scope, IdempotencyKey) -> IdempotencyContext,
     ) -> (Request<RequestBody<B>>, CallContext) {
-        let ctx = ctx(self.scope, self.key);
-        let mut parts = self.parts;
+        let GuardedRequest {
+            mut parts,
+            body,
+            key,
+            scope,
+            ..
+        } = *self;
+        let ctx = ctx(scope, key);
         let context = CallContext::inherited(&parts.extensions)
             .unwrap_or_default()
             .with_idempotency(ctx.clone());
         parts.extensions.insert(ctx);
         parts.extensions.insert(context.clone());
         (
-            Request::from_parts(parts, RequestBody::buffered(self.body)),
+            Request::from_parts(parts, RequestBody::buffered(body)),
             context,
         )
     }
@@ -549,11 +555,14 @@ pub struct Call<'a, H: Handler> {
 
 /// A request a [`Backend`] runs.
 #[derive(Debug)]
+///
+/// Boxed either way: the request is handed down through several futures, and each
+/// would hold (and move) it whole.
 pub enum Guarded<B> {
     /// With a key.
-    Keyed(GuardedRequest),
+    Keyed(Box<GuardedRequest>),
     /// Without one, for a backend that [guards those](Backend::GUARDS_UNKEYED).
-    Unkeyed(Request<RequestBody<B>>),
+    Unkeyed(Box<Request<RequestBody<B>>>),
 }
 
 impl<H: Handler> Call<'_, H> {

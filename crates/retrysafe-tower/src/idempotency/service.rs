@@ -165,42 +165,51 @@ fn slot<B>(guard: &Guard, scope: Option<&Scope>) -> Result<Slot, Refused<B>> {
 
 /// A request with a key: buffer and fingerprint, then run it through the backend in
 /// a task.
-async fn keyed<H, X>(
+///
+/// (A function returning an `async` block, not an `async fn`: an `async fn` keeps a
+/// second copy of its arguments in its future, which is boxed, so every byte counts.)
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice in its (boxed) future"
+)]
+fn keyed<H, X>(
     layer: IdempotencyLayer<X>,
     handler: H,
     parts: Parts,
     body: H::ReqBody,
     key: IdempotencyKey,
     scope: Scope,
-) -> Answer<H>
+) -> impl Future<Output = Answer<H>>
 where
     H: Handler,
     X: Backend,
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let guard = &layer.guard;
-    let span = guard.span(&scope, &key);
-    let (permit, body) = match read_body(guard, &parts, body, Some(&scope)).await {
-        Ok(read) => read,
-        Err((decision, answer)) => {
-            guard.refused(decision, Some((&scope, &key)), &span);
-            return Ok(*answer);
-        }
-    };
-    let config = &guard.config;
-    let fingerprint =
-        config
-            .fingerprinter
-            .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
-    let request = GuardedRequest {
-        parts,
-        body,
-        key,
-        scope,
-        fingerprint,
-        span: span.clone(),
-    };
-    spawned(layer, handler, Guarded::Keyed(request), permit, span).await
+    async move {
+        let guard = &layer.guard;
+        let span = guard.span(&scope, &key);
+        let (permit, body) = match read_body(guard, &parts, body, Some(&scope)).await {
+            Ok(read) => read,
+            Err((decision, answer)) => {
+                guard.refused(decision, Some((&scope, &key)), &span);
+                return Ok(*answer);
+            }
+        };
+        let config = &guard.config;
+        let fingerprint =
+            config
+                .fingerprinter
+                .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
+        let request = Box::new(GuardedRequest {
+            parts,
+            body,
+            key,
+            scope,
+            fingerprint,
+            span: span.clone(),
+        });
+        spawned(layer, handler, Guarded::Keyed(request), permit, span).await
+    }
 }
 
 /// Takes a slot of the in-flight bound (within the fair share of `scope`), then buffers the body within the limit and
@@ -265,7 +274,7 @@ where
     spawned(
         layer,
         handler,
-        Guarded::Unkeyed(req),
+        Guarded::Unkeyed(Box::new(req)),
         permit,
         Span::current(),
     )
@@ -288,13 +297,15 @@ where
 /// task gives itself) and makes the backend's (large) future inside its box on its
 /// first poll, so that future is never moved. It runs in `span` (the request's
 /// `retrysafe.idempotency` span), or, when that one is disabled, in the caller's.
-async fn spawned<H, X>(
+/// Boxed at once: the caller awaits the [`Detached`] (two words and a span), not a
+/// future holding the task's parts until its first poll.
+fn spawned<H, X>(
     layer: IdempotencyLayer<X>,
     handler: H,
     request: Guarded<H::ReqBody>,
     permit: Slot,
     span: Span,
-) -> Answer<H>
+) -> Detached<impl Future<Output = Answer<H>> + Send + 'static>
 where
     H: Handler,
     X: Backend,
@@ -320,7 +331,7 @@ where
     } else {
         span
     };
-    Detached::new(task, span).await
+    Detached::new(task, span)
 }
 
 /// The answer to a panic of a guarded task.
