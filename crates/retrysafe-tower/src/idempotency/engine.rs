@@ -109,48 +109,57 @@ pub fn answer_of<B>(guard: &Guard, step: Step) -> Res<B> {
 
 /// After the handler ran: settles the record as the protocol says (capturing the
 /// response body first when it is to be stored) and answers.
-pub async fn conclude<E, B, Err>(
-    guard: &Guard,
-    protocol: &mut Protocol,
-    engine: &mut E,
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice in its future"
+)]
+pub fn conclude<'a, E, B, Err>(
+    guard: &'a Guard,
+    protocol: &'a mut Protocol,
+    engine: &'a mut E,
     outcome: Outcome<B, Err>,
-) -> Result<Res<B>, Err>
+) -> impl Future<Output = Result<Res<B>, Err>> + 'a
 where
     E: Engine,
     B: Body<Data = Bytes> + Send + 'static,
+    Err: 'a,
 {
-    let handled = match &outcome {
-        Err(_panic) => Handled::Panicked,
-        Ok(Err(_)) => Handled::Failed,
-        Ok(Ok(res)) => Handled::Answered {
-            status: res.status(),
-            no_effect: res.extensions().get::<NoEffect>().is_some(),
-        },
-    };
-    let mut finish = protocol.handled(handled);
-    let mut completed = None;
-    let mut error = None;
-    let response = match outcome {
-        Ok(Ok(res)) if finish.settle == Settle::Capture => match engine.capture(guard, res).await {
-            Some(Captured { stored, response }) => {
-                finish = protocol.captured(true);
-                completed = Some(Completed::new(*protocol.fingerprint(), stored));
-                Some(response)
+    async move {
+        let handled = match &outcome {
+            Err(_panic) => Handled::Panicked,
+            Ok(Err(_)) => Handled::Failed,
+            Ok(Ok(res)) => Handled::Answered {
+                status: res.status(),
+                no_effect: res.extensions().get::<NoEffect>().is_some(),
+            },
+        };
+        let mut finish = protocol.handled(handled);
+        let mut completed = None;
+        let mut error = None;
+        let response = match outcome {
+            Ok(Ok(res)) if finish.settle == Settle::Capture => {
+                match engine.capture(guard, res).await {
+                    Some(Captured { stored, response }) => {
+                        finish = protocol.captured(true);
+                        completed = Some(Completed::new(*protocol.fingerprint(), stored));
+                        Some(response)
+                    }
+                    None => {
+                        finish = protocol.captured(false);
+                        None
+                    }
+                }
             }
-            None => {
-                finish = protocol.captured(false);
+            Ok(Ok(res)) => Some(res.map(ResponseBody::stream)),
+            Ok(Err(e)) => {
+                error = Some(e);
                 None
             }
-        },
-        Ok(Ok(res)) => Some(res.map(ResponseBody::stream)),
-        Ok(Err(e)) => {
-            error = Some(e);
-            None
-        }
-        Err(_panic) => None,
-    };
-    let reply = settle(guard, protocol, engine, finish, completed).await;
-    reply_with(guard, reply, response, error)
+            Err(_panic) => None,
+        };
+        let reply = settle(guard, protocol, engine, finish, completed).await;
+        reply_with(guard, reply, response, error)
+    }
 }
 
 /// After the engine cancelled the handler (it ran past its time, or its lease was

@@ -95,15 +95,14 @@ impl Backend for StoreBackend {
 
 impl StoreBackend {
     /// Runs one store call bounded by the store timeout and the request's deadline.
-    async fn bounded<T>(
+    /// (A combinator, not an `async fn`, which would hold the call twice.)
+    fn bounded<T>(
         &self,
         deadline: Option<Deadline>,
         call: impl Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
+    ) -> impl Future<Output = Result<T, StoreError>> {
         let limit = Deadline::bound(deadline, self.store_timeout);
-        timer::within(limit, call)
-            .await
-            .unwrap_or(Err(StoreError::Timeout))
+        timer::within(limit, call).map(|done| done.unwrap_or(Err(StoreError::Timeout)))
     }
 
     fn reconcile(
@@ -405,39 +404,55 @@ impl Engine for StoreEngine<'_> {
         }
     }
 
-    async fn capture<B>(&mut self, guard: &Guard, response: Response<B>) -> Option<Captured<B>>
+    fn capture<B>(
+        &mut self,
+        guard: &Guard,
+        response: Response<B>,
+    ) -> impl Future<Output = Option<Captured<B>>> + Send
     where
         B: Body<Data = Bytes> + Send,
     {
+        // The guard's future itself: an `async fn` here would hold the response twice.
         let cap = self.cap();
-        guard.capture(response, cap).await
+        guard.capture(response, cap)
     }
 
-    async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
-        let (backend, id, token, retention) = (self.backend, &self.id, self.token, self.retention);
-        let until = self.lease_until();
-        let store = &backend.store;
-        let trips = Some((self.guard, &mut self.trips));
-        let written = match (settle, &completed) {
-            (Settle::Complete, Some(done)) => {
-                let complete = || store.complete(id, token, done, retention);
-                write_with_retry(backend, until, trips, StoreOp::Complete, complete).await
+    #[allow(
+        clippy::manual_async_fn,
+        reason = "an `async fn` keeps its arguments twice in its future"
+    )]
+    fn settle(
+        &mut self,
+        settle: Settle,
+        completed: Option<Completed>,
+    ) -> impl Future<Output = Settled> + Send {
+        async move {
+            let (backend, id, token, retention) =
+                (self.backend, &self.id, self.token, self.retention);
+            let until = self.lease_until();
+            let store = &backend.store;
+            let trips = Some((self.guard, &mut self.trips));
+            let written = match (settle, &completed) {
+                (Settle::Complete, Some(done)) => {
+                    let complete = || store.complete(id, token, done, retention);
+                    write_with_retry(backend, until, trips, StoreOp::Complete, complete).await
+                }
+                (Settle::Release, _) => {
+                    let release = || store.release(id, token);
+                    write_with_retry(backend, until, trips, StoreOp::Release, release).await
+                }
+                (Settle::MarkUnknown(reason), _) => {
+                    let mark = || store.mark_unknown(id, token, retention, reason);
+                    write_with_retry(backend, until, trips, StoreOp::MarkUnknown, mark).await
+                }
+                _ => Ok(()),
+            };
+            // The record is settled (or lost): no renewal past this point.
+            self.renewal = None;
+            match written {
+                Ok(()) => Settled::Done,
+                Err(e) => Settled::Failed(e),
             }
-            (Settle::Release, _) => {
-                let release = || store.release(id, token);
-                write_with_retry(backend, until, trips, StoreOp::Release, release).await
-            }
-            (Settle::MarkUnknown(reason), _) => {
-                let mark = || store.mark_unknown(id, token, retention, reason);
-                write_with_retry(backend, until, trips, StoreOp::MarkUnknown, mark).await
-            }
-            _ => Ok(()),
-        };
-        // The record is settled (or lost): no renewal past this point.
-        self.renewal = None;
-        match written {
-            Ok(()) => Settled::Done,
-            Err(e) => Settled::Failed(e),
         }
     }
 
