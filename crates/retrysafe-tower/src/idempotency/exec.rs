@@ -38,7 +38,6 @@ use super::timer;
 /// `outcome_unknown`. Made by [`IdempotencyLayer::new`](super::IdempotencyLayer::new)
 /// and set with the layer's methods ([`lease`](super::IdempotencyLayer::lease),
 /// [`fail_open`](super::IdempotencyLayer::fail_open), …).
-#[derive(Clone)]
 pub struct StoreBackend {
     pub(crate) store: BoxStore,
     pub(crate) lease: Duration,
@@ -53,6 +52,26 @@ pub struct StoreBackend {
     pub(crate) renewals: Renewals,
     /// A reconciler runs for the store in another process.
     pub(crate) reconciled_elsewhere: bool,
+}
+
+/// A copy is another backend (a layer's builder copies a shared backend to change its
+/// settings): it renews its own claims, so a claim of a shorter lease never waits on a
+/// driver paced for another backend's.
+impl Clone for StoreBackend {
+    fn clone(&self) -> Self {
+        StoreBackend {
+            store: self.store.clone(),
+            lease: self.lease,
+            max_execution: self.max_execution,
+            store_timeout: self.store_timeout,
+            fail_open: self.fail_open,
+            commit_point: self.commit_point,
+            on_outcome_unknown: self.on_outcome_unknown.clone(),
+            store_keys: self.store_keys,
+            renewals: Renewals::default(),
+            reconciled_elsewhere: self.reconciled_elsewhere,
+        }
+    }
 }
 
 impl fmt::Debug for StoreBackend {
@@ -539,5 +558,25 @@ where
                 backoff = (backoff * 2).min(Duration::from_millis(500));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use crate::idempotency::IdempotencyLayer;
+
+    // A layer's builder copies a shared backend to change it: the copy renews its own
+    // claims (a driver paced for the original's longer lease would renew a shorter one
+    // too late), while clones of one layer share the backend and its renewals.
+    #[test]
+    fn a_copied_backend_has_renewals_of_its_own() {
+        let layer = IdempotencyLayer::in_memory();
+        let shared = layer.clone();
+        assert!(shared.backend.renewals.is(&layer.backend.renewals));
+        let shorter = layer.clone().lease(Duration::from_secs(3));
+        assert!(!shorter.backend.renewals.is(&layer.backend.renewals));
+        assert_eq!(shorter.backend.lease, Duration::from_secs(3));
     }
 }

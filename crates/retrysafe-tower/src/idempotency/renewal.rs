@@ -3,9 +3,10 @@
 //!
 //! Every claim of a [`StoreBackend`](super::StoreBackend) is registered here while its
 //! handler runs, and removed again when the record is settled. A registration goes to
-//! the shard of the thread that makes it (a lock no other worker takes but the driver,
-//! at most once per third of a lease, and a slot of a slab): nothing per request is
-//! written where the other workers write. One *driver* task per backend sleeps until the
+//! the shard of the thread that makes it (a slot of a slab under that shard's lock,
+//! which the driver takes at most once per third of a lease, and another worker only
+//! when it settles a claim registered on this one): a request writes nothing that
+//! every worker writes. One *driver* task per backend sleeps until the
 //! first renewal of the oldest registered claim is due — a third of a lease after its
 //! claim — and only then spawns that claim's renewal task: a request answered sooner
 //! costs no task and no timer. The driver lives outside every handler's task, so nothing
@@ -75,7 +76,12 @@ struct Shard {
     slots: Vec<Slot>,
     /// The first free slot, if any.
     free: Option<usize>,
+    /// The slots in use.
+    live: usize,
 }
+
+/// The most slots an empty shard keeps allocated.
+const KEPT_SLOTS: usize = 64;
 
 enum Slot {
     /// Free, with the next free slot.
@@ -89,24 +95,19 @@ enum Slot {
 
 impl Shard {
     fn insert(&mut self, slot: Slot) -> usize {
-        match self.free {
-            Some(at) => {
-                let Some(place) = self.slots.get_mut(at) else {
-                    // The chain only holds slots of the slab.
-                    self.free = None;
-                    return self.insert(slot);
-                };
-                if let Slot::Free(next) = place {
-                    self.free = *next;
-                }
-                *place = slot;
-                at
-            }
-            None => {
-                self.slots.push(slot);
-                self.slots.len() - 1
-            }
+        self.live += 1;
+        if let Some(at) = self.free
+            && let Some(place) = self.slots.get_mut(at)
+            && let Slot::Free(next) = *place
+        {
+            self.free = next;
+            *place = slot;
+            return at;
         }
+        // No free slot (the chain only ever holds free slots of the slab).
+        self.free = None;
+        self.slots.push(slot);
+        self.slots.len() - 1
     }
 
     fn remove(&mut self, at: usize) -> Option<Slot> {
@@ -116,6 +117,14 @@ impl Shard {
         }
         let slot = std::mem::replace(place, Slot::Free(self.free));
         self.free = Some(at);
+        self.live = self.live.saturating_sub(1);
+        if self.live == 0 {
+            // Nothing registered: the slab starts over, and gives back what a burst
+            // made it grow to.
+            self.free = None;
+            self.slots.clear();
+            self.slots.shrink_to(KEPT_SLOTS);
+        }
         Some(slot)
     }
 
@@ -208,6 +217,12 @@ impl Renewals {
         (registration, self.ensure_driver())
     }
 
+    /// Whether `self` and `other` are the same registry.
+    #[cfg(test)]
+    pub(crate) fn is(&self, other: &Renewals) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
     /// Starts a driver unless one runs; whether this call started it.
     fn ensure_driver(&self) -> bool {
         let shared = &self.shared;
@@ -222,7 +237,13 @@ impl Renewals {
         {
             return false;
         }
-        tokio::spawn(drive(Arc::downgrade(shared), number));
+        // Marks the driver gone however its task ends, even unpolled (a runtime that
+        // shuts down first drops it as it is).
+        let stopped = Stopped {
+            shared: Arc::downgrade(shared),
+            number,
+        };
+        tokio::spawn(drive(stopped));
         true
     }
 }
@@ -252,11 +273,8 @@ impl Shared {
 /// Runs the renewals of one backend: sleeps until the first renewal of the oldest
 /// waiting claim is due, starts the renewal tasks of the claims due, and stops when no
 /// claim waits.
-async fn drive(shared: Weak<Shared>, number: u64) {
-    let _stopped = Stopped {
-        shared: shared.clone(),
-        number,
-    };
+async fn drive(stopped: Stopped) {
+    let (shared, number) = (&stopped.shared, stopped.number);
     loop {
         let Some(s) = shared.upgrade() else {
             return;
@@ -447,7 +465,7 @@ mod tests {
     use retrysafe_memory::MemoryStore;
     use tokio::time::Instant;
 
-    use super::{Held, Renewable, Renewals};
+    use super::{Held, Renewable, Renewals, lock};
     use crate::idempotency::guard::GuardConfig;
 
     const LEASE: Duration = Duration::from_secs(3);
@@ -549,5 +567,48 @@ mod tests {
         settle().await;
         assert_eq!(faulty.calls(), 4);
         drop(again);
+        assert!(
+            renewals
+                .shared
+                .shards
+                .iter()
+                .all(|s| lock(&s.0).slots.is_empty()),
+            "a shard with nothing registered keeps no slots"
+        );
+    }
+
+    // A runtime shut down before its driver was first polled drops the driver as it
+    // is: the next registration (on another runtime) starts one, and its claims are
+    // renewed.
+    #[test]
+    fn a_driver_dropped_unpolled_does_not_block_the_next() {
+        let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
+        let store = BoxStore::from_arc(faulty.clone());
+        let config = Arc::new(GuardConfig::new(false));
+        let renewals = Renewals::default();
+        let runtime = || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_time()
+                .start_paused(true)
+                .build()
+                .expect("runtime")
+        };
+        let first = runtime();
+        let held = {
+            let _entered = first.enter();
+            let (registration, started) = renewals.register(claim(&store, &config, 1));
+            assert!(started);
+            registration
+        };
+        drop(first);
+        drop(held);
+        runtime().block_on(async {
+            let (held, started) = renewals.register(claim(&store, &config, 2));
+            assert!(started, "the dropped driver no longer counts as running");
+            tokio::time::sleep(LEASE / 3 + Duration::from_millis(1)).await;
+            settle().await;
+            assert_eq!(faulty.calls(), 1, "the claim is renewed");
+            drop(held);
+        });
     }
 }
