@@ -83,6 +83,29 @@ impl Deadline {
         }
     }
 
+    /// The deadline of an outbound call that has `self` of its own: the soonest of it,
+    /// the request's [`Deadline`] extension and the deadline of the inherited
+    /// [`CallContext`](crate::CallContext) (the request's extension, or the task's).
+    /// What a client's deadline layer or middleware obeys.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use retrysafe_core::Deadline;
+    ///
+    /// let own = Deadline::after(Duration::from_secs(10));
+    /// let mut extensions = http::Extensions::new();
+    /// assert_eq!(own.tightened_by(&extensions), own);
+    /// let sooner = Deadline::after(Duration::from_secs(1));
+    /// extensions.insert(sooner);
+    /// assert_eq!(own.tightened_by(&extensions), sooner);
+    /// ```
+    #[must_use]
+    pub fn tightened_by(self, extensions: &http::Extensions) -> Deadline {
+        let inherited = crate::CallContext::inherited(extensions).and_then(|c| c.deadline());
+        self.tighten(extensions.get::<Deadline>().copied())
+            .tighten(inherited)
+    }
+
     /// `timeout` bounded by the time left on an optional deadline.
     pub fn bound(deadline: Option<Deadline>, timeout: Duration) -> Duration {
         match deadline {

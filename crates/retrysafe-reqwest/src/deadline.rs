@@ -76,7 +76,7 @@ use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
-use retrysafe_core::{CallContext, ConfigError, Deadline};
+use retrysafe_core::{ConfigError, Deadline};
 use tokio::time::Instant;
 
 use retrysafe_tower::deadline::DeadlineBody;
@@ -133,11 +133,7 @@ impl DeadlineMiddleware {
         extensions: &Extensions,
     ) -> reqwest_middleware::Result<(Deadline, Instant)> {
         let now = Instant::now();
-        let mut deadline =
-            Deadline::after_from(self.timeout, now).tighten(extensions.get::<Deadline>().copied());
-        if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
-            deadline = deadline.tighten(Some(inherited));
-        }
+        let deadline = Deadline::after_from(self.timeout, now).tightened_by(extensions);
         if deadline.instant() <= now {
             // No call starts that cannot finish in time.
             self.expiry.expired();

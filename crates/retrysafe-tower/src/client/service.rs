@@ -15,7 +15,6 @@ use tower_service::Service;
 
 use retrysafe_core::__private::Striped;
 use retrysafe_core::error::Throttled;
-use retrysafe_core::{CallContext, Deadline};
 
 use crate::breaker::{self, Guarded, ResponseBody, StackBudget, Transport};
 use crate::local::BoxError;
@@ -238,11 +237,8 @@ impl<S> ClientService<S> {
     {
         // The deadline is outermost: the hedge and every copy see it.
         if let Some(Within { deadline, .. }) = within {
-            let inherited = CallContext::inherited(&parts.extensions).and_then(|c| c.deadline());
-            let own = parts.extensions.get::<Deadline>().copied();
-            parts
-                .extensions
-                .insert(deadline.tighten(own).tighten(inherited));
+            let deadline = deadline.tightened_by(&parts.extensions);
+            parts.extensions.insert(deadline);
         }
         let Some(hedgeable) = hedge::hedgeable(config, &parts) else {
             return Kind::Fused {

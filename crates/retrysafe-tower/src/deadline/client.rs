@@ -14,7 +14,7 @@ use retrysafe_core::__private::{ExpiryObserver, Validate};
 use retrysafe_core::DeadlineExpiry;
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
-use retrysafe_core::{CallContext, ConfigError, Deadline};
+use retrysafe_core::{ConfigError, Deadline};
 use tokio::time::{Instant, Sleep};
 use tower_layer::Layer;
 use tower_service::Service;
@@ -224,11 +224,7 @@ pub(crate) fn deadline_and_left(timeout: Duration, now: Instant) -> (Deadline, D
 /// request's own, the inherited one; returns it with the one clock read it took.
 fn settle(timeout: Duration, extensions: &mut http::Extensions) -> (Deadline, Instant) {
     let now = Instant::now();
-    let mut deadline =
-        Deadline::after_from(timeout, now).tighten(extensions.get::<Deadline>().copied());
-    if let Some(inherited) = CallContext::inherited(extensions).and_then(|c| c.deadline()) {
-        deadline = deadline.tighten(Some(inherited));
-    }
+    let deadline = Deadline::after_from(timeout, now).tightened_by(extensions);
     extensions.insert(deadline);
     (deadline, now)
 }
