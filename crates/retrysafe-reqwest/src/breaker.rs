@@ -79,12 +79,13 @@ use http::uri::Authority;
 use reqwest::{Request, Response};
 use reqwest_middleware::{Middleware, Next};
 use retrysafe_core::__private::BreakerFacts;
-use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker};
+use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, Permit};
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
 use retrysafe_core::wire::Convention;
 use retrysafe_tower::breaker::KeyedBreakers;
 use tokio::time::Instant;
 
+use crate::BoxFuture;
 use crate::error::local;
 use crate::retry::failure_of;
 
@@ -220,15 +221,32 @@ impl fmt::Debug for CircuitBreakerMiddleware {
     }
 }
 
-#[async_trait::async_trait]
 impl Middleware for CircuitBreakerMiddleware {
-    async fn handle(
-        &self,
+    // Written out as `async_trait` expands it: the breaker's work before the call is
+    // done here, and the next middleware called at once, so the boxed future holds the
+    // call under way and the permit, not a copy of the request.
+    fn handle<'life0, 'life1, 'life2, 'async_trait>(
+        &'life0 self,
         request: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
-    ) -> reqwest_middleware::Result<Response> {
-        self.attempt(request, extensions, next, None).await
+        extensions: &'life1 mut Extensions,
+        next: Next<'life2>,
+    ) -> BoxFuture<'async_trait, reqwest_middleware::Result<Response>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        'life2: 'async_trait,
+        Self: 'async_trait,
+    {
+        let admitted = match self.admit(&request, extensions, None) {
+            Ok(admitted) => admitted,
+            Err(refused) => return Box::pin(std::future::ready(Err(refused))),
+        };
+        let sent = next.run(request, extensions);
+        Box::pin(async move {
+            let result = sent.await;
+            self.settle(admitted, &result);
+            result
+        })
     }
 }
 
@@ -244,6 +262,18 @@ pub(crate) struct Sent {
     pub(crate) at: Option<Instant>,
 }
 
+/// An attempt the breaker let through: its permit and what classifying its outcome
+/// needs. Dropped unsettled (the attempt was cancelled, or timed out above the
+/// breaker), its permit reports a cancelled probe as a failure and a call of a closed
+/// breaker as nothing.
+pub(crate) struct Admitted {
+    permit: Permit,
+    facts: BreakerFacts,
+    /// Slow calls are tracked: the call is timed.
+    timed: bool,
+    started: Option<Instant>,
+}
+
 impl CircuitBreakerMiddleware {
     /// Whether this breaker reads timeout headers by the names `names` writes them
     /// with (then the planner's word is as good as a parse).
@@ -251,23 +281,22 @@ impl CircuitBreakerMiddleware {
         self.config.convention.same_timeout_names(names)
     }
 
-    /// One attempt through the breaker (the middleware's work, also run inline by the
-    /// fused form of [`ClientMiddlewares`](crate::ClientMiddlewares), which passes what
-    /// its planner wrote as `sent`).
-    pub(crate) async fn attempt(
+    /// The breaker's side of one attempt before it is sent (the middleware's, also run
+    /// by the fused form of [`ClientMiddlewares`](crate::ClientMiddlewares), which
+    /// passes what its planner wrote as `sent`): the request's breaker chosen and a
+    /// permit taken, or the refusal, [`CircuitOpen`](retrysafe_core::error::CircuitOpen).
+    pub(crate) fn admit(
         &self,
-        request: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
+        request: &Request,
+        extensions: &Extensions,
         sent: Option<Sent>,
-    ) -> reqwest_middleware::Result<Response> {
+    ) -> reqwest_middleware::Result<Admitted> {
         let config = &self.config;
         // A breaker in the request's extensions overrides the middleware's (per request).
         let breaker = match extensions.get::<CircuitBreaker>() {
             Some(breaker) => breaker.clone(),
             None => config.breakers.select(request.url()),
         };
-        // Dropped with this future, the permit reports a cancelled probe as a failure.
         let permit = match breaker.try_acquire() {
             Ok(permit) => permit,
             Err(open) => {
@@ -285,26 +314,35 @@ impl CircuitBreakerMiddleware {
         let timed = breaker.config().slow_call_duration().is_some();
         let at = sent.and_then(|sent| sent.at);
         let started = (timed || facts.carries_deadline()).then(|| at.unwrap_or_else(Instant::now));
+        Ok(Admitted {
+            permit,
+            facts,
+            timed,
+            started,
+        })
+    }
 
-        let result = next.run(request, extensions).await;
-
+    /// Records the outcome of an attempt [`admit`](Self::admit)ted as `admitted`.
+    pub(crate) fn settle(&self, admitted: Admitted, result: &reqwest_middleware::Result<Response>) {
+        let Admitted {
+            permit,
+            facts,
+            timed,
+            started,
+        } = admitted;
+        let classifier = &self.config.classifier;
         let elapsed = started.map(|s| s.elapsed());
         let facts = facts.after(elapsed);
-        let classification = match &result {
+        let classification = match result {
             Ok(response) => {
-                config
-                    .classifier
-                    .classify_response(response.status(), response.headers(), &facts)
+                classifier.classify_response(response.status(), response.headers(), &facts)
             }
-            Err(error) => config
-                .classifier
-                .classify_failure(failure_of(error), &facts),
+            Err(error) => classifier.classify_failure(failure_of(error), &facts),
         };
         let slowness = if timed { elapsed } else { None };
         permit.record(
             classification.breaker_outcome(),
             slowness.unwrap_or(Duration::ZERO),
         );
-        result
     }
 }

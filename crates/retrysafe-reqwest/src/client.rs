@@ -67,9 +67,9 @@ use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::breaker::BreakerConfig;
 use retrysafe_core::budget::RetryBudget;
-use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::observe::Name;
 
+use crate::BoxFuture;
 use crate::retry::Below;
 use crate::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 
@@ -239,28 +239,33 @@ struct Fused {
     same_names: bool,
 }
 
-#[async_trait::async_trait]
 impl Middleware for Fused {
-    async fn handle(
-        &self,
+    // Written out as `async_trait` expands it: the deadline is settled and the call
+    // begun here, and the one boxed future is the retry loop's (see
+    // `RetryMiddleware::call`).
+    fn handle<'life0, 'life1, 'life2, 'async_trait>(
+        &'life0 self,
         request: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
-    ) -> reqwest_middleware::Result<Response> {
+        extensions: &'life1 mut Extensions,
+        next: Next<'life2>,
+    ) -> BoxFuture<'async_trait, reqwest_middleware::Result<Response>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        'life2: 'async_trait,
+        Self: 'async_trait,
+    {
         // As the separate `DeadlineMiddleware` does: a call with no time left fails here,
         // before the retry starts (and deposits into the budget).
         let within = match &self.deadline {
-            Some(deadline) => Some(deadline.settle(extensions)?),
+            Some(deadline) => match deadline.settle(extensions) {
+                Ok(within) => Some(within),
+                Err(expired) => return Box::pin(std::future::ready(Err(expired))),
+            },
             None => None,
         };
         let below = Below::Breaker(&self.breaker, next, self.same_names);
-        let result = self.retry.call(request, extensions, below, within).await;
-        if let (Some(deadline), Err(reqwest_middleware::Error::Middleware(e))) =
-            (&self.deadline, &result)
-            && e.is::<DeadlineExceeded>()
-        {
-            deadline.report_expired();
-        }
-        result
+        self.retry
+            .call(request, extensions, below, within, self.deadline.as_ref())
     }
 }

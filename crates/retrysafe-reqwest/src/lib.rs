@@ -134,6 +134,10 @@ pub use client::ClientMiddlewares;
 pub use deadline::DeadlineMiddleware;
 pub use retry::RetryMiddleware;
 
+/// The future a `reqwest_middleware::Middleware` returns (what `async_trait` makes of
+/// its `async fn handle`).
+type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
 /// The README's Rust code blocks, compiled and run as doc-tests
 /// (`cargo test --doc -p retrysafe-reqwest`).
 #[cfg(doctest)]

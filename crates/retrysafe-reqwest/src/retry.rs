@@ -154,6 +154,8 @@
 //! ```
 
 use std::fmt;
+use std::future::Future;
+use std::ops::ControlFlow;
 use std::time::Duration;
 
 use http::{Extensions, HeaderMap, Method};
@@ -173,6 +175,8 @@ use retrysafe_core::wire::Convention;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::BoxFuture;
+use crate::DeadlineMiddleware;
 use crate::breaker::{CircuitBreakerMiddleware, Sent};
 
 /// Retries failed requests that are safe to retry; see the [module docs](self).
@@ -299,16 +303,22 @@ impl fmt::Debug for RetryMiddleware {
     }
 }
 
-#[async_trait::async_trait]
 impl Middleware for RetryMiddleware {
-    async fn handle(
-        &self,
+    // Written out as `async_trait` expands it: the call is begun here, and the boxed
+    // future is the retry loop itself (see `RetryMiddleware::call`).
+    fn handle<'life0, 'life1, 'life2, 'async_trait>(
+        &'life0 self,
         request: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
-    ) -> Result<Response> {
-        self.call(request, extensions, Below::Next(next), None)
-            .await
+        extensions: &'life1 mut Extensions,
+        next: Next<'life2>,
+    ) -> BoxFuture<'async_trait, Result<Response>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        'life2: 'async_trait,
+        Self: 'async_trait,
+    {
+        self.call(request, extensions, Below::Next(next), None, None)
     }
 }
 
@@ -322,37 +332,35 @@ pub(crate) enum Below<'a> {
     Breaker(&'a CircuitBreakerMiddleware, Next<'a>, bool),
 }
 
-impl Below<'_> {
-    async fn send(
-        &self,
-        request: Request,
-        extensions: &mut Extensions,
-        sent: Sent,
-    ) -> Result<Response> {
+impl<'a> Below<'a> {
+    /// The middleware below (after the breaker, if any).
+    fn next(&self) -> Next<'a> {
         match self {
-            Below::Next(next) => next.clone().run(request, extensions).await,
-            Below::Breaker(breaker, next, same_names) => {
-                let sent = same_names.then_some(sent);
-                breaker
-                    .attempt(request, extensions, next.clone(), sent)
-                    .await
-            }
+            Below::Next(next) | Below::Breaker(_, next, _) => next.clone(),
         }
     }
 }
 
 impl RetryMiddleware {
-    /// One call: its attempts go to `below`; `within` is a deadline of the caller's own
-    /// (the fused form's) and the clock reading it was made from; the deadline is
-    /// tightened by those in the extensions.
-    pub(crate) async fn call(
-        &self,
+    /// One call, begun at once: its attempts go to `below`; `within` is a deadline of
+    /// the caller's own (the fused form's) and the clock reading it was made from; the
+    /// deadline is tightened by those in the extensions. `deadline`, the fused form's
+    /// deadline middleware, is told when the call ends past its deadline.
+    ///
+    /// The future is the retry loop, boxed once, in the call's `retrysafe.call` span
+    /// when that one is enabled: the planner's call, its token and the request (every
+    /// attempt sends a copy of it) are made here, and the loop keeps across an attempt
+    /// only the call under way (boxed by the middleware below) and what classifying it
+    /// needs.
+    pub(crate) fn call<'a>(
+        &'a self,
         mut request: Request,
-        extensions: &mut Extensions,
-        below: Below<'_>,
+        extensions: &'a mut Extensions,
+        below: Below<'a>,
         within: Option<(Deadline, Instant)>,
-    ) -> Result<Response> {
-        let (mut call, token) = RetryPolicy::begin_within(
+        deadline: Option<&'a DeadlineMiddleware>,
+    ) -> BoxFuture<'a, Result<Response>> {
+        let (call, token) = RetryPolicy::begin_within(
             &self.policy,
             &mut Head {
                 request: &mut request,
@@ -360,166 +368,210 @@ impl RetryMiddleware {
             },
             within,
         );
-        // The attempts run in the call's `retrysafe.call` span.
-        let span = call.span().cloned().unwrap_or_else(tracing::Span::none);
         let now = within.map(|(_, now)| now);
-        let answer = run(&mut call, token, request, extensions, below, now)
-            .instrument(span)
-            .await;
-        if let Err(Error::Middleware(e)) = &answer
-            && e.is::<DeadlineExceeded>()
-        {
-            call.deadline_expired();
+        let span = call.span().cloned();
+        let call = Call {
+            call,
+            below,
+            extensions,
+            deadline,
+        };
+        let attempts = run(call, token, Some(request), now);
+        match span {
+            Some(span) => Box::pin(attempts.instrument(span)),
+            None => Box::pin(attempts),
         }
-        answer
     }
 }
 
-/// The retry loop of one call; `now` is the clock reading the caller made its deadline
-/// from, if it made one (the first attempt's check and header need no other).
-async fn run(
-    call: &mut RetryCall,
+/// What a call's retry loop works with besides its request and token.
+struct Call<'a> {
+    call: RetryCall,
+    below: Below<'a>,
+    extensions: &'a mut Extensions,
+    deadline: Option<&'a DeadlineMiddleware>,
+}
+
+/// The retry loop of one call on `template` (`None` once a request whose body cannot be
+/// copied was sent: a stream is sent once); `now` is the clock reading the caller made
+/// its deadline from, if it made one (the first attempt's check and header need no
+/// other).
+///
+/// (A function returning an `async` block, not an `async fn`: an `async fn` keeps a
+/// second copy of its arguments in its future.)
+#[allow(
+    clippy::manual_async_fn,
+    reason = "an `async fn` keeps its arguments twice in its (boxed) future"
+)]
+fn run(
+    mut c: Call<'_>,
     mut token: RetryToken,
-    request: Request,
-    extensions: &mut Extensions,
-    below: Below<'_>,
+    mut template: Option<Request>,
     now: Option<Instant>,
-) -> Result<Response> {
-    let first = call.read_time_left(now);
-    if RetryCall::too_late_with(first.1) {
-        return Err(deadline_exceeded());
+) -> impl Future<Output = Result<Response>> + Send + '_ {
+    async move {
+        // One clock read for the check and the first attempt's timeout header and the
+        // breaker's timing (none without a deadline).
+        let mut left = c.call.read_time_left(now);
+        if RetryCall::too_late_with(left.1) {
+            return c.ended(Err(deadline_exceeded()));
+        }
+        // Every attempt starts from the caller's extensions as they were: what one
+        // attempt's middleware add (and the retry mark) must not leak into the next, nor
+        // into the caller's (they may be reused for another call).
+        let base = c.extensions.clone();
+        // The last real response while a retry is pending.
+        let mut last: Option<Response> = None;
+        loop {
+            if token.attempt() >= 2 {
+                c.extensions.clone_from(&base);
+            }
+            // (Made in a block of its own: the request sent is not kept across the wait.)
+            let result = {
+                // A copy of the request; the request itself when it cannot be copied
+                // (then it is sent once).
+                let attempt = match template.as_ref().and_then(Request::try_clone) {
+                    Some(copy) => copy,
+                    None => match template.take() {
+                        Some(request) if token.attempt() == 1 => request,
+                        // (Unreachable: a retry needs a request that can be copied.)
+                        _ => return c.ended(Err(deadline_exceeded())),
+                    },
+                };
+                c.attempt(attempt, &token, left)
+            }
+            .await;
+            token = match c.decided(result, token, template.is_some(), &mut last) {
+                ControlFlow::Break(answer) => return answer,
+                ControlFlow::Continue(next) => next,
+            };
+            if !token.delay().is_zero() {
+                tokio::time::sleep(token.delay()).await;
+            }
+            if c.call.too_late() {
+                let answer = out_of_time(&c.call, &token, last);
+                return c.ended(answer);
+            }
+            // One clock read for the timeout header and the breaker's timing.
+            left = c.call.read_time_left(None);
+        }
     }
-    let mut attempts = Attempts::new(request, extensions, first);
-    loop {
-        let result = attempts.send(call, &token, &below).await;
-        let last = attempts.last.as_ref().map(Response::status);
+}
+
+impl Call<'_> {
+    /// Makes the attempt of `token`, sent with the time `left` at a reading, bounded
+    /// by the call: `None` when it timed out. The breaker's work and the call of the
+    /// middleware below are done here, so the future holds the attempt under way and
+    /// its permit, not the request.
+    fn attempt(
+        &mut self,
+        mut attempt: Request,
+        token: &RetryToken,
+        (at, left): (Option<Instant>, Option<Duration>),
+    ) -> impl Future<Output = Option<Result<Response>>> + Send + '_ {
+        // Also puts the attempt's `AttemptNumber` in the extensions.
+        let timeout =
+            self.call
+                .prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
+        let admitted = match &self.below {
+            Below::Breaker(breaker, _, same_names) => {
+                let sent = same_names.then_some(Sent {
+                    grpc: self.call.is_grpc(),
+                    timeout,
+                    at,
+                });
+                breaker
+                    .admit(&attempt, self.extensions, sent)
+                    .map(|admitted| Some((*breaker, admitted)))
+            }
+            Below::Next(_) => Ok(None),
+        };
+        let until = self.call.attempt_until();
+        let mut sent =
+            admitted.map(|admitted| (admitted, self.below.next().run(attempt, self.extensions)));
+        async move {
+            // Awaited where it lies (a move of it is a copy).
+            let Ok((admitted, sent)) = &mut sent else {
+                return sent.err().map(Err);
+            };
+            let result = match until {
+                Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
+                None => Some(sent.await),
+            };
+            // A timed-out attempt is dropped with its permit, as the breaker's future
+            // would be.
+            if let (Some((breaker, admitted)), Some(result)) = (admitted.take(), &result) {
+                breaker.settle(admitted, result);
+            }
+            result
+        }
+    }
+
+    /// The attempt of `token` is over with `result` (`None`: it timed out): the answer,
+    /// or the token of the retry to make. `last` is the last real response, kept while
+    /// a retry is pending; `replayable`, whether the request can be sent again.
+    fn decided(
+        &mut self,
+        result: Option<Result<Response>>,
+        token: RetryToken,
+        replayable: bool,
+        last: &mut Option<Response>,
+    ) -> ControlFlow<Result<Response>, RetryToken> {
+        self.extensions.remove::<RetryCharged>();
         let outcome = match &result {
             Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
             Some(Err(error)) => Outcome::Failure(failure_of(error)),
             None => Outcome::TimedOut,
         };
-        match call.decide(outcome, token, attempts.replayable(), last) {
-            Decision::Success | Decision::Final => return as_is(result),
-            Decision::GiveUp(_) => return attempts.given_up(call, result),
-            Decision::Retry(next_token) => {
-                if let Some(Ok(response)) = result {
-                    attempts.last = Some(response);
-                }
-                token = next_token;
-            }
-        }
-        if !token.delay().is_zero() {
-            tokio::time::sleep(token.delay()).await;
-        }
-        if call.too_late() {
-            return attempts.out_of_time(call, &token);
-        }
-    }
-}
-
-struct Attempts<'a> {
-    /// The first attempt's request, until it is sent.
-    first: Option<Request>,
-    /// The clock reading and the time left the first attempt is sent with (read for
-    /// the call's check that time is left).
-    first_left: (Option<Instant>, Option<Duration>),
-    /// What every retry starts from; `None` for a body that cannot be cloned (a
-    /// stream), which is then sent once.
-    template: Option<Request>,
-    /// The last real response while a retry is pending.
-    last: Option<Response>,
-    extensions: &'a mut Extensions,
-    /// Every attempt starts from the caller's extensions as they were: what one
-    /// attempt's middleware add (and the retry mark) must not leak into the next, nor
-    /// into the caller's (they may be reused for another call).
-    base: Extensions,
-}
-
-impl<'a> Attempts<'a> {
-    fn new(
-        request: Request,
-        extensions: &'a mut Extensions,
-        first_left: (Option<Instant>, Option<Duration>),
-    ) -> Self {
-        let base = extensions.clone();
-        Attempts {
-            template: request.try_clone(),
-            first: Some(request),
-            first_left,
-            last: None,
-            extensions,
-            base,
-        }
-    }
-
-    /// Whether the request can be sent again.
-    fn replayable(&self) -> bool {
-        self.template.is_some()
-    }
-
-    /// Makes the attempt of `token`, bounded by the call: `None` when it timed out.
-    async fn send(
-        &mut self,
-        call: &mut RetryCall,
-        token: &RetryToken,
-        below: &Below<'_>,
-    ) -> Option<Result<Response>> {
-        // One clock read for the timeout header and the breaker's timing (none without
-        // a deadline; the first attempt's was made for the call's check).
-        let (mut attempt, (at, left)) = match self.first.take() {
-            Some(first) => (first, self.first_left),
-            None => {
-                let Some(retry) = self.template.as_ref().and_then(Request::try_clone) else {
-                    // (Unreachable: a retry needs a template.)
-                    return Some(Err(deadline_exceeded()));
+        let previous = last.as_ref().map(Response::status);
+        match self.call.decide(outcome, token, replayable, previous) {
+            Decision::Success | Decision::Final => ControlFlow::Break(self.ended(as_is(result))),
+            Decision::GiveUp(_) => {
+                let answer = match result {
+                    Some(Ok(response)) => Ok(given_up(&self.call, response)),
+                    other => match last.take() {
+                        Some(response) => Ok(given_up(&self.call, response)),
+                        None => as_is(other),
+                    },
                 };
-                (retry, call.read_time_left(None))
+                ControlFlow::Break(self.ended(answer))
             }
-        };
-        if token.attempt() >= 2 {
-            self.extensions.clone_from(&self.base);
-        }
-        // Also puts the attempt's `AttemptNumber` in the extensions.
-        let timeout =
-            call.prepare_attempt_with(attempt.headers_mut(), self.extensions, token, left);
-        let facts = Sent {
-            grpc: call.is_grpc(),
-            timeout,
-            at,
-        };
-        let sent = below.send(attempt, self.extensions, facts);
-        let result = match call.attempt_until() {
-            Some(until) => tokio::time::timeout_at(until, sent).await.ok(),
-            None => Some(sent.await),
-        };
-        self.extensions.remove::<RetryCharged>();
-        result
-    }
-
-    /// Given up on a retryable failure: the last real response (this attempt's, or the
-    /// one kept), marked; with none, the outcome as it is.
-    fn given_up(self, call: &RetryCall, result: Option<Result<Response>>) -> Result<Response> {
-        match result {
-            Some(Ok(response)) => Ok(given_up(call, response)),
-            other => match self.last {
-                Some(response) => Ok(given_up(call, response)),
-                None => as_is(other),
-            },
+            Decision::Retry(next) => {
+                if let Some(Ok(response)) = result {
+                    *last = Some(response);
+                }
+                ControlFlow::Continue(next)
+            }
         }
     }
 
-    /// Too little time left after the wait for the attempt of `token`: gives up.
-    fn out_of_time(self, call: &RetryCall, token: &RetryToken) -> Result<Response> {
-        let attempts = token.attempt() - 1;
-        call.give_up(
-            GiveUp::NotEnoughTime,
-            attempts,
-            self.last.as_ref().map(Response::status),
-        );
-        match self.last {
-            Some(response) => Ok(given_up(call, response)),
-            None => Err(deadline_exceeded()),
+    /// The call ends with `answer`: a deadline that passed is recorded in the inherited
+    /// context and reported to the fused form's deadline middleware.
+    fn ended(&self, answer: Result<Response>) -> Result<Response> {
+        if let Err(Error::Middleware(e)) = &answer
+            && e.is::<DeadlineExceeded>()
+        {
+            self.call.deadline_expired();
+            if let Some(deadline) = self.deadline {
+                deadline.report_expired();
+            }
         }
+        answer
+    }
+}
+
+/// Too little time left after the wait for the attempt of `token`: gives up with the
+/// `last` real response.
+fn out_of_time(call: &RetryCall, token: &RetryToken, last: Option<Response>) -> Result<Response> {
+    let attempts = token.attempt() - 1;
+    call.give_up(
+        GiveUp::NotEnoughTime,
+        attempts,
+        last.as_ref().map(Response::status),
+    );
+    match last {
+        Some(response) => Ok(given_up(call, response)),
+        None => Err(deadline_exceeded()),
     }
 }
 
