@@ -137,7 +137,7 @@ impl ClientMiddlewares {
     }
 
     /// Calls `f` on every call that ends with a
-    /// [`DeadlineExceeded`] error (with a
+    /// [`DeadlineExceeded`](retrysafe_core::error::DeadlineExceeded) error (with a
     /// [`deadline`](Self::deadline): see [`DeadlineMiddleware::on_expiry`]).
     pub fn on_expiry(
         mut self,
