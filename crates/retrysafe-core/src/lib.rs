@@ -38,6 +38,8 @@ pub mod classify;
 mod config;
 mod context;
 mod deadline;
+#[doc(hidden)]
+pub mod driver;
 pub mod error;
 mod hash;
 pub mod hedge;
@@ -65,6 +67,7 @@ pub mod __private {
     pub use crate::classify::{BreakerFacts, is_grpc};
     pub use crate::config::Validate;
     pub use crate::deadline::ExpiryObserver;
+    pub use crate::driver::DriverSlot;
     pub use crate::hash::{DigestHash, DigestHasher};
     pub use crate::hedge::{HedgeCopy, HedgeRace};
 

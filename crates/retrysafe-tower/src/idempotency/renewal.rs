@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
 
-use retrysafe_core::__private::{CachePadded, stripe_count, thread_stripe};
+use retrysafe_core::__private::{CachePadded, DriverSlot, stripe_count, thread_stripe};
 use retrysafe_core::idempotency::{IdempotencyContext, RecordId, Token};
 use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
 use tokio::task::JoinHandle;
@@ -42,8 +42,9 @@ struct Shared {
     /// The registered claims, one shard per thread stripe, each on cache lines of its
     /// own.
     shards: Box<[CachePadded<Mutex<Shard>>]>,
-    /// The number of the driver that runs, `0` when none does.
-    driver: AtomicU64,
+    /// The driver that runs, if one does (the protocol of `DriverSlot`, checked by its
+    /// loom model in retrysafe-core).
+    driver: DriverSlot,
     /// The longest the driver sleeps, in nanoseconds: the shortest third of a lease
     /// registered (`u64::MAX` before the first).
     tick: AtomicU64,
@@ -55,14 +56,11 @@ impl Default for Shared {
             shards: (0..stripe_count())
                 .map(|_| CachePadded::default())
                 .collect(),
-            driver: AtomicU64::new(0),
+            driver: DriverSlot::new(),
             tick: AtomicU64::new(u64::MAX),
         }
     }
 }
-
-/// The numbers of the drivers (`0` is none).
-static DRIVERS: AtomicU64 = AtomicU64::new(1);
 
 /// The shard of the calling thread among `shards` (the stripe count, a power of two):
 /// its stripe, as the striped counters of the budgets and breakers pick theirs.
@@ -226,17 +224,9 @@ impl Renewals {
     /// Starts a driver unless one runs; whether this call started it.
     fn ensure_driver(&self) -> bool {
         let shared = &self.shared;
-        if shared.driver.load(Ordering::SeqCst) != 0 {
+        let Some(number) = shared.driver.ensure() else {
             return false;
-        }
-        let number = DRIVERS.fetch_add(1, Ordering::Relaxed);
-        if shared
-            .driver
-            .compare_exchange(0, number, Ordering::SeqCst, Ordering::SeqCst)
-            .is_err()
-        {
-            return false;
-        }
+        };
         // Marks the driver gone however its task ends, even unpolled (a runtime that
         // shuts down first drops it as it is).
         let stopped = Stopped {
@@ -285,22 +275,10 @@ async fn drive(stopped: Stopped) {
             None => {
                 // Nothing waits: stop. A claim registered after the look above either
                 // is seen by the second look, or finds no driver and starts one.
-                let cleared =
-                    s.driver
-                        .compare_exchange(number, 0, Ordering::SeqCst, Ordering::SeqCst);
-                if cleared.is_err() {
-                    return;
+                match s.driver.idle(number, || s.start_due(now)) {
+                    Some(next) => next,
+                    None => return,
                 }
-                let Some(next) = s.start_due(now) else {
-                    return;
-                };
-                let resumed =
-                    s.driver
-                        .compare_exchange(0, number, Ordering::SeqCst, Ordering::SeqCst);
-                if resumed.is_err() {
-                    return; // another driver took over
-                }
-                next
             }
         };
         drop(s);
@@ -318,10 +296,7 @@ struct Stopped {
 impl Drop for Stopped {
     fn drop(&mut self) {
         if let Some(shared) = self.shared.upgrade() {
-            let _ =
-                shared
-                    .driver
-                    .compare_exchange(self.number, 0, Ordering::SeqCst, Ordering::SeqCst);
+            shared.driver.gone(self.number);
         }
     }
 }
@@ -551,11 +526,8 @@ mod tests {
         settle().await;
         assert_eq!(faulty.calls(), 3);
         assert_eq!(
-            renewals
-                .shared
-                .driver
-                .load(std::sync::atomic::Ordering::SeqCst),
-            0,
+            renewals.shared.driver.current(),
+            None,
             "the driver stopped once no claim waited"
         );
         let (again, started) = renewals.register(claim(&store, &config, 5));
