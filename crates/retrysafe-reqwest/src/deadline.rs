@@ -81,6 +81,7 @@ use tokio::time::Instant;
 
 use retrysafe_tower::deadline::DeadlineBody;
 
+use crate::BoxFuture;
 use crate::error::local;
 
 /// Bounds a whole call by a deadline; see the [module docs](self).
@@ -176,40 +177,53 @@ impl DeadlineMiddleware {
     }
 }
 
-#[async_trait::async_trait]
 impl Middleware for DeadlineMiddleware {
-    async fn handle(
-        &self,
+    // Written out as `async_trait` expands it, with the deadline settled here: the
+    // boxed future holds the request once (the expansion of an `async fn` keeps its
+    // arguments twice).
+    fn handle<'life0, 'life1, 'life2, 'async_trait>(
+        &'life0 self,
         request: Request,
-        extensions: &mut Extensions,
-        next: Next<'_>,
-    ) -> reqwest_middleware::Result<Response> {
-        let (deadline, _) = self.settle(extensions)?;
-        // The middleware below see this call's deadline; the caller's extensions get
-        // back what they held (they may be reused for another call).
-        let before = extensions.insert(deadline);
-        let result =
-            tokio::time::timeout_at(deadline.instant(), next.run(request, extensions)).await;
-        match before {
-            Some(before) => extensions.insert(before),
-            None => extensions.remove::<Deadline>(),
+        extensions: &'life1 mut Extensions,
+        next: Next<'life2>,
+    ) -> BoxFuture<'async_trait, reqwest_middleware::Result<Response>>
+    where
+        'life0: 'async_trait,
+        'life1: 'async_trait,
+        'life2: 'async_trait,
+        Self: 'async_trait,
+    {
+        let deadline = match self.settle(extensions) {
+            Ok((deadline, _)) => deadline,
+            Err(expired) => return Box::pin(std::future::ready(Err(expired))),
         };
-        match result {
-            Ok(Ok(response)) if self.bound_body => Ok(bound(response, deadline)),
-            Ok(result) => {
-                if let Err(reqwest_middleware::Error::Middleware(e)) = &result
-                    && e.is::<DeadlineExceeded>()
-                {
-                    self.expiry.expired();
+        Box::pin(async move {
+            // The middleware below see this call's deadline; the caller's extensions
+            // get back what they held (they may be reused for another call).
+            let before = extensions.insert(deadline);
+            let result =
+                tokio::time::timeout_at(deadline.instant(), next.run(request, extensions)).await;
+            match before {
+                Some(before) => extensions.insert(before),
+                None => extensions.remove::<Deadline>(),
+            };
+            match result {
+                Ok(Ok(response)) if self.bound_body => Ok(bound(response, deadline)),
+                Ok(result) => {
+                    if let Err(reqwest_middleware::Error::Middleware(e)) = &result
+                        && e.is::<DeadlineExceeded>()
+                    {
+                        self.expiry.expired();
+                    }
+                    result
                 }
-                result
+                Err(_elapsed) => {
+                    tracing::debug!("deadline exceeded before the response head");
+                    self.expiry.expired();
+                    Err(local(DeadlineExceeded::new()))
+                }
             }
-            Err(_elapsed) => {
-                tracing::debug!("deadline exceeded before the response head");
-                self.expiry.expired();
-                Err(local(DeadlineExceeded::new()))
-            }
-        }
+        })
     }
 }
 
