@@ -1386,6 +1386,48 @@ async fn trickle(addr: SocketAddr, who: &str, n: usize) -> Vec<TcpStream> {
     conns
 }
 
+/// `router` with a count of the trickled requests (keys `slow-…`) whose body the
+/// server has begun to read. The layer reads a body only once it holds the request's
+/// slot, so the count says how many trickled requests hold one: waiting for it before
+/// probing keeps a probe from taking a slot a trickled request would have got (which
+/// would answer that request 503 and leave a slot free for every later probe).
+fn count_trickled_reads(router: Router) -> (Router, Arc<AtomicUsize>) {
+    let reads = Arc::new(AtomicUsize::new(0));
+    let count = Arc::clone(&reads);
+    let router = router.layer(axum::middleware::from_fn(
+        move |req: AxumRequest, next: Next| {
+            let trickled = req
+                .headers()
+                .get("idempotency-key")
+                .is_some_and(|k| k.as_bytes().starts_with(b"slow-"));
+            let req = if trickled {
+                let count = Arc::clone(&count);
+                let mut first = true;
+                req.map(|body| {
+                    axum::body::Body::new(http_body_util::BodyExt::map_frame(body, move |f| {
+                        if std::mem::take(&mut first) {
+                            count.fetch_add(1, Ordering::SeqCst);
+                        }
+                        f
+                    }))
+                })
+            } else {
+                req
+            };
+            next.run(req)
+        },
+    ));
+    (router, reads)
+}
+
+/// Waits until `n` trickled requests hold their slots (see [`count_trickled_reads`]).
+async fn trickled_hold(reads: &AtomicUsize, n: usize) {
+    eventually("the trickled requests hold their slots", || {
+        reads.load(Ordering::SeqCst) == n
+    })
+    .await;
+}
+
 /// Sends fresh keys as `who` until one gets `status` (the server processes trickling
 /// connections concurrently with these).
 async fn until_status(
@@ -1426,8 +1468,10 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
     let layer = IdempotencyLayer::in_memory()
         .max_in_flight(MAX)
         .max_in_flight_per_scope(MAX);
-    let addr = serve(app(layer, true, &fx)).await;
+    let (router, reads) = count_trickled_reads(app(layer, true, &fx));
+    let addr = serve(router).await;
     let conns = trickle(addr, "mallory", MAX).await;
+    trickled_hold(&reads, MAX).await;
     until_status(&client, addr, "mallory", 503, "probe").await;
     let blocked = pay(&client, addr, Some("legit"), "x", &bearer).await;
     blocked.assert_problem(ProblemKind::Overloaded);
@@ -1485,13 +1529,15 @@ async fn a_trickling_scope_keeps_to_its_share() {
         .max_in_flight(MAX)
         .build()
         .unwrap();
-    let addr = serve(app(layer, true, &fx)).await;
+    let (router, reads) = count_trickled_reads(app(layer, true, &fx));
+    let addr = serve(router).await;
     let client = reqwest::Client::new();
     let mallory = [("authorization", "Bearer mallory")];
     let alice = [("authorization", "Bearer alice")];
 
     // Mallory trickles as many bodies as the bound has slots: she gets her share.
     let conns = trickle(addr, "mallory", MAX).await;
+    trickled_hold(&reads, MAX - 1).await;
     until_status(&client, addr, "mallory", 503, "probe").await;
     let blocked = pay(&client, addr, Some("m-legit"), "x", &mallory).await;
     blocked.assert_problem(ProblemKind::Overloaded);
