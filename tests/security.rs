@@ -1428,8 +1428,8 @@ async fn trickled_hold(reads: &AtomicUsize, n: usize) {
     .await;
 }
 
-/// Sends fresh keys as `who` until one gets `status` (the server processes trickling
-/// connections concurrently with these).
+/// Sends fresh keys as `who` until one gets `status` (the server frees the slots of
+/// closed trickling connections concurrently with these).
 async fn until_status(
     client: &reqwest::Client,
     addr: SocketAddr,
@@ -1471,8 +1471,8 @@ async fn trickled_bodies_hold_in_flight_slots_until_an_outer_timeout() {
     let (router, reads) = count_trickled_reads(app(layer, true, &fx));
     let addr = serve(router).await;
     let conns = trickle(addr, "mallory", MAX).await;
+    // Every slot is held: the next guarded request is refused.
     trickled_hold(&reads, MAX).await;
-    until_status(&client, addr, "mallory", 503, "probe").await;
     let blocked = pay(&client, addr, Some("legit"), "x", &bearer).await;
     blocked.assert_problem(ProblemKind::Overloaded);
     drop(conns);
@@ -1537,8 +1537,8 @@ async fn a_trickling_scope_keeps_to_its_share() {
 
     // Mallory trickles as many bodies as the bound has slots: she gets her share.
     let conns = trickle(addr, "mallory", MAX).await;
+    // She holds her share: her next guarded request is refused.
     trickled_hold(&reads, MAX - 1).await;
-    until_status(&client, addr, "mallory", 503, "probe").await;
     let blocked = pay(&client, addr, Some("m-legit"), "x", &mallory).await;
     blocked.assert_problem(ProblemKind::Overloaded);
     assert!(blocked.headers.contains_key("retry-after"));
