@@ -44,6 +44,11 @@
 //!   the request (the `Deadline` extension, the whole head kept, the "counted" mark, the
 //!   breaker's reading of the timeout header): the least a hand-made stack of the four
 //!   layers can cost;
+//! - `floor_flat`: the same work as `client_layers` on the success path, by hand, in
+//!   one future that nests nothing but the inner service's. It uses retrysafe's planner
+//!   (the call, its token and its decision), the breaker's permit and classifier, a
+//!   `ReplayBody` with its copy kept for a retry, the whole head kept, and a deadline
+//!   timer made when the call first waits. This is the yardstick of a flattened design;
 //! - `floor_header`: `bare` plus only the `request-timeout-ms` header write of `floor`
 //!   (the one piece of it that tower's `Retry` has no counterpart for and that the
 //!   wire convention makes mandatory on every attempt).
@@ -80,7 +85,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::{Floor, FloorSeparate, floor_required};
+use floor::{Floor, FloorFlat, FloorSeparate, floor_required};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -183,7 +188,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 14] = [
+const NAMES: [&str; 15] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -198,6 +203,7 @@ const NAMES: [&str; 14] = [
     "floor_header",
     "floor_separate",
     "floor_required",
+    "floor_flat",
 ];
 
 /// The case `name` (a base name, `_fail10` for the flaky inner service).
@@ -275,6 +281,10 @@ fn case(name: &str) -> Option<Runner> {
         "floor_header" => runner(Floor::new(inner(fail), false), fail),
         "floor_separate" => runner(FloorSeparate::new(inner(fail)), fail),
         "floor_required" => runner(floor_required(inner(fail)), fail),
+        "floor_flat" => runner(
+            FloorFlat::new(inner(fail), strategy(Some(RetryBudget::ratio()))),
+            fail,
+        ),
         _ => return None,
     })
 }

@@ -17,6 +17,14 @@
 //! `RetryBudget`, `Deadline`, hedge-copy and attempt-number extensions, and its
 //! `idempotency-key`, `content-type` (gRPC or not) and timeout headers.
 //!
+//! [`FloorFlat`] (`floor_flat`) does what the fused `ClientLayers` stack does on the success
+//! path, by hand, in one future that nests nothing but the transport's. It uses
+//! retrysafe's planner (`RetryPolicy::begin_within`, `prepare_attempt_with`, `decide`), the
+//! breaker's permit and its classification of the answer, a `ReplayBody` with its copy
+//! kept, the whole head kept, and a deadline timer made when the call first waits. It is
+//! not a product: it retries nothing. It prices a design whose first attempt is not a
+//! future nested in the retry loop's.
+//!
 //! [`FloorSeparate`] (`floor_separate`) adds what four *separate* layers must hand each
 //! other through the request, by their contracts, on top of the floor: the `Deadline`
 //! extension the deadline layer inserts for the layers below it; the whole head (its
@@ -32,10 +40,15 @@ use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use pin_project_lite::pin_project;
-use retrysafe::core::__private::BreakerFacts;
+use retrysafe::ReplayBody;
+use retrysafe::core::__private::{
+    BreakerFacts, Decision, Outcome, RetryCall, RetryPolicy, Striped,
+};
 use retrysafe::core::breaker::{CircuitBreaker, Permit};
 use retrysafe::core::classify::BreakerOutcome;
+use retrysafe::core::classify::{Classifier, DefaultClassifier};
 use retrysafe::core::error::DeadlineExceeded;
+use retrysafe::core::strategy::RetryToken;
 use retrysafe::wire::Convention;
 use retrysafe::{Deadline, RetryBudget};
 use tokio::time::{Instant, Sleep};
@@ -290,4 +303,165 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
         headers.get(c.request_timeout_ms()).is_some(),
     ));
     request
+}
+
+/// `floor_flat`: the fused stack's own per-call work in one hand-made service whose
+/// future nests nothing but the transport's. It uses retrysafe's planner
+/// (`RetryPolicy::begin_within`, `prepare_attempt_with`, `decide`), the breaker's permit
+/// and classifier, a `ReplayBody` with its copy kept for a retry, and the whole head
+/// kept. It does what `client_layers` does on the success path, with no layering and no
+/// nested state machine: the yardstick of a flattened design.
+#[allow(dead_code, reason = "used by the in-process bench only")]
+pub(crate) struct FloorFlat<S> {
+    inner: S,
+    policy: Striped<RetryPolicy>,
+    breaker: CircuitBreaker,
+    /// The breaker's classifier (the planner has its own).
+    classifier: std::sync::Arc<dyn Classifier>,
+}
+
+impl<S: Clone> Clone for FloorFlat<S> {
+    fn clone(&self) -> Self {
+        FloorFlat {
+            inner: self.inner.clone(),
+            policy: self.policy.clone(),
+            breaker: self.breaker.clone(),
+            classifier: self.classifier.clone(),
+        }
+    }
+}
+
+impl<S> FloorFlat<S> {
+    /// Over `inner`, with the planner of `strategy` (which holds the stack's budget).
+    #[allow(dead_code, reason = "used by the in-process bench only")]
+    pub(crate) fn new(inner: S, strategy: retrysafe::StandardRetryStrategy) -> Self {
+        // No budget layer below: no "counted" mark on the attempt (as `ClientLayers`).
+        let policy = RetryPolicy::new()
+            .with_strategy(strategy)
+            .without_charge_mark();
+        FloorFlat {
+            inner,
+            policy: Striped::new(policy),
+            breaker: CircuitBreaker::default(),
+            classifier: std::sync::Arc::new(DefaultClassifier::default()),
+        }
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for FloorFlat<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: http_body::Body,
+{
+    type Response = Response<R>;
+    type Error = BoxError;
+    type Future = FlatFuture<S::Future, B>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        let now = Instant::now();
+        let deadline = Deadline::after_from(TIMEOUT, now);
+        let (mut template, body) = request.into_parts();
+        let body = ReplayBody::new(body, 64 * 1024);
+        let (call, token) =
+            RetryPolicy::begin_within(&self.policy, &mut template, Some((deadline, now)));
+        // The call's deadline is ours: the time left at `now` is the timeout.
+        let left = Some(TIMEOUT);
+        let mut parts = template.clone();
+        let timeout =
+            call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
+        // The first attempt's check, as the stack makes it (never true here).
+        std::hint::black_box(RetryCall::too_late_with(left));
+        let permit = self.breaker.try_acquire().ok();
+        let facts = BreakerFacts::sent(call.is_grpc(), timeout);
+        let backup = body.clone();
+        FlatFuture {
+            future: self.inner.call(Request::from_parts(parts, body)),
+            sleep: None,
+            deadline: deadline.instant(),
+            template,
+            body: backup,
+            call,
+            token: Some(token),
+            permit,
+            facts,
+            classifier: self.classifier.clone(),
+        }
+    }
+}
+
+pin_project! {
+    /// The future of [`FloorFlat`]: the transport's future and what a retry needs, side
+    /// by side.
+    pub(crate) struct FlatFuture<F, B> {
+        #[pin]
+        future: F,
+        // The deadline, enforced by a timer made when the call first waits.
+        #[pin]
+        sleep: Option<Sleep>,
+        deadline: Instant,
+        // The head and the body a retry would resend.
+        template: http::request::Parts,
+        body: ReplayBody<B>,
+        call: RetryCall,
+        token: Option<RetryToken>,
+        permit: Option<Permit>,
+        facts: BreakerFacts,
+        classifier: std::sync::Arc<dyn Classifier>,
+    }
+}
+
+impl<F, B, R, E> Future for FlatFuture<F, B>
+where
+    F: Future<Output = Result<Response<R>, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<Response<R>, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        let polled = match this.future.poll(cx) {
+            Poll::Ready(polled) => polled.map_err(Into::into),
+            Poll::Pending => {
+                if this.sleep.is_none() {
+                    this.sleep
+                        .set(Some(tokio::time::sleep_until(*this.deadline)));
+                }
+                if let Some(sleep) = this.sleep.as_pin_mut() {
+                    std::task::ready!(sleep.poll(cx));
+                }
+                Err(BoxError::from(DeadlineExceeded::new()))
+            }
+        };
+        let response = match polled {
+            Ok(response) => response,
+            Err(error) => {
+                if let Some(permit) = this.permit.take() {
+                    permit.record(BreakerOutcome::Failure, Duration::ZERO);
+                }
+                return Poll::Ready(Err(error));
+            }
+        };
+        if let Some(permit) = this.permit.take() {
+            let c = this.classifier.classify_response(
+                response.status(),
+                response.headers(),
+                &this.facts.after(None),
+            );
+            permit.record(c.breaker_outcome(), Duration::ZERO);
+        }
+        if let Some(token) = this.token.take() {
+            let seen = Outcome::response(response.status(), response.headers());
+            // A retry is not the yardstick's path: its answer goes out as it is.
+            let decision = this
+                .call
+                .decide(seen, token, this.body.is_replayable(), None);
+            std::hint::black_box(matches!(decision, Decision::Success));
+        }
+        Poll::Ready(Ok(response))
+    }
 }
