@@ -46,9 +46,11 @@
 //!   layers can cost;
 //! - `floor_flat`: the same work as `client_layers` on the success path, by hand, in
 //!   one future that nests nothing but the inner service's. It uses retrysafe's planner
-//!   (the call, its token and its decision), the breaker's permit and classifier, a
-//!   `ReplayBody` with its copy kept for a retry, the whole head kept, and a deadline
-//!   timer made when the call first waits. This is the yardstick of a flattened design;
+//!   (the call, its token and its decision), the request's own breaker or the service's
+//!   (its permit, classification and slow-call timing), a `ReplayBody` with its copy
+//!   kept for a retry, the whole head kept, the call's span, a response body with room
+//!   for a gRPC answer's pending record, and a deadline timer made when the call first
+//!   waits. This is the yardstick of a flattened design;
 //! - `floor_header`: `bare` plus only the `request-timeout-ms` header write of `floor`
 //!   (the one piece of it that tower's `Retry` has no counterpart for and that the
 //!   wire convention makes mandatory on every attempt).

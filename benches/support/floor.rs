@@ -19,11 +19,13 @@
 //!
 //! [`FloorFlat`] (`floor_flat`) does what the fused `ClientLayers` stack does on the success
 //! path, by hand, in one future that nests nothing but the transport's. It uses
-//! retrysafe's planner (`RetryPolicy::begin_within`, `prepare_attempt_with`, `decide`), the
-//! breaker's permit and its classification of the answer, a `ReplayBody` with its copy
-//! kept, the whole head kept, and a deadline timer made when the call first waits. It is
-//! not a product: it retries nothing. It prices a design whose first attempt is not a
-//! future nested in the retry loop's.
+//! retrysafe's planner (`RetryPolicy::begin_within`, `prepare_attempt_with`, `decide`).
+//! It takes the request's own breaker or the service's, and uses its permit, its
+//! classification of the answer and its slow-call timing. It keeps a `ReplayBody` with
+//! its copy, and the whole head. It enters the call's span, wraps the response body with
+//! room for a gRPC answer's pending record, and makes a deadline timer when the call
+//! first waits. It is not a product: it retries nothing. It prices a design whose first
+//! attempt is not a future nested in the retry loop's.
 //!
 //! [`FloorSeparate`] (`floor_separate`) adds what four *separate* layers must hand each
 //! other through the request, by their contracts, on top of the floor: the `Deadline`
@@ -306,11 +308,9 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
 }
 
 /// `floor_flat`: the fused stack's own per-call work in one hand-made service whose
-/// future nests nothing but the transport's. It uses retrysafe's planner
-/// (`RetryPolicy::begin_within`, `prepare_attempt_with`, `decide`), the breaker's permit
-/// and classifier, a `ReplayBody` with its copy kept for a retry, and the whole head
-/// kept. It does what `client_layers` does on the success path, with no layering and no
-/// nested state machine: the yardstick of a flattened design.
+/// future nests nothing but the transport's (see the module docs). It does what
+/// `client_layers` does on the success path, with no layering and no nested state
+/// machine: the yardstick of a flattened design.
 #[allow(dead_code, reason = "used by the in-process bench only")]
 pub(crate) struct FloorFlat<S> {
     inner: S,
@@ -354,7 +354,7 @@ where
     S::Error: Into<BoxError>,
     B: http_body::Body,
 {
-    type Response = Response<R>;
+    type Response = Response<Wrapped<R>>;
     type Error = BoxError;
     type Future = FlatFuture<S::Future, B>;
 
@@ -376,11 +376,28 @@ where
             call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
         // The first attempt's check, as the stack makes it (never true here).
         std::hint::black_box(RetryCall::too_late_with(left));
-        let permit = self.breaker.try_acquire().ok();
+        // The request's own breaker, or the service's: kept for the call's retries.
+        let breaker = match template.extensions.get::<CircuitBreaker>() {
+            Some(breaker) => breaker.clone(),
+            None => self.breaker.clone(),
+        };
+        let permit = breaker.try_acquire().ok();
         let facts = BreakerFacts::sent(call.is_grpc(), timeout);
+        // Slow calls are timed (not by the default breaker).
+        let started = breaker
+            .config()
+            .slow_call_duration()
+            .is_some()
+            .then_some(now);
         let backup = body.clone();
+        // In the call's span (none when tracing is off).
+        let entered = call.span().map(tracing::Span::enter);
+        let future = self.inner.call(Request::from_parts(parts, body));
+        drop(entered);
         FlatFuture {
-            future: self.inner.call(Request::from_parts(parts, body)),
+            future,
+            breaker,
+            started,
             sleep: None,
             deadline: deadline.instant(),
             template,
@@ -410,6 +427,8 @@ pin_project! {
         call: RetryCall,
         token: Option<RetryToken>,
         permit: Option<Permit>,
+        breaker: CircuitBreaker,
+        started: Option<Instant>,
         facts: BreakerFacts,
         classifier: std::sync::Arc<dyn Classifier>,
     }
@@ -420,10 +439,11 @@ where
     F: Future<Output = Result<Response<R>, E>>,
     E: Into<BoxError>,
 {
-    type Output = Result<Response<R>, BoxError>;
+    type Output = Result<Response<Wrapped<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
+        let _entered = this.call.span().map(|span| span.clone().entered());
         let polled = match this.future.poll(cx) {
             Poll::Ready(polled) => polled.map_err(Into::into),
             Poll::Pending => {
@@ -446,14 +466,27 @@ where
                 return Poll::Ready(Err(error));
             }
         };
-        if let Some(permit) = this.permit.take() {
-            let c = this.classifier.classify_response(
-                response.status(),
-                response.headers(),
-                &this.facts.after(None),
-            );
-            permit.record(c.breaker_outcome(), Duration::ZERO);
-        }
+        // A gRPC answer whose status comes in the trailers is recorded at the end of
+        // the body (never here: this yardstick's requests are not gRPC).
+        let pending = this.facts.is_grpc()
+            && response.status().is_success()
+            && !response.headers().contains_key("grpc-status");
+        let permit = this.permit.take();
+        let pending = match permit {
+            Some(permit) if pending => Some(Box::new(permit)),
+            Some(permit) => {
+                let elapsed = this.started.map(|s| s.elapsed());
+                let c = this.classifier.classify_response(
+                    response.status(),
+                    response.headers(),
+                    &this.facts.after(elapsed),
+                );
+                permit.record(c.breaker_outcome(), elapsed.unwrap_or_default());
+                None
+            }
+            None => None,
+        };
+        let response = response.map(|inner| Wrapped { inner, pending });
         if let Some(token) = this.token.take() {
             let seen = Outcome::response(response.status(), response.headers());
             // A retry is not the yardstick's path: its answer goes out as it is.
@@ -464,4 +497,12 @@ where
         }
         Poll::Ready(Ok(response))
     }
+}
+
+/// The response body of [`FloorFlat`]: the body, and room for the breaker's record of
+/// a gRPC answer whose status comes in the trailers (as the breaker's `ResponseBody`).
+#[allow(dead_code, reason = "carried, as the breaker's body carries it")]
+pub(crate) struct Wrapped<B> {
+    inner: B,
+    pending: Option<Box<Permit>>,
 }
