@@ -47,8 +47,7 @@ use retrysafe::core::__private::{
     BreakerFacts, Decision, Outcome, RetryCall, RetryPolicy, Striped,
 };
 use retrysafe::core::breaker::{CircuitBreaker, Permit};
-use retrysafe::core::classify::BreakerOutcome;
-use retrysafe::core::classify::{Classifier, DefaultClassifier};
+use retrysafe::core::classify::{BreakerOutcome, Classifier, DefaultClassifier};
 use retrysafe::core::error::DeadlineExceeded;
 use retrysafe::core::strategy::RetryToken;
 use retrysafe::wire::Convention;
