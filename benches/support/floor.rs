@@ -138,6 +138,19 @@ where
     }
 }
 
+/// A call that waits: the deadline `at` enforced by the timer in `sleep`, made on the
+/// first wait; the deadline's error once it passes.
+#[inline]
+fn expire(mut sleep: Pin<&mut Option<Sleep>>, at: Instant, cx: &mut Context<'_>) -> Poll<BoxError> {
+    if sleep.is_none() {
+        sleep.set(Some(tokio::time::sleep_until(at)));
+    }
+    if let Some(sleep) = sleep.as_pin_mut() {
+        std::task::ready!(sleep.poll(cx));
+    }
+    Poll::Ready(DeadlineExceeded::new().into())
+}
+
 /// The `request-timeout-ms` value of a deadline `at`, read at `now`.
 #[inline]
 fn time_left(at: Instant, now: Instant) -> HeaderValue {
@@ -168,20 +181,14 @@ where
     type Output = Result<Response<R>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let mut this = self.project();
+        let this = self.project();
         let result = match this.future.poll(cx) {
             Poll::Ready(result) => result.map_err(Into::into),
             Poll::Pending => {
                 let Some(deadline) = *this.deadline else {
                     return Poll::Pending;
                 };
-                if this.sleep.is_none() {
-                    this.sleep.set(Some(tokio::time::sleep_until(deadline)));
-                }
-                if let Some(sleep) = this.sleep.as_pin_mut() {
-                    std::task::ready!(sleep.poll(cx));
-                }
-                Err(DeadlineExceeded::new().into())
+                Err(std::task::ready!(expire(this.sleep, deadline, cx)))
             }
         };
         let outcome = match &result {
@@ -310,6 +317,7 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
 /// future nests nothing but the transport's (see the module docs). It does what
 /// `client_layers` does on the success path, with no layering and no nested state
 /// machine: the yardstick of a flattened design.
+#[derive(Clone)]
 #[allow(dead_code, reason = "used by the in-process bench only")]
 pub(crate) struct FloorFlat<S> {
     inner: S,
@@ -317,17 +325,6 @@ pub(crate) struct FloorFlat<S> {
     breaker: CircuitBreaker,
     /// The breaker's classifier (the planner has its own).
     classifier: std::sync::Arc<dyn Classifier>,
-}
-
-impl<S: Clone> Clone for FloorFlat<S> {
-    fn clone(&self) -> Self {
-        FloorFlat {
-            inner: self.inner.clone(),
-            policy: self.policy.clone(),
-            breaker: self.breaker.clone(),
-            classifier: self.classifier.clone(),
-        }
-    }
 }
 
 impl<S> FloorFlat<S> {
@@ -445,16 +442,11 @@ where
         let _entered = this.call.span().map(|span| span.clone().entered());
         let polled = match this.future.poll(cx) {
             Poll::Ready(polled) => polled.map_err(Into::into),
-            Poll::Pending => {
-                if this.sleep.is_none() {
-                    this.sleep
-                        .set(Some(tokio::time::sleep_until(*this.deadline)));
-                }
-                if let Some(sleep) = this.sleep.as_pin_mut() {
-                    std::task::ready!(sleep.poll(cx));
-                }
-                Err(BoxError::from(DeadlineExceeded::new()))
-            }
+            Poll::Pending => Err(std::task::ready!(expire(
+                this.sleep.as_mut(),
+                *this.deadline,
+                cx
+            ))),
         };
         let response = match polled {
             Ok(response) => response,
