@@ -51,6 +51,11 @@
 //!   kept for a retry, the whole head kept, the call's span, a response body with room
 //!   for a gRPC answer's pending record, and a deadline timer made when the call first
 //!   waits. This is the yardstick of a flattened design;
+//! - `floor_flat_features`: `floor_flat` plus, by hand and still flat, what the fused
+//!   stack carries per call besides that work (the front's check and dispatch, a
+//!   transport handle for retries, the breaker's configuration held for the call, the
+//!   request's own budget and hedge-race checks, the transport's readiness checked in
+//!   place, the retry loop's states): the yardstick of the flattened product;
 //! - `floor_header`: `bare` plus only the `request-timeout-ms` header write of `floor`
 //!   (the one piece of it that tower's `Retry` has no counterpart for and that the
 //!   wire convention makes mandatory on every attempt).
@@ -87,7 +92,7 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::{Floor, FloorFlat, FloorSeparate, floor_required};
+use floor::{Floor, FloorFlat, FloorFlatFeatures, FloorSeparate, floor_required};
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -190,7 +195,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 15] = [
+const NAMES: [&str; 16] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -206,6 +211,7 @@ const NAMES: [&str; 15] = [
     "floor_separate",
     "floor_required",
     "floor_flat",
+    "floor_flat_features",
 ];
 
 /// The case `name` (a base name, `_fail10` for the flaky inner service).
@@ -285,6 +291,10 @@ fn case(name: &str) -> Option<Runner> {
         "floor_required" => runner(floor_required(inner(fail)), fail),
         "floor_flat" => runner(
             FloorFlat::new(inner(fail), strategy(Some(RetryBudget::ratio()))),
+            fail,
+        ),
+        "floor_flat_features" => runner(
+            FloorFlatFeatures::new(inner(fail), strategy(Some(RetryBudget::ratio()))),
             fail,
         ),
         _ => return None,

@@ -27,6 +27,15 @@
 //! first waits. It is not a product: it retries nothing. It prices a design whose first
 //! attempt is not a future nested in the retry loop's.
 //!
+//! [`FloorFlatFeatures`] (`floor_flat_features`) is `floor_flat` with what the fused
+//! stack carries per call besides that work, each piece by hand and still in one flat
+//! future: the throttle and hedge it may have in front (a check, and a future that says
+//! which answered), a handle on the transport for a retry's attempt, the breaker's
+//! shared configuration held for the call, the checks of the request's own budget and
+//! hedge race, the transport's readiness checked in place, and the retry loop's states
+//! with what a pending retry keeps. It still retries nothing. It prices the flat design
+//! of the product as it is, features and all.
+//!
 //! [`FloorSeparate`] (`floor_separate`) adds what four *separate* layers must hand each
 //! other through the request, by their contracts, on top of the floor: the `Deadline`
 //! extension the deadline layer inserts for the layers below it; the whole head (its
@@ -37,14 +46,14 @@
 
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use pin_project_lite::pin_project;
 use retrysafe::ReplayBody;
 use retrysafe::core::__private::{
-    BreakerFacts, Decision, Outcome, RetryCall, RetryPolicy, Striped,
+    BreakerFacts, Decision, Local, Outcome, RetryCall, RetryPolicy, Striped,
 };
 use retrysafe::core::breaker::{CircuitBreaker, Permit};
 use retrysafe::core::classify::{BreakerOutcome, Classifier, DefaultClassifier};
@@ -352,13 +361,31 @@ where
 {
     type Response = Response<Wrapped<R>>;
     type Error = BoxError;
-    type Future = FlatFuture<S::Future, B>;
+    type Future = FlatFuture<S::Future, B, ()>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
         self.inner.poll_ready(cx).map_err(Into::into)
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
+        self.flat_call(request, |future| future, ())
+    }
+}
+
+impl<S> FloorFlat<S> {
+    /// The call of both flat yardsticks: its transport future, as `wrap` keeps it,
+    /// beside what a retry needs and `extra`.
+    #[inline]
+    fn flat_call<B, R, F, X>(
+        &mut self,
+        request: Request<B>,
+        wrap: impl FnOnce(S::Future) -> F,
+        extra: X,
+    ) -> FlatFuture<F, B, X>
+    where
+        S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+        B: http_body::Body,
+    {
         let now = Instant::now();
         let deadline = Deadline::after_from(TIMEOUT, now);
         let (mut template, body) = request.into_parts();
@@ -388,10 +415,11 @@ where
         let backup = body.clone();
         // In the call's span (none when tracing is off).
         let entered = call.span().map(tracing::Span::enter);
-        let future = self.inner.call(Request::from_parts(parts, body));
+        let future = wrap(self.inner.call(Request::from_parts(parts, body)));
         drop(entered);
         FlatFuture {
             future,
+            extra,
             breaker,
             started,
             sleep: None,
@@ -410,9 +438,11 @@ where
 pin_project! {
     /// The future of [`FloorFlat`]: the transport's future and what a retry needs, side
     /// by side.
-    pub(crate) struct FlatFuture<F, B> {
+    pub(crate) struct FlatFuture<F, B, X> {
         #[pin]
         future: F,
+        // What `floor_flat_features` adds (nothing for `floor_flat`).
+        extra: X,
         // The deadline, enforced by a timer made when the call first waits.
         #[pin]
         sleep: Option<Sleep>,
@@ -430,17 +460,18 @@ pin_project! {
     }
 }
 
-impl<F, B, R, E> Future for FlatFuture<F, B>
+impl<F, B, R, E, X> Future for FlatFuture<F, B, X>
 where
     F: Future<Output = Result<Response<R>, E>>,
     E: Into<BoxError>,
+    X: Finish<F>,
 {
     type Output = Result<Response<Wrapped<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
         let _entered = this.call.span().map(|span| span.clone().entered());
-        let polled = match this.future.poll(cx) {
+        let polled = match this.future.as_mut().poll(cx) {
             Poll::Ready(polled) => polled.map_err(Into::into),
             Poll::Pending => Err(std::task::ready!(expire(
                 this.sleep.as_mut(),
@@ -486,7 +517,166 @@ where
                 .decide(seen, token, this.body.is_replayable(), None);
             std::hint::black_box(matches!(decision, Decision::Success));
         }
+        this.extra.finish(this.future);
         Poll::Ready(Ok(response))
+    }
+}
+
+/// What a flat yardstick's future does with its own state once it has answered.
+pub(crate) trait Finish<F> {
+    /// Done with `future`, which has answered.
+    fn finish(&mut self, future: Pin<&mut F>);
+}
+
+impl<F> Finish<F> for () {
+    #[inline]
+    fn finish(&mut self, _: Pin<&mut F>) {}
+}
+
+/// `floor_flat_features`: [`FloorFlat`] with what the fused stack carries per call
+/// beyond the work every retrying, guarded call must do, each by hand, still in one flat
+/// future: the optional throttle and hedge in front of it (a dispatch, and a future
+/// that says which answered), a handle on the transport for a retry's attempt, the
+/// breaker's shared configuration held for the call, the checks of the request's own
+/// budget and hedge race, the transport's readiness checked in place, and the retry
+/// loop's states (calling, backoff, readying, done) with what a pending retry keeps.
+#[derive(Clone)]
+#[allow(dead_code, reason = "used by the in-process bench only")]
+pub(crate) struct FloorFlatFeatures<S> {
+    flat: FloorFlat<S>,
+    transport: std::sync::Arc<std::sync::Mutex<S>>,
+    config: Striped<()>,
+    /// The throttle or the hedge in front (neither here).
+    front: Option<std::sync::Arc<()>>,
+}
+
+impl<S: Clone> FloorFlatFeatures<S> {
+    /// As [`FloorFlat::new`].
+    #[allow(dead_code, reason = "used by the in-process bench only")]
+    pub(crate) fn new(inner: S, strategy: retrysafe::StandardRetryStrategy) -> Self {
+        FloorFlatFeatures {
+            transport: std::sync::Arc::new(std::sync::Mutex::new(inner.clone())),
+            flat: FloorFlat::new(inner, strategy),
+            config: Striped::new(()),
+            front: None,
+        }
+    }
+}
+
+impl<S, B, R> Service<Request<B>> for FloorFlatFeatures<S>
+where
+    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S::Error: Into<BoxError>,
+    B: http_body::Body,
+{
+    type Response = Response<Wrapped<R>>;
+    type Error = BoxError;
+    type Future = Front<FlatFuture<Loop<S::Future>, B, Kept<S>>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.flat.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, request: Request<B>) -> Self::Future {
+        if self.front.is_some() {
+            return Front::Refused;
+        }
+        let extensions = request.extensions();
+        std::hint::black_box((
+            extensions.get::<RetryBudget>().is_some(),
+            extensions
+                .get::<retrysafe::core::__private::HedgeRace>()
+                .is_some(),
+        ));
+        let ready = self
+            .flat
+            .inner
+            .poll_ready(&mut Context::from_waker(Waker::noop()));
+        std::hint::black_box(matches!(ready, Poll::Ready(Ok(()))));
+        let kept = Kept {
+            transport: std::sync::Arc::clone(&self.transport),
+            config: self.config.local(),
+            armed: false,
+            last: None,
+        };
+        Front::Fused {
+            future: self
+                .flat
+                .flat_call(request, |future| Loop::Calling { future }, kept),
+        }
+    }
+}
+
+/// What [`FloorFlatFeatures`]'s future keeps besides [`FlatFuture`]'s.
+#[allow(dead_code, reason = "carried, as the fused stack carries it")]
+pub(crate) struct Kept<S> {
+    transport: std::sync::Arc<std::sync::Mutex<S>>,
+    config: Local<()>,
+    /// A timer is armed.
+    armed: bool,
+    /// The last real response while a retry is pending.
+    last: Option<Box<Response<()>>>,
+}
+
+impl<F, S> Finish<Loop<F>> for Kept<S> {
+    #[inline]
+    fn finish(&mut self, mut future: Pin<&mut Loop<F>>) {
+        future.set(Loop::Done);
+        self.armed = false;
+        std::hint::black_box(self.last.is_some());
+    }
+}
+
+pin_project! {
+    /// The retry loop's states, in [`FloorFlatFeatures`]'s future.
+    #[project = LoopProj]
+    pub(crate) enum Loop<F> {
+        Calling { #[pin] future: F },
+        Backoff,
+        Readying,
+        Done,
+    }
+}
+
+impl<F, T, E> Future for Loop<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    #[inline]
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            LoopProj::Calling { future } => future.poll(cx).map_err(Into::into),
+            _ => Poll::Ready(Err("polled after completion".into())),
+        }
+    }
+}
+
+pin_project! {
+    /// [`FloorFlatFeatures`]'s future: the call, or the throttle's refusal (the hedge's
+    /// race is never made here).
+    #[project = FrontProj]
+    pub(crate) enum Front<F> {
+        Fused { #[pin] future: F },
+        Hedged { future: Pin<Box<F>> },
+        Refused,
+    }
+}
+
+impl<F, T> Future for Front<F>
+where
+    F: Future<Output = Result<T, BoxError>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project() {
+            FrontProj::Fused { future } => future.poll(cx),
+            FrontProj::Hedged { future } => future.as_mut().poll(cx),
+            FrontProj::Refused => Poll::Ready(Err("throttled".into())),
+        }
     }
 }
 
