@@ -50,6 +50,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
+use http_body::Body;
 use pin_project_lite::pin_project;
 use retrysafe::ReplayBody;
 use retrysafe::core::__private::{
@@ -353,12 +354,17 @@ impl<S> FloorFlat<S> {
     }
 }
 
-impl<S, B, R> Service<Request<B>> for FloorFlat<S>
+/// The transport of the flat yardsticks: a service of replayable requests.
+pub(crate) trait Inner<B>: Service<Request<ReplayBody<B>>, Error: Into<BoxError>> {}
+
+impl<S, B> Inner<B> for S
 where
-    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
+    S: Service<Request<ReplayBody<B>>>,
     S::Error: Into<BoxError>,
-    B: http_body::Body,
 {
+}
+
+impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for FloorFlat<S> {
     type Response = Response<Wrapped<R>>;
     type Error = BoxError;
     type Future = FlatFuture<S::Future, B, ()>;
@@ -384,7 +390,7 @@ impl<S> FloorFlat<S> {
     ) -> FlatFuture<F, B, X>
     where
         S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-        B: http_body::Body,
+        B: Body,
     {
         let now = Instant::now();
         let deadline = Deadline::after_from(TIMEOUT, now);
@@ -563,12 +569,7 @@ impl<S: Clone> FloorFlatFeatures<S> {
     }
 }
 
-impl<S, B, R> Service<Request<B>> for FloorFlatFeatures<S>
-where
-    S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-    S::Error: Into<BoxError>,
-    B: http_body::Body,
-{
+impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for FloorFlatFeatures<S> {
     type Response = Response<Wrapped<R>>;
     type Error = BoxError;
     type Future = Front<FlatFuture<Loop<S::Future>, B, Kept<S>>>;
