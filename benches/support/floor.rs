@@ -354,6 +354,61 @@ impl<S> FloorFlat<S> {
     }
 }
 
+/// The call of both flat yardsticks, written out where it is used (a function here
+/// made `floor_flat`'s future one copy dearer in the bench's harness, + 115 per call):
+/// the transport's future of `$request`, as `$wrap` keeps it, beside what a retry needs
+/// and `$extra`, as a [`FlatFuture`].
+macro_rules! flat_call {
+    ($this:expr, $request:expr, $wrap:expr, $extra:expr) => {{
+        let now = Instant::now();
+        let deadline = Deadline::after_from(TIMEOUT, now);
+        let (mut template, body) = $request.into_parts();
+        let body = ReplayBody::new(body, 64 * 1024);
+        let (call, token) =
+            RetryPolicy::begin_within(&$this.policy, &mut template, Some((deadline, now)));
+        // The call's deadline is ours: the time left at `now` is the timeout.
+        let left = Some(TIMEOUT);
+        let mut parts = template.clone();
+        let timeout =
+            call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
+        // The first attempt's check, as the stack makes it (never true here).
+        std::hint::black_box(RetryCall::too_late_with(left));
+        // The request's own breaker, or the service's: kept for the call's retries.
+        let breaker = match template.extensions.get::<CircuitBreaker>() {
+            Some(breaker) => breaker.clone(),
+            None => $this.breaker.clone(),
+        };
+        let permit = breaker.try_acquire().ok();
+        let facts = BreakerFacts::sent(call.is_grpc(), timeout);
+        // Slow calls are timed (not by the default breaker).
+        let started = breaker
+            .config()
+            .slow_call_duration()
+            .is_some()
+            .then_some(now);
+        let backup = body.clone();
+        // In the call's span (none when tracing is off).
+        let entered = call.span().map(tracing::Span::enter);
+        let future = $wrap($this.inner.call(Request::from_parts(parts, body)));
+        drop(entered);
+        FlatFuture {
+            future,
+            extra: $extra,
+            breaker,
+            started,
+            sleep: None,
+            deadline: deadline.instant(),
+            template,
+            body: backup,
+            call,
+            token: Some(token),
+            permit,
+            facts,
+            classifier: $this.classifier.clone(),
+        }
+    }};
+}
+
 /// The transport of the flat yardsticks: a service of replayable requests.
 pub(crate) trait Inner<B>: Service<Request<ReplayBody<B>>, Error: Into<BoxError>> {}
 
@@ -374,76 +429,14 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
     }
 
     fn call(&mut self, request: Request<B>) -> Self::Future {
-        self.flat_call(request, |future| future, ())
-    }
-}
-
-impl<S> FloorFlat<S> {
-    /// The call of both flat yardsticks: its transport future, as `wrap` keeps it,
-    /// beside what a retry needs and `extra`.
-    #[inline]
-    fn flat_call<B, R, F, X>(
-        &mut self,
-        request: Request<B>,
-        wrap: impl FnOnce(S::Future) -> F,
-        extra: X,
-    ) -> FlatFuture<F, B, X>
-    where
-        S: Service<Request<ReplayBody<B>>, Response = Response<R>>,
-        B: Body,
-    {
-        let now = Instant::now();
-        let deadline = Deadline::after_from(TIMEOUT, now);
-        let (mut template, body) = request.into_parts();
-        let body = ReplayBody::new(body, 64 * 1024);
-        let (call, token) =
-            RetryPolicy::begin_within(&self.policy, &mut template, Some((deadline, now)));
-        // The call's deadline is ours: the time left at `now` is the timeout.
-        let left = Some(TIMEOUT);
-        let mut parts = template.clone();
-        let timeout =
-            call.prepare_attempt_with(&mut parts.headers, &mut parts.extensions, &token, left);
-        // The first attempt's check, as the stack makes it (never true here).
-        std::hint::black_box(RetryCall::too_late_with(left));
-        // The request's own breaker, or the service's: kept for the call's retries.
-        let breaker = match template.extensions.get::<CircuitBreaker>() {
-            Some(breaker) => breaker.clone(),
-            None => self.breaker.clone(),
-        };
-        let permit = breaker.try_acquire().ok();
-        let facts = BreakerFacts::sent(call.is_grpc(), timeout);
-        // Slow calls are timed (not by the default breaker).
-        let started = breaker
-            .config()
-            .slow_call_duration()
-            .is_some()
-            .then_some(now);
-        let backup = body.clone();
-        // In the call's span (none when tracing is off).
-        let entered = call.span().map(tracing::Span::enter);
-        let future = wrap(self.inner.call(Request::from_parts(parts, body)));
-        drop(entered);
-        FlatFuture {
-            future,
-            extra,
-            breaker,
-            started,
-            sleep: None,
-            deadline: deadline.instant(),
-            template,
-            body: backup,
-            call,
-            token: Some(token),
-            permit,
-            facts,
-            classifier: self.classifier.clone(),
-        }
+        flat_call!(self, request, |future| future, ())
     }
 }
 
 pin_project! {
-    /// The future of [`FloorFlat`]: the transport's future and what a retry needs, side
-    /// by side.
+    /// The future of both flat yardsticks ([`FloorFlat`], [`FloorFlatFeatures`]): the
+    /// transport's future (in the retry loop's states, for the second) and what a retry
+    /// needs, side by side.
     pub(crate) struct FlatFuture<F, B, X> {
         #[pin]
         future: F,
@@ -542,8 +535,9 @@ impl<F> Finish<F> for () {
 /// `floor_flat_features`: [`FloorFlat`] with what the fused stack carries per call
 /// beyond the work every retrying, guarded call must do, each by hand, still in one flat
 /// future: the optional throttle and hedge in front of it (a dispatch, and a future
-/// that says which answered), a handle on the transport for a retry's attempt, the
-/// breaker's shared configuration held for the call, the checks of the request's own
+/// that says which answered), a handle on the transport for a retry's attempt, a
+/// handle on shared configuration held for the call (a stand-in for the breaker's: a
+/// `Striped` value taken per call, as the stack takes it), the checks of the request's own
 /// budget and hedge race, the transport's readiness checked in place, and the retry
 /// loop's states (calling, backoff, readying, done) with what a pending retry keeps.
 #[derive(Clone)]
@@ -551,6 +545,7 @@ impl<F> Finish<F> for () {
 pub(crate) struct FloorFlatFeatures<S> {
     flat: FloorFlat<S>,
     transport: std::sync::Arc<std::sync::Mutex<S>>,
+    /// A stand-in for the breaker's shared configuration.
     config: Striped<()>,
     /// The throttle or the hedge in front (neither here).
     front: Option<std::sync::Arc<()>>,
@@ -601,9 +596,7 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
             last: None,
         };
         Front::Fused {
-            future: self
-                .flat
-                .flat_call(request, |future| Loop::Calling { future }, kept),
+            future: flat_call!(self.flat, request, |future| Loop::Calling { future }, kept),
         }
     }
 }
