@@ -46,6 +46,7 @@
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::{Arc, LazyLock, Mutex};
 use std::task::{Context, Poll, Waker};
 use std::time::Duration;
 
@@ -70,7 +71,7 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 const REQUEST_TIMEOUT_MS: HeaderName = HeaderName::from_static("request-timeout-ms");
 const TIMEOUT: Duration = Duration::from_secs(10);
 /// The header names the yardsticks read by (the default convention).
-static CONVENTION: std::sync::LazyLock<Convention> = std::sync::LazyLock::new(Convention::default);
+static CONVENTION: LazyLock<Convention> = LazyLock::new(Convention::default);
 
 #[derive(Clone)]
 pub(crate) struct Floor<S> {
@@ -334,7 +335,7 @@ pub(crate) struct FloorFlat<S> {
     policy: Striped<RetryPolicy>,
     breaker: CircuitBreaker,
     /// The breaker's classifier (the planner has its own).
-    classifier: std::sync::Arc<dyn Classifier>,
+    classifier: Arc<dyn Classifier>,
 }
 
 impl<S> FloorFlat<S> {
@@ -349,7 +350,7 @@ impl<S> FloorFlat<S> {
             inner,
             policy: Striped::new(policy),
             breaker: CircuitBreaker::default(),
-            classifier: std::sync::Arc::new(DefaultClassifier::default()),
+            classifier: Arc::new(DefaultClassifier::default()),
         }
     }
 }
@@ -455,7 +456,7 @@ pin_project! {
         breaker: CircuitBreaker,
         started: Option<Instant>,
         facts: BreakerFacts,
-        classifier: std::sync::Arc<dyn Classifier>,
+        classifier: Arc<dyn Classifier>,
     }
 }
 
@@ -544,11 +545,11 @@ impl<F> Finish<F> for () {
 #[allow(dead_code, reason = "used by the in-process bench only")]
 pub(crate) struct FloorFlatFeatures<S> {
     flat: FloorFlat<S>,
-    transport: std::sync::Arc<std::sync::Mutex<S>>,
+    transport: Arc<Mutex<S>>,
     /// A stand-in for the breaker's shared configuration.
     config: Striped<()>,
     /// The throttle or the hedge in front (neither here).
-    front: Option<std::sync::Arc<()>>,
+    front: Option<Arc<()>>,
 }
 
 impl<S: Clone> FloorFlatFeatures<S> {
@@ -556,7 +557,7 @@ impl<S: Clone> FloorFlatFeatures<S> {
     #[allow(dead_code, reason = "used by the in-process bench only")]
     pub(crate) fn new(inner: S, strategy: retrysafe::StandardRetryStrategy) -> Self {
         FloorFlatFeatures {
-            transport: std::sync::Arc::new(std::sync::Mutex::new(inner.clone())),
+            transport: Arc::new(Mutex::new(inner.clone())),
             flat: FloorFlat::new(inner, strategy),
             config: Striped::new(()),
             front: None,
@@ -590,7 +591,7 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
             .poll_ready(&mut Context::from_waker(Waker::noop()));
         std::hint::black_box(matches!(ready, Poll::Ready(Ok(()))));
         let kept = Kept {
-            transport: std::sync::Arc::clone(&self.transport),
+            transport: Arc::clone(&self.transport),
             config: self.config.local(),
             armed: false,
             last: None,
@@ -604,7 +605,7 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
 /// What [`FloorFlatFeatures`]'s future keeps besides [`FlatFuture`]'s.
 #[allow(dead_code, reason = "carried, as the fused stack carries it")]
 pub(crate) struct Kept<S> {
-    transport: std::sync::Arc<std::sync::Mutex<S>>,
+    transport: Arc<Mutex<S>>,
     config: Local<()>,
     /// A timer is armed.
     armed: bool,
