@@ -413,6 +413,108 @@ async fn a_write_that_fails_keeps_the_real_answer_and_reports_completion_lost() 
     }
 }
 
+// ---- handlers that declare a commit point ----
+
+/// `running(store())`, its handler declaring a commit point and done in `state`.
+fn declared(state: CommitPoint) -> Protocol {
+    let mut p = running(store());
+    p.commit_point(state);
+    p
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_before_the_declared_commit_point_releases_and_invites_a_retry() {
+    for status in [500, 502, 503, 408] {
+        let mut p = declared(CommitPoint::Before);
+        let finish = p.handled(answered(status));
+        assert_eq!(
+            finish,
+            Finish {
+                settle: Settle::Release,
+                reply: Reply::Response
+            },
+            "{status} before the commit point: released, answered as it is"
+        );
+        assert_eq!(p.settled(finish.settle, Settled::Done), None);
+        assert_eq!(notes(&mut p), [], "nothing is unknown, nothing is reported");
+    }
+
+    let mut p = declared(CommitPoint::Before);
+    let finish = p.handled(Handled::Panicked);
+    assert_eq!(finish.settle, Settle::Release);
+    let Reply::Problem(answer) = finish.reply else {
+        panic!("a problem")
+    };
+    assert_eq!(answer.kind(), ProblemKind::HandlerPanicked);
+    assert_eq!(answer.kind().status(), StatusCode::INTERNAL_SERVER_ERROR);
+    assert!(!answer.do_not_retry(), "nothing happened: a retry is safe");
+
+    let mut p = declared(CommitPoint::Before);
+    assert_eq!(
+        p.handled(Handled::Failed),
+        Finish {
+            settle: Settle::Release,
+            reply: Reply::Error
+        }
+    );
+
+    let mut p = declared(CommitPoint::Before);
+    let finish = p.handled(Handled::Cancelled);
+    assert_eq!(finish.settle, Settle::Release);
+    let Reply::Problem(answer) = finish.reply else {
+        panic!("a problem")
+    };
+    assert!(!answer.do_not_retry());
+
+    let mut p = declared(CommitPoint::Before);
+    assert_eq!(p.handled(answered(200)).settle, Settle::Capture);
+    let finish = p.captured(false);
+    assert_eq!(finish.settle, Settle::Release);
+    let Reply::Problem(answer) = finish.reply else {
+        panic!("a problem")
+    };
+    assert!(!answer.do_not_retry());
+}
+
+#[tokio::test(start_paused = true)]
+async fn before_the_commit_point_a_success_or_a_client_error_is_still_stored() {
+    for status in [200, 201, 400, 404, 409, 422] {
+        let mut p = declared(CommitPoint::Before);
+        assert_eq!(p.handled(answered(status)).settle, Settle::Capture);
+        assert_eq!(p.captured(true).settle, Settle::Complete);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failure_past_the_commit_point_or_undeclared_is_unknown() {
+    for state in [CommitPoint::Passed, CommitPoint::Undeclared] {
+        let mut p = declared(state);
+        let reason = UnknownReason::Status(StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(
+            p.handled(answered(503)),
+            Finish {
+                settle: Settle::MarkUnknown(reason),
+                reply: Reply::ResponseDoNotRetry
+            },
+            "{state:?}"
+        );
+
+        let mut p = declared(state);
+        let finish = p.handled(Handled::Panicked);
+        assert_eq!(finish.settle, Settle::MarkUnknown(UnknownReason::Panicked));
+        let Reply::Problem(answer) = finish.reply else {
+            panic!("a problem")
+        };
+        assert!(answer.do_not_retry(), "{state:?}");
+
+        let mut p = declared(state);
+        assert_eq!(
+            p.handled(Handled::Cancelled).settle,
+            Settle::MarkUnknown(UnknownReason::Cancelled)
+        );
+    }
+}
+
 // ---- an engine that rolls back ----
 
 #[tokio::test(start_paused = true)]

@@ -9,8 +9,10 @@
 //!    and report it with [`Protocol::claimed`];
 //! 2. [`Step::Wait`]: a copy is in flight; wait for it at most that long and report
 //!    with [`Protocol::waited`];
-//! 3. [`Step::Run`]: the caller holds the key; run the handler and report its outcome
-//!    with [`Protocol::handled`], which says how to [`Settle`] the record and what to
+//! 3. [`Step::Run`]: the caller holds the key; run the handler, tell the protocol how
+//!    far it got against its declared commit point ([`Protocol::commit_point`]), and
+//!    report its outcome with [`Protocol::handled`], which says how to [`Settle`] the
+//!    record and what to
 //!    [`Reply`]; after a [`Settle::Capture`], report with [`Protocol::captured`]; after
 //!    the record is written, report with [`Protocol::settled`];
 //! 4. [`Step::Replay`] or [`Step::Problem`]: answer at once;
@@ -47,7 +49,7 @@ use tokio::time::Instant;
 use super::Fingerprint;
 use super::decision::Disposition;
 use super::event::{Decision, EventKind, UnknownReason};
-use super::record::{Completed, Record, StoredResponse};
+use super::record::{CommitPoint, Completed, Record, StoredResponse};
 use crate::Deadline;
 use crate::problem::{Problem, ProblemKind};
 use crate::store::StoreError;
@@ -241,12 +243,7 @@ pub enum Handled {
     Failed,
     /// The engine cancelled (dropped) the handler: it ran past its time, or its lease
     /// was lost.
-    Cancelled {
-        /// The handler had declared that its effect was still ahead (the layer's
-        /// handlers declare a commit point, and it had not reached it): nothing
-        /// happened, and the key can be released.
-        before_commit_point: bool,
-    },
+    Cancelled,
 }
 
 /// What to do with the record once the handler is done.
@@ -324,6 +321,8 @@ pub struct Protocol {
     conflicted: bool,
     status: Option<StatusCode>,
     decision: Option<Decision>,
+    /// Where the handler stood against its commit point when it was done.
+    commit_point: CommitPoint,
     notes: [Option<Note>; 2],
 }
 
@@ -339,6 +338,7 @@ impl Protocol {
             conflicted: false,
             status: None,
             decision: None,
+            commit_point: CommitPoint::Undeclared,
             notes: [None, None],
         }
     }
@@ -553,36 +553,48 @@ impl Protocol {
         Step::Problem(self.policy.problem(ProblemKind::StoreUnavailable, detail))
     }
 
+    /// Where the handler (run after [`Step::Run`]) stood against its commit point when
+    /// it was done: [`CommitPoint::Before`] when its layer's handlers declare one and it
+    /// had not reached it, [`CommitPoint::Passed`] once it had, and
+    /// [`CommitPoint::Undeclared`] (the default) for handlers that declare none. Report
+    /// it before [`Protocol::handled`].
+    pub fn commit_point(&mut self, state: CommitPoint) {
+        self.commit_point = state;
+    }
+
+    /// Whether a failed handler provably had no effect: its transaction rolls back, or
+    /// it failed before the commit point it declares (its effect comes after it).
+    fn nothing_happened(&self) -> bool {
+        self.policy.rolls_back || self.commit_point == CommitPoint::Before
+    }
+
     /// The handler (run after [`Step::Run`]) is done: how to settle the record and
     /// what to answer.
+    ///
+    /// A failure — a 5xx or 408 answer, a panic, an error, a cancellation — is
+    /// `outcome_unknown` and answered `do-not-retry`, unless nothing happened (see
+    /// [`Protocol::commit_point`]; or the engine rolls back): then the key is released
+    /// and the answer invites a retry.
     pub fn handled(&mut self, handled: Handled) -> Finish {
-        let rolls_back = self.policy.rolls_back;
         let (settle, reply) = match handled {
             Handled::Panicked => (
-                self.unknown_or_rollback(UnknownReason::Panicked),
-                Reply::Problem(self.policy.problem(
-                    ProblemKind::HandlerPanicked,
-                    if rolls_back {
-                        "the request handler failed; nothing was committed"
-                    } else {
-                        "the request handler failed"
-                    },
-                )),
+                self.unknown_or_release(UnknownReason::Panicked),
+                Reply::Problem(self.panicked()),
             ),
             Handled::Failed => (
-                self.unknown_or_rollback(UnknownReason::ServiceError),
+                self.unknown_or_release(UnknownReason::ServiceError),
                 Reply::Error,
             ),
-            Handled::Cancelled {
-                before_commit_point,
-            } => self.cancelled(before_commit_point),
+            Handled::Cancelled => self.cancelled(),
             Handled::Answered { status, no_effect } => {
                 self.status = Some(status);
                 match Disposition::of(status, no_effect) {
                     Disposition::Store => (Settle::Capture, Reply::Response),
                     Disposition::Release => (Settle::Release, Reply::Response),
-                    // Rolled back, nothing happened: the answer goes as it is.
-                    Disposition::OutcomeUnknown if rolls_back => (Settle::Release, Reply::Response),
+                    // Nothing happened: the answer goes as it is, a retry runs again.
+                    Disposition::OutcomeUnknown if self.nothing_happened() => {
+                        (Settle::Release, Reply::Response)
+                    }
                     Disposition::OutcomeUnknown => (
                         Settle::MarkUnknown(UnknownReason::Status(status)),
                         Reply::ResponseDoNotRetry,
@@ -593,10 +605,29 @@ impl Protocol {
         Finish { settle, reply }
     }
 
+    /// The answer to a panic: `handler-panicked`, marked `do-not-retry` unless nothing
+    /// happened.
+    fn panicked(&self) -> Problem {
+        let detail = if self.policy.rolls_back {
+            "the request handler failed; nothing was committed"
+        } else if self.nothing_happened() {
+            "the request handler failed before its commit point; nothing happened, a retry \
+             is safe"
+        } else {
+            "the request handler failed"
+        };
+        let problem = self.policy.problem(ProblemKind::HandlerPanicked, detail);
+        if self.nothing_happened() {
+            problem.retryable()
+        } else {
+            problem
+        }
+    }
+
     /// A cancelled handler: before its declared commit point nothing happened, so the
     /// key is released and a retry is safe; otherwise its outcome is unknown.
-    fn cancelled(&self, before_commit_point: bool) -> (Settle, Reply) {
-        if before_commit_point || self.policy.rolls_back {
+    fn cancelled(&self) -> (Settle, Reply) {
+        if self.nothing_happened() {
             let problem = self.policy.problem(
                 ProblemKind::HandlerPanicked,
                 "the request handler was cancelled before its effect; a retry is safe",
@@ -627,6 +658,14 @@ impl Protocol {
                 ProblemKind::HandlerPanicked,
                 "the response failed while it was being produced; nothing was committed",
             )
+        } else if self.nothing_happened() {
+            self.policy
+                .problem(
+                    ProblemKind::HandlerPanicked,
+                    "the response failed while it was being produced, before the handler's \
+                     commit point; nothing happened, a retry is safe",
+                )
+                .retryable()
         } else {
             self.policy.problem(
                 ProblemKind::OutcomeUnknown,
@@ -634,13 +673,13 @@ impl Protocol {
             )
         };
         Finish {
-            settle: self.unknown_or_rollback(UnknownReason::BodyError),
+            settle: self.unknown_or_release(UnknownReason::BodyError),
             reply: Reply::Problem(problem),
         }
     }
 
-    fn unknown_or_rollback(&self, reason: UnknownReason) -> Settle {
-        if self.policy.rolls_back {
+    fn unknown_or_release(&self, reason: UnknownReason) -> Settle {
+        if self.nothing_happened() {
             Settle::Release
         } else {
             Settle::MarkUnknown(reason)

@@ -164,20 +164,17 @@ where
 
 /// After the engine cancelled the handler (it ran past its time, or its lease was
 /// lost): settles the record as the protocol says for a cancelled handler — released
-/// when it was `before_commit_point`, `outcome_unknown` otherwise — and answers with
-/// the protocol's problem.
+/// when it was before its declared commit point, `outcome_unknown` otherwise — and
+/// answers with the protocol's problem.
 pub(crate) async fn abandon<E, B, Err>(
     guard: &Guard,
     protocol: &mut Protocol,
     engine: &mut E,
-    before_commit_point: bool,
 ) -> Result<Res<B>, Err>
 where
     E: Engine,
 {
-    let finish = protocol.handled(Handled::Cancelled {
-        before_commit_point,
-    });
+    let finish = protocol.handled(Handled::Cancelled);
     let reply = settle(guard, protocol, engine, finish, None).await;
     reply_with(guard, reply, None, None)
 }

@@ -271,11 +271,12 @@ impl<'a> StoreEngine<'a> {
             // before its record is settled.
             self.supervised(std::pin::pin!(handler)).await
         };
+        protocol.commit_point(self.commit_point());
         match outcome {
             Some(outcome) => conclude(guard, protocol, self, outcome).await,
             None => {
-                let before = self.cancelled();
-                abandon(guard, protocol, self, before).await
+                self.cancelled();
+                abandon(guard, protocol, self).await
             }
         }
     }
@@ -310,18 +311,26 @@ impl<'a> StoreEngine<'a> {
         }
     }
 
-    /// Reports the cancelled handler; whether it was still before its declared commit
-    /// point (then nothing happened and its key can be released).
-    fn cancelled(&self) -> bool {
-        let lost = self
-            .context
-            .as_ref()
-            .is_some_and(IdempotencyContext::lease_lost);
+    /// Where the handler stands against its commit point: `Before` while a handler
+    /// that declares one has not reached it (nothing happened yet), `Passed` once it
+    /// has, `Undeclared` for handlers that declare none.
+    fn commit_point(&self) -> CommitPoint {
         let committed = self
             .context
             .as_ref()
             .is_some_and(IdempotencyContext::is_committed);
-        let before = self.backend.commit_point == CommitPoint::Before && !committed;
+        match self.backend.commit_point {
+            CommitPoint::Before if committed => CommitPoint::Passed,
+            declared => declared,
+        }
+    }
+
+    /// Reports the cancelled handler.
+    fn cancelled(&self) {
+        let lost = self
+            .context
+            .as_ref()
+            .is_some_and(IdempotencyContext::lease_lost);
         let why = if lost {
             "the handler's lease was lost (another copy may have taken over)"
         } else {
@@ -330,10 +339,9 @@ impl<'a> StoreEngine<'a> {
         tracing::warn!(
             target: "retrysafe::idempotency",
             record = ?self.id,
-            before_commit_point = before,
+            before_commit_point = self.commit_point() == CommitPoint::Before,
             "{why}; it is cancelled"
         );
-        before
     }
 
     /// Registers the claim made at `claimed_at` for renewal until the record is
