@@ -11,6 +11,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
+    clippy::indexing_slicing,
     missing_docs,
     reason = "test code: panics are the assertions"
 )]

@@ -66,12 +66,12 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                        a redis:// URL (RedisStore and a Redis ledger), or a postgres://
                        URL (key and payment in one PostgreSQL transaction); instances
                        sharing one Redis or database behave as one
-  --lease-ms N         lease of a claim in milliseconds (default 10000); with postgres,
+  --lease-ms N         lease of a claim in milliseconds (default 5000); with postgres,
                        how long an idle transaction keeps its key (a vanished holder's)
   --ttl-ms N           how long completed keys are kept, in milliseconds (default 24 h)
   --in-flight MODE     a copy of a request still in progress: `conflict` answers 409
                        (default), `wait` waits up to 5 s for the original's answer
-  --max-execution-ms N how long a handler may run, in milliseconds (default 60000); a
+  --max-execution-ms N how long a handler may run, in milliseconds (default 10000); a
                        handler still running then is cancelled (memory and redis stores)
   --memory-bytes N     byte budget of the in-memory store (--store memory only)
   --reconcile-ms N     run the reconciler every N milliseconds: it resolves keys left
