@@ -277,6 +277,28 @@ impl<X: Backend> IdempotencyLayer<X> {
         if let Some(e) = self.backend.conflicts() {
             checks.refuse(e);
         }
+        let c = &self.guard.config.convention;
+        let per_attempt = [
+            c.idempotency_key(),
+            c.retry_attempt(),
+            c.grpc_previous_rpc_attempts(),
+            c.request_timeout_ms(),
+            c.grpc_timeout(),
+            c.retry_point(),
+        ];
+        checks.check(
+            !self
+                .guard
+                .config
+                .fingerprinter
+                .headers()
+                .iter()
+                .any(|h| per_attempt.contains(&h)),
+            "fingerprint_headers",
+            "must not name the idempotency key or a header that changes between attempts \
+             of one request (retry-attempt, grpc-previous-rpc-attempts, request-timeout-ms, \
+             grpc-timeout, retry-point)",
+        );
         let bound = self.guard.shared.slots.bound();
         let share = self.guard.config.max_in_flight_per_scope;
         checks.check(
@@ -367,6 +389,11 @@ impl<X> IdempotencyLayer<X> {
     }
 
     /// The headers that are part of the fingerprint (default `content-type`).
+    ///
+    /// The idempotency key and the convention's per-attempt headers (`retry-attempt`,
+    /// `grpc-previous-rpc-attempts`, `request-timeout-ms`, `grpc-timeout`,
+    /// `retry-point`) are never part of "the same request": [`build`](Self::build)
+    /// refuses them here.
     pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let f = Fingerprinter::with_headers(headers);
         self.config(|c| c.fingerprinter = f)
