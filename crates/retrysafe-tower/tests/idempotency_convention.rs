@@ -76,16 +76,16 @@ fn fingerprinting_a_per_attempt_header_is_refused() {
         "idempotency-key",
     ] {
         let err = IdempotencyLayer::in_memory()
-            .fingerprint_headers([
-                http::header::CONTENT_TYPE,
-                HeaderName::from_static(name),
-            ])
+            .fingerprint_headers([http::header::CONTENT_TYPE, HeaderName::from_static(name)])
             .build()
             .unwrap_err();
         assert_eq!(err.field(), "fingerprint_headers", "{name}");
     }
     let fine = IdempotencyLayer::in_memory()
-        .fingerprint_headers([http::header::CONTENT_TYPE, HeaderName::from_static("x-tenant")])
+        .fingerprint_headers([
+            http::header::CONTENT_TYPE,
+            HeaderName::from_static("x-tenant"),
+        ])
         .build();
     assert!(fine.is_ok());
 }
@@ -102,8 +102,16 @@ async fn a_key_on_an_unguarded_method_is_not_looked_at() {
                 .header("idempotency-key", key)
                 .body(Body::empty())
                 .unwrap();
-            assert_eq!(send(&app, req).await, (StatusCode::CREATED, false), "{method}");
+            assert_eq!(
+                send(&app, req).await,
+                (StatusCode::CREATED, false),
+                "{method}"
+            );
         }
     }
-    assert_eq!(runs.load(Ordering::SeqCst), 6, "each ran: nothing was recorded");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        6,
+        "each ran: nothing was recorded"
+    );
 }
