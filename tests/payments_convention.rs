@@ -189,3 +189,16 @@ fn help_lists_the_endpoints_and_the_principal() {
         assert!(usage.contains(needle), "{needle}: {usage}");
     }
 }
+
+#[test]
+fn startup_errors_name_what_and_where() {
+    // PostgreSQL down: said at once, with the address (not a pool timeout).
+    let (status, stderr) =
+        support::run_to_exit(&["--store", "postgres://postgres@127.0.0.1:1/test"], &[]);
+    assert_eq!(status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("connection refused at 127.0.0.1:1"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("pool timed out"), "{stderr}");
+}
