@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -328,7 +328,8 @@ impl<S: fmt::Debug> fmt::Debug for Fused<S> {
 pin_project! {
     /// The response future of [`ClientService`]: the retry loop, each attempt through
     /// the breaker, bounded by the deadline — or the race of a hedged request's copies,
-    /// each such a loop — and the throttle's count of the answer.
+    /// each such a loop — and the throttle's count of the answer. Polled again once it
+    /// has answered, it answers an error.
     #[allow(private_bounds, reason = "the attempts' maker is an implementation detail")]
     pub struct ResponseFuture<S, B>
     where
@@ -355,7 +356,10 @@ pin_project! {
         Hedged {
             inner: Pin<Box<hedge::ResponseFuture<Fused<S>, B>>>,
         },
+        // Refused by the throttle: answered at the first poll.
         Throttled,
+        // Answered without a call (the loop and the race have done states of their own).
+        Done,
     }
 }
 
@@ -368,18 +372,24 @@ where
     type Output = Result<Response<ResponseBody<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let answer = match this.kind.project() {
-            // Nothing to count: the answer goes out as it comes (no copy of it here).
-            KindProj::Fused { inner } if this.admitted.is_none() => return inner.poll(cx),
-            KindProj::Fused { inner } => ready!(inner.poll(cx)),
-            KindProj::Hedged { inner } => ready!(inner.as_mut().poll(cx)),
-            KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),
+        let mut this = self.project();
+        // The answer goes out as it comes (no copy of it here), counted by the throttle
+        // on the way when there is one.
+        let polled = match this.kind.as_mut().project() {
+            KindProj::Fused { inner } => inner.poll(cx),
+            KindProj::Hedged { inner } => inner.as_mut().poll(cx),
+            KindProj::Throttled => {
+                this.kind.set(Kind::Done);
+                return Poll::Ready(Err(Box::new(Throttled::new())));
+            }
+            KindProj::Done => {
+                return Poll::Ready(Err("client future polled after completion".into()));
+            }
         };
-        if let (Some(admitted), Ok(response)) = (this.admitted.as_ref(), &answer) {
+        if let (Some(admitted), Poll::Ready(Ok(response))) = (this.admitted.as_ref(), &polled) {
             admitted.answered(response);
         }
-        Poll::Ready(answer)
+        polled
     }
 }
 
@@ -393,9 +403,62 @@ where
             Kind::Fused { .. } => "fused",
             Kind::Hedged { .. } => "hedged",
             Kind::Throttled => "throttled",
+            Kind::Done => "done",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::panic, reason = "test code: panics are the assertions")]
+
+    use std::convert::Infallible;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::task::{Context, Poll, Waker};
+
+    use http::{Request, Response};
+    use retrysafe_core::error::Throttled;
+    use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
+    use tower::{Layer, Service, service_fn};
+
+    use crate::client::ClientLayers;
+    use crate::retry::ReplayBody;
+    use crate::throttle::AdaptiveThrottleLayer;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_call_polled_again_answers_an_error_and_calls_nothing() {
+        // A callee that accepted none of 1000 calls: the next is refused but for a draw
+        // above 1000 / 1001.
+        let refusing = AdaptiveThrottle::new(ThrottleConfig::default());
+        for _ in 0..1000 {
+            assert!(refusing.admit(1.0));
+        }
+        let throttle = AdaptiveThrottleLayer::new().throttle_with(refusing).seed(7);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let transport = service_fn(move |_: Request<ReplayBody<String>>| {
+            counted.fetch_add(1, Relaxed);
+            std::future::ready(Ok::<_, Infallible>(Response::new(String::new())))
+        });
+        let mut client = ClientLayers::new().throttle(throttle).layer(transport);
+        let mut future = pin!(client.call(Request::new(String::new())));
+        let mut cx = Context::from_waker(Waker::noop());
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => assert!(e.is::<Throttled>(), "{e}"),
+            other => panic!("the first poll gave {other:?}"),
+        }
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => {
+                assert_eq!(e.to_string(), "client future polled after completion");
+            }
+            other => panic!("a second poll gave {other:?}"),
+        }
+        assert_eq!(calls.load(Relaxed), 0);
     }
 }
