@@ -28,11 +28,15 @@ use crate::{hedge, throttle};
 /// response future, where it counts against the deadline (and, for the breaker, after
 /// the permit is taken), as in the separate layers. Hence `S: Clone` (wrap a service
 /// that is not in a `tower::buffer::Buffer`).
+#[derive(Clone)]
 pub struct ClientService<S> {
     /// The transport a call's first attempt is made on (in place, when it is ready).
     inner: S,
     /// The transport the calls' futures clone for their retries and hedges.
     transport: Transport<S>,
+    /// `inner` was lent out mutably since `transport` was copied from it: the next call
+    /// copies it again.
+    stale: bool,
     retry: Arc<retry::Config>,
     breaker: Striped<breaker::Config>,
     /// The breaker takes the planner's word for the timeout headers it writes.
@@ -62,6 +66,7 @@ impl<S> ClientService<S> {
         ClientService {
             same_names: Guarded::<S>::same_names(&breaker, retry.policy.convention()),
             transport: Arc::new(Mutex::new(inner.clone())),
+            stale: false,
             inner,
             retry,
             breaker,
@@ -71,27 +76,39 @@ impl<S> ClientService<S> {
         }
     }
 
+    // Not `define_inner_service_accessors!`: the transport has a copy that the calls'
+    // retries and hedges clone, which `get_mut` must bring up to date.
+
     /// The transport.
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
-}
 
-impl<S: Clone> Clone for ClientService<S> {
-    fn clone(&self) -> Self {
-        ClientService {
-            inner: self.inner.clone(),
-            transport: Arc::clone(&self.transport),
-            retry: self.retry.clone(),
-            breaker: self.breaker.clone(),
-            same_names: self.same_names,
-            deadline: self.deadline,
-            throttle: self.throttle.clone(),
-            hedge: self.hedge.clone(),
-        }
+    /// The transport, mutably. The calls made after a change make every attempt on the
+    /// changed transport, retries and hedges included; calls under way keep the one
+    /// they started with.
+    pub fn get_mut(&mut self) -> &mut S {
+        self.stale = true;
+        &mut self.inner
+    }
+
+    /// The transport, `self` consumed.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// Copies the transport again for the calls' retries and hedges (after `get_mut`).
+    #[cold]
+    fn refresh_transport(&mut self)
+    where
+        S: Clone,
+    {
+        self.transport = Arc::new(Mutex::new(self.inner.clone()));
+        self.stale = false;
     }
 }
 
+// By hand: a derive would show the transport twice and the cached `same_names`.
 impl<S: fmt::Debug> fmt::Debug for ClientService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientService")
@@ -122,6 +139,9 @@ where
 
     #[inline]
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        if self.stale {
+            self.refresh_transport();
+        }
         if self.throttle.is_some() || self.hedge.is_some() {
             return self.call_in_front(request);
         }
@@ -306,6 +326,8 @@ where
     }
 }
 
+// By hand: a derive would bound `S` by `Clone`, which sharing the transport does not
+// need.
 impl<S> Clone for Fused<S> {
     fn clone(&self) -> Self {
         Fused {
@@ -317,6 +339,8 @@ impl<S> Clone for Fused<S> {
     }
 }
 
+// By hand: of a hedge's copy, only the transport is its own (a derive would show the
+// stack's configurations too).
 impl<S: fmt::Debug> fmt::Debug for Fused<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fused")
@@ -418,17 +442,18 @@ mod tests {
     use std::convert::Infallible;
     use std::future::Future;
     use std::pin::pin;
-    use std::sync::Arc;
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::sync::{Arc, Mutex, PoisonError};
     use std::task::{Context, Poll, Waker};
 
-    use http::{Request, Response};
+    use http::{Request, Response, StatusCode};
     use retrysafe_core::error::Throttled;
+    use retrysafe_core::strategy::StandardRetryStrategy;
     use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
     use tower::{Layer, Service, service_fn};
 
     use crate::client::ClientLayers;
-    use crate::retry::ReplayBody;
+    use crate::retry::{ReplayBody, RetryLayer};
     use crate::throttle::AdaptiveThrottleLayer;
 
     #[tokio::test(start_paused = true)]
@@ -460,5 +485,54 @@ mod tests {
             other => panic!("a second poll gave {other:?}"),
         }
         assert_eq!(calls.load(Relaxed), 0);
+    }
+
+    /// A transport that logs its number at every call and answers 503.
+    #[derive(Clone)]
+    struct Numbered {
+        number: u32,
+        log: Arc<Mutex<Vec<u32>>>,
+    }
+
+    impl Service<Request<ReplayBody<String>>> for Numbered {
+        type Response = Response<String>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<ReplayBody<String>>) -> Self::Future {
+            self.log
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(self.number);
+            let mut response = Response::new(String::new());
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            std::future::ready(Ok(response))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transport_changed_through_get_mut_takes_every_later_attempt() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let transport = Numbered {
+            number: 1,
+            log: Arc::clone(&log),
+        };
+        let retry = RetryLayer::new().strategy(StandardRetryStrategy::new().seed(7));
+        let mut client = ClientLayers::new().retry(retry).layer(transport);
+        let logged = || std::mem::take(&mut *log.lock().unwrap_or_else(PoisonError::into_inner));
+        let get = || Request::new(String::new());
+        let answer = client.call(get()).await;
+        assert!(answer.is_ok_and(|r| r.status() == StatusCode::SERVICE_UNAVAILABLE));
+        assert_eq!(logged(), [1, 1, 1]);
+        client.get_mut().number = 2;
+        assert_eq!(client.get_ref().number, 2);
+        let answer = client.call(get()).await;
+        assert!(answer.is_ok_and(|r| r.status() == StatusCode::SERVICE_UNAVAILABLE));
+        assert_eq!(logged(), [2, 2, 2], "the retries too");
+        assert_eq!(client.into_inner().number, 2);
     }
 }
