@@ -205,7 +205,7 @@ impl TimeWindow {
     fn record(&self, call: Call) {
         let ring = self.ring(thread_stripe() & self.stripe_mask);
         let rotated = ring.add(&self.clock, self.clock.epoch(), |counts| {
-            Some(pack(0, add(counts_of(counts), call)))
+            Some(bits_of(add(counts_of(counts), call)))
         });
         if let Some(epoch) = rotated {
             self.sweep(epoch);
@@ -339,12 +339,14 @@ fn add(mut counts: WindowCounts, call: Call) -> WindowCounts {
 
 /// A bucket word.
 fn pack(lap: u64, counts: WindowCounts) -> u64 {
-    Calls::pack(
-        lap,
-        ((counts.successes & COUNT_MAX) << SUCCESS_SHIFT)
-            | ((counts.failures & COUNT_MAX) << FAILURE_SHIFT)
-            | (counts.slow_calls & COUNT_MAX),
-    )
+    Calls::pack(lap, bits_of(counts))
+}
+
+/// The counts' bits of a bucket word.
+fn bits_of(counts: WindowCounts) -> u64 {
+    ((counts.successes & COUNT_MAX) << SUCCESS_SHIFT)
+        | ((counts.failures & COUNT_MAX) << FAILURE_SHIFT)
+        | (counts.slow_calls & COUNT_MAX)
 }
 
 /// The lap of a bucket word.
