@@ -38,9 +38,9 @@
 //! # Concurrency
 //!
 //! Lock-free, like the ratio budget: each thread counts in a cache-padded stripe of its
-//! own (a thread-local index), two rings of time buckets (see [`ring`](crate::ring)) in
-//! which one atomic word holds a bucket's lap and count, so a bucket's rotation cannot
-//! race an increment. A decision reads every stripe. Time comes from [`tokio::time::Instant`], so the window follows a
+//! own (a thread-local index), a ring of time buckets in which one atomic word holds a
+//! bucket's lap and count, so a bucket's rotation cannot race an increment. A decision
+//! reads every stripe. Time comes from [`tokio::time::Instant`], so the window follows a
 //! paused test clock.
 
 use std::fmt;
