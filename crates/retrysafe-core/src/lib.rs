@@ -48,6 +48,7 @@ pub mod observe;
 pub mod problem;
 pub mod recovery;
 pub mod retry;
+mod ring;
 pub mod store;
 pub mod strategy;
 #[doc(hidden)]

@@ -50,24 +50,19 @@ use std::time::Duration;
 
 use crate::ConfigError;
 use crate::config::Validate;
+use crate::ring::{self, Count, Layout, Window};
 use crate::stripe::{CachePadded, EpochClock, stripe_count, thread_stripe};
 use crate::sync::{Arc, AtomicU64};
 
 /// Buckets per window.
 const BUCKETS: usize = 10;
-/// [`BUCKETS`] as a `u64`.
-const BUCKETS_U64: u64 = 10;
 /// [`BUCKETS`], for the clock.
-const BUCKETS_NONZERO: NonZeroU64 = match NonZeroU64::new(BUCKETS_U64) {
+const BUCKETS_NONZERO: NonZeroU64 = match NonZeroU64::new(10) {
     Some(n) => n,
     None => NonZeroU64::MIN,
 };
-/// Low bits of a bucket word that hold its count.
-const COUNT_BITS: u32 = 36;
-/// The largest count (and the mask of the count bits).
-const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
-/// The mask of a lap.
-const LAP_MASK: u64 = (1 << (64 - COUNT_BITS)) - 1;
+/// The largest count of a bucket.
+const COUNT_MAX: u64 = Count::COUNTS_MASK;
 
 /// The shortest window.
 const MIN_WINDOW: Duration = Duration::from_secs(1);
@@ -166,7 +161,7 @@ impl ThrottleConfig {
 }
 
 /// One window of counts: a ring of packed (lap, count) buckets.
-type Ring = [AtomicU64; BUCKETS];
+type Ring = ring::Ring<[AtomicU64; BUCKETS], Count>;
 
 /// One stripe's counts.
 #[derive(Default)]
@@ -248,14 +243,14 @@ impl AdaptiveThrottle {
 
     /// `(requests, accepts)` in the current window, over every stripe.
     pub fn counts(&self) -> (u64, u64) {
-        let laps = window_laps(self.inner.clock.0.epoch());
+        let window = Window::new::<Count>(self.inner.clock.0.epoch(), BUCKETS_NONZERO);
         self.inner
             .stripes
             .iter()
             .map(|s| {
                 (
-                    ring_sum(&s.0.requests, &laps),
-                    ring_sum(&s.0.accepts, &laps),
+                    s.0.requests.sum(&window, Relaxed, None),
+                    s.0.accepts.sum(&window, Relaxed, None),
                 )
             })
             .fold((0, 0), |(r, a), (sr, sa)| {
@@ -278,39 +273,10 @@ impl AdaptiveThrottle {
         else {
             return;
         };
-        let ring = ring(&stripe.0);
         let clock = &self.inner.clock.0;
-        let mut epoch = clock.epoch();
-        'rotate: loop {
-            let (slot, lap) = position(epoch);
-            let Some(cell) = ring.get(slot) else {
-                return;
-            };
-            let mut word = cell.load(Relaxed);
-            loop {
-                let next = if lap_of(word) == lap {
-                    if count_of(word) == COUNT_MAX {
-                        return;
-                    }
-                    word + 1
-                } else {
-                    // An older lap starts over; a newer one means another thread saw a
-                    // later time than ours: read the clock again.
-                    let now = clock.epoch();
-                    if now != epoch {
-                        epoch = now;
-                        continue 'rotate;
-                    }
-                    pack(lap, 1)
-                };
-                // Relaxed: the counts publish no other data; the CAS makes the rotation
-                // and the increment one step.
-                match cell.compare_exchange_weak(word, next, Relaxed, Relaxed) {
-                    Ok(_) => return,
-                    Err(actual) => word = actual,
-                }
-            }
-        }
+        ring(&stripe.0).add(clock, clock.epoch(), |count| {
+            (count < COUNT_MAX).then_some(count + 1)
+        });
     }
 }
 
@@ -323,52 +289,6 @@ impl fmt::Debug for AdaptiveThrottle {
             .field("accepts", &accepts)
             .finish()
     }
-}
-
-/// The bucket index and the (truncated) lap of an epoch.
-fn position(epoch: u64) -> (usize, u64) {
-    let slot = usize::try_from(epoch % BUCKETS_U64).unwrap_or(0);
-    (slot, (epoch / BUCKETS_U64) & LAP_MASK)
-}
-
-/// A bucket word.
-fn pack(lap: u64, count: u64) -> u64 {
-    (lap << COUNT_BITS) | count
-}
-
-/// The lap of a bucket word.
-fn lap_of(word: u64) -> u64 {
-    word >> COUNT_BITS
-}
-
-/// The count of a bucket word.
-fn count_of(word: u64) -> u64 {
-    word & COUNT_MAX
-}
-
-/// The lap each bucket must carry to belong to the window ending with `epoch`.
-fn window_laps(epoch: u64) -> [Option<u64>; BUCKETS] {
-    let mut laps = [None; BUCKETS];
-    for back in 0..BUCKETS_U64 {
-        if let Some(e) = epoch.checked_sub(back) {
-            let (slot, lap) = position(e);
-            if let Some(l) = laps.get_mut(slot) {
-                *l = Some(lap);
-            }
-        }
-    }
-    laps
-}
-
-/// The counts of the buckets of `ring` that belong to the window `laps`.
-fn ring_sum(ring: &Ring, laps: &[Option<u64>; BUCKETS]) -> u64 {
-    ring.iter()
-        .zip(laps)
-        .filter_map(|(cell, lap)| {
-            let word = cell.load(Relaxed);
-            (Some(lap_of(word)) == *lap).then_some(count_of(word))
-        })
-        .fold(0, u64::saturating_add)
 }
 
 #[cfg(all(test, not(loom)))]
@@ -420,12 +340,5 @@ mod tests {
         let c = config(u64::MAX, 1e9).clamped();
         assert_eq!((c.window(), c.k()), (MAX_WINDOW, MAX_K));
         assert!(config(1, 1.0).build().is_ok());
-    }
-
-    #[test]
-    fn packing_round_trips() {
-        assert_eq!(pack(LAP_MASK, COUNT_MAX), u64::MAX);
-        assert_eq!((lap_of(pack(3, 7)), count_of(pack(3, 7))), (3, 7));
-        assert_eq!(position(23), (3, 2));
     }
 }

@@ -212,6 +212,7 @@ pub(crate) fn charge(
 
 /// The service of a client-side [`RetryBudgetLayer`]: a refusal is a local failure, the
 /// error [`BudgetExhausted`].
+#[derive(Clone, Debug)]
 pub struct RetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
@@ -224,24 +225,8 @@ impl<S> RetryBudgetService<S> {
             config: config.clone(),
         }
     }
-}
 
-impl<S: Clone> Clone for RetryBudgetService<S> {
-    fn clone(&self) -> Self {
-        RetryBudgetService {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for RetryBudgetService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RetryBudgetService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for RetryBudgetService<S>
@@ -320,27 +305,14 @@ impl<F> fmt::Debug for ResponseFuture<F> {
 /// service's error type is kept and its body wrapped in a [`LocalBody`], so it fits
 /// axum's `Router::layer` and `route_layer` (which need `Infallible`) and tonic's
 /// `Server::layer` alike.
+#[derive(Clone, Debug)]
 pub struct ServerRetryBudgetService<S> {
     inner: S,
     config: Arc<Config>,
 }
 
-impl<S: Clone> Clone for ServerRetryBudgetService<S> {
-    fn clone(&self) -> Self {
-        ServerRetryBudgetService {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for ServerRetryBudgetService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ServerRetryBudgetService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+impl<S> ServerRetryBudgetService<S> {
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerRetryBudgetService<S>

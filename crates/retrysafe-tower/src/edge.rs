@@ -111,6 +111,10 @@ pub struct EdgeService<S> {
     config: Arc<Config>,
 }
 
+impl<S> EdgeService<S> {
+    define_inner_service_accessors!();
+}
+
 impl<S, B> Service<Request<B>> for EdgeService<S>
 where
     S: Service<Request<B>>,

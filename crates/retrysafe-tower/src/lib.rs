@@ -26,6 +26,27 @@
 //! - [`server`]: a helper that assembles the recommended server order.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// `get_ref`, `get_mut` and `into_inner` on a service whose field `inner` is its inner
+/// service `S` (called in an `impl` block of the service), as tower-http's services have.
+macro_rules! define_inner_service_accessors {
+    () => {
+        /// The inner service.
+        pub fn get_ref(&self) -> &S {
+            &self.inner
+        }
+
+        /// The inner service, mutably.
+        pub fn get_mut(&mut self) -> &mut S {
+            &mut self.inner
+        }
+
+        /// The inner service, `self` consumed.
+        pub fn into_inner(self) -> S {
+            self.inner
+        }
+    };
+}
+
 #[cfg(feature = "breaker")]
 pub mod breaker;
 #[cfg(feature = "budget")]
@@ -65,3 +86,68 @@ pub mod __private {
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
+
+#[cfg(all(
+    test,
+    feature = "breaker",
+    feature = "budget",
+    feature = "client",
+    feature = "deadline",
+    feature = "edge",
+    feature = "hedge",
+    feature = "propagate",
+    feature = "retry",
+    feature = "throttle",
+))]
+mod tests {
+    use std::time::Duration;
+
+    use retrysafe_core::budget::RetryBudget;
+    use tower_layer::Layer;
+
+    use crate::breaker::CircuitBreakerLayer;
+    use crate::budget::RetryBudgetLayer;
+    use crate::client::ClientLayers;
+    use crate::deadline::DeadlineLayer;
+    use crate::edge::EdgeLayer;
+    use crate::hedge::HedgeLayer;
+    use crate::local::GrpcStatusLayer;
+    use crate::propagate::PropagateLayer;
+    use crate::retry::RetryLayer;
+    use crate::throttle::AdaptiveThrottleLayer;
+
+    /// An inner service told apart by its number.
+    #[derive(Debug, Clone, PartialEq)]
+    struct Inner(u32);
+
+    /// The service's accessors reach the `Inner(1)` it was made over.
+    macro_rules! reaches_the_inner_service {
+        ($service:expr) => {{
+            let mut service = $service;
+            assert_eq!(service.get_ref(), &Inner(1));
+            service.get_mut().0 = 2;
+            assert_eq!(service.get_ref(), &Inner(2));
+            assert_eq!(service.into_inner(), Inner(2));
+        }};
+    }
+
+    #[test]
+    fn every_service_lends_and_gives_back_its_inner_service() {
+        let inner = || Inner(1);
+        let budget = RetryBudgetLayer::new(RetryBudget::ratio());
+        reaches_the_inner_service!(GrpcStatusLayer::new().layer(inner()));
+        reaches_the_inner_service!(RetryLayer::new().layer(inner()));
+        reaches_the_inner_service!(budget.layer(inner()));
+        reaches_the_inner_service!(budget.server().layer(inner()));
+        reaches_the_inner_service!(CircuitBreakerLayer::default().layer(inner()));
+        reaches_the_inner_service!(DeadlineLayer::new(Duration::from_secs(1)).layer(inner()));
+        reaches_the_inner_service!(DeadlineLayer::server().layer(inner()));
+        reaches_the_inner_service!(PropagateLayer::new().layer(inner()));
+        reaches_the_inner_service!(EdgeLayer::new().layer(inner()));
+        reaches_the_inner_service!(HedgeLayer::new().layer(inner()));
+        reaches_the_inner_service!(AdaptiveThrottleLayer::new().layer(inner()));
+        reaches_the_inner_service!(ClientLayers::new().layer(inner()));
+        #[cfg(feature = "tonic")]
+        reaches_the_inner_service!(ClientLayers::new().grpc().layer(inner()));
+    }
+}

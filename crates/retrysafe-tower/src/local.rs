@@ -96,6 +96,10 @@ pub struct GrpcStatusService<S> {
     convention: Arc<Convention>,
 }
 
+impl<S> GrpcStatusService<S> {
+    define_inner_service_accessors!();
+}
+
 impl<S, ReqB, ResB> Service<Request<ReqB>> for GrpcStatusService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,

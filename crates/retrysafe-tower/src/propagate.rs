@@ -221,6 +221,10 @@ pub struct PropagateService<S> {
     inbound: Arc<Inbound>,
 }
 
+impl<S> PropagateService<S> {
+    define_inner_service_accessors!();
+}
+
 impl<S, ReqB, ResB> Service<Request<ReqB>> for PropagateService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,

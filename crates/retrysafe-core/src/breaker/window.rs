@@ -2,13 +2,13 @@
 //!
 //! # Layout
 //!
-//! A window is a ring of buckets; each bucket is one `AtomicU64` that packs the
-//! bucket's *lap* (its epoch divided by the number of buckets, modulo 2^22) in the
-//! high 22 bits and three 14-bit counts below — successes, failures and slow calls
-//! (slow calls are also successes or failures) — so recording a call and rotating the
-//! bucket to a new lap are one compare-and-swap: a rotation cannot lose or misplace a
-//! concurrent increment. Reading the window sums the buckets whose lap is the one their
-//! slot has in the current window.
+//! A window is a ring of buckets (see [`ring`](crate::ring)); each bucket is one
+//! `AtomicU64` that packs the bucket's *lap* (its epoch divided by the number of
+//! buckets, modulo 2^22) in the high 22 bits and three 14-bit counts below — successes,
+//! failures and slow calls (slow calls are also successes or failures) — so recording a
+//! call and rotating the bucket to a new lap are one compare-and-swap: a rotation cannot
+//! lose or misplace a concurrent increment. Reading the window sums the buckets whose
+//! lap is the one their slot has in the current window.
 //!
 //! A **time window**'s epoch is the time since the window was created divided by the
 //! bucket width. It keeps one ring per stripe (one stripe per thread, chosen by a
@@ -32,7 +32,8 @@ use std::num::NonZeroU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
 
-use super::config::{MAX_TIME_BUCKETS, SlidingWindow};
+use super::config::SlidingWindow;
+use crate::ring::{Layout, Ring, Window as Laps};
 use crate::stripe::{EpochClock, stripe_count, thread_stripe};
 use crate::sync::AtomicU64;
 
@@ -44,19 +45,20 @@ const COUNT_MAX: u64 = (1 << COUNT_BITS) - 1;
 const SUCCESS_SHIFT: u32 = 2 * COUNT_BITS;
 /// Where the failures are.
 const FAILURE_SHIFT: u32 = COUNT_BITS;
-/// Where the lap is (the slow calls are at 0).
-const LAP_SHIFT: u32 = 3 * COUNT_BITS;
-/// The mask of a lap, shifted down.
-const LAP_MASK: u64 = (1 << (64 - LAP_SHIFT)) - 1;
-/// Half the laps: a lap behind another by less than this is older.
-const HALF_LAPS: u64 = 1 << (64 - LAP_SHIFT - 1);
-/// The mask of the three counts.
-const COUNTS_MASK: u64 = (1 << LAP_SHIFT) - 1;
 /// Padding, in words, before the first ring and after each ring of a time window: 128
 /// bytes, so two rings never share a pair of cache lines.
 const PAD_WORDS: usize = 16;
-/// Marks a slot with no epoch in the current window (before the window's start).
-const NO_LAP: u64 = u64::MAX;
+
+/// A window's bucket word: the lap in the high 22 bits, then the successes, the
+/// failures and the slow calls, 14 bits each.
+#[derive(Debug)]
+enum Calls {}
+
+impl Layout for Calls {
+    const LAP_SHIFT: u32 = 3 * COUNT_BITS;
+    // Buckets are cleared to zero by a reset and by the sweep of stale laps.
+    const ZERO_IS_FREE: bool = true;
+}
 
 /// The calls a window holds: what the breaker's rates are computed from.
 ///
@@ -147,8 +149,8 @@ impl Window {
     /// Empties the window.
     pub(super) fn reset(&self) {
         let words = match self {
-            Window::Time(w) => &w.words,
-            Window::Count(w) => &w.ring,
+            Window::Time(w) => &w.words[..],
+            Window::Count(w) => w.ring.cells(),
         };
         for word in words.iter() {
             word.store(0, Relaxed);
@@ -191,50 +193,22 @@ impl TimeWindow {
         }
     }
 
-    /// The index of a ring's first word.
-    fn ring_start(&self, stripe: usize) -> usize {
-        PAD_WORDS + stripe * self.stride
+    /// The ring of stripe `stripe`.
+    #[inline]
+    fn ring(&self, stripe: usize) -> Ring<&[AtomicU64], Calls> {
+        let start = PAD_WORDS + stripe * self.stride;
+        let end = start + self.stride - PAD_WORDS;
+        Ring::new(self.words.get(start..end).unwrap_or_default())
     }
 
     /// Counts one call in this thread's ring.
     fn record(&self, call: Call) {
-        let base = self.ring_start(thread_stripe() & self.stripe_mask);
-        let mut epoch = self.clock.epoch();
-        'rotate: loop {
-            let (slot, lap) = position(epoch, self.buckets);
-            let Some(cell) = self.words.get(base + slot) else {
-                return;
-            };
-            let mut word = cell.load(Relaxed);
-            loop {
-                let rotating = lap_of(word) != lap && !is_empty(word);
-                if rotating {
-                    // An older lap: this bucket starts over. A newer one means another
-                    // thread saw a later time than ours; then read the clock again.
-                    let now = self.clock.epoch();
-                    if now != epoch {
-                        epoch = now;
-                        continue 'rotate;
-                    }
-                }
-                let counts = if rotating {
-                    WindowCounts::default()
-                } else {
-                    counts_of(word)
-                };
-                let next = pack(lap, add(counts, call));
-                // Relaxed: the counters publish no other data; the CAS alone makes the
-                // rotation and the increment one step.
-                match cell.compare_exchange_weak(word, next, Relaxed, Relaxed) {
-                    Ok(_) => {
-                        if lap_of(word) != lap {
-                            self.sweep(epoch);
-                        }
-                        return;
-                    }
-                    Err(actual) => word = actual,
-                }
-            }
+        let ring = self.ring(thread_stripe() & self.stripe_mask);
+        let rotated = ring.add(&self.clock, self.clock.epoch(), |counts| {
+            Some(bits_of(add(counts_of(counts), call)))
+        });
+        if let Some(epoch) = rotated {
+            self.sweep(epoch);
         }
     }
 
@@ -245,39 +219,19 @@ impl TimeWindow {
         if self.swept_lap.fetch_max(full_lap, Relaxed) >= full_lap {
             return;
         }
-        let laps = self.window_laps(epoch);
+        let laps = Laps::new::<Calls>(epoch, self.buckets);
         for stripe in 0..=self.stripe_mask {
-            let base = self.ring_start(stripe);
-            for (slot, &expected) in laps.iter().enumerate() {
-                let Some(cell) = self.words.get(base + slot) else {
-                    break;
-                };
-                let word = cell.load(Relaxed);
-                if expected != NO_LAP && !is_empty(word) && is_older(lap_of(word), expected) {
-                    // A failed CAS means a writer got there first: that word is current.
-                    let _ = cell.compare_exchange(word, 0, Relaxed, Relaxed);
-                }
-            }
+            self.ring(stripe).clear_older(&laps);
         }
-    }
-
-    /// The lap each slot must carry in the window ending at `epoch`
-    /// ([`NO_LAP`] past the ring's length or before the start).
-    fn window_laps(&self, epoch: u64) -> [u64; MAX_TIME_BUCKETS as usize] {
-        window_laps(epoch, self.buckets)
     }
 
     /// The calls in the window now, over every ring.
     fn counts(&self) -> WindowCounts {
-        let laps = self.window_laps(self.clock.epoch());
-        let mut total = WindowCounts::default();
-        for stripe in 0..=self.stripe_mask {
-            let base = self.ring_start(stripe);
-            if let Some(ring) = self.words.get(base..base + self.stride - PAD_WORDS) {
-                total.add(ring_counts(ring, &laps));
-            }
-        }
-        total
+        let laps = Laps::new::<Calls>(self.clock.epoch(), self.buckets);
+        (0..=self.stripe_mask).fold(WindowCounts::default(), |total, stripe| {
+            self.ring(stripe)
+                .fold(&laps, Relaxed, None, total, add_word)
+        })
     }
 }
 
@@ -298,10 +252,8 @@ pub(super) struct CountWindow {
     seq: AtomicU64,
     /// Calls per bucket.
     per_bucket: NonZeroU64,
-    /// Buckets in the ring.
-    buckets: NonZeroU64,
     /// The ring.
-    ring: Box<[AtomicU64]>,
+    ring: Ring<Box<[AtomicU64]>, Calls>,
 }
 
 impl CountWindow {
@@ -311,23 +263,22 @@ impl CountWindow {
         CountWindow {
             seq: AtomicU64::new(0),
             per_bucket: NonZeroU64::new(u64::from(calls) / buckets).unwrap_or(NonZeroU64::MIN),
-            buckets,
-            ring: (0..buckets.get()).map(|_| AtomicU64::new(0)).collect(),
+            ring: Ring::new((0..buckets.get()).map(|_| AtomicU64::new(0)).collect()),
         }
     }
 
     /// Counts one call.
     fn record(&self, call: Call) {
         let epoch = self.seq.fetch_add(1, Relaxed) / self.per_bucket;
-        let (slot, lap) = position(epoch, self.buckets);
-        let Some(cell) = self.ring.get(slot) else {
+        let (slot, lap) = self.ring.position(epoch);
+        let Some(cell) = self.ring.bucket(slot) else {
             return;
         };
         let mut word = cell.load(Relaxed);
         loop {
             let counts = if lap_of(word) == lap || is_empty(word) {
                 counts_of(word)
-            } else if is_older(lap_of(word), lap) {
+            } else if Calls::is_older(lap_of(word), lap) {
                 WindowCounts::default()
             } else {
                 // The bucket already moved on past this call's: too late to count.
@@ -346,16 +297,9 @@ impl CountWindow {
         let Some(last) = self.seq.load(Relaxed).checked_sub(1) else {
             return WindowCounts::default();
         };
-        let epoch = last / self.per_bucket;
-        let mut total = WindowCounts::default();
-        for (slot, cell) in (0..self.buckets.get()).zip(self.ring.iter()) {
-            let expected = slot_lap(epoch, self.buckets, slot);
-            let word = cell.load(Relaxed);
-            if expected != NO_LAP && !is_empty(word) && lap_of(word) == expected {
-                total.add(counts_of(word));
-            }
-        }
-        total
+        let laps = self.ring.window(last / self.per_bucket);
+        self.ring
+            .fold(&laps, Relaxed, None, WindowCounts::default(), add_word)
     }
 }
 
@@ -363,53 +307,10 @@ impl fmt::Debug for CountWindow {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("CountWindow")
             .field("calls_per_bucket", &self.per_bucket)
-            .field("buckets", &self.buckets)
+            .field("buckets", &self.ring.buckets())
             .field("now", &self.counts())
             .finish()
     }
-}
-
-/// The bucket index and the (truncated) lap of an epoch.
-fn position(epoch: u64, buckets: NonZeroU64) -> (usize, u64) {
-    let slot = usize::try_from(epoch % buckets).unwrap_or(0);
-    (slot, (epoch / buckets) & LAP_MASK)
-}
-
-/// The lap slot `slot` must carry in the window of `buckets` buckets ending at `epoch`,
-/// or [`NO_LAP`] when that bucket's epoch precedes epoch zero.
-fn slot_lap(epoch: u64, buckets: NonZeroU64, slot: u64) -> u64 {
-    let n = buckets.get();
-    let back = (epoch % n + n - slot) % n;
-    epoch
-        .checked_sub(back)
-        .map_or(NO_LAP, |e| (e / buckets) & LAP_MASK)
-}
-
-/// [`slot_lap`] for every slot of a time window.
-fn window_laps(epoch: u64, buckets: NonZeroU64) -> [u64; MAX_TIME_BUCKETS as usize] {
-    let mut laps = [NO_LAP; MAX_TIME_BUCKETS as usize];
-    for (slot, lap) in (0..buckets.get()).zip(laps.iter_mut()) {
-        *lap = slot_lap(epoch, buckets, slot);
-    }
-    laps
-}
-
-/// The counts of the buckets of `ring` whose laps are the window's.
-fn ring_counts(ring: &[AtomicU64], laps: &[u64]) -> WindowCounts {
-    let mut total = WindowCounts::default();
-    for (cell, &expected) in ring.iter().zip(laps) {
-        let word = cell.load(Relaxed);
-        if expected != NO_LAP && !is_empty(word) && lap_of(word) == expected {
-            total.add(counts_of(word));
-        }
-    }
-    total
-}
-
-/// Whether lap `a` is older than lap `b` (modulo 2^22: by less than half the laps).
-fn is_older(a: u64, b: u64) -> bool {
-    let behind = b.wrapping_sub(a) & LAP_MASK;
-    behind != 0 && behind < HALF_LAPS
 }
 
 /// `counts` with one more call, halving all three counts first if one would overflow.
@@ -438,18 +339,22 @@ fn add(mut counts: WindowCounts, call: Call) -> WindowCounts {
 
 /// A bucket word.
 fn pack(lap: u64, counts: WindowCounts) -> u64 {
-    (lap << LAP_SHIFT)
-        | ((counts.successes & COUNT_MAX) << SUCCESS_SHIFT)
+    Calls::pack(lap, bits_of(counts))
+}
+
+/// The counts' bits of a bucket word.
+fn bits_of(counts: WindowCounts) -> u64 {
+    ((counts.successes & COUNT_MAX) << SUCCESS_SHIFT)
         | ((counts.failures & COUNT_MAX) << FAILURE_SHIFT)
         | (counts.slow_calls & COUNT_MAX)
 }
 
 /// The lap of a bucket word.
 fn lap_of(word: u64) -> u64 {
-    word >> LAP_SHIFT
+    Calls::lap_of(word)
 }
 
-/// The counts of a bucket word.
+/// The counts of a bucket word (or of its counts alone).
 fn counts_of(word: u64) -> WindowCounts {
     WindowCounts {
         successes: (word >> SUCCESS_SHIFT) & COUNT_MAX,
@@ -458,15 +363,24 @@ fn counts_of(word: u64) -> WindowCounts {
     }
 }
 
+/// `total` with the counts of a bucket word added.
+fn add_word(mut total: WindowCounts, counts: u64) -> WindowCounts {
+    total.add(counts_of(counts));
+    total
+}
+
 /// Whether a bucket word counts nothing (it may then be taken over by any lap).
 fn is_empty(word: u64) -> bool {
-    word & COUNTS_MASK == 0
+    Calls::counts_of(word) == 0
 }
 
 // The unit tests use std threads and a tokio runtime, which loom atomics refuse.
 #[cfg(all(test, not(loom)))]
 mod tests {
     use super::*;
+    use crate::ring::NO_LAP;
+
+    const LAP_MASK: u64 = Calls::LAP_MASK;
 
     fn counts(successes: u64, failures: u64, slow_calls: u64) -> WindowCounts {
         WindowCounts {
@@ -536,6 +450,25 @@ mod tests {
             "the exited thread's bucket was cleared"
         );
         assert_eq!(window.counts().failures, 1);
+    }
+
+    /// The laps of the window of `buckets` buckets ending at `epoch`, slot by slot.
+    fn window_laps(epoch: u64, buckets: NonZeroU64) -> Vec<u64> {
+        let laps = Laps::new::<Calls>(epoch, buckets);
+        (0..usize::try_from(buckets.get()).unwrap_or(0))
+            .map(|slot| laps.lap(slot))
+            .collect()
+    }
+
+    fn position(epoch: u64, buckets: NonZeroU64) -> (usize, u64) {
+        let ring = Ring::<Vec<AtomicU64>, Calls>::new(
+            (0..buckets.get()).map(|_| AtomicU64::new(0)).collect(),
+        );
+        ring.position(epoch)
+    }
+
+    fn is_older(a: u64, b: u64) -> bool {
+        Calls::is_older(a, b)
     }
 
     #[test]

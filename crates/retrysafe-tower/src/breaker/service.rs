@@ -1,6 +1,5 @@
 //! The service: decides in `call`.
 
-use std::fmt;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
@@ -21,6 +20,7 @@ use crate::local::BoxError;
 /// otherwise calls a clone of the inner service at once when that is ready (polled with
 /// a no-op waker), or returns a future that drives its readiness before calling it.
 /// Hence `S: Clone` (wrap a service that is not in a `tower::buffer::Buffer`).
+#[derive(Clone, Debug)]
 pub struct CircuitBreakerService<S> {
     inner: S,
     config: Striped<Config>,
@@ -31,28 +31,7 @@ impl<S> CircuitBreakerService<S> {
         CircuitBreakerService { inner, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-}
-
-impl<S: Clone> Clone for CircuitBreakerService<S> {
-    fn clone(&self) -> Self {
-        CircuitBreakerService {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for CircuitBreakerService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CircuitBreakerService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for CircuitBreakerService<S>

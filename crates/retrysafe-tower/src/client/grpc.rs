@@ -60,6 +60,24 @@ pub struct GrpcClientService<S> {
     inner: GrpcStatusService<ClientService<IntoGrpcBody<S>>>,
 }
 
+// Not `define_inner_service_accessors!`: the transport is three services down.
+impl<S> GrpcClientService<S> {
+    /// The transport (a tonic `Channel`, say).
+    pub fn get_ref(&self) -> &S {
+        &self.inner.get_ref().get_ref().inner
+    }
+
+    /// The transport, mutably: see [`ClientService::get_mut`].
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner.get_mut().get_mut().inner
+    }
+
+    /// The transport, `self` consumed.
+    pub fn into_inner(self) -> S {
+        self.inner.into_inner().into_inner().inner
+    }
+}
+
 impl<S, ResB> Service<Request<GrpcBody>> for GrpcClientService<S>
 where
     S: Service<Request<GrpcBody>, Response = Response<ResB>> + Clone,

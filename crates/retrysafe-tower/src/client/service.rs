@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll, ready};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::{Request, Response};
@@ -28,11 +28,15 @@ use crate::{hedge, throttle};
 /// response future, where it counts against the deadline (and, for the breaker, after
 /// the permit is taken), as in the separate layers. Hence `S: Clone` (wrap a service
 /// that is not in a `tower::buffer::Buffer`).
+#[derive(Clone)]
 pub struct ClientService<S> {
     /// The transport a call's first attempt is made on (in place, when it is ready).
     inner: S,
     /// The transport the calls' futures clone for their retries and hedges.
     transport: Transport<S>,
+    /// `inner` was lent out mutably since `transport` was copied from it: the next call
+    /// copies it again.
+    stale: bool,
     retry: Arc<retry::Config>,
     breaker: Striped<breaker::Config>,
     /// The breaker takes the planner's word for the timeout headers it writes.
@@ -62,6 +66,7 @@ impl<S> ClientService<S> {
         ClientService {
             same_names: Guarded::<S>::same_names(&breaker, retry.policy.convention()),
             transport: Arc::new(Mutex::new(inner.clone())),
+            stale: false,
             inner,
             retry,
             breaker,
@@ -71,27 +76,39 @@ impl<S> ClientService<S> {
         }
     }
 
+    // Not `define_inner_service_accessors!`: the transport has a copy that the calls'
+    // retries and hedges clone, which `get_mut` must bring up to date.
+
     /// The transport.
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
-}
 
-impl<S: Clone> Clone for ClientService<S> {
-    fn clone(&self) -> Self {
-        ClientService {
-            inner: self.inner.clone(),
-            transport: Arc::clone(&self.transport),
-            retry: self.retry.clone(),
-            breaker: self.breaker.clone(),
-            same_names: self.same_names,
-            deadline: self.deadline,
-            throttle: self.throttle.clone(),
-            hedge: self.hedge.clone(),
-        }
+    /// The transport, mutably. The calls made after a change make every attempt on the
+    /// changed transport, retries and hedges included; calls under way keep the one
+    /// they started with.
+    pub fn get_mut(&mut self) -> &mut S {
+        self.stale = true;
+        &mut self.inner
+    }
+
+    /// The transport, `self` consumed.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+
+    /// Copies the transport again for the calls' retries and hedges (after `get_mut`).
+    #[cold]
+    fn refresh_transport(&mut self)
+    where
+        S: Clone,
+    {
+        self.transport = Arc::new(Mutex::new(self.inner.clone()));
+        self.stale = false;
     }
 }
 
+// By hand: a derive would show the transport twice and the cached `same_names`.
 impl<S: fmt::Debug> fmt::Debug for ClientService<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ClientService")
@@ -122,6 +139,9 @@ where
 
     #[inline]
     fn call(&mut self, request: Request<ReqB>) -> Self::Future {
+        if self.stale {
+            self.refresh_transport();
+        }
         if self.throttle.is_some() || self.hedge.is_some() {
             return self.call_in_front(request);
         }
@@ -306,6 +326,8 @@ where
     }
 }
 
+// By hand: a derive would bound `S` by `Clone`, which sharing the transport does not
+// need.
 impl<S> Clone for Fused<S> {
     fn clone(&self) -> Self {
         Fused {
@@ -317,6 +339,8 @@ impl<S> Clone for Fused<S> {
     }
 }
 
+// By hand: of a hedge's copy, only the transport is its own (a derive would show the
+// stack's configurations too).
 impl<S: fmt::Debug> fmt::Debug for Fused<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Fused")
@@ -328,7 +352,8 @@ impl<S: fmt::Debug> fmt::Debug for Fused<S> {
 pin_project! {
     /// The response future of [`ClientService`]: the retry loop, each attempt through
     /// the breaker, bounded by the deadline — or the race of a hedged request's copies,
-    /// each such a loop — and the throttle's count of the answer.
+    /// each such a loop — and the throttle's count of the answer. Polled again once it
+    /// has answered, it answers an error.
     #[allow(private_bounds, reason = "the attempts' maker is an implementation detail")]
     pub struct ResponseFuture<S, B>
     where
@@ -355,7 +380,10 @@ pin_project! {
         Hedged {
             inner: Pin<Box<hedge::ResponseFuture<Fused<S>, B>>>,
         },
+        // Refused by the throttle: answered at the first poll.
         Throttled,
+        // Answered without a call (the loop and the race have done states of their own).
+        Done,
     }
 }
 
@@ -368,18 +396,24 @@ where
     type Output = Result<Response<ResponseBody<R>>, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let answer = match this.kind.project() {
-            // Nothing to count: the answer goes out as it comes (no copy of it here).
-            KindProj::Fused { inner } if this.admitted.is_none() => return inner.poll(cx),
-            KindProj::Fused { inner } => ready!(inner.poll(cx)),
-            KindProj::Hedged { inner } => ready!(inner.as_mut().poll(cx)),
-            KindProj::Throttled => return Poll::Ready(Err(Box::new(Throttled::new()))),
+        let mut this = self.project();
+        // The answer goes out as it comes (no copy of it here), counted by the throttle
+        // on the way when there is one.
+        let polled = match this.kind.as_mut().project() {
+            KindProj::Fused { inner } => inner.poll(cx),
+            KindProj::Hedged { inner } => inner.as_mut().poll(cx),
+            KindProj::Throttled => {
+                this.kind.set(Kind::Done);
+                return Poll::Ready(Err(Box::new(Throttled::new())));
+            }
+            KindProj::Done => {
+                return Poll::Ready(Err("client future polled after completion".into()));
+            }
         };
-        if let (Some(admitted), Ok(response)) = (this.admitted.as_ref(), &answer) {
+        if let (Some(admitted), Poll::Ready(Ok(response))) = (this.admitted.as_ref(), &polled) {
             admitted.answered(response);
         }
-        Poll::Ready(answer)
+        polled
     }
 }
 
@@ -393,9 +427,112 @@ where
             Kind::Fused { .. } => "fused",
             Kind::Hedged { .. } => "hedged",
             Kind::Throttled => "throttled",
+            Kind::Done => "done",
         };
         f.debug_struct("ResponseFuture")
             .field("kind", &kind)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::panic, reason = "test code: panics are the assertions")]
+
+    use std::convert::Infallible;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::sync::{Arc, Mutex, PoisonError};
+    use std::task::{Context, Poll, Waker};
+
+    use http::{Request, Response, StatusCode};
+    use retrysafe_core::error::Throttled;
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
+    use tower::{Layer, Service, service_fn};
+
+    use crate::client::ClientLayers;
+    use crate::retry::{ReplayBody, RetryLayer};
+    use crate::throttle::AdaptiveThrottleLayer;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_throttled_call_polled_again_answers_an_error_and_calls_nothing() {
+        // A callee that accepted none of 1000 calls: the next is refused but for a draw
+        // above 1000 / 1001.
+        let refusing = AdaptiveThrottle::new(ThrottleConfig::default());
+        for _ in 0..1000 {
+            assert!(refusing.admit(1.0));
+        }
+        let throttle = AdaptiveThrottleLayer::new().throttle_with(refusing).seed(7);
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let transport = service_fn(move |_: Request<ReplayBody<String>>| {
+            counted.fetch_add(1, Relaxed);
+            std::future::ready(Ok::<_, Infallible>(Response::new(String::new())))
+        });
+        let mut client = ClientLayers::new().throttle(throttle).layer(transport);
+        let mut future = pin!(client.call(Request::new(String::new())));
+        let mut cx = Context::from_waker(Waker::noop());
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => assert!(e.is::<Throttled>(), "{e}"),
+            other => panic!("the first poll gave {other:?}"),
+        }
+        match future.as_mut().poll(&mut cx) {
+            Poll::Ready(Err(e)) => {
+                assert_eq!(e.to_string(), "client future polled after completion");
+            }
+            other => panic!("a second poll gave {other:?}"),
+        }
+        assert_eq!(calls.load(Relaxed), 0);
+    }
+
+    /// A transport that logs its number at every call and answers 503.
+    #[derive(Clone)]
+    struct Numbered {
+        number: u32,
+        log: Arc<Mutex<Vec<u32>>>,
+    }
+
+    impl Service<Request<ReplayBody<String>>> for Numbered {
+        type Response = Response<String>;
+        type Error = Infallible;
+        type Future = std::future::Ready<Result<Response<String>, Infallible>>;
+
+        fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+            Poll::Ready(Ok(()))
+        }
+
+        fn call(&mut self, _: Request<ReplayBody<String>>) -> Self::Future {
+            self.log
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .push(self.number);
+            let mut response = Response::new(String::new());
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            std::future::ready(Ok(response))
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_transport_changed_through_get_mut_takes_every_later_attempt() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let transport = Numbered {
+            number: 1,
+            log: Arc::clone(&log),
+        };
+        let retry = RetryLayer::new().strategy(StandardRetryStrategy::new().seed(7));
+        let mut client = ClientLayers::new().retry(retry).layer(transport);
+        let logged = || std::mem::take(&mut *log.lock().unwrap_or_else(PoisonError::into_inner));
+        let get = || Request::new(String::new());
+        let answer = client.call(get()).await;
+        assert!(answer.is_ok_and(|r| r.status() == StatusCode::SERVICE_UNAVAILABLE));
+        assert_eq!(logged(), [1, 1, 1]);
+        client.get_mut().number = 2;
+        assert_eq!(client.get_ref().number, 2);
+        let answer = client.call(get()).await;
+        assert!(answer.is_ok_and(|r| r.status() == StatusCode::SERVICE_UNAVAILABLE));
+        assert_eq!(logged(), [2, 2, 2], "the retries too");
+        assert_eq!(client.into_inner().number, 2);
     }
 }

@@ -135,6 +135,12 @@ pub struct DeadlineService<S, W = Unbounded> {
     _marker: PhantomData<fn() -> W>,
 }
 
+impl<S, W> DeadlineService<S, W> {
+    define_inner_service_accessors!();
+}
+
+// By hand: derives would bound the marker `W` by `Clone` and `Debug` too, and show the
+// expiry observer.
 impl<S: Clone, W> Clone for DeadlineService<S, W> {
     fn clone(&self) -> Self {
         DeadlineService {

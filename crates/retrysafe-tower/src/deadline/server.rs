@@ -84,6 +84,10 @@ pub struct ServerDeadlineService<S> {
     inbound: Arc<Inbound>,
 }
 
+impl<S> ServerDeadlineService<S> {
+    define_inner_service_accessors!();
+}
+
 impl<S, ReqB, ResB> Service<Request<ReqB>> for ServerDeadlineService<S>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>>,

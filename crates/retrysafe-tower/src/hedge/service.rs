@@ -1,4 +1,3 @@
-use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -18,6 +17,7 @@ use crate::local::BoxError;
 use crate::retry::ReplayBody;
 
 /// The service of a [`HedgeLayer`](super::HedgeLayer).
+#[derive(Clone, Debug)]
 pub struct HedgeService<S> {
     inner: S,
     config: Arc<Config>,
@@ -28,28 +28,7 @@ impl<S> HedgeService<S> {
         HedgeService { inner, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-}
-
-impl<S: Clone> Clone for HedgeService<S> {
-    fn clone(&self) -> Self {
-        HedgeService {
-            inner: self.inner.clone(),
-            config: Arc::clone(&self.config),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for HedgeService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("HedgeService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for HedgeService<S>

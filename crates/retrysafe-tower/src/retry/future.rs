@@ -19,7 +19,8 @@ use super::transport::failure_of;
 use crate::local::BoxError;
 
 pin_project! {
-    /// The response future of [`RetryService`](super::RetryService).
+    /// The response future of [`RetryService`](super::RetryService). Polled again once
+    /// it has answered, it answers an error.
     pub struct ResponseFuture<S, B>
     where
         S: Service<Request<ReplayBody<B>>>,
@@ -59,10 +60,16 @@ pin_project! {
 pin_project! {
     #[project = StateProj]
     enum State<F> {
+        // An attempt under way.
         Calling { #[pin] future: F },
+        // Waiting out the delay before a retry.
         Backoff,
+        // Awaiting the transport's readiness for a retry.
         Readying,
-        Failed { error: Option<BoxError> },
+        // The deadline was spent before the first attempt: answered at the first poll.
+        TooLate,
+        // Answered: a later poll answers an error and touches nothing.
+        Done,
     }
 }
 
@@ -81,8 +88,6 @@ enum Next {
     GiveUp,
     /// Retry with this token.
     Retry(RetryToken),
-    /// Nothing to decide with: polled after completion.
-    Done,
 }
 
 enum Outcome<R> {
@@ -126,9 +131,7 @@ where
             None => call.read_time_left(None),
         };
         let state = if RetryCall::too_late_with(left) {
-            State::Failed {
-                error: Some(Box::new(DeadlineExceeded::new())),
-            }
+            State::TooLate
         } else {
             let mut parts = template.clone();
             let timeout =
@@ -192,35 +195,50 @@ where
         // The call's span, entered while its attempts are polled (a disabled span is
         // neither cloned nor entered).
         let _entered = this.call.span().map(|span| span.clone().entered());
-        // The attempt under way first, its response returned where it lies when it is
-        // the answer (as it is more often than not): a large response is copied once
-        // less for every layer of `Poll` and `Option` it is not wrapped in.
-        let over = match this.state.as_mut().project() {
-            StateProj::Calling { future } => match future.poll(cx) {
-                Poll::Ready(Ok(response)) => {
-                    *this.armed = false;
-                    match this.decide(Seen::response(response.status(), response.headers())) {
-                        Next::Answer => {
-                            this.state.set(State::Failed { error: None });
-                            return Poll::Ready(Ok(response));
+        loop {
+            let answer = match this.state.as_mut().project() {
+                StateProj::Calling { future } => {
+                    let (next, outcome) = match future.poll(cx) {
+                        // Decided on where it lies, and returned from here when it is the
+                        // answer (as it is more often than not): a large response is
+                        // copied once less for every layer of `Poll` and `Option` it is
+                        // not wrapped in.
+                        Poll::Ready(Ok(response)) => {
+                            let seen = Seen::response(response.status(), response.headers());
+                            match this.decide(seen) {
+                                Next::Answer => {
+                                    this.state.set(State::Done);
+                                    return Poll::Ready(Ok(response));
+                                }
+                                next => (next, Outcome::Response(response)),
+                            }
                         }
-                        next => this.after(next, Outcome::Response(response)),
+                        Poll::Ready(Err(error)) => this.failed(error),
+                        Poll::Pending => ready!(this.poll_attempt_timeout(cx)),
+                    };
+                    match this.after(next, outcome) {
+                        Some(answer) => answer,
+                        None => continue,
                     }
                 }
-                polled => ready!(this.attempt_over(polled, cx)),
-            },
-            _ => None,
-        };
-        let answer = match over {
-            Some(answer) => answer,
-            None => ready!(this.poll_call(cx)),
-        };
-        if let Err(error) = &answer
-            && error.is::<DeadlineExceeded>()
-        {
-            this.call.deadline_expired();
+                StateProj::Backoff => {
+                    ready!(this.poll_backoff(cx));
+                    continue;
+                }
+                StateProj::Readying => match ready!(this.poll_readying(cx)) {
+                    Some(answer) => answer,
+                    None => continue,
+                },
+                StateProj::TooLate => this.too_late(),
+                StateProj::Done => Err(polled_after_completion()),
+            };
+            if let Err(error) = &answer
+                && error.is::<DeadlineExceeded>()
+            {
+                this.call.deadline_expired();
+            }
+            return Poll::Ready(answer);
         }
-        Poll::Ready(answer)
     }
 }
 
@@ -232,65 +250,26 @@ where
     A::Error: Into<BoxError>,
     B: Body,
 {
-    /// The state machine: one `match` on the state, each arm a helper.
+    /// `Calling`, the attempt failed: what to do, and the outcome to do it with.
     #[inline]
-    fn poll_call(&mut self, cx: &mut Context<'_>) -> Poll<Answer<R>> {
-        loop {
-            match self.state.as_mut().project() {
-                StateProj::Calling { future } => {
-                    // The response first: a timer polled before it would drop a response
-                    // that was ready.
-                    let polled = future.poll(cx);
-                    if let Some(answer) = ready!(self.attempt_over(polled, cx)) {
-                        return Poll::Ready(answer);
-                    }
-                }
-                StateProj::Backoff => ready!(self.poll_backoff(cx)),
-                StateProj::Readying => {
-                    if let Some(answer) = ready!(self.poll_readying(cx)) {
-                        return Poll::Ready(answer);
-                    }
-                }
-                StateProj::Failed { error } => {
-                    let error = error.take();
-                    return Poll::Ready(self.failed(error));
-                }
-            }
-        }
-    }
-}
-
-impl<A, B, R> DriverProj<'_, A, B>
-where
-    A: Attempts<B, Response = Response<R>>,
-    A::Error: Into<BoxError>,
-    B: Body,
-{
-    /// `Calling`: decides on what the attempt produced, once it produced something or
-    /// its timer fired; the answer, or `None` when a retry was scheduled. A response is
-    /// decided on where it lies (it is the answer more often than not).
-    #[inline]
-    fn attempt_over(
-        &mut self,
-        polled: Poll<Result<Response<R>, A::Error>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Answer<R>>> {
-        let (next, outcome) = match polled {
-            Poll::Ready(Ok(response)) => {
-                *self.armed = false;
-                let next = self.decide(Seen::response(response.status(), response.headers()));
-                if let Next::Answer = next {
-                    self.state.set(State::Failed { error: None });
-                    return Poll::Ready(Some(Ok(response)));
-                }
-                (next, Outcome::Response(response))
-            }
-            polled => {
-                let outcome = ready!(self.attempt_outcome(polled, cx));
-                (self.decide(outcome.seen()), outcome)
-            }
+    fn failed(&mut self, error: A::Error) -> (Next, Outcome<R>) {
+        // An error once the deadline is spent is the deadline's: a transport that times
+        // the call from its timeout header (a tonic `Channel`) may fire at the very
+        // instant of ours.
+        let outcome = if self.call.too_late() {
+            Outcome::TimedOut
+        } else {
+            Outcome::Error(error.into())
         };
-        Poll::Ready(self.after(next, outcome))
+        (self.decide(outcome.seen()), outcome)
+    }
+
+    /// `Calling`, the attempt under way: waits for its timer (the attempt timeout), then
+    /// what to do with the attempt timed out.
+    #[inline]
+    fn poll_attempt_timeout(&mut self, cx: &mut Context<'_>) -> Poll<(Next, Outcome<R>)> {
+        ready!(self.poll_timer(cx, RetryCall::attempt_until));
+        Poll::Ready((self.decide(Seen::TimedOut), Outcome::TimedOut))
     }
 
     /// `Calling`, decided: the answer, or `None` when a retry was scheduled.
@@ -298,7 +277,7 @@ where
     fn after(&mut self, next: Next, outcome: Outcome<R>) -> Option<Answer<R>> {
         match next {
             Next::Answer => {
-                self.state.set(State::Failed { error: None });
+                self.state.set(State::Done);
                 Some(outcome.into_answer())
             }
             Next::GiveUp => Some(self.gave_up(outcome)),
@@ -306,32 +285,7 @@ where
                 self.schedule_retry(next, outcome);
                 None
             }
-            Next::Done => Some(Err(polled_after_completion())),
         }
-    }
-
-    /// `Calling`: what the attempt produced, once it produced something or its timer
-    /// (the attempt timeout) fired.
-    #[inline]
-    fn attempt_outcome(
-        &mut self,
-        polled: Poll<Result<Response<R>, A::Error>>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Outcome<R>> {
-        let outcome = match polled {
-            Poll::Ready(Ok(response)) => Outcome::Response(response),
-            // An error once the deadline is spent is the deadline's: a transport that
-            // times the call from its timeout header (a tonic `Channel`) may fire at the
-            // very instant of ours.
-            Poll::Ready(Err(_)) if self.call.too_late() => Outcome::TimedOut,
-            Poll::Ready(Err(e)) => Outcome::Error(e.into()),
-            Poll::Pending => {
-                ready!(self.poll_timer(cx, RetryCall::attempt_until));
-                Outcome::TimedOut
-            }
-        };
-        *self.armed = false;
-        Poll::Ready(outcome)
     }
 
     /// Waits for the timer, armed on first need for the instant `until` gives (never,
@@ -354,11 +308,14 @@ where
         }
     }
 
-    /// `Calling`, the attempt over: asks the planner what to do with the outcome it has `seen`.
+    /// `Calling`, the attempt over (its timer with it): asks the planner what to do with
+    /// the outcome it has `seen`.
     #[inline]
     fn decide(&mut self, seen: Seen<'_>) -> Next {
+        *self.armed = false;
+        // Every attempt is made with a token, and only this takes it: there is always one.
         let Some(token) = self.token.take() else {
-            return Next::Done;
+            return Next::Answer;
         };
         let last = self.retry.as_ref().and_then(|r| r.last.as_ref());
         let decision = self.call.decide(
@@ -377,7 +334,7 @@ where
     /// `Calling`, given up on a retryable failure: the last real response, marked; or,
     /// with none, the failure.
     fn gave_up(&mut self, outcome: Outcome<R>) -> Answer<R> {
-        self.state.set(State::Failed { error: None });
+        self.state.set(State::Done);
         let last = self.retry.as_mut().and_then(|r| r.last.take());
         let (last, error): (_, BoxError) = match outcome {
             Outcome::Response(r) => (Some(r), Box::new(DeadlineExceeded::new())),
@@ -435,7 +392,7 @@ where
                 (at, left)
             }
             Poll::Ready(Err(e)) => {
-                self.state.set(State::Failed { error: None });
+                self.state.set(State::Done);
                 return Poll::Ready(Some(Err(e.into())));
             }
             Poll::Pending => {
@@ -457,19 +414,20 @@ where
             attempts,
             last.as_ref().map(Response::status),
         );
-        self.state.set(State::Failed { error: None });
+        self.state.set(State::Done);
         given_up(self.call, last, Box::new(DeadlineExceeded::new()))
     }
 
     /// `Readying`, the inner service ready: makes the attempt of the current token with
     /// the time `left` read at `at` for its timeout header (`Calling`); `Err` with the
-    /// answer when there is no token (a poll after completion).
+    /// answer when there is no token.
     fn start_retry(
         &mut self,
         (at, left): (Option<Instant>, Option<Duration>),
     ) -> Result<(), Answer<R>> {
+        // A retry is scheduled with its token: there is always one.
         let Some(token) = self.token.as_ref() else {
-            self.state.set(State::Failed { error: None });
+            self.state.set(State::Done);
             return Err(Err(polled_after_completion()));
         };
         let mut parts = self.template.clone();
@@ -487,12 +445,10 @@ where
         Ok(())
     }
 
-    /// `Failed`: answers `error` (a failure before the first attempt), once.
-    fn failed(&mut self, error: Option<BoxError>) -> Answer<R> {
-        match error {
-            Some(error) => Err(error),
-            None => Err(polled_after_completion()),
-        }
+    /// `TooLate`: the deadline was spent before the first attempt.
+    fn too_late(&mut self) -> Answer<R> {
+        self.state.set(State::Done);
+        Err(Box::new(DeadlineExceeded::new()))
     }
 }
 
@@ -562,5 +518,106 @@ where
             .field("token", &self.token)
             .field("call", &self.call)
             .finish_non_exhaustive()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::panic, reason = "test code: panics are the assertions")]
+
+    use std::convert::Infallible;
+    use std::future::Future;
+    use std::pin::pin;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use std::task::{Context, Poll, Waker};
+
+    use http::{Request, Response, StatusCode};
+    use retrysafe_core::Deadline;
+    use retrysafe_core::error::DeadlineExceeded;
+    use retrysafe_core::strategy::StandardRetryStrategy;
+    use tokio::time::Instant;
+    use tower::{Layer, Service, service_fn};
+
+    use crate::local::BoxError;
+    use crate::retry::{ReplayBody, RetryLayer};
+
+    /// A transport answering `status` to every call, and the number of calls it got.
+    fn transport(
+        status: StatusCode,
+    ) -> (
+        impl Service<Request<ReplayBody<String>>, Response = Response<String>, Error = Infallible>
+        + Clone,
+        Arc<AtomicUsize>,
+    ) {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&calls);
+        let service = service_fn(move |_: Request<ReplayBody<String>>| {
+            counted.fetch_add(1, Relaxed);
+            let mut response = Response::new(String::new());
+            *response.status_mut() = status;
+            std::future::ready(Ok::<_, Infallible>(response))
+        });
+        (service, calls)
+    }
+
+    /// Polls `future` once with a waker that does nothing.
+    fn poll_once<F: Future>(future: std::pin::Pin<&mut F>) -> Poll<F::Output> {
+        future.poll(&mut Context::from_waker(Waker::noop()))
+    }
+
+    fn after_completion(polled: Poll<Result<Response<String>, BoxError>>) {
+        match polled {
+            Poll::Ready(Err(e)) => {
+                assert_eq!(e.to_string(), "retry future polled after completion");
+            }
+            other => panic!("a second poll gave {other:?}"),
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_answered_call_polled_again_answers_an_error_and_calls_nothing() {
+        let (service, calls) = transport(StatusCode::OK);
+        let mut retry = RetryLayer::new().layer(service);
+        let mut future = pin!(retry.call(Request::new(String::new())));
+        match poll_once(future.as_mut()) {
+            Poll::Ready(Ok(response)) => assert_eq!(response.status(), StatusCode::OK),
+            other => panic!("the first poll gave {other:?}"),
+        }
+        after_completion(poll_once(future.as_mut()));
+        assert_eq!(calls.load(Relaxed), 1);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_given_up_call_polled_again_answers_an_error_and_calls_nothing() {
+        let (service, calls) = transport(StatusCode::SERVICE_UNAVAILABLE);
+        let strategy = StandardRetryStrategy::new().seed(7);
+        let mut retry = RetryLayer::new().strategy(strategy).layer(service);
+        let mut future = pin!(retry.call(Request::new(String::new())));
+        // The backoffs are waited out on the paused clock.
+        let response = std::future::poll_fn(|cx| future.as_mut().poll(cx)).await;
+        match response {
+            Ok(response) => assert_eq!(response.status(), StatusCode::SERVICE_UNAVAILABLE),
+            Err(e) => panic!("gave up with {e}"),
+        }
+        after_completion(poll_once(future.as_mut()));
+        assert_eq!(calls.load(Relaxed), 3, "the strategy's three attempts");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_call_out_of_time_at_the_start_answers_once_then_an_error() {
+        let (service, calls) = transport(StatusCode::OK);
+        let mut retry = RetryLayer::new().layer(service);
+        let mut request = Request::new(String::new());
+        request
+            .extensions_mut()
+            .insert(Deadline::at(Instant::now()));
+        let mut future = pin!(retry.call(request));
+        match poll_once(future.as_mut()) {
+            Poll::Ready(Err(e)) => assert!(e.is::<DeadlineExceeded>(), "{e}"),
+            other => panic!("the first poll gave {other:?}"),
+        }
+        after_completion(poll_once(future.as_mut()));
+        assert_eq!(calls.load(Relaxed), 0);
     }
 }

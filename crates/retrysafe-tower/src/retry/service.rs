@@ -1,4 +1,3 @@
-use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
@@ -16,6 +15,7 @@ use super::layer::{Config, MAX_REPLAY_CAP};
 use crate::local::BoxError;
 
 /// The service of a [`RetryLayer`](super::RetryLayer).
+#[derive(Clone, Debug)]
 pub struct RetryService<S> {
     inner: S,
     config: Arc<Config>,
@@ -26,28 +26,7 @@ impl<S> RetryService<S> {
         RetryService { inner, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-}
-
-impl<S: Clone> Clone for RetryService<S> {
-    fn clone(&self) -> Self {
-        RetryService {
-            inner: self.inner.clone(),
-            config: self.config.clone(),
-        }
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for RetryService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RetryService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for RetryService<S>

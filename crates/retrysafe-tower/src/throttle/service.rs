@@ -14,7 +14,7 @@ use super::layer::Config;
 use crate::local::BoxError;
 
 /// The service of an [`AdaptiveThrottleLayer`](super::AdaptiveThrottleLayer).
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct AdaptiveThrottleService<S> {
     inner: S,
     config: Arc<Config>,
@@ -25,19 +25,7 @@ impl<S> AdaptiveThrottleService<S> {
         AdaptiveThrottleService { inner, config }
     }
 
-    /// The inner service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
-}
-
-impl<S: fmt::Debug> fmt::Debug for AdaptiveThrottleService<S> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("AdaptiveThrottleService")
-            .field("inner", &self.inner)
-            .field("config", &self.config)
-            .finish()
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, ReqB, ResB> Service<Request<ReqB>> for AdaptiveThrottleService<S>
