@@ -147,6 +147,9 @@ mod tests {
         reaches_the_inner_service!(HedgeLayer::new().layer(inner()));
         reaches_the_inner_service!(AdaptiveThrottleLayer::new().layer(inner()));
         reaches_the_inner_service!(ClientLayers::new().layer(inner()));
+        reaches_the_inner_service!(
+            crate::idempotency::IdempotencyLayer::in_memory().layer(inner())
+        );
         #[cfg(feature = "tonic")]
         reaches_the_inner_service!(ClientLayers::new().grpc().layer(inner()));
     }

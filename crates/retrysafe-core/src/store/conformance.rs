@@ -1,8 +1,9 @@
 //! The store conformance suite: one set of cases every [`IdempotencyStore`] passes.
 //!
-//! Each case is a public async function over a shared store and a [`TestClock`]; the
-//! [`store_conformance_tests!`](crate::store_conformance_tests) macro turns them into
-//! one test each. Cases use fresh random record ids, so they can share one store (one
+//! Each case is an async function over a shared store and a [`TestClock`]; the
+//! [`store_conformance_tests!`](crate::store_conformance_tests) macro, which names
+//! them all, turns them into one test each (the functions themselves are its
+//! plumbing). Cases use fresh random record ids, so they can share one store (one
 //! Redis database, one PostgreSQL schema) and run in parallel.
 //!
 //! ```text
@@ -229,6 +230,7 @@ fn assert_stale<T: std::fmt::Debug>(r: Result<T, StoreError>, what: &str) {
 }
 
 /// Claim, complete, then a second claim sees the completed record with its response.
+#[doc(hidden)]
 pub async fn claim_complete_replay<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -257,6 +259,7 @@ pub async fn claim_complete_replay<S: IdempotencyStore>(store: Arc<S>, clock: &d
 }
 
 /// Many concurrent claims of one id: exactly one wins, the others see it in progress.
+#[doc(hidden)]
 pub async fn claim_race_has_one_winner<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let mut tasks = Vec::new();
@@ -295,6 +298,7 @@ pub async fn claim_race_has_one_winner<S: IdempotencyStore>(store: Arc<S>, clock
 }
 
 /// Every token-carrying call refuses a token that never held the record.
+#[doc(hidden)]
 pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let c = claim_args(clock, fp(1), CommitPoint::Before);
@@ -353,6 +357,7 @@ pub async fn stale_tokens_are_refused<S: IdempotencyStore>(store: Arc<S>, clock:
 }
 
 /// After a lease expires and another copy re-claims, the first holder's token is stale.
+#[doc(hidden)]
 pub async fn stale_token_after_expiry_and_reclaim<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -394,6 +399,7 @@ pub async fn stale_token_after_expiry_and_reclaim<S: IdempotencyStore>(
 }
 
 /// An expired lease before the commit point is taken over; a live one is not.
+#[doc(hidden)]
 pub async fn takeover_before_commit_point<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -420,6 +426,7 @@ pub async fn takeover_before_commit_point<S: IdempotencyStore>(
 }
 
 /// An expired lease is never taken over by a request with another fingerprint.
+#[doc(hidden)]
 pub async fn no_takeover_with_other_fingerprint<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -438,6 +445,7 @@ pub async fn no_takeover_with_other_fingerprint<S: IdempotencyStore>(
 }
 
 /// An expired lease after the commit point becomes `outcome_unknown`, reported once.
+#[doc(hidden)]
 pub async fn expiry_after_commit_point_is_unknown<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -474,6 +482,7 @@ pub async fn expiry_after_commit_point_is_unknown<S: IdempotencyStore>(
 }
 
 /// A handler that never declares a commit point: an expired lease is `outcome_unknown`.
+#[doc(hidden)]
 pub async fn expiry_without_declared_commit_point_is_unknown<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -489,6 +498,7 @@ pub async fn expiry_without_declared_commit_point_is_unknown<S: IdempotencyStore
 }
 
 /// Renewal keeps a lease alive past its first expiry.
+#[doc(hidden)]
 pub async fn renew_extends_the_lease<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let lease = clock.lease();
@@ -512,6 +522,7 @@ pub async fn renew_extends_the_lease<S: IdempotencyStore>(store: Arc<S>, clock: 
 }
 
 /// A released record is gone: the next claim runs afresh (not a takeover).
+#[doc(hidden)]
 pub async fn release_frees_the_key<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -524,6 +535,7 @@ pub async fn release_frees_the_key<S: IdempotencyStore>(store: Arc<S>, clock: &d
 }
 
 /// `mark_unknown` is final: later claims see `outcome_unknown`, not reported again.
+#[doc(hidden)]
 pub async fn mark_unknown_is_final<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -548,6 +560,7 @@ pub async fn mark_unknown_is_final<S: IdempotencyStore>(store: Arc<S>, clock: &d
 }
 
 /// A completed record is kept for its retention, then the key is new again.
+#[doc(hidden)]
 pub async fn completed_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let retention = clock.lease() * 2;
@@ -573,6 +586,7 @@ pub async fn completed_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn
 }
 
 /// An `outcome_unknown` record is kept for its retention, then the key is new again.
+#[doc(hidden)]
 pub async fn unknown_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let retention = clock.lease() * 2;
@@ -592,6 +606,7 @@ pub async fn unknown_retention<S: IdempotencyStore>(store: Arc<S>, clock: &dyn T
 }
 
 /// A completed-but-not-stored marker round-trips.
+#[doc(hidden)]
 pub async fn not_stored_marker<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let first = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -611,6 +626,7 @@ pub async fn not_stored_marker<S: IdempotencyStore>(store: Arc<S>, clock: &dyn T
 }
 
 /// Status, multi-value headers, binary body and trailers come back byte for byte.
+#[doc(hidden)]
 pub async fn stored_response_round_trips<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -654,6 +670,7 @@ pub async fn stored_response_round_trips<S: IdempotencyStore>(
 }
 
 /// A waiter wakes when the holder completes, well before its maximum.
+#[doc(hidden)]
 pub async fn wait_wakes_on_completion<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let lease = clock.lease();
@@ -684,6 +701,7 @@ pub async fn wait_wakes_on_completion<S: IdempotencyStore>(store: Arc<S>, clock:
 }
 
 /// A waiter wakes when the holder releases.
+#[doc(hidden)]
 pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let lease = clock.lease();
@@ -705,6 +723,7 @@ pub async fn wait_wakes_on_release<S: IdempotencyStore>(store: Arc<S>, clock: &d
 }
 
 /// A waiter on a record that stays in progress returns after its maximum, no sooner.
+#[doc(hidden)]
 pub async fn wait_returns_after_max<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let lease = clock.lease();
@@ -733,6 +752,7 @@ pub async fn wait_returns_after_max<S: IdempotencyStore>(store: Arc<S>, clock: &
 }
 
 /// Records of different ids never interact.
+#[doc(hidden)]
 pub async fn keys_are_independent<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let a = fresh_id();
     let b = fresh_id();
@@ -753,6 +773,7 @@ pub async fn keys_are_independent<S: IdempotencyStore>(store: Arc<S>, clock: &dy
 
 /// A claim sent again by its own token (its reply was lost) is `Claimed` again; a copy
 /// with another token still finds the record in progress.
+#[doc(hidden)]
 pub async fn repeated_claim_is_claimed<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let c = claim_args(clock, fp(1), CommitPoint::Before);
@@ -776,6 +797,7 @@ pub async fn repeated_claim_is_claimed<S: IdempotencyStore>(store: Arc<S>, clock
 
 /// A completion sent again with the same content succeeds; one with other content is
 /// refused and changes nothing.
+#[doc(hidden)]
 pub async fn repeated_complete_succeeds<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -804,6 +826,7 @@ pub async fn repeated_complete_succeeds<S: IdempotencyStore>(store: Arc<S>, cloc
 
 /// A release sent again by the token that released succeeds while the record is
 /// absent; another token is refused.
+#[doc(hidden)]
 pub async fn repeated_release_succeeds<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let id = fresh_id();
     let c = claim_args(clock, fp(1), CommitPoint::Undeclared);
@@ -822,6 +845,7 @@ pub async fn repeated_release_succeeds<S: IdempotencyStore>(store: Arc<S>, clock
 
 /// A `mark_unknown` sent again by the token that marked succeeds; another token is
 /// refused.
+#[doc(hidden)]
 pub async fn repeated_mark_unknown_succeeds<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -857,6 +881,7 @@ pub async fn repeated_mark_unknown_succeeds<S: IdempotencyStore>(
 }
 
 /// `renew` and `commit_point` sent again by the holder succeed and change nothing more.
+#[doc(hidden)]
 pub async fn repeated_renew_and_commit_point_succeed<S: IdempotencyStore>(
     store: Arc<S>,
     clock: &dyn TestClock,
@@ -887,6 +912,7 @@ pub async fn repeated_renew_and_commit_point_succeed<S: IdempotencyStore>(
 
 /// Each token call applied with its reply lost, then sent again with the same token,
 /// answers as if the first reply had arrived.
+#[doc(hidden)]
 pub async fn lost_replies_are_resent<S: IdempotencyStore>(store: Arc<S>, clock: &dyn TestClock) {
     let store = FaultyStore::new(store);
     let r = clock.lease() * 10;

@@ -2,7 +2,9 @@
 //! in-flight index, notified flags, and a reconciler driving a resolver.
 //!
 //! Each case needs a store of its own (a fresh key prefix, table or schema): the
-//! reconciler case adopts whatever is due in the store it is given.
+//! reconciler case adopts whatever is due in the store it is given. The
+//! [`reconcilable_store_tests!`](crate::reconcilable_store_tests) macro names every case
+//! and turns each into a test.
 //!
 //! ```text
 //! retrysafe_core::reconcilable_store_tests! {
@@ -152,6 +154,7 @@ fn stale(r: Result<(), StoreError>, what: &str) {
 }
 
 /// An expired claim is due once its lease ended `stale` ago; a live one is not.
+#[doc(hidden)]
 pub async fn due_lists_expired_claims_not_live_ones<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -183,6 +186,7 @@ pub async fn due_lists_expired_claims_not_live_ones<S: ReconcilableStore>(
 }
 
 /// Adopting gives what a resolver needs: state, request, note, age.
+#[doc(hidden)]
 pub async fn adopt_shows_the_request_and_note<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -208,6 +212,7 @@ pub async fn adopt_shows_the_request_and_note<S: ReconcilableStore>(
 
 /// While adopted: reads and claims see `resolving`, a second adoption gets nothing, and
 /// the late holder's token calls are refused.
+#[doc(hidden)]
 pub async fn adopted_record_is_resolving_for_everyone<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -261,6 +266,7 @@ pub async fn adopted_record_is_resolving_for_everyone<S: ReconcilableStore>(
 }
 
 /// `Complete` stores the resolver's response under the original fingerprint.
+#[doc(hidden)]
 pub async fn settle_complete_replays_the_response<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -305,6 +311,7 @@ pub async fn settle_complete_replays_the_response<S: ReconcilableStore>(
 }
 
 /// `Release` deletes the record: the next copy runs.
+#[doc(hidden)]
 pub async fn settle_release_lets_the_next_copy_run<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -332,6 +339,7 @@ pub async fn settle_release_lets_the_next_copy_run<S: ReconcilableStore>(
 
 /// `Later` turns an abandoned claim into `outcome_unknown`, notified, due again only
 /// after the wait.
+#[doc(hidden)]
 pub async fn settle_later_turns_a_claim_unknown_and_defers_it<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -384,6 +392,7 @@ pub async fn settle_later_turns_a_claim_unknown_and_defers_it<S: ReconcilableSto
 
 /// A lapsed adoption leaves the record as it was: another adoption may take it, and
 /// the first adopter's settlement is refused.
+#[doc(hidden)]
 pub async fn adoption_lapses_to_the_prior_state<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -443,6 +452,7 @@ pub async fn adoption_lapses_to_the_prior_state<S: ReconcilableStore>(
 
 /// Records marked unknown are due at once, with their reason; `mark_notified` sets the
 /// flag.
+#[doc(hidden)]
 pub async fn unknown_records_are_due_with_reason_and_flag<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -479,6 +489,7 @@ pub async fn unknown_records_are_due_with_reason_and_flag<S: ReconcilableStore>(
 }
 
 /// A claim before its declared commit point is reported as such.
+#[doc(hidden)]
 pub async fn before_claims_are_before<S: ReconcilableStore>(store: S, clock: &dyn TestClock) {
     let id = fresh_id();
     let request = info("order-8");
@@ -495,6 +506,7 @@ pub async fn before_claims_are_before<S: ReconcilableStore>(store: S, clock: &dy
 }
 
 /// `reconciled` is true while a reconciler counts itself in.
+#[doc(hidden)]
 pub async fn reconciled_counts_reconcilers<S: ReconcilableStore>(store: S, _clock: &dyn TestClock) {
     let before = store.reconciled();
     store.set_reconciled(true);
@@ -504,6 +516,7 @@ pub async fn reconciled_counts_reconcilers<S: ReconcilableStore>(store: S, _cloc
 }
 
 /// Completed and released records leave the index.
+#[doc(hidden)]
 pub async fn completed_and_released_records_are_not_due<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -573,6 +586,7 @@ async fn pass<S: ReconcilableStore>(
 
 /// A reconciler pass applies each resolution, releases claims before their commit point
 /// without asking, and tells the hook of what stays unknown, once.
+#[doc(hidden)]
 pub async fn reconciler_applies_every_resolution<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -637,6 +651,7 @@ pub async fn reconciler_applies_every_resolution<S: ReconcilableStore>(
 
 /// An operator lists every pending record, those whose next pass is not due yet
 /// included.
+#[doc(hidden)]
 pub async fn operator_lists_unknown_records_not_yet_due<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -668,6 +683,7 @@ pub async fn operator_lists_unknown_records_not_yet_due<S: ReconcilableStore>(
 
 /// A live claim is never changed by an operator, before or past its commit point: the
 /// holder is not fenced and settles its record itself.
+#[doc(hidden)]
 pub async fn operator_leaves_live_claims_alone<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -732,6 +748,7 @@ pub async fn operator_leaves_live_claims_alone<S: ReconcilableStore>(
 
 /// An operator releases a claim whose lease ended before its commit point: the next
 /// copy runs, the late holder is fenced.
+#[doc(hidden)]
 pub async fn operator_releases_an_expired_claim_before_its_commit_point<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,
@@ -757,6 +774,7 @@ pub async fn operator_releases_an_expired_claim_before_its_commit_point<S: Recon
 /// An expired claim past its commit point that a copy made unknown is considered by a
 /// reconciler only `stale` after its lease ended, as the claim would have been: its
 /// holder may still run until then, and must not meet a `DidNotHappen`.
+#[doc(hidden)]
 pub async fn a_lease_made_unknown_by_a_copy_waits_like_the_claim<S: ReconcilableStore>(
     store: S,
     clock: &dyn TestClock,

@@ -65,10 +65,7 @@ impl<S, X> IdempotencyService<S, X> {
         IdempotencyService { inner, layer }
     }
 
-    /// The wrapped service.
-    pub fn get_ref(&self) -> &S {
-        &self.inner
-    }
+    define_inner_service_accessors!();
 }
 
 impl<S, X, B, ResB> Service<Request<B>> for IdempotencyService<S, X>
