@@ -245,6 +245,9 @@
 //! - `edge` (default): [`EdgeLayer`].
 //! - `metrics` (default): metrics through the `metrics` facade, for any recorder; names,
 //!   labels and the attempt-number extension in [`observe`].
+//! - `chaos` (not in `default`): [`FaultLayer`] in [`chaos`], which injects seeded
+//!   latency, error answers, connection resets and replies lost after the effect, for
+//!   tests and staging.
 //! - `full`: everything.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -267,6 +270,8 @@ pub use retrysafe_reqwest as reqwest;
 pub use retrysafe_tower::breaker::{self, CircuitBreakerLayer};
 #[cfg(feature = "budget")]
 pub use retrysafe_tower::budget::{self, RetryBudgetLayer};
+#[cfg(feature = "chaos")]
+pub use retrysafe_tower::chaos::{self, FaultLayer};
 #[cfg(feature = "client")]
 pub use retrysafe_tower::client::{self, ClientLayers};
 #[cfg(feature = "deadline")]
