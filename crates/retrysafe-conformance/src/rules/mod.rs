@@ -1,0 +1,718 @@
+//! The rules, what they share, and the order they run in.
+
+mod copies;
+mod documents;
+mod headers;
+mod keys;
+mod replay;
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use crate::check::{describe, describe_exchange, retry_after_delay, slug};
+use crate::http::{self, Answer, Exchange, Origin, Request};
+use crate::report::{Report, Verdict};
+use crate::{Options, Rule};
+
+/// Every rule, in the order they run.
+pub static RULES: &[&Rule] = &[
+    &SETUP_FIRST_REQUEST,
+    &LEDGER_COUNTS_EFFECTS,
+    &REPLAY_SAME_ANSWER,
+    &REPLAY_MARKED,
+    &REPLAY_HEADERS,
+    &KEY_FORMS,
+    &KEY_ESCAPES,
+    &KEY_QUOTE_PREFIX,
+    &KEY_MAX_LENGTH,
+    &KEY_TOO_LONG,
+    &KEY_EMPTY,
+    &KEY_INVALID_CHARACTERS,
+    &KEY_CONTROL_CHARACTERS,
+    &KEY_TWICE,
+    &KEY_MISSING,
+    &MISMATCH_BODY,
+    &MISMATCH_QUERY,
+    &MISMATCH_CONCURRENT,
+    &CONCURRENT_COPIES,
+    &LOST_REPLY_AFTER_ANSWER,
+    &LOST_REPLY_MID_REQUEST,
+    &SAME_REQUEST_PER_ATTEMPT_HEADERS,
+    &RETRY_ATTEMPT_PARSING,
+    &REQUEST_TIMEOUT_MS_MALFORMED,
+    &REQUEST_TIMEOUT_MS_ZERO,
+    &REQUEST_TIMEOUT_MS_VALID,
+    &PROBLEM_DOCUMENTS,
+    &RETRY_AFTER_SYNTAX,
+];
+
+pub(crate) static SETUP_FIRST_REQUEST: Rule = rule(
+    "setup.first-request",
+    "idempotency-key",
+    "a request with a new key runs",
+);
+pub(crate) static LEDGER_COUNTS_EFFECTS: Rule = rule(
+    "ledger.counts-effects",
+    "idempotency-key",
+    "the ledger counts the effect of one new request",
+);
+pub(crate) static REPLAY_SAME_ANSWER: Rule = rule(
+    "replay.same-answer",
+    "idempotent-replayed",
+    "copies after the first get its status and body, one effect",
+);
+pub(crate) static REPLAY_MARKED: Rule = rule(
+    "replay.marked",
+    "idempotent-replayed",
+    "replays carry idempotent-replayed: true, first answers do not",
+);
+pub(crate) static REPLAY_HEADERS: Rule = rule(
+    "replay.headers",
+    "idempotent-replayed",
+    "replays keep the stable headers and never replay set-cookie",
+);
+pub(crate) static KEY_FORMS: Rule = rule(
+    "key.forms",
+    "idempotency-key",
+    "\"k\" and k are the same key",
+);
+pub(crate) static KEY_ESCAPES: Rule = rule(
+    "key.escapes",
+    "idempotency-key",
+    "sf-string keys with \\\" and \\\\ escapes are keys",
+);
+pub(crate) static KEY_QUOTE_PREFIX: Rule = rule(
+    "key.quote-prefix",
+    "idempotency-key",
+    "a bare key may start with a quote (\"abc is a key)",
+);
+pub(crate) static KEY_MAX_LENGTH: Rule = rule(
+    "key.max-length",
+    "idempotency-key",
+    "keys of 255 characters are accepted",
+);
+pub(crate) static KEY_TOO_LONG: Rule = rule(
+    "key.too-long",
+    "idempotency-key",
+    "keys of 256 characters get 400 key-invalid",
+);
+pub(crate) static KEY_EMPTY: Rule = rule(
+    "key.empty",
+    "idempotency-key",
+    "empty keys get 400 key-invalid",
+);
+pub(crate) static KEY_INVALID_CHARACTERS: Rule = rule(
+    "key.invalid-characters",
+    "idempotency-key",
+    "keys outside the grammar get 400 key-invalid",
+);
+pub(crate) static KEY_CONTROL_CHARACTERS: Rule = rule(
+    "key.control-characters",
+    "idempotency-key",
+    "keys holding control characters get 400",
+);
+pub(crate) static KEY_TWICE: Rule = rule(
+    "key.twice",
+    "idempotency-key",
+    "a key header sent twice gets 400 key-invalid",
+);
+pub(crate) static KEY_MISSING: Rule = rule(
+    "key.missing",
+    "idempotency-key",
+    "no key: 400 key-missing, or the request is not guarded",
+);
+pub(crate) static MISMATCH_BODY: Rule = rule(
+    "mismatch.body",
+    "idempotency-key",
+    "the key with another body gets 422 key-mismatch, do-not-retry",
+);
+pub(crate) static MISMATCH_QUERY: Rule = rule(
+    "mismatch.query",
+    "idempotency-key",
+    "the key with another query gets 422 key-mismatch, do-not-retry",
+);
+pub(crate) static MISMATCH_CONCURRENT: Rule = rule(
+    "mismatch.concurrent",
+    "idempotency-key",
+    "the key with two bodies at once: one runs, the other gets 422",
+);
+pub(crate) static CONCURRENT_COPIES: Rule = rule(
+    "concurrent.copies",
+    "idempotency-key",
+    "copies at once: one effect, the others replay or get 409 request-in-flight",
+);
+pub(crate) static LOST_REPLY_AFTER_ANSWER: Rule = rule(
+    "lost-reply.after-answer",
+    "idempotency-key",
+    "a reply lost unread, then a retry: a replay, one effect",
+);
+pub(crate) static LOST_REPLY_MID_REQUEST: Rule = rule(
+    "lost-reply.mid-request",
+    "idempotency-key",
+    "a connection closed before the answer, then a retry: one effect",
+);
+pub(crate) static SAME_REQUEST_PER_ATTEMPT_HEADERS: Rule = rule(
+    "same-request.per-attempt-headers",
+    "idempotency-key",
+    "retry-attempt, request-timeout-ms, grpc-timeout, retry-point do not change the request",
+);
+pub(crate) static RETRY_ATTEMPT_PARSING: Rule = rule(
+    "retry-attempt.parsing",
+    "retry-attempt-and-grpc-previous-rpc-attempts",
+    "malformed retry-attempt values are ignored",
+);
+pub(crate) static REQUEST_TIMEOUT_MS_MALFORMED: Rule = rule(
+    "request-timeout-ms.malformed",
+    "request-timeout-ms",
+    "malformed values get 400 timeout-invalid and record nothing",
+);
+pub(crate) static REQUEST_TIMEOUT_MS_ZERO: Rule = rule(
+    "request-timeout-ms.zero",
+    "request-timeout-ms",
+    "0 gets 504 deadline-exceeded, do-not-retry, and records nothing",
+);
+pub(crate) static REQUEST_TIMEOUT_MS_VALID: Rule = rule(
+    "request-timeout-ms.valid",
+    "request-timeout-ms",
+    "valid values (leading zeros, huge ones) are accepted",
+);
+pub(crate) static PROBLEM_DOCUMENTS: Rule = rule(
+    "problem.documents",
+    "problem-documents-applicationproblemjson",
+    "problem answers are RFC 9457 documents of the convention's form",
+);
+pub(crate) static RETRY_AFTER_SYNTAX: Rule = rule(
+    "retry-after.syntax",
+    "retry-after",
+    "retry-after is delay-seconds (at most 86400) or an HTTP-date",
+);
+
+const fn rule(id: &'static str, section: &'static str, title: &'static str) -> Rule {
+    Rule { id, section, title }
+}
+
+/// A verdict and its detail.
+pub(crate) type Finding = (Verdict, String);
+
+pub(crate) fn pass(detail: impl Into<String>) -> Finding {
+    (Verdict::Pass, detail.into())
+}
+
+pub(crate) fn fail(detail: impl Into<String>) -> Finding {
+    (Verdict::Fail, detail.into())
+}
+
+pub(crate) fn skip(detail: impl Into<String>) -> Finding {
+    (Verdict::Skip, detail.into())
+}
+
+/// How many copies the concurrency rule sends at once.
+pub(crate) const COPIES: usize = 8;
+/// The longest wait a `retry-after` is followed for.
+const MAX_WAIT: Duration = Duration::from_secs(5);
+/// The wait after a 409 or 503 without a usable `retry-after`.
+const DEFAULT_WAIT: Duration = Duration::from_millis(500);
+/// How many times a copy is sent again while the first is in flight.
+const MAX_SETTLE_ATTEMPTS: usize = 20;
+/// How long effects of copies that lost their reply get to show in the ledger.
+const SETTLE: Duration = Duration::from_millis(300);
+
+/// Whether and how effects are counted.
+#[derive(Debug, Clone)]
+enum Counting {
+    On(Origin, Request),
+    Off(String),
+}
+
+/// What the rules share: the endpoint, the ledger, fresh keys, every answer seen.
+pub(crate) struct Ctx<'a> {
+    options: &'a Options,
+    counting: Mutex<Counting>,
+    run: String,
+    next: AtomicU32,
+    seen: Mutex<Vec<Answer>>,
+}
+
+impl<'a> Ctx<'a> {
+    fn new(options: &'a Options) -> Self {
+        let counting = match options.ledger_request() {
+            Some((origin, request)) => Counting::On(origin, request),
+            None => Counting::Off("no --ledger-url".to_owned()),
+        };
+        Ctx {
+            options,
+            counting: Mutex::new(counting),
+            run: format!("{:012x}", rand::random::<u64>() >> 16),
+            next: AtomicU32::new(0),
+            seen: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// A key no request of any run has used.
+    pub(crate) fn key(&self) -> String {
+        let n = self.next.fetch_add(1, Ordering::Relaxed);
+        format!("rsc-{}-{n:03}", self.run)
+    }
+
+    /// The endpoint's request, without a key.
+    pub(crate) fn base(&self) -> Request {
+        self.options.request()
+    }
+
+    /// The endpoint's request with this `idempotency-key` value.
+    pub(crate) fn keyed(&self, key: impl Into<Vec<u8>>) -> Request {
+        self.base().header("idempotency-key", key)
+    }
+
+    /// The endpoint's request with another body: a JSON value of the same kind that
+    /// differs from the configured one.
+    pub(crate) fn other_body(&self, request: Request) -> Request {
+        let mut body = self.options.body.clone();
+        match &mut body {
+            serde_json::Value::Object(members) => {
+                members.insert(
+                    "retrysafe_conformance_variant".to_owned(),
+                    serde_json::Value::from(self.key()),
+                );
+            }
+            serde_json::Value::Array(items) => items.push(serde_json::Value::from(self.key())),
+            serde_json::Value::String(text) => text.push_str("-variant"),
+            serde_json::Value::Number(n) => {
+                body = serde_json::Value::from(n.as_f64().unwrap_or_default() + 1.0);
+            }
+            serde_json::Value::Bool(b) => *b = !*b,
+            serde_json::Value::Null => body = serde_json::json!({}),
+        }
+        Request {
+            body: body.to_string().into_bytes(),
+            ..request
+        }
+    }
+
+    /// The endpoint's request with another query: a parameter added.
+    pub(crate) fn other_query(&self, request: Request) -> Request {
+        let sep = if request.target.contains('?') { '&' } else { '?' };
+        let target = format!("{}{sep}retrysafe-conformance-variant=1", request.target);
+        Request { target, ..request }
+    }
+
+    fn origin(&self) -> &Origin {
+        &self.options.url.origin
+    }
+
+    fn note(&self, exchange: &Exchange) {
+        if let Ok(answer) = exchange {
+            self.seen
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(answer.clone());
+        }
+    }
+
+    /// Every answer seen so far.
+    pub(crate) fn seen(&self) -> Vec<Answer> {
+        self.seen
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
+    /// Sends `request` once.
+    pub(crate) async fn send(&self, request: &Request) -> Exchange {
+        let exchange = http::send(self.origin(), request).await;
+        self.note(&exchange);
+        exchange
+    }
+
+    /// Sends every request at once, each on its own connection.
+    pub(crate) async fn together(&self, requests: &[Request]) -> Vec<Exchange> {
+        let exchanges = http::send_together(self.origin(), requests).await;
+        for exchange in &exchanges {
+            self.note(exchange);
+        }
+        exchanges
+    }
+
+    /// Sends `request` and closes the connection before any answer.
+    pub(crate) async fn close_early(&self, request: &Request) -> Result<(), String> {
+        http::send_and_close(self.origin(), request)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Sends `request` and closes the connection once the answer arrives, unread.
+    pub(crate) async fn drop_answer(&self, request: &Request) -> Result<(), String> {
+        http::send_and_drop_answer(self.origin(), request)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Sends `request` as a client that follows the convention does: again after the
+    /// `retry-after` of a 409 (a copy in flight) or a 503 `outcome-pending`, until
+    /// another answer comes.
+    pub(crate) async fn settled(&self, request: &Request) -> Exchange {
+        let mut exchange = self.send(request).await;
+        for _ in 1..MAX_SETTLE_ATTEMPTS {
+            let wait = match &exchange {
+                Ok(a) if a.status == 409 || slug(a).as_deref() == Some("outcome-pending") => {
+                    retry_after_delay(a).unwrap_or(DEFAULT_WAIT).min(MAX_WAIT)
+                }
+                _ => break,
+            };
+            tokio::time::sleep(wait).await;
+            exchange = self.send(request).await;
+        }
+        exchange
+    }
+
+    /// The effects the ledger counts now; `None` when they are not counted.
+    pub(crate) async fn effects(&self) -> Option<Result<u64, String>> {
+        let counting = self
+            .counting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let Counting::On(origin, request) = counting else {
+            return None;
+        };
+        Some(read_ledger(&origin, &request).await)
+    }
+
+    fn stop_counting(&self, why: String) {
+        *self
+            .counting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Counting::Off(why);
+    }
+
+    fn not_counted(&self) -> String {
+        match &*self
+            .counting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        {
+            Counting::Off(why) => why.clone(),
+            Counting::On(..) => String::new(),
+        }
+    }
+
+    /// The verdict of a rule whose requests were judged `judged` and should have made
+    /// `expected` effects since `before` (read at the start of the rule).
+    pub(crate) async fn effects_since(
+        &self,
+        before: Option<Result<u64, String>>,
+        expected: u64,
+        judged: Result<String, String>,
+    ) -> Finding {
+        let detail = match judged {
+            Ok(detail) => detail,
+            Err(detail) => return fail(detail),
+        };
+        let after = self.effects().await;
+        match (before, after) {
+            (Some(Ok(before)), Some(Ok(after))) => {
+                let made = after.saturating_sub(before);
+                if made == expected && after >= before {
+                    pass(format!("{detail}; {}", effects(made)))
+                } else {
+                    fail(format!(
+                        "{detail}; but the ledger went from {before} to {after}: expected {}",
+                        effects(expected)
+                    ))
+                }
+            }
+            (Some(Err(e)), _) | (_, Some(Err(e))) => {
+                fail(format!("{detail}; but the ledger could not be read: {e}"))
+            }
+            _ => pass(format!("{detail}; effects not counted ({})", self.not_counted())),
+        }
+    }
+
+    /// Like [`effects_since`](Self::effects_since), after a pause that lets a copy
+    /// whose reply was lost finish its effect.
+    pub(crate) async fn effects_settled(
+        &self,
+        before: Option<Result<u64, String>>,
+        expected: u64,
+        judged: Result<String, String>,
+    ) -> Finding {
+        if judged.is_ok() && before.is_some() {
+            tokio::time::sleep(SETTLE).await;
+        }
+        self.effects_since(before, expected, judged).await
+    }
+
+    /// Whether effects are counted.
+    pub(crate) fn counting(&self) -> bool {
+        matches!(
+            *self
+                .counting
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+            Counting::On(..)
+        )
+    }
+
+    /// Why effects are not counted.
+    pub(crate) fn why_not_counted(&self) -> String {
+        self.not_counted()
+    }
+}
+
+fn effects(n: u64) -> String {
+    if n == 1 {
+        "1 effect".to_owned()
+    } else {
+        format!("{n} effects")
+    }
+}
+
+/// Reads the ledger: a JSON array (its length) or an object's `count`.
+async fn read_ledger(origin: &Origin, request: &Request) -> Result<u64, String> {
+    let answer = http::send(origin, request)
+        .await
+        .map_err(|e| format!("GET {}: {e}", request.target))?;
+    if answer.status != 200 {
+        return Err(format!(
+            "GET {} answered {}",
+            request.target,
+            describe(&answer)
+        ));
+    }
+    let json: serde_json::Value = serde_json::from_slice(&answer.body).map_err(|e| {
+        format!(
+            "GET {} answered a body that is not JSON ({e})",
+            request.target
+        )
+    })?;
+    match &json {
+        serde_json::Value::Array(items) => Ok(items.len() as u64),
+        serde_json::Value::Object(members) => members
+            .get("count")
+            .and_then(serde_json::Value::as_u64)
+            .ok_or_else(|| {
+                format!(
+                    "GET {} answered an object without a count member of a whole number",
+                    request.target
+                )
+            }),
+        _ => Err(format!(
+            "GET {} answered neither a JSON array nor an object with a count member",
+            request.target
+        )),
+    }
+}
+
+/// Runs every rule.
+pub(crate) async fn run(options: &Options) -> Report {
+    let ctx = Ctx::new(options);
+    let mut report = Report::default();
+    let ok = setup(&ctx, &mut report).await;
+    if !ok {
+        for rule in RULES.iter().skip(2) {
+            report.push(
+                rule,
+                Verdict::Skip,
+                "needs an endpoint that runs the request (setup.first-request failed)".to_owned(),
+            );
+        }
+        return report;
+    }
+    let [same, marked, headers] = replay::replay(&ctx).await;
+    push(&mut report, &REPLAY_SAME_ANSWER, same);
+    push(&mut report, &REPLAY_MARKED, marked);
+    push(&mut report, &REPLAY_HEADERS, headers);
+    push(&mut report, &KEY_FORMS, keys::forms(&ctx).await);
+    push(&mut report, &KEY_ESCAPES, keys::escapes(&ctx).await);
+    push(&mut report, &KEY_QUOTE_PREFIX, keys::quote_prefix(&ctx).await);
+    push(&mut report, &KEY_MAX_LENGTH, keys::max_length(&ctx).await);
+    push(&mut report, &KEY_TOO_LONG, keys::too_long(&ctx).await);
+    push(&mut report, &KEY_EMPTY, keys::empty(&ctx).await);
+    push(
+        &mut report,
+        &KEY_INVALID_CHARACTERS,
+        keys::invalid_characters(&ctx).await,
+    );
+    push(
+        &mut report,
+        &KEY_CONTROL_CHARACTERS,
+        keys::control_characters(&ctx).await,
+    );
+    push(&mut report, &KEY_TWICE, keys::twice(&ctx).await);
+    push(&mut report, &KEY_MISSING, keys::missing(&ctx).await);
+    push(&mut report, &MISMATCH_BODY, replay::mismatch_body(&ctx).await);
+    push(&mut report, &MISMATCH_QUERY, replay::mismatch_query(&ctx).await);
+    push(
+        &mut report,
+        &MISMATCH_CONCURRENT,
+        copies::mismatch_concurrent(&ctx).await,
+    );
+    push(&mut report, &CONCURRENT_COPIES, copies::concurrent(&ctx).await);
+    push(
+        &mut report,
+        &LOST_REPLY_AFTER_ANSWER,
+        copies::lost_after_answer(&ctx).await,
+    );
+    push(
+        &mut report,
+        &LOST_REPLY_MID_REQUEST,
+        copies::lost_mid_request(&ctx).await,
+    );
+    push(
+        &mut report,
+        &SAME_REQUEST_PER_ATTEMPT_HEADERS,
+        headers::per_attempt(&ctx).await,
+    );
+    push(
+        &mut report,
+        &RETRY_ATTEMPT_PARSING,
+        headers::retry_attempt(&ctx).await,
+    );
+    push(
+        &mut report,
+        &REQUEST_TIMEOUT_MS_MALFORMED,
+        headers::timeout_malformed(&ctx).await,
+    );
+    push(
+        &mut report,
+        &REQUEST_TIMEOUT_MS_ZERO,
+        headers::timeout_zero(&ctx).await,
+    );
+    push(
+        &mut report,
+        &REQUEST_TIMEOUT_MS_VALID,
+        headers::timeout_valid(&ctx).await,
+    );
+    push(&mut report, &PROBLEM_DOCUMENTS, documents::problems(&ctx));
+    push(&mut report, &RETRY_AFTER_SYNTAX, documents::retry_after(&ctx));
+    report
+}
+
+fn push(report: &mut Report, rule: &'static Rule, (verdict, detail): Finding) {
+    report.push(rule, verdict, detail);
+}
+
+/// The first request, and whether the ledger counts its effect. `false` when the
+/// endpoint does not run it: nothing else can be checked then.
+async fn setup(ctx: &Ctx<'_>, report: &mut Report) -> bool {
+    let before = ctx.effects().await;
+    let key = ctx.key();
+    let request = ctx.keyed(key.as_str());
+    let answer = ctx.send(&request).await;
+    let ok = matches!(&answer, Ok(a) if a.is_success());
+    let sent = format!("sent {} with idempotency-key: {key}", request.line());
+    let first = if ok {
+        pass(format!("{sent}: {}", describe_exchange(&answer)))
+    } else {
+        fail(format!(
+            "{sent}; expected a 2xx answer, got {} (check --url, --header and --body)",
+            describe_exchange(&answer)
+        ))
+    };
+    push(report, &SETUP_FIRST_REQUEST, first);
+    let ledger = match before {
+        None => skip(format!(
+            "effects are not counted ({}); give --ledger-url to check that copies make one effect",
+            ctx.why_not_counted()
+        )),
+        Some(Err(e)) => {
+            ctx.stop_counting("the ledger could not be read: see ledger.counts-effects".to_owned());
+            fail(format!("the ledger could not be read: {e}"))
+        }
+        Some(Ok(_)) if !ok => {
+            ctx.stop_counting("the first request failed".to_owned());
+            skip("the first request did not run (see setup.first-request)")
+        }
+        Some(Ok(before)) => match ctx.effects().await {
+            Some(Ok(after)) if after == before + 1 => pass(format!(
+                "the ledger went from {before} to {after} for one new request"
+            )),
+            Some(Ok(after)) => {
+                ctx.stop_counting(
+                    "the ledger does not count this endpoint's effects: see ledger.counts-effects"
+                        .to_owned(),
+                );
+                fail(format!(
+                    "the ledger went from {before} to {after} for one new request, not by 1: \
+                     does --ledger-url count what --url does (the same account, the same \
+                     --header credentials)?"
+                ))
+            }
+            Some(Err(e)) => {
+                ctx.stop_counting("the ledger could not be read: see ledger.counts-effects".to_owned());
+                fail(format!("the ledger could not be read: {e}"))
+            }
+            None => skip("effects are not counted"),
+        },
+    };
+    push(report, &LEDGER_COUNTS_EFFECTS, ledger);
+    ok
+}
+
+/// An answer judged against the first answer of its key: the same status and body.
+pub(crate) fn same_answer(first: &Answer, exchange: &Exchange, what: &str) -> Result<(), String> {
+    match exchange {
+        Ok(a) if a.status == first.status && a.body == first.body => Ok(()),
+        Ok(a) if a.status == first.status => Err(format!(
+            "{what}: expected the first answer again ({}), got the same status with another \
+             body: {} (the request ran again?)",
+            describe(first),
+            describe(a)
+        )),
+        other => Err(format!(
+            "{what}: expected the first answer again ({}), got {}",
+            describe(first),
+            describe_exchange(other)
+        )),
+    }
+}
+
+/// The first answer of a key, which must be a 2xx.
+pub(crate) fn first_success<'e>(exchange: &'e Exchange, what: &str) -> Result<&'e Answer, String> {
+    match exchange {
+        Ok(a) if a.is_success() => Ok(a),
+        other => Err(format!(
+            "{what}: expected a 2xx answer, got {}",
+            describe_exchange(other)
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rule_ids_are_unique() {
+        let mut ids: Vec<&str> = RULES.iter().map(|r| r.id).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        assert_eq!(ids.len(), RULES.len());
+    }
+
+    #[test]
+    fn every_section_is_a_heading_of_the_wire_convention() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../docs/wire-convention.md");
+        let doc = std::fs::read_to_string(path).unwrap();
+        let anchors: Vec<String> = doc
+            .lines()
+            .filter_map(|l| l.strip_prefix("## ").or_else(|| l.strip_prefix("### ")))
+            .map(|h| {
+                h.to_lowercase()
+                    .chars()
+                    .filter(|c| c.is_alphanumeric() || *c == '-' || *c == ' ')
+                    .collect::<String>()
+                    .replace(' ', "-")
+            })
+            .collect();
+        for rule in RULES {
+            assert!(
+                anchors.iter().any(|a| a == rule.section),
+                "{}: no heading #{} in docs/wire-convention.md ({anchors:?})",
+                rule.id,
+                rule.section
+            );
+        }
+    }
+}
