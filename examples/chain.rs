@@ -47,12 +47,12 @@ use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
 use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::idempotency::{IdempotencyLayer, NoEffect};
 use retrysafe::local::GrpcStatusLayer;
+use retrysafe::reqwest::RetryMiddleware;
 use retrysafe::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
 };
-use retrysafe_reqwest::RetryMiddleware;
 use serde_json::json;
 use tokio::net::TcpListener;
 use tonic::body::Body as GrpcBody;

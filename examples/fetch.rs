@@ -43,7 +43,7 @@ use reqwest::Url;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware, Middleware, Next};
 use retrysafe::core::strategy::StandardRetryStrategy;
 use retrysafe::core::wire::IdempotencyKey;
-use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+use retrysafe::reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 use serde_json::json;
 use tokio::time::Instant;
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 use axum::http::{HeaderMap, StatusCode};
 use retrysafe::RetryBudget;
 use retrysafe::breaker::BreakerConfig;
-use retrysafe_reqwest::{ClientMiddlewares, RetryMiddleware};
+use retrysafe::reqwest::{ClientMiddlewares, RetryMiddleware};
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {

@@ -11,6 +11,7 @@
 #![allow(
     clippy::unwrap_used,
     clippy::panic,
+    clippy::indexing_slicing,
     missing_docs,
     reason = "test code: panics are the assertions"
 )]
@@ -31,6 +32,7 @@ use retrysafe::postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe::postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe::redis::RedisStore;
 use retrysafe::redis::redis;
+use retrysafe::server::ServerLayers;
 
 /// Effects per idempotency key, as the handler made them.
 type Effects = Arc<Mutex<HashMap<String, u32>>>;
@@ -148,7 +150,10 @@ async fn check(name: &str, base: &str, effects: &Effects, mode: Mode) {
     let busy = post_as(base, "busy", "fail-before").await;
     assert_eq!(busy.status, StatusCode::SERVICE_UNAVAILABLE, "{name}");
     assert_eq!(busy.body, "busy", "{name}: the handler's own answer");
-    assert!(!busy.do_not_retry(), "{name}: nothing happened, a retry is safe");
+    assert!(
+        !busy.do_not_retry(),
+        "{name}: nothing happened, a retry is safe"
+    );
     let retry = post_as(base, "busy", "ok").await;
     assert_eq!(retry.status, StatusCode::CREATED, "{name}: {}", retry.body);
     assert!(!retry.replayed(), "{name}: the retry ran the handler");
@@ -175,7 +180,10 @@ async fn check(name: &str, base: &str, effects: &Effects, mode: Mode) {
     let later = post_as(base, "lost", "ok").await;
     match mode {
         Mode::Store => {
-            assert!(lost.do_not_retry(), "{name}: past the commit point: unknown");
+            assert!(
+                lost.do_not_retry(),
+                "{name}: past the commit point: unknown"
+            );
             assert_eq!(later.status, StatusCode::INTERNAL_SERVER_ERROR, "{name}");
             assert_eq!(
                 later.problem_type(),
@@ -271,6 +279,8 @@ async fn postgres_transactional() {
         .require_key()
         .build()
         .unwrap();
+    // The recommended order takes the transactional layer as it takes the other.
+    let layer = ServerLayers::new(layer).build().unwrap();
     let effects = Effects::default();
     let base = serve(app(effects.clone()).layer(layer)).await;
     check("transactional", &base, &effects, Mode::Transactional).await;

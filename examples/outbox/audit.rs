@@ -3,7 +3,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use retrysafe_postgres::sqlx;
+use retrysafe::postgres::sqlx;
 use serde_json::json;
 
 use crate::services::{Downstream, Env};

@@ -15,15 +15,15 @@ use axum::routing::post;
 use bytes::Bytes;
 use retrysafe::idempotency::{IdempotencyLayer, Principal};
 use retrysafe::memory::MemoryStore;
-use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::consumer::Consumer;
-use retrysafe_postgres::outbox::amqp::declare_queue;
-use retrysafe_postgres::outbox::amqp::lapin::options::QueueDeleteOptions;
-use retrysafe_postgres::outbox::amqp::lapin::{Connection, ConnectionProperties};
-use retrysafe_postgres::outbox::{Message, Outbox};
-use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use retrysafe_postgres::sqlx::{self, PgPool};
-use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+use retrysafe::postgres::PostgresStore;
+use retrysafe::postgres::consumer::Consumer;
+use retrysafe::postgres::outbox::amqp::declare_queue;
+use retrysafe::postgres::outbox::amqp::lapin::options::QueueDeleteOptions;
+use retrysafe::postgres::outbox::amqp::lapin::{Connection, ConnectionProperties};
+use retrysafe::postgres::outbox::{Message, Outbox};
+use retrysafe::postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use retrysafe::postgres::sqlx::{self, PgPool};
+use retrysafe::postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 
 use crate::Options;
 

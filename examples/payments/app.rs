@@ -8,9 +8,12 @@
 //! test can kill the process once the payment is recorded but before its answer is
 //! stored or, with PostgreSQL, committed), and `x-simulate-fail: 500` answers a 500
 //! marked `NoEffect` without an effect, so a retry with the same key runs again.
-//! With `--test-hooks` (`Options::test_hooks`) one more header is honoured (and ignored
-//! without it): `x-simulate-crash: after-commit-point | after-effect` aborts the process
-//! at that point — no completion, no release — as a crash would.
+//! With `--test-hooks` (`Options::test_hooks`) two more headers are honoured (and
+//! ignored without it): `x-simulate-crash: after-commit-point | after-effect` aborts the
+//! process at that point — no completion, no release — as a crash would; and
+//! `x-simulate-failure: before-commit-point` answers 503 before the commit point, not
+//! marked `NoEffect`: the layer releases the key because the handler declares its commit
+//! point and had not reached it, so a retry runs again.
 //!
 //! Recovery: the ledger is unique on (scope, key), so [`PaymentsResolver`] can tell
 //! whether the payment of a pending key happened: found → `Happened` with the original
@@ -37,7 +40,9 @@
 //!   on its own just after `commit_point()`, with the same outcomes as Redis.
 //!
 //! Layers, outermost first: `TraceLayer` → authentication (`Authorization: Bearer T` is
-//! principal `T`, no header an anonymous principal) → `IdempotencyLayer` (or
+//! principal `T`, no header an anonymous principal) → the server `DeadlineLayer`
+//! (`request-timeout-ms` / `grpc-timeout`: malformed → 400 `timeout-invalid`, no time
+//! left → 504 `deadline-exceeded` before the handler starts) → `IdempotencyLayer` (or
 //! `TxIdempotencyLayer`) → handlers.
 
 #[path = "ledger.rs"]
@@ -53,7 +58,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
-use retrysafe::ConfigError;
 use retrysafe::idempotency::{
     IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown, StoredResponse,
 };
@@ -62,6 +66,7 @@ use retrysafe::recovery::{
     PendingRecord, ReconcilableStore, ReconcilerHandle, Resolution, Resolver,
 };
 use retrysafe::server::ServerLayers;
+use retrysafe::{ConfigError, DeadlineLayer};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
@@ -320,8 +325,11 @@ pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, Conf
         .route("/payments", post(create_payment).get(totals))
         .with_state(state)
         .layer(
+            // Authentication → the inbound deadline → idempotency.
             ServerLayers::new(idempotency)
-                .authentication(axum::middleware::map_request(authenticate)),
+                .authentication(axum::middleware::map_request(authenticate))
+                .deadline(DeadlineLayer::server())
+                .build()?,
         );
     Ok(App {
         router: outer(router),
@@ -363,8 +371,13 @@ fn transactional(
     let router = Router::new()
         .route("/payments", post(create_payment).get(totals))
         .with_state(state)
-        .layer(idempotency)
-        .layer(axum::middleware::map_request(authenticate));
+        .layer(
+            // Authentication → the inbound deadline → idempotency.
+            ServerLayers::new(idempotency)
+                .authentication(axum::middleware::map_request(authenticate))
+                .deadline(DeadlineLayer::server())
+                .build()?,
+        );
     Ok(App {
         router: outer(router),
         shutdown,
@@ -430,21 +443,24 @@ struct Hooks {
     delay_after: Option<Duration>,
     fail: Option<StatusCode>,
     crash: Option<Crash>,
+    /// `x-simulate-failure: before-commit-point`.
+    fail_before_commit_point: bool,
 }
 
 impl Hooks {
-    /// Reads the hook headers (`x-simulate-crash` only when `crash_hook`); the error is
-    /// the problem detail.
-    fn read(headers: &HeaderMap, crash_hook: bool) -> Result<Hooks, &'static str> {
+    /// Reads the hook headers (`x-simulate-crash` and `x-simulate-failure` only with
+    /// `test_hooks`); the error is the problem detail.
+    fn read(headers: &HeaderMap, test_hooks: bool) -> Result<Hooks, &'static str> {
         Ok(Hooks {
             delay: simulated_delay(headers, "x-simulate-delay-ms")?,
             delay_after: simulated_delay(headers, "x-simulate-delay-after-ms")?,
             fail: simulated_failure(headers)?,
-            crash: if crash_hook {
+            crash: if test_hooks {
                 simulated_crash(headers)?
             } else {
                 None
             },
+            fail_before_commit_point: test_hooks && simulated_failure_point(headers)?,
         })
     }
 
@@ -455,6 +471,15 @@ impl Hooks {
             tracing::warn!(?point, "x-simulate-crash: aborting");
             std::process::abort();
         }
+    }
+}
+
+/// Whether `x-simulate-failure: before-commit-point` is sent; the error is the detail.
+fn simulated_failure_point(headers: &HeaderMap) -> Result<bool, &'static str> {
+    match headers.get("x-simulate-failure").map(HeaderValue::as_bytes) {
+        None => Ok(false),
+        Some(b"before-commit-point") => Ok(true),
+        Some(_) => Err("x-simulate-failure must be `before-commit-point`"),
     }
 }
 
@@ -513,6 +538,20 @@ async fn create_payment(
             "x-simulate-fail asked for this failure; no payment was recorded",
         );
         res.extensions_mut().insert(NoEffect);
+        return res;
+    }
+    if hooks.fail_before_commit_point {
+        // Not marked `NoEffect`: the handler declares its commit point and has not
+        // reached it, which is enough for the layer to release the key.
+        let mut res = problem(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "simulated-failure",
+            "Simulated failure",
+            "x-simulate-failure asked for a failure before the commit point; no payment \
+             was recorded",
+        );
+        res.headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         return res;
     }
     if let Some(Extension(ctx)) = &idempotency {

@@ -66,12 +66,12 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
                        a redis:// URL (RedisStore and a Redis ledger), or a postgres://
                        URL (key and payment in one PostgreSQL transaction); instances
                        sharing one Redis or database behave as one
-  --lease-ms N         lease of a claim in milliseconds (default 10000); with postgres,
+  --lease-ms N         lease of a claim in milliseconds (default 5000); with postgres,
                        how long an idle transaction keeps its key (a vanished holder's)
   --ttl-ms N           how long completed keys are kept, in milliseconds (default 24 h)
   --in-flight MODE     a copy of a request still in progress: `conflict` answers 409
                        (default), `wait` waits up to 5 s for the original's answer
-  --max-execution-ms N how long a handler may run, in milliseconds (default 60000); a
+  --max-execution-ms N how long a handler may run, in milliseconds (default 10000); a
                        handler still running then is cancelled (memory and redis stores)
   --memory-bytes N     byte budget of the in-memory store (--store memory only)
   --reconcile-ms N     run the reconciler every N milliseconds: it resolves keys left
@@ -80,8 +80,22 @@ usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
   --metrics-listen ADDR
                        serve the metrics (layer, store, reconciler) as Prometheus text
                        at GET /metrics on ADDR
-  --test-hooks         honour the test hook header `x-simulate-crash: after-commit-point
-                       | after-effect`, which aborts the process at that point
+  --test-hooks         honour the test hook headers `x-simulate-crash: after-commit-point
+                       | after-effect`, which aborts the process at that point, and
+                       `x-simulate-failure: before-commit-point`, which answers 503
+                       before the commit point (no payment; a retry runs again)
+
+endpoints:
+  POST /payments          JSON {\"account\": string, \"amount_cents\": integer}; the header
+                          `idempotency-key` is required; answers 201 with
+                          {\"id\", \"account\", \"amount_cents\"} and records one payment
+  GET /payments?account=A answers {\"count\", \"total_cents\"} of account A's payments
+  Both read `request-timeout-ms` (or `grpc-timeout`): a malformed value is answered
+  400, no time left 504.
+
+principal (whose keys a request's key is checked against):
+  `authorization: Bearer TOKEN` is principal TOKEN; a request without the header is
+  the anonymous principal. Keys of different principals never meet.
 
 environment:
   PAYMENTS_REDIS_PREFIX   prefix of every Redis key (default `payments:`)

@@ -422,9 +422,10 @@ impl SweeperHandle {
 ///   connection) on the server;
 /// - reads the replication settings once ([`PostgresStore::check_replication`]) and
 ///   logs a warning when a promoted standby could miss acknowledged records;
-/// - tries for [`connect_timeout`](Self::connect_timeout) (default 5 s) to open a
-///   connection, and holds up to [`max_connections`](Self::max_connections)
-///   (default 10).
+/// - opens a first connection at once, so that a server that is down is reported
+///   straight away with its address ("connection refused at 127.0.0.1:5432"); waits at
+///   most [`connect_timeout`](Self::connect_timeout) (default 5 s) for a connection,
+///   and holds up to [`max_connections`](Self::max_connections) (default 10).
 ///
 /// A pool given to [`build`](Self::build) is used as it is (a
 /// [`synchronous_commit`](Self::synchronous_commit) level aside, which the store sets on
@@ -623,9 +624,11 @@ impl PostgresStoreOptions {
         if let Some(level) = asked {
             options = options.options([("synchronous_commit", level.as_str())]);
         }
+        let connect_timeout = self.connect_timeout.min(MAX_SPAN);
+        first_connection(&options, connect_timeout).await?;
         let pool = PgPoolOptions::new()
             .max_connections(self.max_connections)
-            .acquire_timeout(self.connect_timeout.min(MAX_SPAN))
+            .acquire_timeout(connect_timeout)
             .test_before_acquire(false)
             .connect_with(options)
             .await?;
@@ -679,6 +682,47 @@ impl PostgresStoreOptions {
                 local,
             }),
         }
+    }
+}
+
+/// Opens one connection before the pool does, so that a server that is down or
+/// refuses the login says so at once, naming its address — the pool would retry until
+/// its acquire timeout and then report only that it timed out.
+async fn first_connection(options: &PgConnectOptions, within: Duration) -> Result<(), sqlx::Error> {
+    use sqlx::{ConnectOptions, Connection};
+    let at = match options.get_socket() {
+        Some(socket) => socket.display().to_string(),
+        None => format!("{}:{}", options.get_host(), options.get_port()),
+    };
+    match tokio::time::timeout(within, options.connect()).await {
+        Ok(Ok(connection)) => {
+            let _ = connection.close().await;
+            Ok(())
+        }
+        Ok(Err(sqlx::Error::Io(e))) => Err(sqlx::Error::Io(std::io::Error::new(
+            e.kind(),
+            format!("{} at {at}", io_cause(&e)),
+        ))),
+        Ok(Err(e)) => Err(e),
+        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no answer from {at} within {within:?}"),
+        ))),
+    }
+}
+
+/// An I/O error as a short cause: "connection refused" rather than "Connection
+/// refused (os error 111)".
+fn io_cause(e: &std::io::Error) -> String {
+    use std::io::ErrorKind;
+    match e.kind() {
+        ErrorKind::ConnectionRefused => "connection refused".to_owned(),
+        ErrorKind::ConnectionReset => "connection reset".to_owned(),
+        ErrorKind::TimedOut => "connection timed out".to_owned(),
+        ErrorKind::HostUnreachable => "host unreachable".to_owned(),
+        ErrorKind::NetworkUnreachable => "network unreachable".to_owned(),
+        ErrorKind::NotFound => "no such socket".to_owned(),
+        _ => e.to_string(),
     }
 }
 

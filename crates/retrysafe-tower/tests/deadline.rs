@@ -28,6 +28,8 @@
 )]
 
 use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -612,6 +614,45 @@ async fn a_handler_outliving_the_deadline_answers_504() {
     assert_eq!(res.status(), StatusCode::OK);
     assert_eq!(res.headers()["grpc-status"], "4");
     assert_eq!(res.headers()["do-not-retry"], "1");
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_time_left_answers_504_before_the_handler_starts() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = DeadlineLayer::server().layer(tower::service_fn(move |_req: Request<()>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(Full::from("ran"))) }
+    }));
+    // `0`, and timeouts no longer than the 10 ms margin: nothing is left to work with.
+    for value in ["0", "5", "10"] {
+        let req = Request::get("/")
+            .header("request-timeout-ms", value)
+            .body(())
+            .unwrap();
+        let started = tokio::time::Instant::now();
+        let res = svc.clone().oneshot(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::GATEWAY_TIMEOUT, "{value}");
+        assert_eq!(res.headers()["do-not-retry"], "1", "{value}");
+        assert_eq!(started.elapsed(), Duration::ZERO, "{value}: at once");
+        assert_eq!(
+            problem_type(res).await,
+            "urn:retrysafe:problem:deadline-exceeded"
+        );
+    }
+    let mut req = grpc_req();
+    req.headers_mut()
+        .insert("grpc-timeout", HeaderValue::from_static("0m"));
+    let res = svc.clone().oneshot(req).await.unwrap();
+    assert_eq!(res.headers()["grpc-status"], "4");
+    assert_eq!(calls.load(Ordering::SeqCst), 0, "the handler never started");
+
+    let req = Request::get("/")
+        .header("request-timeout-ms", "11")
+        .body(())
+        .unwrap();
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
 
 #[tokio::test(start_paused = true)]

@@ -16,10 +16,13 @@
 //!   machine that every idempotency engine drives (engine plumbing, not public API);
 //! - [`RequestInfo`]: what a store keeps of a claim's request, for recovery;
 //! - [`EventKind`] and [`UnknownReason`]: what the layers report;
-//! - [`IdempotencyContext`]: what a guarded handler sees.
+//! - [`IdempotencyContext`]: what a guarded handler sees;
+//! - [`defaults`]: the timing defaults of a guarded request and of its recovery, and
+//!   why they compose with the default client.
 
 mod context;
 mod decision;
+pub mod defaults;
 mod event;
 mod ids;
 mod info;

@@ -63,6 +63,8 @@
 //!   unit, non-UTF-8 bytes) is answered at once with a 400 problem+json of type
 //!   `urn:retrysafe:problem:timeout-invalid` (gRPC: a Trailers-Only `INVALID_ARGUMENT`,
 //!   code 3); an overflowing value is not malformed, it is clamped;
+//! - a request with no time left (`request-timeout-ms: 0`, or a timeout no longer than
+//!   the margin) is answered 504 at once, as below, before the handler starts;
 //! - the deadline is enforced: a handler still running when the context's deadline (the
 //!   inbound time less the margin) passes is dropped, and the request answered 504
 //!   problem+json `urn:retrysafe:problem:deadline-exceeded` (gRPC: a Trailers-Only

@@ -115,6 +115,18 @@ where
         // The same context as the `PropagateLayer`'s: the handler and its outbound
         // calls get the deadline less the margin, and the layer enforces that.
         let ctx = self.inbound.attach(&mut request, timeout);
+        if ctx.deadline().is_some_and(|d| d.remaining().is_zero()) {
+            // Nothing is left (`0`, or no more than the margin): answered before the
+            // handler starts, so a caller that gave up starts no work here.
+            tracing::debug!("refusing a request whose inbound deadline has passed");
+            return ServerResponseFuture {
+                kind: Kind::Expired {
+                    grpc,
+                    inbound: self.inbound.clone(),
+                    _body: std::marker::PhantomData,
+                },
+            };
+        }
         let sleep = ctx
             .deadline()
             .map(|d| tokio::time::sleep_until(d.instant()));
@@ -147,6 +159,11 @@ pin_project! {
             inbound: Arc<Inbound>,
             _body: std::marker::PhantomData<fn() -> B>,
         },
+        Expired {
+            grpc: bool,
+            inbound: Arc<Inbound>,
+            _body: std::marker::PhantomData<fn() -> B>,
+        },
         Inner {
             #[pin]
             future: propagate::ResponseFuture<F>,
@@ -174,6 +191,9 @@ where
                 inbound,
                 ..
             } => Ok(invalid_timeout(*grpc, *error, &inbound.convention)),
+            KindProj::Expired { grpc, inbound, .. } => {
+                Ok(deadline_exceeded(*grpc, &inbound.convention))
+            }
             KindProj::Inner {
                 future,
                 sleep,

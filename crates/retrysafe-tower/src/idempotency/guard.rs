@@ -190,6 +190,12 @@ impl Guard {
         self.config.retention
     }
 
+    /// Whether the scope comes from the `Principal` extension (the default rule), which
+    /// only an authentication layer can insert.
+    pub(crate) fn scoped_by_principal(&self) -> bool {
+        matches!(self.config.scope, ScopeRule::Principal)
+    }
+
     /// Whether the request is guarded at all: a guarded method, and not gRPC unless
     /// gRPC is guarded too.
     pub(crate) fn guards(&self, parts: &Parts) -> bool {

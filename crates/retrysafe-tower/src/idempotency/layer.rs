@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, Method, Response};
 use retrysafe_core::ConfigError;
-use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope};
+use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope, defaults};
 use retrysafe_core::observe::Name;
 use retrysafe_core::observe::handles::Lazy;
 use retrysafe_core::store::{BoxStore, IdempotencyStore};
@@ -106,9 +106,11 @@ impl IdempotencyLayer {
     /// A layer over `store`, with the defaults: POST and PATCH guarded, key optional,
     /// scope from the [`Principal`](retrysafe_core::idempotency::Principal) extension,
     /// fingerprint over method, path, query, `content-type` and body, 1 MiB request and
-    /// stored-response limits, 24 h retention, 10 s lease renewed every third up to 60 s
+    /// stored-response limits, 24 h retention, 5 s lease renewed every third up to 10 s
     /// of execution, 409 with `retry-after: 1` for in-flight copies, 1 s store timeout,
-    /// fail closed, 1024 guarded requests in flight.
+    /// fail closed, 1024 guarded requests in flight. The timing defaults compose with
+    /// the reconciler's and the default client's: see
+    /// [`defaults`](retrysafe_core::idempotency::defaults).
     pub fn new(store: impl IdempotencyStore) -> Self {
         Self::with_store(BoxStore::new(store))
     }
@@ -122,8 +124,8 @@ impl IdempotencyLayer {
     pub fn with_store(store: BoxStore) -> Self {
         Self::with_backend(StoreBackend {
             store,
-            lease: Duration::from_secs(10),
-            max_execution: Duration::from_secs(60),
+            lease: defaults::LEASE,
+            max_execution: defaults::MAX_EXECUTION,
             store_timeout: Duration::from_secs(1),
             fail_open: false,
             commit_point: CommitPoint::Undeclared,
@@ -139,7 +141,7 @@ impl IdempotencyLayer {
         self
     }
 
-    /// The lease of a claim (default 10 s), renewed every third of it while the handler
+    /// The lease of a claim (default 5 s), renewed every third of it while the handler
     /// runs. It must be longer than three [`store_timeout`](Self::store_timeout)s
     /// (checked by [`build`](Self::build)), so that a renewal that takes its whole
     /// timeout still lands within the lease; with a short lease, lower the store
@@ -158,8 +160,9 @@ impl IdempotencyLayer {
         }
     }
 
-    /// The longest a handler's lease is renewed (default 60 s); a handler still running
-    /// then loses its lease.
+    /// The longest a handler's lease is renewed (default 10 s, the default client's
+    /// per-attempt timeout); a handler still running then is cancelled. Set a
+    /// reconciler's `max_execution` to the same value.
     pub fn max_execution(mut self, max: Duration) -> Self {
         match self.checked(positive(max, "max_execution")) {
             Some(m) => self.store_config(|c| c.max_execution = m),
@@ -274,6 +277,28 @@ impl<X: Backend> IdempotencyLayer<X> {
         if let Some(e) = self.backend.conflicts() {
             checks.refuse(e);
         }
+        let c = &self.guard.config.convention;
+        let per_attempt = [
+            c.idempotency_key(),
+            c.retry_attempt(),
+            c.grpc_previous_rpc_attempts(),
+            c.request_timeout_ms(),
+            c.grpc_timeout(),
+            c.retry_point(),
+        ];
+        checks.check(
+            !self
+                .guard
+                .config
+                .fingerprinter
+                .headers()
+                .iter()
+                .any(|h| per_attempt.contains(&h)),
+            "fingerprint_headers",
+            "must not name the idempotency key or a header that changes between attempts \
+             of one request (retry-attempt, grpc-previous-rpc-attempts, request-timeout-ms, \
+             grpc-timeout, retry-point)",
+        );
         let bound = self.guard.shared.slots.bound();
         let share = self.guard.config.max_in_flight_per_scope;
         checks.check(
@@ -364,6 +389,11 @@ impl<X> IdempotencyLayer<X> {
     }
 
     /// The headers that are part of the fingerprint (default `content-type`).
+    ///
+    /// The idempotency key and the convention's per-attempt headers (`retry-attempt`,
+    /// `grpc-previous-rpc-attempts`, `request-timeout-ms`, `grpc-timeout`,
+    /// `retry-point`) are never part of "the same request": [`build`](Self::build)
+    /// refuses them here.
     pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let f = Fingerprinter::with_headers(headers);
         self.config(|c| c.fingerprinter = f)
