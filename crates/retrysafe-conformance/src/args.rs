@@ -22,12 +22,13 @@ usage: retrysafe-conformance --url URL [--header 'NAME: VALUE']... [--body JSON]
 Exit status: 0 when no rule failed, 1 when one did, 2 for a usage error.";
 
 /// Headers the checker sends itself, or that would change what it checks.
-const RESERVED: [&str; 9] = [
+const RESERVED: [&str; 10] = [
     "idempotency-key",
     "content-length",
     "transfer-encoding",
     "connection",
     "retry-attempt",
+    "grpc-previous-rpc-attempts",
     "request-timeout-ms",
     "grpc-timeout",
     "retry-point",
@@ -38,7 +39,7 @@ const RESERVED: [&str; 9] = [
 #[derive(Debug, Clone)]
 pub enum Command {
     /// Check an endpoint.
-    Check(Options),
+    Check(Box<Options>),
     /// Print the usage.
     Help,
     /// Print the rules.
@@ -98,7 +99,11 @@ impl Target {
                 addr: format!("{host}:{port}"),
                 authority: authority.as_str().to_owned(),
             },
-            target: if target.is_empty() { "/".to_owned() } else { target },
+            target: if target.is_empty() {
+                "/".to_owned()
+            } else {
+                target
+            },
             url: url.to_owned(),
         })
     }
@@ -197,14 +202,14 @@ pub fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, U
         }
     }
     let url = url.ok_or_else(|| usage("--url is required"))?;
-    Ok(Command::Check(Options {
+    Ok(Command::Check(Box::new(Options {
         url,
         method,
         headers,
         body: body.unwrap_or_else(|| serde_json::json!({})),
         ledger,
         json,
-    }))
+    })))
 }
 
 /// `NAME: VALUE`.
@@ -218,7 +223,9 @@ fn header(text: &str) -> Result<(String, Vec<u8>), UsageError> {
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b));
     if !token {
-        return Err(usage(format!("--header {text:?}: {name:?} is not a header name")));
+        return Err(usage(format!(
+            "--header {text:?}: {name:?} is not a header name"
+        )));
     }
     if RESERVED.iter().any(|r| name.eq_ignore_ascii_case(r)) {
         return Err(usage(format!(
@@ -236,6 +243,7 @@ fn header(text: &str) -> Result<(String, Vec<u8>), UsageError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
 mod tests {
     use super::*;
 
@@ -245,7 +253,7 @@ mod tests {
 
     fn options(args: &[&str]) -> Options {
         match parse(args).unwrap() {
-            Command::Check(o) => o,
+            Command::Check(o) => *o,
             other => panic!("{other:?}"),
         }
     }
@@ -280,10 +288,17 @@ mod tests {
         assert_eq!(o.method, "PATCH");
         assert!(o.json());
         let ledger = o.ledger.as_ref().unwrap();
-        assert_eq!((ledger.origin.addr.as_str(), ledger.target.as_str()), ("localhost:80", "/ledger"));
+        assert_eq!(
+            (ledger.origin.addr.as_str(), ledger.target.as_str()),
+            ("localhost:80", "/ledger")
+        );
         let request = o.request();
         assert_eq!(request.body, br#"{"a":1}"#);
-        assert!(request.headers.contains(&("content-type".to_owned(), b"application/json".to_vec())));
+        assert!(
+            request
+                .headers
+                .contains(&("content-type".to_owned(), b"application/json".to_vec()))
+        );
     }
 
     #[test]
@@ -294,8 +309,14 @@ mod tests {
             (&["--url", "https://api/x"], "https is not supported"),
             (&["--url", "ftp://api/x"], "must start with http://"),
             (&["--url", "http://a/", "--body", "{"], "--body is not JSON"),
-            (&["--url", "http://a/", "--header", "nocolon"], "must be 'NAME: VALUE'"),
-            (&["--url", "http://a/", "--header", "Idempotency-Key: k"], "sets this header itself"),
+            (
+                &["--url", "http://a/", "--header", "nocolon"],
+                "must be 'NAME: VALUE'",
+            ),
+            (
+                &["--url", "http://a/", "--header", "Idempotency-Key: k"],
+                "sets this header itself",
+            ),
             (&["--url", "http://a/", "--method", "GET"], "POST or PATCH"),
             (&["--url", "http://a/", "--colour"], "unknown argument"),
         ] {

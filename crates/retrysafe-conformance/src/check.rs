@@ -89,7 +89,10 @@ pub(crate) fn expect_problem(
 pub(crate) fn retry_after_delay(answer: &Answer) -> Option<Duration> {
     let value = std::str::from_utf8(trim_ows(answer.header("retry-after")?)).ok()?;
     if !value.is_empty() && value.bytes().all(|b| b.is_ascii_digit()) {
-        let seconds = value.parse::<u64>().unwrap_or(u64::MAX).min(MAX_RETRY_AFTER);
+        let seconds = value
+            .parse::<u64>()
+            .unwrap_or(u64::MAX)
+            .min(MAX_RETRY_AFTER);
         return Some(Duration::from_secs(seconds));
     }
     let at = httpdate::parse_http_date(value).ok()?;
@@ -144,7 +147,10 @@ pub(crate) fn problem_document(answer: &Answer) -> Result<(), String> {
     let json: serde_json::Value = serde_json::from_slice(&answer.body)
         .map_err(|e| format!("the body is not JSON ({e}): {}", show(&answer.body)))?;
     let Some(object) = json.as_object() else {
-        return Err(format!("the body is not a JSON object: {}", show(&answer.body)));
+        return Err(format!(
+            "the body is not a JSON object: {}",
+            show(&answer.body)
+        ));
     };
     let order = member_order(&answer.body);
     let first: Vec<&str> = order.iter().take(4).map(String::as_str).collect();
@@ -246,6 +252,7 @@ pub(crate) fn describe_exchange(exchange: &Exchange) -> String {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
 mod tests {
     use super::*;
 
@@ -293,14 +300,19 @@ mod tests {
 
     #[test]
     fn problem_documents_are_checked_for_members_order_and_status() {
-        let good = r#"{"type":"urn:retrysafe:problem:key-invalid","title":"t","status":400,"detail":"d"}"#;
+        let good =
+            r#"{"type":"urn:retrysafe:problem:key-invalid","title":"t","status":400,"detail":"d"}"#;
         let ct = [("content-type", "application/problem+json")];
         assert_eq!(problem_document(&answer(400, &ct, good)), Ok(()));
         assert!(problem_document(&answer(422, &ct, good)).is_err());
-        assert!(problem_document(&answer(400, &[("content-type", "application/json")], good)).is_err());
-        let reordered = r#"{"title":"t","type":"urn:retrysafe:problem:key-invalid","status":400,"detail":"d"}"#;
+        assert!(
+            problem_document(&answer(400, &[("content-type", "application/json")], good)).is_err()
+        );
+        let reordered =
+            r#"{"title":"t","type":"urn:retrysafe:problem:key-invalid","status":400,"detail":"d"}"#;
         assert!(problem_document(&answer(400, &ct, reordered)).is_err());
-        let bad_slug = r#"{"type":"urn:retrysafe:problem:Key_Invalid","title":"t","status":400,"detail":"d"}"#;
+        let bad_slug =
+            r#"{"type":"urn:retrysafe:problem:Key_Invalid","title":"t","status":400,"detail":"d"}"#;
         assert!(problem_document(&answer(400, &ct, bad_slug)).is_err());
         assert_eq!(
             slug(&answer(400, &ct, good)).as_deref(),
@@ -315,7 +327,10 @@ mod tests {
         let e = expect_problem(&a, 422, "key-mismatch", true, false).unwrap_err();
         assert!(e.contains("do-not-retry"), "{e}");
         let e = expect_problem(&a, 409, "request-in-flight", false, true).unwrap_err();
-        assert!(e.contains("expected 409 problem request-in-flight, got 422 problem key-mismatch"), "{e}");
+        assert!(
+            e.contains("expected 409 problem request-in-flight, got 422 problem key-mismatch"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -64,7 +64,9 @@ impl Request {
     }
 
     fn has(&self, name: &str) -> bool {
-        self.headers.iter().any(|(n, _)| n.eq_ignore_ascii_case(name))
+        self.headers
+            .iter()
+            .any(|(n, _)| n.eq_ignore_ascii_case(name))
     }
 
     /// `METHOD target`, for failure messages.
@@ -181,21 +183,31 @@ pub(crate) async fn send_together(origin: &Origin, requests: &[Request]) -> Vec<
     join_all(reads).await
 }
 
-/// Sends `request` and closes the connection at once, before any answer: a reply lost
-/// while the server may still be working on it.
-pub(crate) async fn send_and_close(origin: &Origin, request: &Request) -> Result<(), Failure> {
+/// Sends `request` and closes the connection after `wait`, or as soon as an answer
+/// starts to arrive: a reply lost while the server is working on the request.
+pub(crate) async fn send_and_close(
+    origin: &Origin,
+    request: &Request,
+    wait: Duration,
+) -> Result<(), Failure> {
     let mut stream = connect(origin).await?;
     stream
         .write_all(&request.encode(origin))
         .await
         .map_err(Failure::Io)?;
+    // Long enough for the server to have taken the request up; an answer that comes
+    // sooner is lost unread all the same.
+    let _ = tokio::time::timeout(wait, stream.readable()).await;
     drop(stream);
     Ok(())
 }
 
 /// Sends `request`, waits until its answer starts to arrive and closes the connection
 /// without reading it: a reply lost after the server finished.
-pub(crate) async fn send_and_drop_answer(origin: &Origin, request: &Request) -> Result<(), Failure> {
+pub(crate) async fn send_and_drop_answer(
+    origin: &Origin,
+    request: &Request,
+) -> Result<(), Failure> {
     let exchange = async {
         let mut stream = connect(origin).await?;
         stream
@@ -314,7 +326,9 @@ async fn read_body(
         let length: usize = std::str::from_utf8(length)
             .ok()
             .and_then(|v| v.trim().parse().ok())
-            .ok_or_else(|| Failure::Malformed("a content-length that is not a number".to_owned()))?;
+            .ok_or_else(|| {
+                Failure::Malformed("a content-length that is not a number".to_owned())
+            })?;
         if length > MAX_ANSWER {
             return Err(Failure::TooLarge);
         }
@@ -342,7 +356,9 @@ async fn read_chunked(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Result<Vec<u
                 break at + i;
             }
             if read_more(stream, buf).await? == 0 {
-                return Err(Failure::Malformed("the connection closed inside a chunk".to_owned()));
+                return Err(Failure::Malformed(
+                    "the connection closed inside a chunk".to_owned(),
+                ));
             }
         };
         let line = String::from_utf8_lossy(buf.get(at..line_end).unwrap_or_default()).into_owned();
@@ -358,7 +374,9 @@ async fn read_chunked(stream: &mut TcpStream, buf: &mut Vec<u8>) -> Result<Vec<u
         }
         while buf.len() < at + size + 2 {
             if read_more(stream, buf).await? == 0 {
-                return Err(Failure::Malformed("the connection closed inside a chunk".to_owned()));
+                return Err(Failure::Malformed(
+                    "the connection closed inside a chunk".to_owned(),
+                ));
             }
         }
         body.extend_from_slice(buf.get(at..at + size).unwrap_or_default());
@@ -371,6 +389,7 @@ fn find_crlf(bytes: &[u8]) -> Option<usize> {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

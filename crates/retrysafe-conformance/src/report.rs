@@ -64,7 +64,7 @@ pub struct Report {
 }
 
 impl Report {
-    pub(crate) fn push(&mut self, rule: &'static Rule, verdict: Verdict, detail: String) {
+    pub(crate) fn push(&mut self, rule: &'static Rule, verdict: Verdict, detail: &str) {
         // One line per rule: a detail never breaks the format.
         let detail = detail.replace(['\r', '\n'], " ");
         self.outcomes.push(Outcome {

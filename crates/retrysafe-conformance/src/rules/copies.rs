@@ -31,18 +31,29 @@ pub(super) async fn mismatch_concurrent(ctx: &Ctx<'_>) -> Finding {
         (answers.first(), &request)
     };
     let judged = match loser {
-        Some(Ok(a)) if a.status == 409 => match expect_problem(a, 409, "request-in-flight", false, true) {
-            Ok(()) => {
-                let again = ctx.settled(loser_request).await;
-                match &again {
-                    Ok(b) => expect_problem(b, 422, "key-mismatch", true, false)
-                        .map(|()| "the other got 409 request-in-flight, then 422 key-mismatch".to_owned())
-                        .map_err(|e| format!("the other got 409, and sent again after its retry-after, {e}")),
-                    Err(failure) => Err(format!("the other, sent again after its 409: no answer ({failure})")),
+        Some(Ok(a)) if a.status == 409 => {
+            match expect_problem(a, 409, "request-in-flight", false, true) {
+                Ok(()) => {
+                    let again = ctx.settled(loser_request).await;
+                    match &again {
+                        Ok(b) => expect_problem(b, 422, "key-mismatch", true, false)
+                            .map(|()| {
+                                "the other got 409 request-in-flight, then 422 key-mismatch"
+                                    .to_owned()
+                            })
+                            .map_err(|e| {
+                                format!(
+                                    "the other got 409, and sent again after its retry-after, {e}"
+                                )
+                            }),
+                        Err(failure) => Err(format!(
+                            "the other, sent again after its 409: no answer ({failure})"
+                        )),
+                    }
                 }
+                Err(e) => Err(format!("the other: {e}")),
             }
-            Err(e) => Err(format!("the other: {e}")),
-        },
+        }
         Some(Ok(a)) => expect_problem(a, 422, "key-mismatch", true, false)
             .map(|()| "the other got 422 key-mismatch".to_owned())
             .map_err(|e| format!("the other: {e}")),
@@ -64,7 +75,10 @@ pub(super) async fn concurrent(ctx: &Ctx<'_>) -> Finding {
     let before = ctx.effects().await;
     let copies = vec![request.clone(); COPIES];
     let answers = ctx.together(&copies).await;
-    let sent = format!("sent {COPIES} copies of {} with key {key} at once", request.line());
+    let sent = format!(
+        "sent {COPIES} copies of {} with key {key} at once",
+        request.line()
+    );
     let judged = judge_copies(&answers).map_err(|e| format!("{sent}; {e}"));
     let (first, tally) = match judged {
         Ok(found) => found,
@@ -129,7 +143,9 @@ pub(super) async fn lost_after_answer(ctx: &Ctx<'_>) -> Finding {
         request.line()
     );
     if let Err(e) = ctx.drop_answer(&request).await {
-        return ctx.effects_since(before, 1, Err(format!("{sent}; {e}"))).await;
+        return ctx
+            .effects_since(before, 1, Err(format!("{sent}; {e}")))
+            .await;
     }
     let retry = ctx.settled(&request).await;
     let judged = match first_success(&retry, "the retry") {
@@ -144,9 +160,10 @@ pub(super) async fn lost_after_answer(ctx: &Ctx<'_>) -> Finding {
     ctx.effects_settled(before, 1, judged).await
 }
 
-/// `lost-reply.mid-request`: a copy whose connection closed right after it was sent,
-/// then a retry with the same key until it gets an answer: one effect, whether the
-/// first copy ran or not.
+/// `lost-reply.mid-request`: a copy whose connection closed while the server worked
+/// on it (25 ms after it was sent, or when its answer began, if sooner), then a retry
+/// with the same key until it gets an answer: one effect, whether the first copy ran
+/// to its end or not.
 pub(super) async fn lost_mid_request(ctx: &Ctx<'_>) -> Finding {
     if !ctx.counting() {
         return skip(format!(
@@ -159,11 +176,13 @@ pub(super) async fn lost_mid_request(ctx: &Ctx<'_>) -> Finding {
     let request = ctx.keyed(key.as_str());
     let before = ctx.effects().await;
     let sent = format!(
-        "sent {} with key {key} and closed the connection before any answer",
+        "sent {} with key {key} and closed the connection before reading any answer",
         request.line()
     );
     if let Err(e) = ctx.close_early(&request).await {
-        return ctx.effects_since(before, 1, Err(format!("{sent}; {e}"))).await;
+        return ctx
+            .effects_since(before, 1, Err(format!("{sent}; {e}")))
+            .await;
     }
     let retry = ctx.settled(&request).await;
     let judged = first_success(&retry, "the retry")

@@ -40,7 +40,10 @@ async fn same_key(ctx: &Ctx<'_>, first: &[u8], copy: &[u8]) -> Result<String, St
     same_answer(
         answer,
         &again,
-        &format!("idempotency-key: {shown}, then idempotency-key: {}", show(copy)),
+        &format!(
+            "idempotency-key: {shown}, then idempotency-key: {}",
+            show(copy)
+        ),
     )?;
     Ok(format!("{shown} then {}", show(copy)))
 }
@@ -111,7 +114,11 @@ async fn refused(ctx: &Ctx<'_>, requests: Vec<(String, Request)>, any_400: bool)
             (Ok(a), false) => expect_problem(a, 400, "key-invalid", false, false),
             _ => Err(format!(
                 "expected {}, got {}",
-                if any_400 { "400" } else { "400 problem key-invalid" },
+                if any_400 {
+                    "400"
+                } else {
+                    "400 problem key-invalid"
+                },
                 describe_exchange(&answer)
             )),
         };
@@ -128,7 +135,10 @@ async fn refused(ctx: &Ctx<'_>, requests: Vec<(String, Request)>, any_400: bool)
 
 /// One request with one key value, described for messages.
 fn with_key(ctx: &Ctx<'_>, value: &[u8]) -> (String, Request) {
-    (format!("idempotency-key: {}", show(value)), ctx.keyed(value))
+    (
+        format!("idempotency-key: {}", show(value)),
+        ctx.keyed(value),
+    )
 }
 
 /// `key.too-long`.
@@ -189,11 +199,13 @@ pub(super) async fn twice(ctx: &Ctx<'_>) -> Finding {
     let requests = vec![
         (
             format!("idempotency-key: {one} twice"),
-            ctx.keyed(one.as_str()).header("idempotency-key", one.as_str()),
+            ctx.keyed(one.as_str())
+                .header("idempotency-key", one.as_str()),
         ),
         (
             format!("idempotency-key: {one} and idempotency-key: {two}"),
-            ctx.keyed(one.as_str()).header("idempotency-key", two.as_str()),
+            ctx.keyed(one.as_str())
+                .header("idempotency-key", two.as_str()),
         ),
     ];
     refused(ctx, requests, false).await
@@ -213,7 +225,9 @@ pub(super) async fn missing(ctx: &Ctx<'_>) -> Finding {
         Ok(a) => {
             let judged = expect_problem(a, 400, "key-missing", false, false)
                 .map(|()| format!("{sent}: 400 key-missing"))
-                .map_err(|e| format!("{sent}; {e} (or a 2xx, if the route does not require a key)"));
+                .map_err(|e| {
+                    format!("{sent}; {e} (or a 2xx, if the route does not require a key)")
+                });
             ctx.effects_since(before, 0, judged).await
         }
         Err(failure) => {

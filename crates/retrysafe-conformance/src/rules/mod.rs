@@ -109,7 +109,7 @@ pub(crate) static KEY_INVALID_CHARACTERS: Rule = rule(
 );
 pub(crate) static KEY_CONTROL_CHARACTERS: Rule = rule(
     "key.control-characters",
-    "idempotency-key",
+    "control-characters",
     "keys holding control characters get 400",
 );
 pub(crate) static KEY_TWICE: Rule = rule(
@@ -119,22 +119,22 @@ pub(crate) static KEY_TWICE: Rule = rule(
 );
 pub(crate) static KEY_MISSING: Rule = rule(
     "key.missing",
-    "idempotency-key",
+    "which-requests-are-guarded",
     "no key: 400 key-missing, or the request is not guarded",
 );
 pub(crate) static MISMATCH_BODY: Rule = rule(
     "mismatch.body",
-    "idempotency-key",
+    "the-same-request",
     "the key with another body gets 422 key-mismatch, do-not-retry",
 );
 pub(crate) static MISMATCH_QUERY: Rule = rule(
     "mismatch.query",
-    "idempotency-key",
+    "the-same-request",
     "the key with another query gets 422 key-mismatch, do-not-retry",
 );
 pub(crate) static MISMATCH_CONCURRENT: Rule = rule(
     "mismatch.concurrent",
-    "idempotency-key",
+    "the-same-request",
     "the key with two bodies at once: one runs, the other gets 422",
 );
 pub(crate) static CONCURRENT_COPIES: Rule = rule(
@@ -154,8 +154,8 @@ pub(crate) static LOST_REPLY_MID_REQUEST: Rule = rule(
 );
 pub(crate) static SAME_REQUEST_PER_ATTEMPT_HEADERS: Rule = rule(
     "same-request.per-attempt-headers",
-    "idempotency-key",
-    "retry-attempt, request-timeout-ms, grpc-timeout, retry-point do not change the request",
+    "the-same-request",
+    "the per-attempt headers of the convention do not change the request",
 );
 pub(crate) static RETRY_ATTEMPT_PARSING: Rule = rule(
     "retry-attempt.parsing",
@@ -215,6 +215,8 @@ const MAX_WAIT: Duration = Duration::from_secs(5);
 const DEFAULT_WAIT: Duration = Duration::from_millis(500);
 /// How many times a copy is sent again while the first is in flight.
 const MAX_SETTLE_ATTEMPTS: usize = 20;
+/// How long after sending a request its connection is closed, when no answer came.
+const MID_REQUEST: Duration = Duration::from_millis(25);
 /// How long effects of copies that lost their reply get to show in the ledger.
 const SETTLE: Duration = Duration::from_millis(300);
 
@@ -292,7 +294,11 @@ impl<'a> Ctx<'a> {
 
     /// The endpoint's request with another query: a parameter added.
     pub(crate) fn other_query(&self, request: Request) -> Request {
-        let sep = if request.target.contains('?') { '&' } else { '?' };
+        let sep = if request.target.contains('?') {
+            '&'
+        } else {
+            '?'
+        };
         let target = format!("{}{sep}retrysafe-conformance-variant=1", request.target);
         Request { target, ..request }
     }
@@ -334,9 +340,9 @@ impl<'a> Ctx<'a> {
         exchanges
     }
 
-    /// Sends `request` and closes the connection before any answer.
+    /// Sends `request` and closes the connection while the server works on it.
     pub(crate) async fn close_early(&self, request: &Request) -> Result<(), String> {
-        http::send_and_close(self.origin(), request)
+        http::send_and_close(self.origin(), request, MID_REQUEST)
             .await
             .map_err(|e| e.to_string())
     }
@@ -425,7 +431,10 @@ impl<'a> Ctx<'a> {
             (Some(Err(e)), _) | (_, Some(Err(e))) => {
                 fail(format!("{detail}; but the ledger could not be read: {e}"))
             }
-            _ => pass(format!("{detail}; effects not counted ({})", self.not_counted())),
+            _ => pass(format!(
+                "{detail}; effects not counted ({})",
+                self.not_counted()
+            )),
         }
     }
 
@@ -441,6 +450,27 @@ impl<'a> Ctx<'a> {
             tokio::time::sleep(SETTLE).await;
         }
         self.effects_since(before, expected, judged).await
+    }
+
+    /// Checks that nothing happened since `before`, after a pause that lets a refused
+    /// request that ran anyway show its effect.
+    pub(crate) async fn nothing_since(
+        &self,
+        before: &Option<Result<u64, String>>,
+    ) -> Result<(), String> {
+        let Some(Ok(before)) = before else {
+            return Ok(());
+        };
+        tokio::time::sleep(SETTLE).await;
+        match self.effects().await {
+            Some(Ok(after)) if after == *before => Ok(()),
+            Some(Ok(after)) => Err(format!(
+                "but the ledger went from {before} to {after}: a refused request must have no \
+                 effect"
+            )),
+            Some(Err(e)) => Err(format!("but the ledger could not be read: {e}")),
+            None => Ok(()),
+        }
     }
 
     /// Whether effects are counted.
@@ -514,7 +544,7 @@ pub(crate) async fn run(options: &Options) -> Report {
             report.push(
                 rule,
                 Verdict::Skip,
-                "needs an endpoint that runs the request (setup.first-request failed)".to_owned(),
+                "needs an endpoint that runs the request (setup.first-request failed)",
             );
         }
         return report;
@@ -525,7 +555,11 @@ pub(crate) async fn run(options: &Options) -> Report {
     push(&mut report, &REPLAY_HEADERS, headers);
     push(&mut report, &KEY_FORMS, keys::forms(&ctx).await);
     push(&mut report, &KEY_ESCAPES, keys::escapes(&ctx).await);
-    push(&mut report, &KEY_QUOTE_PREFIX, keys::quote_prefix(&ctx).await);
+    push(
+        &mut report,
+        &KEY_QUOTE_PREFIX,
+        keys::quote_prefix(&ctx).await,
+    );
     push(&mut report, &KEY_MAX_LENGTH, keys::max_length(&ctx).await);
     push(&mut report, &KEY_TOO_LONG, keys::too_long(&ctx).await);
     push(&mut report, &KEY_EMPTY, keys::empty(&ctx).await);
@@ -541,14 +575,26 @@ pub(crate) async fn run(options: &Options) -> Report {
     );
     push(&mut report, &KEY_TWICE, keys::twice(&ctx).await);
     push(&mut report, &KEY_MISSING, keys::missing(&ctx).await);
-    push(&mut report, &MISMATCH_BODY, replay::mismatch_body(&ctx).await);
-    push(&mut report, &MISMATCH_QUERY, replay::mismatch_query(&ctx).await);
+    push(
+        &mut report,
+        &MISMATCH_BODY,
+        replay::mismatch_body(&ctx).await,
+    );
+    push(
+        &mut report,
+        &MISMATCH_QUERY,
+        replay::mismatch_query(&ctx).await,
+    );
     push(
         &mut report,
         &MISMATCH_CONCURRENT,
         copies::mismatch_concurrent(&ctx).await,
     );
-    push(&mut report, &CONCURRENT_COPIES, copies::concurrent(&ctx).await);
+    push(
+        &mut report,
+        &CONCURRENT_COPIES,
+        copies::concurrent(&ctx).await,
+    );
     push(
         &mut report,
         &LOST_REPLY_AFTER_ANSWER,
@@ -585,12 +631,16 @@ pub(crate) async fn run(options: &Options) -> Report {
         headers::timeout_valid(&ctx).await,
     );
     push(&mut report, &PROBLEM_DOCUMENTS, documents::problems(&ctx));
-    push(&mut report, &RETRY_AFTER_SYNTAX, documents::retry_after(&ctx));
+    push(
+        &mut report,
+        &RETRY_AFTER_SYNTAX,
+        documents::retry_after(&ctx),
+    );
     report
 }
 
 fn push(report: &mut Report, rule: &'static Rule, (verdict, detail): Finding) {
-    report.push(rule, verdict, detail);
+    report.push(rule, verdict, &detail);
 }
 
 /// The first request, and whether the ledger counts its effect. `false` when the
@@ -640,7 +690,9 @@ async fn setup(ctx: &Ctx<'_>, report: &mut Report) -> bool {
                 ))
             }
             Some(Err(e)) => {
-                ctx.stop_counting("the ledger could not be read: see ledger.counts-effects".to_owned());
+                ctx.stop_counting(
+                    "the ledger could not be read: see ledger.counts-effects".to_owned(),
+                );
                 fail(format!("the ledger could not be read: {e}"))
             }
             None => skip("effects are not counted"),
@@ -680,6 +732,7 @@ pub(crate) fn first_success<'e>(exchange: &'e Exchange, what: &str) -> Result<&'
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
 mod tests {
     use super::*;
 

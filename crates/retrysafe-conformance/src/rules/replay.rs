@@ -39,7 +39,10 @@ pub(super) async fn replay(ctx: &Ctx<'_>) -> [Finding; 3] {
     let replays_ok = judged.is_ok();
     let same = match judged {
         Ok(detail) => ctx.effects_since(before, 1, Ok(detail)).await,
-        Err(e) => ctx.effects_since(before, 1, Err(format!("{sent}; {e}"))).await,
+        Err(e) => {
+            ctx.effects_since(before, 1, Err(format!("{sent}; {e}")))
+                .await
+        }
     };
     let (Ok(first), true) = (&first, replays_ok) else {
         let why = "no replay to look at (see replay.same-answer)";
@@ -88,7 +91,10 @@ fn headers(first: &Answer, copies: &[&Answer]) -> Finding {
                 ));
             }
         }
-        if let Some(cookie) = first.all("set-cookie").find(|c| copy.all("set-cookie").any(|d| d == *c)) {
+        if let Some(cookie) = first
+            .all("set-cookie")
+            .find(|c| copy.all("set-cookie").any(|d| d == *c))
+        {
             return fail(format!(
                 "copy {} replays the first answer's set-cookie: {}: a cookie is never replayed",
                 i + 2,
@@ -105,7 +111,10 @@ fn headers(first: &Answer, copies: &[&Answer]) -> Finding {
          location, etag; no set-cookie replayed"
             .to_owned()
     } else {
-        format!("{} kept on both replays; no set-cookie replayed", kept.join(", "))
+        format!(
+            "{} kept on both replays; no set-cookie replayed",
+            kept.join(", ")
+        )
     })
 }
 
@@ -152,16 +161,12 @@ async fn mismatch(
         return ctx.effects_since(before, 1, Err(e)).await;
     }
     let again = ctx.settled(&request).await;
-    let judged = same_answer(
-        &first,
-        &again,
-        "the first request again after the mismatch",
-    )
-    .map(|()| {
-        format!(
-            "the key {key} with {what}: {}; the first request still replays",
-            describe(reused.as_ref().unwrap_or(&first))
-        )
-    });
+    let judged =
+        same_answer(&first, &again, "the first request again after the mismatch").map(|()| {
+            format!(
+                "the key {key} with {what}: {}; the first request still replays",
+                describe(reused.as_ref().unwrap_or(&first))
+            )
+        });
     ctx.effects_since(before, 1, judged).await
 }
