@@ -26,20 +26,44 @@
 //! what it counts during a run: give the checker an account (in `--body` and the
 //! ledger URL) of its own.
 //!
-//! The library runs the same checks from a test:
+//! The library runs the same checks from a test. Here against an axum service guarded
+//! by retrysafe, whose ledger answers `{"count": N}`:
 //!
-//! ```no_run
-//! # async fn example() -> Result<(), Box<dyn std::error::Error>> {
+//! ```
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use std::sync::atomic::{AtomicU64, Ordering};
+//! use axum::{Json, Router, extract::Request, http::StatusCode, routing::{get, post}};
+//! use retrysafe::DeadlineLayer;
+//! use retrysafe::idempotency::{IdempotencyLayer, Principal};
+//! use retrysafe::server::ServerLayers;
 //! use retrysafe_conformance::{Command, parse_args};
 //!
-//! let args = [
-//!     "--url", "http://127.0.0.1:8080/payments",
-//!     "--body", r#"{"account":"conformance","amount_cents":100}"#,
-//!     "--ledger-url", "http://127.0.0.1:8080/payments?account=conformance",
-//! ];
+//! // The service under test: POST /payments pays once per key, GET /count counts.
+//! let paid = Arc::new(AtomicU64::new(0));
+//! let (p, c) = (paid.clone(), paid.clone());
+//! let auth = axum::middleware::map_request(|mut req: Request| async move {
+//!     req.extensions_mut().insert(Principal::new("conformance"));
+//!     req
+//! });
+//! let guard = ServerLayers::new(IdempotencyLayer::in_memory().require_key())
+//!     .authentication(auth)
+//!     .deadline(DeadlineLayer::server())
+//!     .build()?;
+//! let app = Router::new()
+//!     .route("/payments", post(move || async move { p.fetch_add(1, Ordering::SeqCst); StatusCode::CREATED }))
+//!     .layer(guard)
+//!     .route("/count", get(move || async move { Json(serde_json::json!({"count": c.load(Ordering::SeqCst)})) }));
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+//! let base = format!("http://{}", listener.local_addr()?);
+//! tokio::spawn(async move { axum::serve(listener, app).await });
+//!
+//! let args = ["--url", &format!("{base}/payments"), "--ledger-url", &format!("{base}/count")];
 //! let Command::Check(options) = parse_args(args.map(Into::into))? else { unreachable!() };
 //! let report = retrysafe_conformance::check(&options).await;
 //! assert_eq!(report.failed(), 0, "{}", report.to_text());
+//! assert!(report.to_text().ends_with(&format!("{}\n", report.summary())));
 //! # Ok(())
 //! # }
 //! ```
