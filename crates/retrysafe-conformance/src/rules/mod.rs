@@ -5,7 +5,10 @@ mod documents;
 mod headers;
 mod keys;
 mod replay;
+mod table;
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -15,182 +18,56 @@ use crate::http::{self, Answer, Exchange, Origin, Request};
 use crate::report::{Report, Verdict};
 use crate::{Options, Rule};
 
-/// Every rule, in the order they run.
-pub static RULES: &[&Rule] = &[
-    &SETUP_FIRST_REQUEST,
-    &LEDGER_COUNTS_EFFECTS,
-    &REPLAY_SAME_ANSWER,
-    &REPLAY_MARKED,
-    &REPLAY_HEADERS,
-    &KEY_FORMS,
-    &KEY_ESCAPES,
-    &KEY_QUOTE_PREFIX,
-    &KEY_MAX_LENGTH,
-    &KEY_TOO_LONG,
-    &KEY_EMPTY,
-    &KEY_INVALID_CHARACTERS,
-    &KEY_CONTROL_CHARACTERS,
-    &KEY_TWICE,
-    &KEY_MISSING,
-    &MISMATCH_BODY,
-    &MISMATCH_QUERY,
-    &MISMATCH_CONCURRENT,
-    &CONCURRENT_COPIES,
-    &LOST_REPLY_AFTER_ANSWER,
-    &LOST_REPLY_MID_REQUEST,
-    &SAME_REQUEST_PER_ATTEMPT_HEADERS,
-    &RETRY_ATTEMPT_PARSING,
-    &REQUEST_TIMEOUT_MS_MALFORMED,
-    &REQUEST_TIMEOUT_MS_ZERO,
-    &REQUEST_TIMEOUT_MS_VALID,
-    &PROBLEM_DOCUMENTS,
-    &RETRY_AFTER_SYNTAX,
+pub use table::RULES;
+use table::*;
+
+/// A rule that sends requests.
+type Check = for<'c> fn(&'c Ctx<'_>) -> Pin<Box<dyn Future<Output = Finding> + Send + 'c>>;
+
+/// The rules that send requests, after the replay rules, in the order they run.
+const CHECKS: [(&Rule, Check); 21] = [
+    (&KEY_FORMS, |c| Box::pin(keys::forms(c))),
+    (&KEY_ESCAPES, |c| Box::pin(keys::escapes(c))),
+    (&KEY_QUOTE_PREFIX, |c| Box::pin(keys::quote_prefix(c))),
+    (&KEY_MAX_LENGTH, |c| Box::pin(keys::max_length(c))),
+    (&KEY_TOO_LONG, |c| Box::pin(keys::too_long(c))),
+    (&KEY_EMPTY, |c| Box::pin(keys::empty(c))),
+    (&KEY_INVALID_CHARACTERS, |c| {
+        Box::pin(keys::invalid_characters(c))
+    }),
+    (&KEY_CONTROL_CHARACTERS, |c| {
+        Box::pin(keys::control_characters(c))
+    }),
+    (&KEY_TWICE, |c| Box::pin(keys::twice(c))),
+    (&KEY_MISSING, |c| Box::pin(keys::missing(c))),
+    (&MISMATCH_BODY, |c| Box::pin(replay::mismatch_body(c))),
+    (&MISMATCH_QUERY, |c| Box::pin(replay::mismatch_query(c))),
+    (&MISMATCH_CONCURRENT, |c| {
+        Box::pin(copies::mismatch_concurrent(c))
+    }),
+    (&CONCURRENT_COPIES, |c| Box::pin(copies::concurrent(c))),
+    (&LOST_REPLY_AFTER_ANSWER, |c| {
+        Box::pin(copies::lost_after_answer(c))
+    }),
+    (&LOST_REPLY_MID_REQUEST, |c| {
+        Box::pin(copies::lost_mid_request(c))
+    }),
+    (&SAME_REQUEST_PER_ATTEMPT_HEADERS, |c| {
+        Box::pin(headers::per_attempt(c))
+    }),
+    (&RETRY_ATTEMPT_PARSING, |c| {
+        Box::pin(headers::retry_attempt(c))
+    }),
+    (&REQUEST_TIMEOUT_MS_MALFORMED, |c| {
+        Box::pin(headers::timeout_malformed(c))
+    }),
+    (&REQUEST_TIMEOUT_MS_ZERO, |c| {
+        Box::pin(headers::timeout_zero(c))
+    }),
+    (&REQUEST_TIMEOUT_MS_VALID, |c| {
+        Box::pin(headers::timeout_valid(c))
+    }),
 ];
-
-pub(crate) static SETUP_FIRST_REQUEST: Rule = rule(
-    "setup.first-request",
-    "idempotency-key",
-    "a request with a new key runs",
-);
-pub(crate) static LEDGER_COUNTS_EFFECTS: Rule = rule(
-    "ledger.counts-effects",
-    "idempotency-key",
-    "the ledger counts the effect of one new request",
-);
-pub(crate) static REPLAY_SAME_ANSWER: Rule = rule(
-    "replay.same-answer",
-    "idempotent-replayed",
-    "copies after the first get its status and body, one effect",
-);
-pub(crate) static REPLAY_MARKED: Rule = rule(
-    "replay.marked",
-    "idempotent-replayed",
-    "replays carry idempotent-replayed: true, first answers do not",
-);
-pub(crate) static REPLAY_HEADERS: Rule = rule(
-    "replay.headers",
-    "idempotent-replayed",
-    "replays keep the stable headers and never replay set-cookie",
-);
-pub(crate) static KEY_FORMS: Rule = rule(
-    "key.forms",
-    "idempotency-key",
-    "\"k\" and k are the same key",
-);
-pub(crate) static KEY_ESCAPES: Rule = rule(
-    "key.escapes",
-    "idempotency-key",
-    "sf-string keys with \\\" and \\\\ escapes are keys",
-);
-pub(crate) static KEY_QUOTE_PREFIX: Rule = rule(
-    "key.quote-prefix",
-    "idempotency-key",
-    "a bare key may start with a quote (\"abc is a key)",
-);
-pub(crate) static KEY_MAX_LENGTH: Rule = rule(
-    "key.max-length",
-    "idempotency-key",
-    "keys of 255 characters are accepted",
-);
-pub(crate) static KEY_TOO_LONG: Rule = rule(
-    "key.too-long",
-    "idempotency-key",
-    "keys of 256 characters get 400 key-invalid",
-);
-pub(crate) static KEY_EMPTY: Rule = rule(
-    "key.empty",
-    "idempotency-key",
-    "empty keys get 400 key-invalid",
-);
-pub(crate) static KEY_INVALID_CHARACTERS: Rule = rule(
-    "key.invalid-characters",
-    "idempotency-key",
-    "keys outside the grammar get 400 key-invalid",
-);
-pub(crate) static KEY_CONTROL_CHARACTERS: Rule = rule(
-    "key.control-characters",
-    "control-characters",
-    "keys holding control characters get 400",
-);
-pub(crate) static KEY_TWICE: Rule = rule(
-    "key.twice",
-    "idempotency-key",
-    "a key header sent twice gets 400 key-invalid",
-);
-pub(crate) static KEY_MISSING: Rule = rule(
-    "key.missing",
-    "which-requests-are-guarded",
-    "no key: 400 key-missing, or the request is not guarded",
-);
-pub(crate) static MISMATCH_BODY: Rule = rule(
-    "mismatch.body",
-    "the-same-request",
-    "the key with another body gets 422 key-mismatch, do-not-retry",
-);
-pub(crate) static MISMATCH_QUERY: Rule = rule(
-    "mismatch.query",
-    "the-same-request",
-    "the key with another query gets 422 key-mismatch, do-not-retry",
-);
-pub(crate) static MISMATCH_CONCURRENT: Rule = rule(
-    "mismatch.concurrent",
-    "the-same-request",
-    "the key with two bodies at once: one runs, the other gets 422",
-);
-pub(crate) static CONCURRENT_COPIES: Rule = rule(
-    "concurrent.copies",
-    "idempotency-key",
-    "copies at once: one effect, the others replay or get 409 request-in-flight",
-);
-pub(crate) static LOST_REPLY_AFTER_ANSWER: Rule = rule(
-    "lost-reply.after-answer",
-    "idempotency-key",
-    "a reply lost unread, then a retry: a replay, one effect",
-);
-pub(crate) static LOST_REPLY_MID_REQUEST: Rule = rule(
-    "lost-reply.mid-request",
-    "idempotency-key",
-    "a connection closed before the answer, then a retry: one effect",
-);
-pub(crate) static SAME_REQUEST_PER_ATTEMPT_HEADERS: Rule = rule(
-    "same-request.per-attempt-headers",
-    "the-same-request",
-    "the per-attempt headers of the convention do not change the request",
-);
-pub(crate) static RETRY_ATTEMPT_PARSING: Rule = rule(
-    "retry-attempt.parsing",
-    "retry-attempt-and-grpc-previous-rpc-attempts",
-    "malformed retry-attempt values are ignored",
-);
-pub(crate) static REQUEST_TIMEOUT_MS_MALFORMED: Rule = rule(
-    "request-timeout-ms.malformed",
-    "request-timeout-ms",
-    "malformed values get 400 timeout-invalid and record nothing",
-);
-pub(crate) static REQUEST_TIMEOUT_MS_ZERO: Rule = rule(
-    "request-timeout-ms.zero",
-    "request-timeout-ms",
-    "0 gets 504 deadline-exceeded, do-not-retry, and records nothing",
-);
-pub(crate) static REQUEST_TIMEOUT_MS_VALID: Rule = rule(
-    "request-timeout-ms.valid",
-    "request-timeout-ms",
-    "valid values (leading zeros, huge ones) are accepted",
-);
-pub(crate) static PROBLEM_DOCUMENTS: Rule = rule(
-    "problem.documents",
-    "problem-documents-applicationproblemjson",
-    "problem answers are RFC 9457 documents of the convention's form",
-);
-pub(crate) static RETRY_AFTER_SYNTAX: Rule = rule(
-    "retry-after.syntax",
-    "retry-after",
-    "retry-after is delay-seconds (at most 86400) or an HTTP-date",
-);
-
-const fn rule(id: &'static str, section: &'static str, title: &'static str) -> Rule {
-    Rule { id, section, title }
-}
 
 /// A verdict and its detail.
 pub(crate) type Finding = (Verdict, String);
@@ -553,83 +430,9 @@ pub(crate) async fn run(options: &Options) -> Report {
     push(&mut report, &REPLAY_SAME_ANSWER, same);
     push(&mut report, &REPLAY_MARKED, marked);
     push(&mut report, &REPLAY_HEADERS, headers);
-    push(&mut report, &KEY_FORMS, keys::forms(&ctx).await);
-    push(&mut report, &KEY_ESCAPES, keys::escapes(&ctx).await);
-    push(
-        &mut report,
-        &KEY_QUOTE_PREFIX,
-        keys::quote_prefix(&ctx).await,
-    );
-    push(&mut report, &KEY_MAX_LENGTH, keys::max_length(&ctx).await);
-    push(&mut report, &KEY_TOO_LONG, keys::too_long(&ctx).await);
-    push(&mut report, &KEY_EMPTY, keys::empty(&ctx).await);
-    push(
-        &mut report,
-        &KEY_INVALID_CHARACTERS,
-        keys::invalid_characters(&ctx).await,
-    );
-    push(
-        &mut report,
-        &KEY_CONTROL_CHARACTERS,
-        keys::control_characters(&ctx).await,
-    );
-    push(&mut report, &KEY_TWICE, keys::twice(&ctx).await);
-    push(&mut report, &KEY_MISSING, keys::missing(&ctx).await);
-    push(
-        &mut report,
-        &MISMATCH_BODY,
-        replay::mismatch_body(&ctx).await,
-    );
-    push(
-        &mut report,
-        &MISMATCH_QUERY,
-        replay::mismatch_query(&ctx).await,
-    );
-    push(
-        &mut report,
-        &MISMATCH_CONCURRENT,
-        copies::mismatch_concurrent(&ctx).await,
-    );
-    push(
-        &mut report,
-        &CONCURRENT_COPIES,
-        copies::concurrent(&ctx).await,
-    );
-    push(
-        &mut report,
-        &LOST_REPLY_AFTER_ANSWER,
-        copies::lost_after_answer(&ctx).await,
-    );
-    push(
-        &mut report,
-        &LOST_REPLY_MID_REQUEST,
-        copies::lost_mid_request(&ctx).await,
-    );
-    push(
-        &mut report,
-        &SAME_REQUEST_PER_ATTEMPT_HEADERS,
-        headers::per_attempt(&ctx).await,
-    );
-    push(
-        &mut report,
-        &RETRY_ATTEMPT_PARSING,
-        headers::retry_attempt(&ctx).await,
-    );
-    push(
-        &mut report,
-        &REQUEST_TIMEOUT_MS_MALFORMED,
-        headers::timeout_malformed(&ctx).await,
-    );
-    push(
-        &mut report,
-        &REQUEST_TIMEOUT_MS_ZERO,
-        headers::timeout_zero(&ctx).await,
-    );
-    push(
-        &mut report,
-        &REQUEST_TIMEOUT_MS_VALID,
-        headers::timeout_valid(&ctx).await,
-    );
+    for (rule, check) in CHECKS {
+        push(&mut report, rule, check(&ctx).await);
+    }
     push(&mut report, &PROBLEM_DOCUMENTS, documents::problems(&ctx));
     push(
         &mut report,
@@ -735,6 +538,20 @@ pub(crate) fn first_success<'e>(exchange: &'e Exchange, what: &str) -> Result<&'
 #[allow(clippy::unwrap_used, clippy::panic, clippy::indexing_slicing)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_rules_run_in_the_order_of_the_table() {
+        let mut order: Vec<&Rule> = vec![
+            &SETUP_FIRST_REQUEST,
+            &LEDGER_COUNTS_EFFECTS,
+            &REPLAY_SAME_ANSWER,
+            &REPLAY_MARKED,
+            &REPLAY_HEADERS,
+        ];
+        order.extend(CHECKS.iter().map(|(rule, _)| *rule));
+        order.extend([&PROBLEM_DOCUMENTS, &RETRY_AFTER_SYNTAX]);
+        assert_eq!(order, RULES);
+    }
 
     #[test]
     fn rule_ids_are_unique() {
