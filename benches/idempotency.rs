@@ -25,7 +25,11 @@
 //! cannot silently measure an error path.
 //!
 //! `cargo bench --bench idempotency -- --warm-up-time 1 --measurement-time 3`
-#![allow(clippy::unwrap_used, missing_docs)]
+//!
+//! Instructions per request (exact, unlike time on a shared machine):
+//! `BENCH=idempotency scripts/bench-callgrind` (`IDEMPOTENCY_BENCH_CASE=bare|first|replay
+//! IDEMPOTENCY_BENCH_CALLS=n`).
+#![allow(clippy::unwrap_used, clippy::panic, missing_docs)]
 
 use std::convert::Infallible;
 use std::hint::black_box;
@@ -40,7 +44,7 @@ use axum::http::header::{CONTENT_TYPE, HeaderName};
 use axum::http::{Request, Response, StatusCode};
 use axum::routing::post;
 use bytes::Bytes;
-use criterion::{BenchmarkId, Criterion, Throughput, criterion_group, criterion_main};
+use criterion::{BenchmarkId, Criterion, Throughput, criterion_group};
 use http_body_util::BodyExt;
 use retrysafe::idempotency::{IdempotencyLayer, MemoryStore, Principal};
 use tokio::runtime::Runtime;
@@ -255,4 +259,39 @@ fn body_sizes(c: &mut Criterion) {
 }
 
 criterion_group!(benches, cases, body_sizes);
-criterion_main!(benches);
+
+/// `IDEMPOTENCY_BENCH_CASE=name IDEMPOTENCY_BENCH_CALLS=n` sends `n` requests of one
+/// case (`bare`, `first`, `replay`) and exits, for `valgrind --tool=callgrind`, which
+/// counts instructions, not time. Otherwise the criterion benches.
+fn main() {
+    if let (Ok(name), Ok(calls)) = (
+        std::env::var("IDEMPOTENCY_BENCH_CASE"),
+        std::env::var("IDEMPOTENCY_BENCH_CALLS"),
+    ) {
+        let calls: u64 = calls.parse().unwrap();
+        let rt = runtime();
+        let counter = AtomicU64::new(0);
+        let body = Bytes::from_static(REQUEST_JSON.as_bytes());
+        rt.block_on(async {
+            let (app, _store) = guarded();
+            let res = send(&app, request("completed", &body)).await;
+            check(&res, StatusCode::CREATED, false, "replay setup");
+            let app = match name.as_str() {
+                "bare" => router(None),
+                "first" | "replay" => app,
+                other => panic!("unknown case {other}"),
+            };
+            for _ in 0..calls {
+                let key = if name == "replay" {
+                    "completed".to_owned()
+                } else {
+                    fresh_key(&counter)
+                };
+                black_box(send(&app, request(&key, &body)).await);
+            }
+        });
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

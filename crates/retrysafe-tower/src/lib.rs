@@ -57,6 +57,14 @@ pub mod throttle;
 
 pub use retrysafe_core as core;
 
+/// Plumbing shared with the other retrysafe crates (the transactional layer of
+/// `retrysafe-postgres`): not part of the public API, it may change in any release.
+#[doc(hidden)]
+pub mod __private {
+    #[cfg(feature = "idempotency")]
+    pub use crate::idempotency::plumbing::*;
+}
+
 /// The README's Rust code blocks, compiled and run as doc-tests
 /// (`cargo test --doc -p retrysafe-tower`).
 #[cfg(doctest)]

@@ -117,7 +117,7 @@ impl<A, D, X> ServerLayers<A, D, X> {
     pub fn build(self) -> Result<Self, ConfigError> {
         let mut v = Validate::new();
         v.check(
-            self.authenticated || !self.idempotency.guard.scoped_by_principal(),
+            self.authenticated || !self.idempotency.shared.rules().scoped_by_principal(),
             "authentication",
             "is missing: the idempotency layer scopes keys by the Principal that an \
              authentication layer inserts, so every keyed request would be refused with \

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
-use retrysafe_tower::idempotency::__private::blocks::duration_setting;
+use retrysafe_tower::__private::duration_setting;
 use sqlx::PgPool;
 
 use super::sql::{self, TxSql};

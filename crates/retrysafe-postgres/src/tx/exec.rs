@@ -11,18 +11,20 @@ use bytes::Bytes;
 use futures_util::FutureExt;
 use http::{Request, Response};
 use http_body::Body;
-use retrysafe_core::__private::protocol::{Claimed, Note, Protocol, Settle, Settled, Step, Waited};
+use retrysafe_core::__private::protocol::{Claimed, Note, Protocol, Settle, Settled, Waited};
 use retrysafe_core::idempotency::{
-    Completed, Fingerprint, IdempotencyContext, Record, RecordId, Token,
+    Completed, Fingerprint, IdempotencyContext, Record, RecordId, Scope, Token,
 };
 use retrysafe_core::problem::ProblemKind;
 use retrysafe_core::store::StoreError;
+use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_core::{CallContext, ConfigError, Deadline};
-use retrysafe_tower::idempotency::__private::{
-    Answer, Backend, Call, Captured, Engine, Guard, Guarded, GuardedRequest, Handler, Outcome,
-    RoundTrips, StoreOp, answer_of, conclude, negotiate,
+use retrysafe_tower::__private::{
+    Admitted, CapturedResponse, Engine, Handler, HandlerResult, KeyedRequest, Ran, RoundTrips,
+    Served, Shared, StoreOp, drive,
 };
 use retrysafe_tower::idempotency::RequestBody;
+use retrysafe_tower::idempotency::backend::Backend;
 use sqlx::Row;
 use tokio::time::Instant;
 use tracing::Span;
@@ -49,74 +51,38 @@ impl Backend for TxBackend {
         self.checks.error()
     }
 
-    async fn run<H: Handler>(&self, call: Call<'_, H>) -> Answer<H> {
-        let Call { guard, handler, .. } = call;
-        match call.request {
-            Guarded::Keyed(request) => {
-                let row = KeyRow::new(self, guard, &request);
-                run_keyed(guard, self, row, handler, request).await
+    /// A keyed request: take the key (or wait), then replay or run. A request without
+    /// one (and a layer that does not require one): the handler runs in a transaction
+    /// of its own, with no key row and no deduplication, committed or rolled back by
+    /// the same rules.
+    async fn run<H: Handler>(
+        &self,
+        shared: &Shared,
+        handler: H,
+        request: Admitted<H::ReqBody>,
+    ) -> Served<H> {
+        let (protocol, mut engine) = match &request {
+            Admitted::Keyed(keyed) => {
+                let deadline = keyed.deadline();
+                let protocol = Protocol::new(shared.policy(), keyed.fingerprint, deadline);
+                let row = KeyRow::new(self, shared, keyed);
+                let span = keyed.span.clone();
+                (
+                    protocol,
+                    TxEngine::new(self, shared, deadline, Some(row), span),
+                )
             }
-            Guarded::Unkeyed(request) => run_unkeyed(guard, self, handler, *request).await,
-        }
-    }
-}
-
-/// A request on a guarded method without a key (and a layer that does not require
-/// one): the handler runs in a transaction of its own, with no key row and no
-/// deduplication, committed or rolled back by the same rules.
-async fn run_unkeyed<H: Handler>(
-    guard: &Guard,
-    backend: &TxBackend,
-    handler: H,
-    req: Request<RequestBody<H::ReqBody>>,
-) -> Answer<H> {
-    let deadline = req.extensions().get::<Deadline>().copied();
-    let mut protocol = Protocol::new(guard.policy(), Fingerprint::from_bytes([0; 32]), deadline);
-    let mut engine = TxEngine::new(backend, guard, deadline, None, Span::none());
-    let claimed = match opening(backend, deadline, begin(backend)).await {
-        Some(Ok(tx)) => {
-            engine.tx = Some(tx);
-            Claimed::Mine { takeover: false }
-        }
-        Some(Err(e)) => Claimed::Failed(e),
-        None => Claimed::Failed(StoreError::Timeout),
-    };
-    match protocol.claimed(claimed) {
-        Step::Run => {
-            let context = CallContext::inherited(req.extensions()).unwrap_or_default();
-            engine
-                .run(guard, &mut protocol, handler, req, context)
-                .await
-        }
-        step => Ok(answer_of(guard, step)),
-    }
-}
-
-/// The keyed request inside its task: take the key (or wait), then replay or run.
-async fn run_keyed<H: Handler>(
-    guard: &Guard,
-    backend: &TxBackend,
-    row: KeyRow,
-    handler: H,
-    request: Box<GuardedRequest>,
-) -> Answer<H> {
-    let token = row.token;
-    let deadline = request.deadline();
-    let mut protocol = Protocol::new(guard.policy(), request.fingerprint, deadline);
-    let span = request.span.clone();
-    let mut engine = TxEngine::new(backend, guard, deadline, Some(row), span);
-    match negotiate(guard, &mut protocol, &mut engine, &request.span).await {
-        Step::Run => {
-            // A detached context: the commit point is the transaction itself. The
-            // handler runs in this task: re-scope the inherited call context, now
-            // carrying the record, so outbound client layers derive child keys from it.
-            let (req, context) =
-                request.into_request(|scope, key| IdempotencyContext::detached(scope, key, token));
-            engine
-                .run(guard, &mut protocol, handler, req, context)
-                .await
-        }
-        step => Ok(answer_of(guard, step)),
+            Admitted::Unkeyed(req) => {
+                let deadline = req.extensions().get::<Deadline>().copied();
+                let unkeyed = Fingerprint::from_bytes([0; 32]);
+                let protocol = Protocol::new(shared.policy(), unkeyed, deadline);
+                (
+                    protocol,
+                    TxEngine::new(self, shared, deadline, None, Span::none()),
+                )
+            }
+        };
+        drive(shared, protocol, &mut engine, handler, request).await
     }
 }
 
@@ -128,8 +94,8 @@ struct TxEngine<'a> {
     row: Option<KeyRow>,
     /// The transaction, once begun (and while the handler does not hold it).
     tx: Option<Tx>,
-    /// The layer's rules (its metrics).
-    guard: &'a Guard,
+    /// What the layer's requests share (its telemetry).
+    shared: &'a Shared,
     /// The round trips to the database: opening the transaction with its key, waiting
     /// for a holder, committing or rolling back.
     trips: RoundTrips,
@@ -138,7 +104,7 @@ struct TxEngine<'a> {
 impl<'a> TxEngine<'a> {
     fn new(
         backend: &'a TxBackend,
-        guard: &'a Guard,
+        shared: &'a Shared,
         deadline: Option<Deadline>,
         row: Option<KeyRow>,
         span: Span,
@@ -148,59 +114,33 @@ impl<'a> TxEngine<'a> {
             deadline,
             row,
             tx: None,
-            guard,
-            trips: guard.round_trips(span),
+            shared,
+            trips: shared.telemetry().round_trips(span),
         }
     }
 
-    /// Hands the transaction to the handler (in a slot its guard borrows from), takes
-    /// it back, and settles as the protocol says.
-    async fn run<H: Handler>(
-        mut self,
-        guard: &Guard,
-        protocol: &mut Protocol,
-        handler: H,
-        mut req: Request<RequestBody<H::ReqBody>>,
-        context: CallContext,
-    ) -> Answer<H> {
-        let Some(tx) = self.tx.take() else {
-            return Ok(answer_of(guard, Step::Run));
-        };
-        let slot = TxSlot::new(tx);
-        req.extensions_mut().insert(slot.clone());
-        req.extensions_mut().insert(context.clone());
-        // The handler's future (and any guard it holds) is dropped by the end of this
-        // statement, panicked or not.
-        let outcome: Outcome<H::ResBody, H::Error> =
-            AssertUnwindSafe(context.scope(handler.call(req)))
-                .catch_unwind()
-                .await;
-        let Some(tx) = slot.reclaim() else {
-            // A guard outlived the handler's answer. The transaction stays with it and
-            // rolls back when it is dropped (or when the server ends the idle session);
-            // nothing of it is ever committed.
-            tracing::error!(
-                target: "retrysafe::idempotency",
-                "a handler kept its IdempotentTx guard after answering; its transaction is rolled back"
-            );
-            return Ok(guard.problem_of(
-                ProblemKind::TransactionLeaked,
-                "the request handler kept its transaction after answering; nothing was committed",
-            ));
-        };
-        self.tx = Some(tx);
-        conclude(guard, protocol, &mut self, outcome).await
+    /// Opens the transaction of a request without a key: no key row, nothing to find.
+    async fn begin_unkeyed(&mut self) -> Claimed {
+        match opening(self.backend, self.deadline, begin(self.backend)).await {
+            Some(Ok(tx)) => {
+                self.tx = Some(tx);
+                Claimed::Mine { takeover: false }
+            }
+            Some(Err(e)) => Claimed::Failed(e),
+            None => Claimed::Failed(StoreError::Timeout),
+        }
     }
 }
 
 impl Engine for TxEngine<'_> {
     async fn claim(&mut self) -> Claimed {
         let Some(row) = &self.row else {
-            return Claimed::Failed(StoreError::unavailable("no key to claim"));
+            return self.begin_unkeyed().await;
         };
         let started = self.trips.start();
         let opened = opening(self.backend, self.deadline, open(self.backend, row)).await;
-        self.guard
+        self.shared
+            .telemetry()
             .round_trip(&mut self.trips, StoreOp::Claim, started);
         match opened {
             Some(Ok(Opened::Mine(tx))) => {
@@ -223,7 +163,8 @@ impl Engine for TxEngine<'_> {
         };
         let started = self.trips.start();
         let waited = wait(self.backend, row, Instant::now() + max).await;
-        self.guard
+        self.shared
+            .telemetry()
             .round_trip(&mut self.trips, StoreOp::Wait, started);
         match waited {
             Ok(Probed::Record(record)) => Waited::Record(record),
@@ -234,14 +175,68 @@ impl Engine for TxEngine<'_> {
         }
     }
 
-    async fn capture<B>(&mut self, guard: &Guard, response: Response<B>) -> Option<Captured<B>>
+    /// A detached context: the commit point is the transaction itself.
+    fn context(&mut self, scope: Scope, key: IdempotencyKey) -> IdempotencyContext {
+        let token = self
+            .row
+            .as_ref()
+            .map_or(Token::from_bytes([0; 16]), |r| r.token);
+        IdempotencyContext::detached(scope, key, token)
+    }
+
+    /// Hands the transaction to the handler (in a slot its guard borrows from) and
+    /// takes it back.
+    async fn handle<H: Handler>(
+        &mut self,
+        handler: H,
+        mut request: Request<RequestBody<H::ReqBody>>,
+        context: CallContext,
+    ) -> Ran<H::ResBody, H::Error> {
+        let Some(tx) = self.tx.take() else {
+            // Claimed without a transaction: a bug, answered 500.
+            return Ran::Refused(self.shared.policy().problem(
+                ProblemKind::HandlerPanicked,
+                "the request could not be completed",
+            ));
+        };
+        let slot = TxSlot::new(tx);
+        request.extensions_mut().insert(slot.clone());
+        request.extensions_mut().insert(context.clone());
+        // The handler's future (and any guard it holds) is dropped by the end of this
+        // statement, panicked or not.
+        let outcome: HandlerResult<H::ResBody, H::Error> =
+            AssertUnwindSafe(context.scope(handler.call(request)))
+                .catch_unwind()
+                .await;
+        let Some(tx) = slot.reclaim() else {
+            // A guard outlived the handler's answer. The transaction stays with it and
+            // rolls back when it is dropped (or when the server ends the idle session);
+            // nothing of it is ever committed.
+            tracing::error!(
+                target: "retrysafe::idempotency",
+                "a handler kept its IdempotentTx guard after answering; its transaction is rolled back"
+            );
+            return Ran::Refused(self.shared.policy().problem(
+                ProblemKind::TransactionLeaked,
+                "the request handler kept its transaction after answering; nothing was committed",
+            ));
+        };
+        self.tx = Some(tx);
+        Ran::Done(outcome)
+    }
+
+    async fn capture<B>(
+        &mut self,
+        shared: &Shared,
+        response: Response<B>,
+    ) -> Option<CapturedResponse<B>>
     where
         B: Body<Data = Bytes> + Send,
     {
         // Too large (or too slow) to store: the key row records that it completed,
         // committed before the rest streams.
         let until = Instant::now() + self.backend.idle_in_transaction / 2;
-        guard.capture(response, until).await
+        shared.answers().capture(response, until).await
     }
 
     async fn settle(&mut self, settle: Settle, completed: Option<Completed>) -> Settled {
@@ -250,19 +245,18 @@ impl Engine for TxEngine<'_> {
         };
         let backend = self.backend;
         let started = self.trips.start();
+        let telemetry = self.shared.telemetry();
         if settle != Settle::Complete {
             // 401/403/429, NoEffect, 5xx, 408, a panic: nothing happened, provably — the
             // key is simply absent and a retry runs again.
             rollback(backend, tx).await;
-            self.guard
-                .round_trip(&mut self.trips, StoreOp::Release, started);
+            telemetry.round_trip(&mut self.trips, StoreOp::Release, started);
             return Settled::Done;
         }
         let done = completed.map(Record::Completed);
         let commit = commit(backend, tx, self.row.as_ref(), done.as_ref());
         let committed = tokio::time::timeout(backend.commit_timeout, commit).await;
-        self.guard
-            .round_trip(&mut self.trips, StoreOp::Complete, started);
+        telemetry.round_trip(&mut self.trips, StoreOp::Complete, started);
         match committed {
             Ok(Ok(())) => Settled::Done,
             Ok(Err(Unfinished::Aborted)) => Settled::Aborted,
@@ -271,9 +265,9 @@ impl Engine for TxEngine<'_> {
         }
     }
 
-    fn note(&mut self, guard: &Guard, note: Note) {
+    fn note(&mut self, shared: &Shared, note: Note) {
         if let (Note::Event(kind), Some(row)) = (note, &self.row) {
-            guard.emit(kind, Some(&row.id));
+            shared.telemetry().emit(kind, Some(&row.id));
         }
     }
 }
@@ -344,14 +338,14 @@ struct KeyRow {
 
 impl KeyRow {
     /// The key of `request`, with a fresh token.
-    fn new(backend: &TxBackend, guard: &Guard, request: &GuardedRequest) -> Self {
+    fn new(backend: &TxBackend, shared: &Shared, request: &KeyedRequest) -> Self {
         let id = request.record_id();
         KeyRow {
             id,
             token: Token::random(),
             fingerprint: request.fingerprint,
             lock_key: lock_key(&id, backend.sql.table_salt),
-            retention: guard.retention(),
+            retention: shared.retention(),
         }
     }
 }

@@ -1,7 +1,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
@@ -197,4 +197,38 @@ fn prefixed_hint<'a>(prefix: impl IntoIterator<Item = &'a Bytes>, h: SizeHint) -
         out.set_upper(u.saturating_add(extra));
     }
     out
+}
+
+/// Collects body frames without copying a body that arrives in one frame.
+#[derive(Default)]
+pub(crate) struct Accumulator {
+    first: Option<Bytes>,
+    buf: Option<BytesMut>,
+}
+
+impl Accumulator {
+    pub(crate) fn len(&self) -> usize {
+        self.first.as_ref().map_or(0, Bytes::len) + self.buf.as_ref().map_or(0, BytesMut::len)
+    }
+
+    pub(crate) fn push(&mut self, data: Bytes) {
+        match (self.first.take(), &mut self.buf) {
+            (None, None) => self.first = Some(data),
+            (Some(f), None) => {
+                let mut b = BytesMut::with_capacity(f.len() + data.len());
+                b.extend_from_slice(&f);
+                b.extend_from_slice(&data);
+                self.buf = Some(b);
+            }
+            (_, Some(b)) => b.extend_from_slice(&data),
+        }
+    }
+
+    pub(crate) fn freeze(self) -> Bytes {
+        match (self.first, self.buf) {
+            (_, Some(b)) => b.freeze(),
+            (Some(f), None) => f,
+            (None, None) => Bytes::new(),
+        }
+    }
 }

@@ -6,7 +6,7 @@ use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, Method, Response};
 use retrysafe_core::ConfigError;
-use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope, defaults};
+use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope};
 use retrysafe_core::observe::Name;
 use retrysafe_core::observe::handles::Lazy;
 use retrysafe_core::store::{BoxStore, IdempotencyStore};
@@ -15,32 +15,34 @@ use tokio::sync::Semaphore;
 use tokio_util::task::TaskTracker;
 use tower_layer::Layer;
 
+use super::MemoryStore;
+use super::backend::{Backend, StoreBackend};
 use super::event::{IdempotencyEvent, UnknownOutcome};
-use super::exec::StoreBackend;
-use super::guard::{Backend, DEFAULT_MAX_IN_FLIGHT, Guard, GuardConfig, ScopeRule, Shared};
 use super::problem::Problem;
+use super::rules::ScopeRule;
 use super::service::IdempotencyService;
-use super::{MemoryStore, blocks};
+use super::shared::{Config, InFlight, Shared};
 
 /// Applies [`IdempotencyService`] to a service: makes POST and PATCH safe to retry by
 /// `Idempotency-Key`. See the [module docs](super) for the full behaviour.
 ///
 /// Builder methods take and return the layer and never fail; [`build`](Self::build)
-/// validates them once and names every refused setting. The methods of `IdempotencyLayer<X>` set the [`Guard`]
-/// and apply whatever the [`Backend`] `X`; those of `IdempotencyLayer` (over the
-/// default [`StoreBackend`]) set the store protocol. The transactional layer of
-/// `retrysafe-postgres` is this layer over its own backend, built with
-/// [`with_backend`](Self::with_backend).
+/// validates them once and names every refused setting. The methods of
+/// `IdempotencyLayer<X>` set the rules, the answers and the telemetry whatever the
+/// [`Backend`] `X`; those of `IdempotencyLayer` (over the default [`StoreBackend`]) set
+/// the store protocol. The transactional layer of `retrysafe-postgres` is this layer
+/// over its own backend, made with [`with_backend`](Self::with_backend).
 #[must_use]
 pub struct IdempotencyLayer<X = StoreBackend> {
-    pub(crate) guard: Guard,
+    pub(crate) shared: Shared,
     pub(crate) backend: Arc<X>,
 }
 
+// By hand: a derive would require `X: Clone`, and the backend is shared, not cloned.
 impl<X> Clone for IdempotencyLayer<X> {
     fn clone(&self) -> Self {
         IdempotencyLayer {
-            guard: self.guard.clone(),
+            shared: self.shared.clone(),
             backend: Arc::clone(&self.backend),
         }
     }
@@ -49,7 +51,7 @@ impl<X> Clone for IdempotencyLayer<X> {
 impl<X: fmt::Debug> fmt::Debug for IdempotencyLayer<X> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("IdempotencyLayer")
-            .field("guard", &self.guard)
+            .field("shared", &self.shared)
             .field("backend", &self.backend)
             .finish()
     }
@@ -99,7 +101,23 @@ const MAX_BODY_LIMIT: usize = 1 << 30;
 
 /// `d`, unless it is zero or over 30 days.
 fn positive(d: Duration, field: &'static str) -> Result<Duration, ConfigError> {
-    blocks::duration_setting(d, field, MAX_SPAN)
+    duration_setting(d, field, MAX_SPAN)
+}
+
+/// A duration setting named `field`, validated as the layers validate theirs: greater
+/// than zero and at most `max`.
+pub fn duration_setting(
+    value: Duration,
+    field: &'static str,
+    max: Duration,
+) -> Result<Duration, ConfigError> {
+    if value.is_zero() {
+        Err(ConfigError::new(field, "must be greater than zero"))
+    } else if value > max {
+        Err(ConfigError::new(field, "is too large"))
+    } else {
+        Ok(value)
+    }
 }
 
 impl IdempotencyLayer {
@@ -112,28 +130,12 @@ impl IdempotencyLayer {
     /// the reconciler's and the default client's: see
     /// [`defaults`](retrysafe_core::idempotency::defaults).
     pub fn new(store: impl IdempotencyStore) -> Self {
-        Self::with_store(BoxStore::new(store))
+        Self::with_backend(StoreBackend::new(BoxStore::new(store)))
     }
 
     /// A layer over a fresh [`MemoryStore`] with its defaults.
     pub fn in_memory() -> Self {
         Self::new(MemoryStore::new())
-    }
-
-    /// A layer over an already shared store.
-    pub fn with_store(store: BoxStore) -> Self {
-        Self::with_backend(StoreBackend {
-            store,
-            lease: defaults::LEASE,
-            max_execution: defaults::MAX_EXECUTION,
-            store_timeout: Duration::from_secs(1),
-            fail_open: false,
-            commit_point: CommitPoint::Undeclared,
-            on_outcome_unknown: None,
-            store_keys: false,
-            renewals: Default::default(),
-            reconciled_elsewhere: false,
-        })
     }
 
     fn store_config(mut self, f: impl FnOnce(&mut StoreBackend)) -> Self {
@@ -231,18 +233,16 @@ impl IdempotencyLayer {
 }
 
 impl<X: Backend> IdempotencyLayer<X> {
-    /// A layer that runs its guarded requests with `backend`, with the guard's
-    /// defaults: POST and PATCH guarded, key optional, scope from the
+    /// A layer that runs its guarded requests with `backend` (see
+    /// [`backend`](super::backend)), with the defaults of the rules: POST and PATCH
+    /// guarded, key optional, scope from the
     /// [`Principal`](retrysafe_core::idempotency::Principal) extension, fingerprint over
     /// method, path, query, `content-type` and body, 1 MiB request and stored-response
     /// limits, 24 h retention, 409 with `retry-after: 1` for in-flight copies, 1024
     /// guarded requests in flight.
     pub fn with_backend(backend: X) -> Self {
         IdempotencyLayer {
-            guard: Guard {
-                config: Arc::new(GuardConfig::new(X::ROLLS_BACK)),
-                shared: Arc::new(Shared::new(DEFAULT_MAX_IN_FLIGHT, TaskTracker::new())),
-            },
+            shared: Shared::new(X::ROLLS_BACK),
             backend: Arc::new(backend),
         }
     }
@@ -270,26 +270,17 @@ impl<X: Backend> IdempotencyLayer<X> {
     /// assert!(IdempotencyLayer::in_memory().require_key().build().is_ok());
     /// ```
     pub fn build(self) -> Result<Self, ConfigError> {
-        let mut checks = self.guard.config.checks.clone();
+        let mut checks = self.shared.config.checks.clone();
         if let Some(e) = self.backend.refused() {
             checks.refuse(e.clone());
         }
         if let Some(e) = self.backend.conflicts() {
             checks.refuse(e);
         }
-        let c = &self.guard.config.convention;
-        let per_attempt = [
-            c.idempotency_key(),
-            c.retry_attempt(),
-            c.grpc_previous_rpc_attempts(),
-            c.request_timeout_ms(),
-            c.grpc_timeout(),
-            c.retry_point(),
-        ];
+        let rules = self.shared.rules();
+        let per_attempt = rules.per_attempt_headers();
         checks.check(
-            !self
-                .guard
-                .config
+            !rules
                 .fingerprinter
                 .headers()
                 .iter()
@@ -299,29 +290,33 @@ impl<X: Backend> IdempotencyLayer<X> {
              of one request (retry-attempt, grpc-previous-rpc-attempts, request-timeout-ms, \
              grpc-timeout, retry-point)",
         );
-        let bound = self.guard.shared.slots.bound();
-        let share = self.guard.config.max_in_flight_per_scope;
+        let bound = self.shared.in_flight.slots.bound();
+        let share = rules.max_in_flight_per_scope;
         checks.check(
             share.is_none_or(|n| n <= bound),
             "max_in_flight_per_scope",
             "must be at most max_in_flight",
         );
         let layer = checks.finish(self)?;
-        layer.guard.config.metrics();
+        layer.shared.telemetry().metrics();
         Ok(layer)
     }
 }
 
 impl<X> IdempotencyLayer<X> {
-    fn config(mut self, f: impl FnOnce(&mut GuardConfig)) -> Self {
-        f(Arc::make_mut(&mut self.guard.config));
+    fn config(mut self, f: impl FnOnce(&mut Config)) -> Self {
+        f(Arc::make_mut(&mut self.shared.config));
         self
+    }
+
+    fn rules(self, f: impl FnOnce(&mut super::rules::Rules)) -> Self {
+        self.config(|c| f(&mut c.rules))
     }
 
     /// Records the refusal of a setting unless `ok`; returns `ok`.
     fn check(&mut self, ok: bool, field: &'static str, reason: &'static str) -> bool {
         if !ok {
-            Arc::make_mut(&mut self.guard.config)
+            Arc::make_mut(&mut self.shared.config)
                 .checks
                 .refuse(ConfigError::new(field, reason));
         }
@@ -330,7 +325,7 @@ impl<X> IdempotencyLayer<X> {
 
     /// The value of a checked setting, or `None` with its refusal recorded.
     fn checked<T>(&mut self, checked: Result<T, ConfigError>) -> Option<T> {
-        Arc::make_mut(&mut self.guard.config).checks.take(checked)
+        Arc::make_mut(&mut self.shared.config).checks.take(checked)
     }
 
     /// The backend that runs the guarded requests.
@@ -338,23 +333,17 @@ impl<X> IdempotencyLayer<X> {
         &self.backend
     }
 
-    /// The rules the layer guards requests by (for the backends of other crates).
-    #[doc(hidden)]
-    pub fn guard(&self) -> &Guard {
-        &self.guard
-    }
-
     /// The methods that are guarded (default POST and PATCH). Other methods pass
     /// untouched.
     pub fn methods(self, methods: impl IntoIterator<Item = Method>) -> Self {
         let methods = methods.into_iter().collect();
-        self.config(|c| c.methods = methods)
+        self.rules(|r| r.methods = methods)
     }
 
     /// Also guards gRPC requests (`content-type: application/grpc*`), which pass
     /// untouched by default.
     pub fn guard_grpc(self) -> Self {
-        self.config(|c| c.guard_grpc = true)
+        self.rules(|r| r.guard_grpc = true)
     }
 
     /// Requires an `Idempotency-Key` on guarded methods: a request without one gets a
@@ -362,7 +351,7 @@ impl<X> IdempotencyLayer<X> {
     /// passes untouched, or, with the transactional layer of `retrysafe-postgres`, runs
     /// in a transaction of its own, with no key row.)
     pub fn require_key(self) -> Self {
-        self.config(|c| c.require_key = true)
+        self.rules(|r| r.require_key = true)
     }
 
     /// Derives the scope with `f` instead of from the `Principal` extension. `None`
@@ -371,13 +360,13 @@ impl<X> IdempotencyLayer<X> {
     where
         F: Fn(&Parts) -> Option<Scope> + Send + Sync + 'static,
     {
-        self.config(|c| c.scope = ScopeRule::Custom(Arc::new(f)))
+        self.rules(|r| r.scope = ScopeRule::Custom(Arc::new(f)))
     }
 
     /// One scope for every request: keys of all callers share one namespace. Only for
     /// services with a single trusted caller.
     pub fn global_scope(self) -> Self {
-        self.config(|c| c.scope = ScopeRule::Global)
+        self.rules(|r| r.scope = ScopeRule::Global)
     }
 
     /// Scope by a hash of the `Authorization` header (a request without one is refused
@@ -385,7 +374,7 @@ impl<X> IdempotencyLayer<X> {
     /// refreshed OAuth tokens): a retry that carries a new credential lands in a new
     /// scope and runs again.
     pub fn scope_by_authorization_hash(self) -> Self {
-        self.config(|c| c.scope = ScopeRule::AuthorizationHash)
+        self.rules(|r| r.scope = ScopeRule::AuthorizationHash)
     }
 
     /// The headers that are part of the fingerprint (default `content-type`).
@@ -396,12 +385,12 @@ impl<X> IdempotencyLayer<X> {
     /// refuses them here.
     pub fn fingerprint_headers(self, headers: impl IntoIterator<Item = HeaderName>) -> Self {
         let f = Fingerprinter::with_headers(headers);
-        self.config(|c| c.fingerprinter = f)
+        self.rules(|r| r.fingerprinter = f)
     }
 
     /// Never stores or replays this response header (in addition to the built-in list).
     pub fn deny_header(self, name: HeaderName) -> Self {
-        self.config(|c| c.header_filter = c.header_filter.clone().deny(name))
+        self.config(|c| c.answers.header_filter = c.answers.header_filter.clone().deny(name))
     }
 
     /// The largest request body accepted on guarded requests with a key (default
@@ -409,7 +398,7 @@ impl<X> IdempotencyLayer<X> {
     pub fn max_request_body(mut self, bytes: usize) -> Self {
         let ok = bytes > 0 && bytes <= MAX_BODY_LIMIT;
         if self.check(ok, "max_request_body", "must be between 1 byte and 1 GiB") {
-            self = self.config(|c| c.max_request_body = bytes);
+            self = self.rules(|r| r.max_request_body = bytes);
         }
         self
     }
@@ -423,7 +412,7 @@ impl<X> IdempotencyLayer<X> {
     /// slot.
     pub fn request_body_timeout(mut self, timeout: Duration) -> Self {
         match self.checked(positive(timeout, "request_body_timeout")) {
-            Some(t) => self.config(|c| c.request_body_timeout = t),
+            Some(t) => self.rules(|r| r.request_body_timeout = t),
             None => self,
         }
     }
@@ -437,7 +426,7 @@ impl<X> IdempotencyLayer<X> {
             "max_stored_response",
             "must be at most 1 GiB",
         ) {
-            self = self.config(|c| c.max_stored_response = bytes);
+            self = self.config(|c| c.answers.max_stored_response = bytes);
         }
         self
     }
@@ -445,19 +434,15 @@ impl<X> IdempotencyLayer<X> {
     /// How long completed and `outcome_unknown` records (committed key rows) are kept
     /// (default 24 h, at most 366 days); then the key is new again.
     pub fn retention(mut self, retention: Duration) -> Self {
-        match self.checked(blocks::duration_setting(
-            retention,
-            "retention",
-            MAX_RETENTION,
-        )) {
-            Some(r) => self.config(|c| c.retention = r),
+        match self.checked(duration_setting(retention, "retention", MAX_RETENTION)) {
+            Some(retention) => self.rules(|r| r.retention = retention),
             None => self,
         }
     }
 
     /// The `retry-after` of a 409 `request-in-flight` answer (default 1 s).
     pub fn in_flight_retry_after(self, hint: Duration) -> Self {
-        self.config(|c| c.policy = c.policy.in_flight_retry_after(hint))
+        self.rules(|r| r.policy = r.policy.in_flight_retry_after(hint))
     }
 
     /// Copies that find their key in flight wait up to `max` (bounded by the request's
@@ -465,7 +450,7 @@ impl<X> IdempotencyLayer<X> {
     /// holder released (or rolled back) race to claim.
     pub fn wait_for_in_flight(mut self, max: Duration) -> Self {
         match self.checked(positive(max, "wait_for_in_flight")) {
-            Some(max) => self.config(|c| c.policy = c.policy.wait_for_in_flight(Some(max))),
+            Some(max) => self.rules(|r| r.policy = r.policy.wait_for_in_flight(Some(max))),
             None => self,
         }
     }
@@ -480,7 +465,8 @@ impl<X> IdempotencyLayer<X> {
             "max_in_flight",
             "must be between 1 and Semaphore::MAX_PERMITS",
         ) {
-            self.guard.shared = Arc::new(Shared::new(n, self.guard.shared.tracker.clone()));
+            let tracker = self.shared.in_flight.tracker.clone();
+            self.shared.in_flight = Arc::new(InFlight::new(n, tracker));
         }
         self
     }
@@ -500,14 +486,18 @@ impl<X> IdempotencyLayer<X> {
     /// each of them; bound such clients before this layer.
     pub fn max_in_flight_per_scope(mut self, n: usize) -> Self {
         if self.check(n > 0, "max_in_flight_per_scope", "must be at least 1") {
-            self = self.config(|c| c.max_in_flight_per_scope = Some(n));
+            self = self.rules(|r| r.max_in_flight_per_scope = Some(n));
         }
         self
     }
 
     /// The header names in use (default [`Convention::default`]).
     pub fn convention(self, convention: Convention) -> Self {
-        self.config(|c| c.convention = convention)
+        // The rules read the request headers by it, the answers write theirs.
+        self.config(|c| {
+            c.answers.convention = convention.clone();
+            c.rules.convention = convention;
+        })
     }
 
     /// Replaces the problem responses. The layer still adds `do-not-retry`,
@@ -516,7 +506,7 @@ impl<X> IdempotencyLayer<X> {
     where
         F: Fn(&Problem) -> Response<Bytes> + Send + Sync + 'static,
     {
-        self.config(|c| c.responder = Some(Arc::new(f)))
+        self.config(|c| c.answers.responder = Some(Arc::new(f)))
     }
 
     /// The layer's name (default `default`): the `name` of its events, its
@@ -527,8 +517,8 @@ impl<X> IdempotencyLayer<X> {
     pub fn name(self, name: impl Into<Name>) -> Self {
         let name = name.into();
         self.config(|c| {
-            c.name = name;
-            c.metrics = Lazy::default();
+            c.telemetry.name = name;
+            c.telemetry.metrics = Lazy::default();
         })
     }
 
@@ -541,13 +531,13 @@ impl<X> IdempotencyLayer<X> {
     where
         F: Fn(&IdempotencyEvent) + Send + Sync + 'static,
     {
-        self.config(|c| c.on_event = Some(Arc::new(f)))
+        self.config(|c| c.telemetry.on_event = Some(Arc::new(f)))
     }
 
     /// A handle to drain the spawned work on graceful shutdown.
     pub fn shutdown_handle(&self) -> Shutdown {
         Shutdown {
-            tracker: self.guard.shared.tracker.clone(),
+            tracker: self.shared.in_flight.tracker.clone(),
         }
     }
 }
@@ -556,7 +546,7 @@ impl<S, X> Layer<S> for IdempotencyLayer<X> {
     type Service = IdempotencyService<S, X>;
 
     fn layer(&self, inner: S) -> Self::Service {
-        self.guard.config.metrics();
+        self.shared.telemetry().metrics();
         IdempotencyService::new(inner, self.clone())
     }
 }

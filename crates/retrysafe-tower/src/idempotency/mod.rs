@@ -95,51 +95,55 @@
 //!
 //! # Backends
 //!
-//! What runs a guarded request is the layer's backend: by default the claim–run–
-//! complete protocol above over any
+//! What runs a guarded request is the layer's [backend](backend): by default the
+//! claim–run–complete protocol above over any
 //! [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore), whose own settings
 //! ([`lease`](IdempotencyLayer::lease), [`fail_open`](IdempotencyLayer::fail_open), …)
 //! are methods of `IdempotencyLayer`. The transactional layer of `retrysafe-postgres`
 //! (`TxIdempotencyLayer`) is the same layer over a backend that runs the handler in a
-//! PostgreSQL transaction that also writes its key. Both drive the one protocol of
-//! [`retrysafe_core::__private::protocol`].
+//! PostgreSQL transaction that also writes its key.
+//!
+//! A guarded request takes one path: the service ([`IdempotencyService`]) decides
+//! whether to guard it and reads its body; its detachable task hands it to the
+//! backend, whose engine the protocol drives (claim, run, capture, settle); the answer
+//! is written by the layer's rules for responses (problems, replays).
 
-#[doc(hidden)]
-pub mod blocks;
+mod answers;
+pub mod backend;
 mod body;
-mod engine;
+pub(crate) mod engine;
 mod event;
-mod exec;
 mod future;
-mod guard;
 mod layer;
-mod observe;
 mod problem;
 mod renewal;
+pub(crate) mod request;
+mod rules;
 mod service;
+pub(crate) mod shared;
 mod slots;
+mod store;
+mod task;
+pub(crate) mod telemetry;
 mod timer;
 
+pub use backend::StoreBackend;
 pub use body::{RequestBody, ResponseBody};
 pub use event::{Decision, EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
-#[doc(hidden)]
-pub use exec::StoreBackend;
 pub use future::ResponseFuture;
-
-/// Plumbing for the transactional layer of `retrysafe-postgres`: not part of the public
-/// API, it may change in any release.
-#[doc(hidden)]
-pub mod __private {
-    pub use super::blocks;
-    pub use super::engine::{Engine, Outcome, answer_of, conclude, negotiate};
-    pub use super::exec::StoreBackend;
-    pub use super::guard::{
-        Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler,
-    };
-    pub use super::observe::{RoundTrips, StoreOp};
-}
 pub use layer::{IdempotencyLayer, Shutdown};
 pub use problem::{Problem, ProblemKind};
 pub use retrysafe_core::idempotency::{IdempotencyContext, NoEffect, Principal};
 use retrysafe_memory::MemoryStore;
 pub use service::IdempotencyService;
+
+/// What the transactional layer of `retrysafe-postgres` builds on.
+pub(crate) mod plumbing {
+    pub use super::answers::{Answers, CapturedResponse};
+    pub use super::backend::{Handler, Served};
+    pub use super::engine::{Engine, HandlerResult, Ran, drive};
+    pub use super::layer::duration_setting;
+    pub use super::request::{Admitted, KeyedRequest};
+    pub use super::shared::Shared;
+    pub use super::telemetry::{RoundTrips, StoreOp, Telemetry};
+}

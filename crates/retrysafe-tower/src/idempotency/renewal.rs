@@ -23,8 +23,8 @@ use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use super::guard::GuardConfig;
-use super::observe::StoreOp;
+use super::shared::Config;
+use super::telemetry::StoreOp;
 
 /// The claims of one backend whose leases are renewed, shared by its clones.
 #[derive(Clone, Default)]
@@ -181,7 +181,7 @@ pub(crate) struct Held {
     pub(crate) token: Token,
     pub(crate) context: Option<IdempotencyContext>,
     /// The layer's settings (its metrics, for the renewals' round trips).
-    pub(crate) config: Arc<GuardConfig>,
+    pub(crate) config: Arc<Config>,
 }
 
 impl Renewals {
@@ -365,7 +365,7 @@ async fn renew_lease(
     state: Arc<Lease>,
 ) {
     let id = claim.id;
-    let metrics = claim.config.metrics();
+    let metrics = claim.config.telemetry.metrics();
     loop {
         let now = Instant::now();
         let lease = full.min(cap.saturating_duration_since(now));
@@ -441,11 +441,11 @@ mod tests {
     use tokio::time::Instant;
 
     use super::{Held, Renewable, Renewals, lock};
-    use crate::idempotency::guard::GuardConfig;
+    use crate::idempotency::shared::{Config, Shared};
 
     const LEASE: Duration = Duration::from_secs(3);
 
-    fn claim(store: &BoxStore, config: &Arc<GuardConfig>, n: u8) -> Renewable {
+    fn claim(store: &BoxStore, config: &Arc<Config>, n: u8) -> Renewable {
         let now = Instant::now();
         Renewable {
             store: store.clone(),
@@ -478,7 +478,7 @@ mod tests {
     async fn claims_of_every_thread_are_renewed_at_a_third_and_the_driver_stops() {
         let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
         let store = BoxStore::from_arc(faulty.clone());
-        let config = Arc::new(GuardConfig::new(false));
+        let config = Shared::new(false).config;
         let renewals = Renewals::default();
 
         let (first, started) = renewals.register(claim(&store, &config, 1));
@@ -556,7 +556,7 @@ mod tests {
     fn a_driver_dropped_unpolled_does_not_block_the_next() {
         let faulty = Arc::new(FaultyStore::new(MemoryStore::new()));
         let store = BoxStore::from_arc(faulty.clone());
-        let config = Arc::new(GuardConfig::new(false));
+        let config = Shared::new(false).config;
         let renewals = Renewals::default();
         let runtime = || {
             tokio::runtime::Builder::new_current_thread()

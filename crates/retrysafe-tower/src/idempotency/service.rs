@@ -1,13 +1,13 @@
-use std::any::Any;
+//! The layer's service: decides in `call` which requests are guarded, answers the bad
+//! ones itself, reads and fingerprints the body of the others, and hands them to the
+//! layer's backend in a detachable task.
+
 use std::fmt;
 use std::future::Future;
-use std::panic::AssertUnwindSafe;
-use std::pin::Pin;
 use std::sync::atomic::Ordering;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use futures_util::FutureExt;
 use http::request::Parts;
 use http::{Request, Response};
 use http_body::Body;
@@ -16,16 +16,17 @@ use retrysafe_core::idempotency::Decision;
 use retrysafe_core::idempotency::Scope;
 use retrysafe_core::wire::IdempotencyKey;
 use tower_service::Service;
-use tracing::{Instrument, Span};
+use tracing::Span;
 
-use super::blocks;
+use super::backend::{Backend, Handler, Inner, Served, StoreBackend};
 use super::body::{RequestBody, ResponseBody};
-use super::exec::StoreBackend;
 use super::future::ResponseFuture;
-use super::guard::{Answer, Backend, Call, Guard, Guarded, GuardedRequest, Handler, Inner};
 use super::layer::IdempotencyLayer;
 use super::problem::ProblemKind;
+use super::request::{self, Admitted, KeyedRequest};
+use super::shared::Shared;
 use super::slots::Slot;
+use super::task::spawned;
 use super::timer;
 
 type Res<B> = Response<ResponseBody<B>>;
@@ -34,8 +35,8 @@ type Res<B> = Response<ResponseBody<B>>;
 /// Built by [`IdempotencyLayer`].
 ///
 /// It decides in `call` which requests are guarded and answers the bad ones (key,
-/// scope, body) itself; the others run in a spawned task through the layer's
-/// [`Backend`] `X`.
+/// scope, body) itself; the others run in a detachable task through the layer's
+/// [`Backend`](super::backend::Backend) `X`.
 pub struct IdempotencyService<S, X = StoreBackend> {
     inner: S,
     layer: IdempotencyLayer<X>,
@@ -91,13 +92,14 @@ where
     fn call(&mut self, req: Request<B>) -> Self::Future {
         let clone = self.inner.clone();
         let mut inner = std::mem::replace(&mut self.inner, clone);
-        let guard = &self.layer.guard;
+        let shared = &self.layer.shared;
+        let rules = shared.rules();
         let (parts, body) = req.into_parts();
 
-        if !guard.guards(&parts) {
+        if !rules.guards(&parts) {
             return passthrough(&mut inner, parts, body);
         }
-        let key = match guard.key(&parts.headers) {
+        let key = match rules.key(&parts.headers) {
             Ok(Some(key)) => key,
             Ok(None) if X::GUARDS_UNKEYED => {
                 let handler = Inner::new(inner);
@@ -110,21 +112,25 @@ where
             }
             Ok(None) => return passthrough(&mut inner, parts, body),
             Err(problem) => {
-                guard.refused(Decision::Invalid, None, &Span::none());
-                return ResponseFuture::ready(guard.problem(problem));
+                shared
+                    .telemetry()
+                    .refused(Decision::Invalid, None, &Span::none());
+                return ResponseFuture::ready(shared.answers().problem(problem));
             }
         };
 
-        let Some(scope) = guard.scope(&parts) else {
-            if !guard.shared.scope_warned.swap(true, Ordering::Relaxed) {
+        let Some(scope) = rules.scope(&parts) else {
+            if !shared.in_flight.scope_warned.swap(true, Ordering::Relaxed) {
                 tracing::error!(
                     target: "retrysafe::idempotency",
                     "no idempotency scope: insert a retrysafe Principal extension in an \
                      authentication layer outside the idempotency layer, or configure scope_by"
                 );
             }
-            guard.refused(Decision::Invalid, None, &Span::none());
-            return ResponseFuture::ready(guard.problem_of(
+            shared
+                .telemetry()
+                .refused(Decision::Invalid, None, &Span::none());
+            return ResponseFuture::ready(shared.problem_of(
                 ProblemKind::ScopeMissing,
                 "the server could not determine whom this request belongs to",
             ));
@@ -153,9 +159,9 @@ type Refused<B> = (Decision, Box<Res<B>>);
 
 /// The bound of guarded requests in flight: a slot (within the fair share of `scope`),
 /// or the 503 `overloaded` answer.
-fn slot<B>(guard: &Guard, scope: Option<&Scope>) -> Result<Slot, Refused<B>> {
-    guard.slot(scope).ok_or_else(|| {
-        let answer = guard.problem_of(
+fn slot<B>(shared: &Shared, scope: Option<&Scope>) -> Result<Slot, Refused<B>> {
+    shared.slot(scope).ok_or_else(|| {
+        let answer = shared.problem_of(
             ProblemKind::Overloaded,
             "too many requests with idempotency keys in progress",
         );
@@ -179,28 +185,25 @@ fn keyed<H, X>(
     body: H::ReqBody,
     key: IdempotencyKey,
     scope: Scope,
-) -> impl Future<Output = Answer<H>>
+) -> impl Future<Output = Served<H>>
 where
     H: Handler,
     X: Backend,
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
     async move {
-        let guard = &layer.guard;
-        let span = guard.span(&scope, &key);
-        let (permit, body) = match read_body(guard, &parts, body, Some(&scope)).await {
+        let shared = &layer.shared;
+        let telemetry = shared.telemetry();
+        let span = telemetry.span(&scope, &key);
+        let (permit, body) = match read_body(shared, &parts, body, Some(&scope)).await {
             Ok(read) => read,
             Err((decision, answer)) => {
-                guard.refused(decision, Some((&scope, &key)), &span);
+                telemetry.refused(decision, Some((&scope, &key)), &span);
                 return Ok(*answer);
             }
         };
-        let config = &guard.config;
-        let fingerprint =
-            config
-                .fingerprinter
-                .fingerprint(&parts.method, &parts.uri, &parts.headers, &body);
-        let request = Box::new(GuardedRequest {
+        let fingerprint = shared.rules().fingerprint(&parts, &body);
+        let request = Box::new(KeyedRequest {
             parts,
             body,
             key,
@@ -208,7 +211,7 @@ where
             fingerprint,
             span: span.clone(),
         });
-        spawned(layer, handler, Guarded::Keyed(request), permit, span).await
+        spawned(layer, handler, Admitted::Keyed(request), permit, span).await
     }
 }
 
@@ -219,7 +222,7 @@ where
 /// long as it likes, and a scope that trickles many cannot hold more than its share.
 /// The answer when it cannot: 413, 408, 400 or 503 `overloaded`.
 async fn read_body<B, R>(
-    guard: &Guard,
+    shared: &Shared,
     parts: &Parts,
     body: B,
     scope: Option<&Scope>,
@@ -228,23 +231,30 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let config = &guard.config;
-    let limit = config.max_request_body;
+    let rules = shared.rules();
+    let limit = rules.max_request_body;
     let mut body = std::pin::pin!(body);
-    if let Err(problem) = blocks::check_declared_length(&parts.headers, body.as_mut(), limit).await
+    if let Err(problem) = request::check_declared_length(&parts.headers, body.as_mut(), limit).await
     {
-        return Err((Decision::Invalid, Box::new(guard.problem(problem))));
+        return Err((
+            Decision::Invalid,
+            Box::new(shared.answers().problem(problem)),
+        ));
     }
-    let permit = slot(guard, scope)?;
+    let permit = slot(shared, scope)?;
     let deadline = parts.extensions.get::<Deadline>().copied();
-    let patience = Deadline::bound(deadline, config.request_body_timeout);
-    let buffered = timer::within(patience, blocks::buffer_request_body(body.as_mut(), limit)).await;
+    let patience = Deadline::bound(deadline, rules.request_body_timeout);
+    let buffered =
+        timer::within(patience, request::buffer_request_body(body.as_mut(), limit)).await;
     match buffered {
         Some(Ok(b)) => Ok((permit, b)),
-        Some(Err(problem)) => Err((Decision::Invalid, Box::new(guard.problem(problem)))),
+        Some(Err(problem)) => Err((
+            Decision::Invalid,
+            Box::new(shared.answers().problem(problem)),
+        )),
         None => Err((
             Decision::Invalid,
-            Box::new(guard.problem_of(
+            Box::new(shared.problem_of(
                 ProblemKind::BodyTimeout,
                 "the request body did not arrive in time",
             )),
@@ -252,8 +262,8 @@ where
     }
 }
 
-/// A request on a guarded method without a key, for a backend that
-/// [guards those](Backend::GUARDS_UNKEYED): its body is read first, like a keyed one's
+/// A request on a guarded method without a key, for a backend that guards those (the
+/// transactional layer): its body is read first, like a keyed one's
 /// (so a client that trickles it holds neither a slot past `request_body_timeout` nor
 /// anything of the backend, such as a transaction), then it runs through the backend in
 /// a task.
@@ -262,11 +272,11 @@ async fn unkeyed<H: Handler, X: Backend>(
     handler: H,
     parts: Parts,
     body: H::ReqBody,
-) -> Answer<H>
+) -> Served<H>
 where
     <H::ReqBody as Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
 {
-    let (permit, body) = match read_body(&layer.guard, &parts, body, None).await {
+    let (permit, body) = match read_body(&layer.shared, &parts, body, None).await {
         Ok(read) => read,
         Err((_, answer)) => return Ok(*answer),
     };
@@ -274,148 +284,11 @@ where
     spawned(
         layer,
         handler,
-        Guarded::Unkeyed(Box::new(req)),
+        Admitted::Unkeyed(Box::new(req)),
         permit,
         Span::current(),
     )
     .await
-}
-
-/// Runs `request` through the layer's backend (the claim, the handler and the
-/// completion) as a task and awaits it, holding `permit` and a token of the layer's
-/// [`TaskTracker`](tokio_util::task::TaskTracker) until it is done.
-///
-/// The task is polled in place, on the caller's task: no spawn and no hand-off between
-/// worker threads per request (moving the large task into a spawned one was the
-/// largest single cost of the layer over loopback; see `BENCHMARKS.md`). It still outlives the caller: if the caller's future is dropped
-/// before the task finished (the client went away, an outer timeout fired), the task is
-/// spawned, as it stands, onto the runtime and runs to completion there, so dropping
-/// the caller cancels nothing. A panic of the task (the backends catch handler panics;
-/// this is one of our own) answers 500 `handler-panicked`.
-///
-/// The task owns the layer (no second clone of it for the answer to a panic, which the
-/// task gives itself) and makes the backend's (large) future inside its box on its
-/// first poll, so that future is never moved. It runs in `span` (the request's
-/// `retrysafe.idempotency` span), or, when that one is disabled, in the caller's.
-/// Boxed at once: the caller awaits the [`Detached`] (two words and a span), not a
-/// future holding the task's parts until its first poll.
-fn spawned<H, X>(
-    layer: IdempotencyLayer<X>,
-    handler: H,
-    request: Guarded<H::ReqBody>,
-    permit: Slot,
-    span: Span,
-) -> Detached<impl Future<Output = Answer<H>> + Send + 'static>
-where
-    H: Handler,
-    X: Backend,
-{
-    let token = layer.guard.shared.tracker.token();
-    // Made in its box at once, and instrumented from outside it: the task is large
-    // (the backend's future lies in it), and every move of it is a copy.
-    let task = Box::pin(async move {
-        let call = Call {
-            guard: &layer.guard,
-            handler,
-            request,
-        };
-        let res = AssertUnwindSafe(layer.backend.run(call))
-            .catch_unwind()
-            .await;
-        drop(permit);
-        drop(token);
-        res.unwrap_or_else(|panic| Ok(panicked(&layer.guard, &*panic)))
-    });
-    let span = if span.is_disabled() {
-        Span::current()
-    } else {
-        span
-    };
-    Detached::new(task, span)
-}
-
-/// The answer to a panic of a guarded task.
-fn panicked<B>(guard: &Guard, panic: &(dyn Any + Send)) -> Res<B> {
-    let what = panic
-        .downcast_ref::<&str>()
-        .copied()
-        .or_else(|| panic.downcast_ref::<String>().map(String::as_str))
-        .unwrap_or("a panic");
-    tracing::error!(target: "retrysafe::idempotency", error = what, "guarded task panicked");
-    guard.problem_of(
-        ProblemKind::HandlerPanicked,
-        "the request could not be completed",
-    )
-}
-
-/// A future polled in place that is spawned, unfinished, when it is dropped: see
-/// [`spawned`].
-struct Detached<F>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    /// `None` once it has finished (or panicked).
-    task: Option<Pin<Box<F>>>,
-    /// Entered while the task is polled, here or spawned.
-    span: Span,
-}
-
-impl<F> Detached<F>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    fn new(task: Pin<Box<F>>, span: Span) -> Self {
-        Detached {
-            task: Some(task),
-            span,
-        }
-    }
-}
-
-impl<F> Future for Detached<F>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    type Output = F::Output;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = &mut *self;
-        let Some(task) = this.task.as_mut() else {
-            return Poll::Pending; // polled after it finished
-        };
-        let out = {
-            let _entered = this.span.enter();
-            std::task::ready!(task.as_mut().poll(cx))
-        };
-        self.task = None;
-        Poll::Ready(out)
-    }
-}
-
-impl<F> Drop for Detached<F>
-where
-    F: Future + Send + 'static,
-    F::Output: Send + 'static,
-{
-    fn drop(&mut self) {
-        let Some(task) = self.task.take() else {
-            return;
-        };
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                let span = std::mem::replace(&mut self.span, Span::none());
-                drop(runtime.spawn(task.instrument(span)));
-            }
-            // Only while a runtime is torn down, which would cancel a spawned task too.
-            Err(_) => tracing::error!(
-                target: "retrysafe::idempotency",
-                "a guarded request was dropped outside a tokio runtime; it cannot finish"
-            ),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -478,7 +351,12 @@ mod tests {
     struct Panicking;
 
     impl Backend for Panicking {
-        async fn run<H: Handler>(&self, _call: Call<'_, H>) -> Answer<H> {
+        async fn run<H: Handler>(
+            &self,
+            _shared: &Shared,
+            _handler: H,
+            _request: Admitted<H::ReqBody>,
+        ) -> Served<H> {
             panic!("backend bug")
         }
     }

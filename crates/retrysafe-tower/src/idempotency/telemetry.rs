@@ -1,18 +1,112 @@
-//! What the idempotency layers report besides their answers: the metric handles of a
-//! layer (resolved once, by `build` or `Layer::layer`) and the `retrysafe.idempotency`
-//! span of each guarded request.
+//! What the idempotency layers report besides their answers: events (a `tracing` event
+//! and the `on_event` hook), the metric handles of a layer (resolved once, by `build` or
+//! `Layer::layer`), and the `retrysafe.idempotency` span of each guarded request with
+//! its store round trips.
 
 use std::fmt;
 use std::time::Duration;
 
 use retrysafe_core::idempotency::{Decision, RecordId, Scope, UnknownReason};
 use retrysafe_core::observe::Name;
-use retrysafe_core::observe::handles::{Counter, Histogram};
+use retrysafe_core::observe::handles::{Counter, Histogram, Lazy};
 use retrysafe_core::observe::names;
 use retrysafe_core::wire::IdempotencyKey;
 use tokio::time::Instant;
 use tracing::Span;
 use tracing::field::Empty;
+
+use super::event::{EventHook, EventKind, IdempotencyEvent};
+
+/// What a layer reports, and under which name.
+#[derive(Clone, Default)]
+pub struct Telemetry {
+    /// The layer's name in events, spans and metrics.
+    pub(crate) name: Name,
+    pub(crate) on_event: Option<EventHook>,
+    /// The metric handles, resolved under `name` by `build` or when the layer makes its
+    /// service, whichever comes first (a renamed layer starts afresh).
+    pub(crate) metrics: Lazy<Metrics>,
+}
+
+impl fmt::Debug for Telemetry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Telemetry")
+            .field("name", &self.name)
+            .field("on_event", &self.on_event.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Telemetry {
+    /// The metric handles, resolved in the current recorder the first time.
+    #[inline]
+    pub(crate) fn metrics(&self) -> &Metrics {
+        self.metrics.get(|| Metrics::resolve(&self.name))
+    }
+
+    /// Reports `kind` for `record` (`None` before the key and scope are known): a
+    /// `tracing` event, and the `on_event` hook.
+    pub fn emit(&self, kind: EventKind, record: Option<&RecordId>) {
+        tracing::debug!(
+            target: "retrysafe::idempotency",
+            name = self.name.as_str(),
+            event = kind.as_str(),
+            record = ?record,
+        );
+        if let Some(f) = &self.on_event {
+            f(&IdempotencyEvent::new(
+                kind,
+                record.copied(),
+                self.name.clone(),
+            ));
+        }
+    }
+
+    /// Counts a guarded request's `decision` and records it on its `span`.
+    pub(crate) fn decided(&self, decision: Decision, span: &Span) {
+        self.metrics().decided(decision);
+        span.record("decision", decision.as_str());
+    }
+
+    /// Counts a record that became `outcome_unknown` for `reason`.
+    pub(crate) fn became_unknown(&self, reason: UnknownReason) {
+        self.metrics().unknown(reason);
+    }
+
+    /// The `retrysafe.idempotency` span of a guarded request of `scope` with `key`.
+    pub(crate) fn span(&self, scope: &Scope, key: &IdempotencyKey) -> Span {
+        request_span(&self.name, scope, key)
+    }
+
+    /// Reports a guarded request refused before any claim (`Invalid`, or `Unavailable`
+    /// for the layer's bound), with its record when its key and scope are known.
+    pub(crate) fn refused(
+        &self,
+        decision: Decision,
+        request: Option<(&Scope, &IdempotencyKey)>,
+        span: &Span,
+    ) {
+        self.decided(decision, span);
+        let kind = if decision == Decision::Unavailable {
+            EventKind::Unavailable
+        } else {
+            EventKind::Invalid
+        };
+        let record = request.map(|(scope, key)| RecordId::new(scope, key));
+        self.emit(kind, record.as_ref());
+    }
+
+    /// A store round trip of `op` for the request counted by `trips` is done.
+    pub fn round_trip(&self, trips: &mut RoundTrips, op: StoreOp, started: Option<Instant>) {
+        trips.done(self.metrics(), op, started);
+    }
+
+    /// The store round trips of a request with `span`, counted and timed as its span
+    /// and the metrics need.
+    pub fn round_trips(&self, span: Span) -> RoundTrips {
+        RoundTrips::new(span, self.metrics())
+    }
+}
 
 /// The store calls of the layer, the `op` label of `retrysafe_idempotency_store_seconds`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,7 +260,7 @@ impl Metrics {
 /// layer's `name`, the `decision`, the first 4 bytes (8 hex digits) of the scope and of
 /// the record id (a hash of scope and key: never the raw key), and the store round trips
 /// with their total time. A disabled span costs one check.
-pub(crate) fn request_span(name: &Name, scope: &Scope, key: &IdempotencyKey) -> Span {
+fn request_span(name: &Name, scope: &Scope, key: &IdempotencyKey) -> Span {
     // Without a subscriber at INFO, `Span::none()`: unlike a disabled span it keeps no
     // metadata, so recording on it and dropping it (and its clones) are no-ops even
     // when `tracing` forwards to `log`.

@@ -1,6 +1,7 @@
-//! The store engine: inside the layer's detachable task (see `service::spawned`),
-//! drives the idempotency protocol over an [`IdempotencyStore`]: claim the key, run the
-//! handler with its lease renewed, capture the response and complete the record.
+//! The store engine: inside the layer's detachable task, does the I/O of the
+//! idempotency protocol over an [`IdempotencyStore`] — claim the key (a lease and a
+//! token), run the handler with its lease renewed, store its response or mark its
+//! outcome unknown.
 
 use std::fmt;
 use std::future::Future;
@@ -15,26 +16,30 @@ use http::{Request, Response};
 use http_body::Body;
 use retrysafe_core::__private::idempotency_context;
 use retrysafe_core::__private::protocol::Protocol;
-use retrysafe_core::__private::protocol::{Claimed, Note, Settle, Settled, Step, Waited};
+use retrysafe_core::__private::protocol::{Claimed, Note, Settle, Settled, Waited};
 use retrysafe_core::idempotency::{
     CommitPoint, Completed, Fingerprint, IdempotencyContext, Principal, RecordId, RequestInfo,
-    Token,
+    Scope, Token, defaults,
 };
 use retrysafe_core::store::{BoxStore, Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_core::{ConfigError, Deadline};
+use retrysafe_core::wire::IdempotencyKey;
+use retrysafe_core::{CallContext, ConfigError, Deadline};
 use tokio::time::Instant;
 
-use super::body::{RequestBody, ResponseBody};
-use super::engine::{Engine, abandon, answer_of, conclude, negotiate};
+use super::answers::CapturedResponse;
+use super::backend::{Backend, Handler, Served};
+use super::body::RequestBody;
+use super::engine::{Engine, Ran, drive, unguarded};
 use super::event::{EventKind, ReconcileHook, UnknownOutcome, UnknownReason};
-use super::guard::{Answer, Backend, Call, Captured, Guard, Guarded, GuardedRequest, Handler};
-use super::observe::{RoundTrips, StoreOp};
 use super::renewal::{Held, Registration, Renewable, Renewals};
+use super::request::{Admitted, KeyedRequest};
+use super::shared::Shared;
+use super::telemetry::{RoundTrips, StoreOp};
 use super::timer;
 
-/// The [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer) over an
-/// [`IdempotencyStore`]: claim the key (a lease and a token), run the handler with the
-/// lease renewed, store its response, and mark a call whose outcome cannot be known
+/// The default [`Backend`] of an [`IdempotencyLayer`](super::IdempotencyLayer): the
+/// claim (a lease and a token), the handler with its lease renewed, and the completion
+/// over an [`IdempotencyStore`]; a call whose outcome cannot be known is marked
 /// `outcome_unknown`. Made by [`IdempotencyLayer::new`](super::IdempotencyLayer::new)
 /// and set with the layer's methods ([`lease`](super::IdempotencyLayer::lease),
 /// [`fail_open`](super::IdempotencyLayer::fail_open), …).
@@ -52,6 +57,25 @@ pub struct StoreBackend {
     pub(crate) renewals: Renewals,
     /// A reconciler runs for the store in another process.
     pub(crate) reconciled_elsewhere: bool,
+}
+
+impl StoreBackend {
+    /// The backend over `store`, with the defaults (see
+    /// [`IdempotencyLayer::new`](super::IdempotencyLayer::new)).
+    pub(crate) fn new(store: BoxStore) -> Self {
+        StoreBackend {
+            store,
+            lease: defaults::LEASE,
+            max_execution: defaults::MAX_EXECUTION,
+            store_timeout: Duration::from_secs(1),
+            fail_open: false,
+            commit_point: CommitPoint::Undeclared,
+            on_outcome_unknown: None,
+            store_keys: false,
+            renewals: Renewals::default(),
+            reconciled_elsewhere: false,
+        }
+    }
 }
 
 /// A copy is another backend (a layer's builder copies a shared backend to change its
@@ -96,18 +120,30 @@ impl Backend for StoreBackend {
             .then(|| ConfigError::new("lease", "must be longer than three store_timeout"))
     }
 
-    // (An `async` block, not an `async fn`: that would keep a second copy of `call` in
-    // the future, which lies in the request's task.)
+    // (An `async` block, not an `async fn`: that would keep a second copy of the
+    // arguments in the future, which lies in the request's task.)
     #[allow(
         clippy::manual_async_fn,
         reason = "an `async fn` keeps its arguments twice in its future"
     )]
-    fn run<H: Handler>(&self, call: Call<'_, H>) -> impl Future<Output = Answer<H>> + Send {
+    fn run<H: Handler>(
+        &self,
+        shared: &Shared,
+        handler: H,
+        request: Admitted<H::ReqBody>,
+    ) -> impl Future<Output = Served<H>> + Send {
         async move {
-            match call.request {
-                Guarded::Keyed(request) => execute(call.guard, self, call.handler, request).await,
-                Guarded::Unkeyed(request) => Call::unguarded(call.handler, *request).await,
-            }
+            let Admitted::Keyed(keyed) = &request else {
+                // Only a backend that guards requests without a key gets one.
+                return unguarded(handler, request).await;
+            };
+            let policy = shared
+                .policy()
+                .fail_open(self.fail_open)
+                .reconciled(self.reconciled_elsewhere || self.store.reconciled());
+            let protocol = Protocol::new(&policy, keyed.fingerprint, keyed.deadline());
+            let mut engine = StoreEngine::new(shared, self, keyed);
+            drive(shared, protocol, &mut engine, handler, request).await
         }
     }
 }
@@ -126,7 +162,7 @@ impl StoreBackend {
 
     fn reconcile(
         &self,
-        guard: &Guard,
+        shared: &Shared,
         record: &RecordId,
         reason: UnknownReason,
         info: &RequestInfo,
@@ -139,46 +175,19 @@ impl StoreBackend {
             reason = ?reason,
             "idempotency record has an unknown outcome; it will not be re-run"
         );
-        guard.became_unknown(reason);
-        guard.emit(EventKind::OutcomeUnknown, Some(record));
+        let telemetry = shared.telemetry();
+        telemetry.became_unknown(reason);
+        telemetry.emit(EventKind::OutcomeUnknown, Some(record));
         if let Some(f) = &self.on_outcome_unknown {
             let request = Some(Arc::new(info.clone()));
             f(&UnknownOutcome::new(*record, reason).with_request(request, note));
             // Told: a reconciler need not tell it again (best effort; at worst it is
             // told twice).
             let (store, id, timeout) = (self.store.clone(), *record, self.store_timeout);
-            guard.shared.tracker.spawn(async move {
+            shared.spawn(async move {
                 let _ = tokio::time::timeout(timeout, store.mark_notified(&id)).await;
             });
         }
-    }
-}
-
-/// Inside the layer's detachable task: claim (and wait, in wait mode), then replay or run.
-async fn execute<H: Handler>(
-    guard: &Guard,
-    backend: &StoreBackend,
-    handler: H,
-    request: Box<GuardedRequest>,
-) -> Answer<H> {
-    let policy = guard
-        .policy()
-        .fail_open(backend.fail_open)
-        .reconciled(backend.reconciled_elsewhere || backend.store.reconciled());
-    let mut protocol = Protocol::new(&policy, request.fingerprint, request.deadline());
-    let mut engine = StoreEngine::new(guard, backend, &request);
-    let step = negotiate(guard, &mut protocol, &mut engine, &request.span).await;
-    match step {
-        Step::Run => engine.run(guard, &mut protocol, handler, request).await,
-        Step::RunUnguarded => {
-            let GuardedRequest { parts, body, .. } = *request;
-            let req = Request::from_parts(parts, RequestBody::buffered(body));
-            handler
-                .call(req)
-                .await
-                .map(|res| res.map(ResponseBody::stream))
-        }
-        step => Ok(answer_of(guard, step)),
     }
 }
 
@@ -206,18 +215,18 @@ struct StoreEngine<'a> {
     info: RequestInfo,
     /// The store round trips, for the request's span and the store histogram.
     trips: RoundTrips,
-    /// The layer's rules (its metrics).
-    guard: &'a Guard,
+    /// What the layer's requests share (its telemetry).
+    shared: &'a Shared,
 }
 
 impl<'a> StoreEngine<'a> {
-    fn new(guard: &'a Guard, backend: &'a StoreBackend, request: &GuardedRequest) -> Self {
+    fn new(shared: &'a Shared, backend: &'a StoreBackend, request: &KeyedRequest) -> Self {
         StoreEngine {
             backend,
             id: request.record_id(),
             deadline: request.deadline(),
             fingerprint: request.fingerprint,
-            retention: guard.retention(),
+            retention: shared.retention(),
             // Every claim draws its own token; this one is never sent.
             token: Token::from_bytes([0; 16]),
             claimed_at: None,
@@ -225,59 +234,8 @@ impl<'a> StoreEngine<'a> {
             context: None,
             cap: None,
             info: request_info(backend, request),
-            trips: guard.round_trips(request.span.clone()),
-            guard,
-        }
-    }
-
-    /// Runs the handler of a claim that is ours, then settles the record. A handler
-    /// still running at `max_execution`, or whose lease was lost, is cancelled.
-    async fn run<H: Handler>(
-        &mut self,
-        guard: &Guard,
-        protocol: &mut Protocol,
-        handler: H,
-        request: Box<GuardedRequest>,
-    ) -> Answer<H> {
-        let backend = self.backend;
-        let token = self.token;
-        // The handler runs in this (detachable) task: re-scope the inherited call
-        // context (as a task-local and an extension), now carrying the record, so
-        // outbound client layers derive child keys and report back when they give up.
-        let (req, call_context) = request.into_request(|scope, key| {
-            let context = idempotency_context(
-                self.id,
-                scope,
-                key,
-                token,
-                backend.store.clone(),
-                backend.store_timeout,
-            );
-            self.context = Some(context.clone());
-            context
-        });
-        let claimed_at = Instant::now();
-        self.claimed_at = Some(claimed_at);
-        self.cap = Some(claimed_at + backend.max_execution);
-        if self.renew(guard, claimed_at) {
-            // The renewal driver was just spawned into this worker's own queue: let it
-            // arm its timer before the handler can block this thread.
-            tokio::task::yield_now().await;
-        }
-        let outcome = {
-            let handler = AssertUnwindSafe(call_context.scope(handler.call(req))).catch_unwind();
-            // Pinned here and polled in place: the handler's future is never moved. It
-            // is dropped at the end of this block, so a cancelled handler is gone
-            // before its record is settled.
-            self.supervised(std::pin::pin!(handler)).await
-        };
-        protocol.commit_point(self.commit_point());
-        match outcome {
-            Some(outcome) => conclude(guard, protocol, self, outcome).await,
-            None => {
-                self.cancelled();
-                abandon(guard, protocol, self).await
-            }
+            trips: shared.telemetry().round_trips(request.span.clone()),
+            shared,
         }
     }
 
@@ -314,7 +272,7 @@ impl<'a> StoreEngine<'a> {
     /// Where the handler stands against its commit point: `Before` while a handler
     /// that declares one has not reached it (nothing happened yet), `Passed` once it
     /// has, `Undeclared` for handlers that declare none.
-    fn commit_point(&self) -> CommitPoint {
+    fn commit_point_state(&self) -> CommitPoint {
         let committed = self
             .context
             .as_ref()
@@ -339,14 +297,14 @@ impl<'a> StoreEngine<'a> {
         tracing::warn!(
             target: "retrysafe::idempotency",
             record = ?self.id,
-            before_commit_point = self.commit_point() == CommitPoint::Before,
+            before_commit_point = self.commit_point_state() == CommitPoint::Before,
             "{why}; it is cancelled"
         );
     }
 
     /// Registers the claim made at `claimed_at` for renewal until the record is
     /// settled; whether a renewal driver was started for it.
-    fn renew(&mut self, guard: &Guard, claimed_at: Instant) -> bool {
+    fn renew(&mut self, claimed_at: Instant) -> bool {
         let backend = self.backend;
         let claim = Renewable {
             store: backend.store.clone(),
@@ -358,7 +316,7 @@ impl<'a> StoreEngine<'a> {
                 id: self.id,
                 token: self.token,
                 context: self.context.clone(),
-                config: Arc::clone(&guard.config),
+                config: Arc::clone(&self.shared.config),
             },
         };
         let (registration, started) = backend.renewals.register(claim);
@@ -397,7 +355,8 @@ impl Engine for StoreEngine<'_> {
         let outcome = backend
             .bounded(self.deadline, backend.store.claim(&self.id, &claim))
             .await;
-        self.guard
+        self.shared
+            .telemetry()
             .round_trip(&mut self.trips, StoreOp::Claim, started);
         match outcome {
             Ok(ClaimOutcome::Claimed { takeover }) => Claimed::Mine { takeover },
@@ -422,7 +381,8 @@ impl Engine for StoreEngine<'_> {
             backend.store.wait(&self.id, max),
         )
         .await;
-        self.guard
+        self.shared
+            .telemetry()
             .round_trip(&mut self.trips, StoreOp::Wait, started);
         match wait {
             Ok(Ok(())) => Waited::LookAgain,
@@ -431,17 +391,64 @@ impl Engine for StoreEngine<'_> {
         }
     }
 
+    fn context(&mut self, scope: Scope, key: IdempotencyKey) -> IdempotencyContext {
+        let backend = self.backend;
+        let context = idempotency_context(
+            self.id,
+            scope,
+            key,
+            self.token,
+            backend.store.clone(),
+            backend.store_timeout,
+        );
+        self.context = Some(context.clone());
+        context
+    }
+
+    /// Runs the handler with its lease renewed; cancels it when `max_execution` has
+    /// passed or its lease was lost.
+    async fn handle<H: Handler>(
+        &mut self,
+        handler: H,
+        request: Request<RequestBody<H::ReqBody>>,
+        context: CallContext,
+    ) -> Ran<H::ResBody, H::Error> {
+        let claimed_at = Instant::now();
+        self.claimed_at = Some(claimed_at);
+        self.cap = Some(claimed_at + self.backend.max_execution);
+        if self.renew(claimed_at) {
+            // The renewal driver was just spawned into this worker's own queue: let it
+            // arm its timer before the handler can block this thread.
+            tokio::task::yield_now().await;
+        }
+        let handler = AssertUnwindSafe(context.scope(handler.call(request))).catch_unwind();
+        // Pinned here and polled in place: the handler's future is never moved. It is
+        // dropped before this returns, so a cancelled handler is gone before its record
+        // is settled.
+        match self.supervised(std::pin::pin!(handler)).await {
+            Some(outcome) => Ran::Done(outcome),
+            None => {
+                self.cancelled();
+                Ran::Cancelled
+            }
+        }
+    }
+
+    fn commit_point(&self) -> CommitPoint {
+        self.commit_point_state()
+    }
+
     fn capture<B>(
         &mut self,
-        guard: &Guard,
+        shared: &Shared,
         response: Response<B>,
-    ) -> impl Future<Output = Option<Captured<B>>> + Send
+    ) -> impl Future<Output = Option<CapturedResponse<B>>> + Send
     where
         B: Body<Data = Bytes> + Send,
     {
-        // The guard's future itself: an `async fn` here would hold the response twice.
+        // The capture's future itself: an `async fn` here would hold the response twice.
         let cap = self.cap();
-        guard.capture(response, cap)
+        shared.answers().capture(response, cap)
     }
 
     #[allow(
@@ -458,7 +465,7 @@ impl Engine for StoreEngine<'_> {
                 (self.backend, &self.id, self.token, self.retention);
             let until = self.lease_until();
             let store = &backend.store;
-            let trips = Some((self.guard, &mut self.trips));
+            let trips = Some((self.shared, &mut self.trips));
             let written = match (settle, &completed) {
                 (Settle::Complete, Some(done)) => {
                     let complete = || store.complete(id, token, done, retention);
@@ -483,16 +490,16 @@ impl Engine for StoreEngine<'_> {
         }
     }
 
-    fn note(&mut self, guard: &Guard, note: Note) {
+    fn note(&mut self, shared: &Shared, note: Note) {
         match note {
-            Note::Event(kind) => guard.emit(kind, Some(&self.id)),
+            Note::Event(kind) => shared.telemetry().emit(kind, Some(&self.id)),
             Note::Unknown(reason) => {
                 let note = self
                     .context
                     .as_ref()
                     .and_then(IdempotencyContext::resolution_note);
                 self.backend
-                    .reconcile(guard, &self.id, reason, &self.info, note);
+                    .reconcile(shared, &self.id, reason, &self.info, note);
             }
             Note::ReleaseClaim => {
                 // The claim may have landed and only its reply been lost: take it back,
@@ -500,7 +507,7 @@ impl Engine for StoreEngine<'_> {
                 // the key does not sit in progress for a lease.
                 let (backend, id, token) = (self.backend.clone(), self.id, self.token);
                 let until = Instant::now() + backend.lease;
-                guard.shared.tracker.spawn(async move {
+                shared.spawn(async move {
                     let release = || backend.store.release(&id, token);
                     // A stale token (nothing landed, or someone else holds it) is final.
                     let _ =
@@ -514,7 +521,7 @@ impl Engine for StoreEngine<'_> {
 
 /// What the store keeps of a guarded request: scope, the principal's label, method,
 /// path, and the key when the layer stores keys for resolution.
-fn request_info(backend: &StoreBackend, request: &GuardedRequest) -> RequestInfo {
+fn request_info(backend: &StoreBackend, request: &KeyedRequest) -> RequestInfo {
     let label = request
         .parts
         .extensions
@@ -538,7 +545,7 @@ fn request_info(backend: &StoreBackend, request: &GuardedRequest) -> RequestInfo
 async fn write_with_retry<F, Fut>(
     backend: &StoreBackend,
     lease_until: Instant,
-    mut trips: Option<(&Guard, &mut RoundTrips)>,
+    mut trips: Option<(&Shared, &mut RoundTrips)>,
     op: StoreOp,
     mut write: F,
 ) -> Result<(), StoreError>
@@ -550,8 +557,8 @@ where
     loop {
         let started = trips.as_ref().and_then(|(_, t)| t.start());
         let written = backend.bounded(None, write()).await;
-        if let Some((guard, trips)) = trips.as_mut() {
-            guard.round_trip(trips, op, started);
+        if let Some((shared, trips)) = trips.as_mut() {
+            shared.telemetry().round_trip(trips, op, started);
         }
         match written {
             Ok(()) => return Ok(()),
