@@ -245,6 +245,9 @@
 //! - `edge` (default): [`EdgeLayer`].
 //! - `metrics` (default): metrics through the `metrics` facade, for any recorder; names,
 //!   labels and the attempt-number extension in [`observe`].
+//! - `chaos` (not in `default`): [`FaultLayer`] in [`chaos`], which injects seeded
+//!   latency, error answers, connection resets and replies lost after the effect, for
+//!   tests and staging.
 //! - `full`: everything.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -255,6 +258,8 @@ pub use retrysafe_core::strategy::StandardRetryStrategy;
 pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
 pub use retrysafe_tower::local;
 
+#[cfg(feature = "chaos")]
+pub use chaos::FaultLayer;
 #[cfg(feature = "idempotency")]
 pub use retrysafe_memory as memory;
 #[cfg(feature = "postgres")]
@@ -293,6 +298,61 @@ pub mod idempotency {
     pub use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
     pub use retrysafe_memory::MemoryStore;
     pub use retrysafe_tower::idempotency::*;
+}
+
+/// Faults for tests and staging: the [`FaultLayer`] injects seeded
+/// latency, error answers, connection resets and **replies lost after the effect** —
+/// the inner service runs, its answer is dropped, and the caller gets a
+/// [`ReplyLost`](chaos::ReplyLost) error that retry layers treat as a connection closed
+/// before the response. Put it just above the transport of a client stack, so that
+/// every attempt draws its own faults. Feature `chaos`, not in `default`.
+///
+/// A keyed client stack through lost replies, against a service guarded by an
+/// [`IdempotencyLayer`](idempotency::IdempotencyLayer):
+///
+/// ```
+/// # #[tokio::main(flavor = "current_thread", start_paused = true)]
+/// # async fn main() {
+/// use std::collections::HashMap;
+/// use std::sync::{Arc, Mutex};
+/// use axum::{Extension, Router, routing::post, http::{Request, StatusCode}};
+/// use retrysafe::chaos::FaultLayer;
+/// use retrysafe::idempotency::{IdempotencyContext, IdempotencyLayer};
+/// use retrysafe::{ClientLayers, RetryLayer};
+/// use tower::{ServiceBuilder, ServiceExt};
+///
+/// // The service: records a payment per call, by idempotency key.
+/// let paid: Arc<Mutex<HashMap<String, u32>>> = Arc::default();
+/// let ledger = paid.clone();
+/// let pay = move |Extension(ctx): Extension<IdempotencyContext>| async move {
+///     *ledger.lock().unwrap().entry(ctx.key().as_str().to_owned()).or_default() += 1;
+///     StatusCode::CREATED
+/// };
+/// let guard = IdempotencyLayer::in_memory().global_scope().build().unwrap();
+/// let service = Router::new().route("/payments", post(pay)).layer(guard);
+///
+/// // A third of all replies lost after the payment; the client retries with its key.
+/// let faults = FaultLayer::new().lost_replies(0.3).seed(7).build().unwrap();
+/// let retry = RetryLayer::new().generate_idempotency_keys(); // the service honours keys
+/// let client = ServiceBuilder::new()
+///     .layer(ClientLayers::new().retry(retry).build().unwrap())
+///     .layer(faults.clone())
+///     .service(service);
+///
+/// for _ in 0..10 {
+///     let payment = Request::post("/payments").body(String::new()).unwrap();
+///     // A retry after a lost reply gets the replay of the payment made.
+///     let answer = client.clone().oneshot(payment).await.unwrap();
+///     assert_eq!(answer.status(), StatusCode::CREATED);
+/// }
+/// assert!(faults.stats().lost_replies > 0);
+/// assert_eq!(paid.lock().unwrap().len(), 10);
+/// assert!(paid.lock().unwrap().values().all(|n| *n == 1), "no payment made twice");
+/// # }
+/// ```
+#[cfg(feature = "chaos")]
+pub mod chaos {
+    pub use retrysafe_tower::chaos::*;
 }
 
 /// Recovery: the [`Reconciler`](recovery::Reconciler) that brings every pending

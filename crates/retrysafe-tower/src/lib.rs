@@ -22,6 +22,9 @@
 //!   safe request and keeps the first acceptable answer, within the retry budget.
 //! - [`throttle`] (feature `throttle`): the `AdaptiveThrottleLayer`, which rejects calls
 //!   locally while the callee refuses many of them (Google SRE's adaptive throttling).
+//! - [`chaos`] (feature `chaos`, not on by default): the `FaultLayer`, which injects
+//!   seeded latency, error answers, connection resets and replies lost after the
+//!   effect, for tests and staging.
 //! - [`local`]: how client layers answer the failures they generate themselves.
 //! - [`server`]: a helper that assembles the recommended server order.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -51,6 +54,8 @@ macro_rules! define_inner_service_accessors {
 pub mod breaker;
 #[cfg(feature = "budget")]
 pub mod budget;
+#[cfg(feature = "chaos")]
+pub mod chaos;
 #[cfg(feature = "client")]
 pub mod client;
 #[cfg(feature = "deadline")]
