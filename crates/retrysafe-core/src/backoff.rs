@@ -238,8 +238,10 @@ impl fmt::Debug for RetryRng {
 }
 
 /// Where a strategy takes each request's [`RetryRng`]: request `n` (counting the
-/// requests that retried) gets a generator seeded with `splitmix(seed + n)`. The seed
-/// comes from the OS by default, or is fixed, so tests are deterministic.
+/// requests that retried) gets a generator seeded with `splitmix(splitmix(seed) + n)`.
+/// The seed is mixed first, so that two nearby seeds (7 and 8) give unrelated
+/// sequences, not one shifted by a request. The seed comes from the OS by default, or
+/// is fixed, so tests are deterministic.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct RngSource {
@@ -256,7 +258,7 @@ impl RngSource {
     /// A deterministic source.
     pub fn seeded(seed: u64) -> Self {
         RngSource {
-            seed,
+            seed: splitmix64(seed),
             counter: AtomicU64::new(0),
         }
     }
@@ -279,4 +281,28 @@ fn splitmix64(x: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
     z ^ (z >> 31)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{Backoff, RngSource};
+
+    /// The delays of the next `n` requests of `source`.
+    fn delays(source: &RngSource, n: usize) -> Vec<Duration> {
+        let backoff = Backoff::default();
+        (0..n)
+            .map(|_| backoff.delay(5, Duration::ZERO, false, &mut source.next_rng()))
+            .collect()
+    }
+
+    // Nearby seeds give unrelated sequences, not one sequence shifted by a request.
+    #[test]
+    fn nearby_seeds_are_not_shifted_copies_of_one_sequence() {
+        let seven = delays(&RngSource::seeded(7), 9);
+        let eight = delays(&RngSource::seeded(8), 8);
+        assert_ne!(seven.get(1..), eight.get(..8));
+        assert_eq!(seven, delays(&RngSource::seeded(7), 9), "a seed repeats");
+    }
 }

@@ -30,6 +30,7 @@ use retrysafe_core::budget::{RatioConfig, RetryBudget};
 use retrysafe_core::classify::Failure;
 use retrysafe_core::error::find;
 use retrysafe_core::strategy::StandardRetryStrategy;
+use retrysafe_tower::breaker::{BreakerConfig, CircuitBreakerLayer};
 use retrysafe_tower::chaos::{ConnectionReset, FaultLayer, ReplyLost};
 use retrysafe_tower::client::ClientLayers;
 use retrysafe_tower::idempotency::{IdempotencyContext, IdempotencyLayer};
@@ -351,6 +352,9 @@ async fn a_keyed_client_stack_through_lost_replies_over_loopback_makes_every_eff
     // Generous attempts and a budget that allows them: this test is about effects.
     let budget = RetryBudget::ratio_with(RatioConfig::default().with_retry_ratio(1.0));
     let strategy = StandardRetryStrategy::new().max_attempts(6).seed(38);
+    // And a breaker that 40 % of faults cannot open by chance (the default opens at
+    // 50 % of 20 calls).
+    let breaker = BreakerConfig::default().with_failure_rate_threshold(80.0);
     let layers = ClientLayers::new()
         .retry(
             RetryLayer::new()
@@ -358,6 +362,7 @@ async fn a_keyed_client_stack_through_lost_replies_over_loopback_makes_every_eff
                 .generate_idempotency_keys(),
         )
         .budget(budget)
+        .breaker(CircuitBreakerLayer::with_config(breaker))
         .build()
         .unwrap();
     let client = ServiceBuilder::new()
