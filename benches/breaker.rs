@@ -92,7 +92,7 @@ use criterion::{Criterion, criterion_group};
 use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
 use retrysafe::breaker::KeyedBreakers;
-use retrysafe::core::breaker::{BreakerConfig, SlidingWindow};
+use retrysafe::breaker::{BreakerConfig, SlidingWindow};
 use retrysafe::{CircuitBreakerLayer, DeadlineLayer};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};

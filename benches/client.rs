@@ -83,7 +83,7 @@ use criterion::{Criterion, criterion_group};
 use futures_util::FutureExt;
 use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
-use retrysafe::core::backoff::{Backoff, Jitter};
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::{
     CircuitBreakerLayer, ClientLayers, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,

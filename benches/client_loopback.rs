@@ -138,14 +138,14 @@ impl reqwest_middleware::Middleware for Noop {
 /// enforced by a timer) in one hop.
 struct ReqwestFloor {
     budget: RetryBudget,
-    breaker: retrysafe::core::breaker::CircuitBreaker,
+    breaker: retrysafe::breaker::CircuitBreaker,
 }
 
 impl ReqwestFloor {
     fn new() -> Self {
         ReqwestFloor {
             budget: RetryBudget::ratio(),
-            breaker: retrysafe::core::breaker::CircuitBreaker::default(),
+            breaker: retrysafe::breaker::CircuitBreaker::default(),
         }
     }
 }
@@ -158,7 +158,7 @@ impl reqwest_middleware::Middleware for ReqwestFloor {
         extensions: &mut http::Extensions,
         next: reqwest_middleware::Next<'_>,
     ) -> reqwest_middleware::Result<reqwest::Response> {
-        use retrysafe::core::classify::BreakerOutcome;
+        use retrysafe::classify::BreakerOutcome;
         let timeout = Duration::from_secs(10);
         let now = Instant::now();
         let at = now + timeout;
@@ -182,7 +182,7 @@ impl reqwest_middleware::Middleware for ReqwestFloor {
         match result {
             Ok(r) => r,
             Err(_) => Err(reqwest_middleware::Error::middleware(
-                retrysafe::core::error::DeadlineExceeded::new(),
+                retrysafe::error::DeadlineExceeded::new(),
             )),
         }
     }

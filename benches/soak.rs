@@ -55,7 +55,7 @@ use fault_proxy::client::{Stack, StackCounts, client_stack, error_kind};
 use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, SplitMix64};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
-use retrysafe::core::idempotency::IdempotencyContext;
+use retrysafe::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, Shutdown};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};

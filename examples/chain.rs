@@ -44,10 +44,10 @@ use axum::routing::post;
 use futures_util::Stream;
 use http::Request;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware};
-use retrysafe::core::backoff::{Backoff, Jitter};
+use retrysafe::answer::GrpcStatusLayer;
 use retrysafe::idempotency::{IdempotencyLayer, NoEffect};
-use retrysafe::local::GrpcStatusLayer;
 use retrysafe::reqwest::RetryMiddleware;
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::wire::{parse_grpc_timeout, parse_request_timeout_ms};
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,

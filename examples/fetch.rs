@@ -41,9 +41,9 @@ use std::time::Duration;
 use http::{Extensions, HeaderMap, HeaderName, HeaderValue, Method};
 use reqwest::Url;
 use reqwest_middleware::{ClientBuilder, ClientWithMiddleware, Middleware, Next};
-use retrysafe::core::strategy::StandardRetryStrategy;
-use retrysafe::core::wire::IdempotencyKey;
 use retrysafe::reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+use retrysafe::retry::StandardRetryStrategy;
+use retrysafe::wire::IdempotencyKey;
 use serde_json::json;
 use tokio::time::Instant;
 

@@ -12,7 +12,7 @@
 //! `RESOURCE_EXHAUSTED` only with a pushback) → budget → breaker → `Channel`, fused into
 //! one service, with the body adapter inside. Local failures are answered as gRPC
 //! statuses (`DEADLINE_EXCEEDED`, `UNAVAILABLE`). A `Check` is a read, so the call
-//! carries the [`Idempotent`](retrysafe::core::strategy::Idempotent) extension, which
+//! carries the [`Idempotent`](retrysafe::retry::Idempotent) extension, which
 //! makes it safe to retry although gRPC sends it as a POST.
 //!
 //! It prints one JSON line on stdout:
@@ -41,7 +41,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
 use http::Request;
-use retrysafe::core::strategy::Idempotent;
+use retrysafe::retry::Idempotent;
 use retrysafe::{ClientLayers, RetryLayer, StandardRetryStrategy};
 use serde::Serialize;
 use tokio::time::Instant;

@@ -8,8 +8,8 @@
 //! client wrote in between (a conflict), and the client backs off and tries again,
 //! until it succeeds. Every message crosses a network of latency |N(10 ms, 2 ms)|.
 //! The delays come from [`Backoff::delay`] exactly as the `RetryLayer`'s standard
-//! strategy calls it: one [`RetryRng`] per client from a seeded [`RngSource`], `n` the
-//! retries already made, the previous delay fed back for decorrelated jitter. Base
+//! strategy calls it: one seeded [`RetryRng`] per client, as the strategy gives each
+//! request its own, `n` the retries already made, the previous delay fed back for decorrelated jitter. Base
 //! 5 ms, cap 2 s; strategies: no backoff, exponential without jitter, full, equal and
 //! decorrelated jitter.
 //!
@@ -29,7 +29,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use retrysafe::ConfigError;
-use retrysafe::core::backoff::{Backoff, Jitter, RetryRng, RngSource};
+use retrysafe::retry::{Backoff, Jitter, RetryRng};
 
 /// The first backoff step.
 const BASE: Duration = Duration::from_millis(5);
@@ -147,12 +147,12 @@ fn simulate(clients: usize, backoff: Option<Backoff>, seed: u64) -> Outcome {
     let mut net = Network {
         rng: RetryRng::seeded(seed),
     };
-    let source = RngSource::seeded(mix(seed, 0x6a69_7474_6572));
-    let mut states: Vec<Client> = (0..clients)
-        .map(|_| Client {
+    let clients_seed = mix(seed, 0x6a69_7474_6572);
+    let mut states: Vec<Client> = (0..clients as u64)
+        .map(|n| Client {
             retries: 0,
             previous: Duration::ZERO,
-            rng: source.next_rng(),
+            rng: RetryRng::seeded(mix(clients_seed, n)),
         })
         .collect();
 

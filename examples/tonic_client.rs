@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use retrysafe::core::strategy::Idempotent;
+use retrysafe::retry::Idempotent;
 use retrysafe::{ClientLayers, RetryBudget, RetryLayer};
 use tonic::transport::server::TcpIncoming;
 use tonic::transport::{Endpoint, Server};

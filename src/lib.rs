@@ -121,8 +121,8 @@
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use std::time::Duration;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
-//! use retrysafe::core::error::{CircuitOpen, find};
+//! use retrysafe::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+//! use retrysafe::error::{CircuitOpen, find};
 //! use retrysafe::{
 //!     CircuitBreakerLayer, Deadline, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer,
 //!     RetryLayer, StandardRetryStrategy,
@@ -178,7 +178,7 @@
 //! # gRPC (tonic)
 //!
 //! The same stack wraps a tonic `Channel` and a generated client: one
-//! [`GrpcStatusLayer`](local::GrpcStatusLayer) on top answers the layers' own failures
+//! [`GrpcStatusLayer`](answer::GrpcStatusLayer) on top answers the layers' own failures
 //! as synthesised Trailers-Only statuses, and
 //! one adapter line maps the `ReplayBody` into `tonic::body::Body` (the only body a
 //! `Channel` takes). Map the error to `tonic::Status` at the top when the stack is boxed,
@@ -190,7 +190,7 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::Request;
-//! use retrysafe::local::GrpcStatusLayer;
+//! use retrysafe::answer::GrpcStatusLayer;
 //! use retrysafe::{
 //!     CircuitBreakerLayer, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer, RetryLayer,
 //! };
@@ -251,12 +251,11 @@
 //! - `full`: everything.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
-pub use retrysafe_core as core;
 pub use retrysafe_core::budget::RetryBudget;
-pub use retrysafe_core::observe;
+pub use retrysafe_core::error::{self, BoxError};
 pub use retrysafe_core::strategy::StandardRetryStrategy;
-pub use retrysafe_core::{CallContext, ConfigError, Deadline, wire};
-pub use retrysafe_tower::local;
+pub use retrysafe_core::{CallContext, ConfigError, Deadline, classify, observe, wire};
+pub use retrysafe_tower::answer;
 
 #[cfg(feature = "chaos")]
 pub use chaos::FaultLayer;
@@ -293,7 +292,7 @@ pub use retrysafe_tower::throttle::{self, AdaptiveThrottleLayer};
 #[cfg(feature = "idempotency")]
 pub mod idempotency {
     pub use retrysafe_core::idempotency::{
-        Fingerprint, Fingerprinter, HeaderFilter, RecordId, Scope, StoredResponse,
+        Fingerprint, Fingerprinter, HeaderFilter, RecordId, Scope, StoredResponse, Token,
     };
     pub use retrysafe_core::store::{BoxStore, IdempotencyStore, StoreError};
     pub use retrysafe_memory::MemoryStore;

@@ -21,14 +21,14 @@ use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
-use retrysafe::core::budget::RatioConfig;
-use retrysafe::core::error::{CircuitOpen, DeadlineExceeded, Throttled, find};
-use retrysafe::core::strategy::GiveUp;
-use retrysafe::core::{Deadline, DeadlineExpiry};
+use retrysafe::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+use retrysafe::budget::RatioConfig;
+use retrysafe::deadline::{Deadline, DeadlineExpiry};
+use retrysafe::error::{CircuitOpen, DeadlineExceeded, Throttled, find};
 use retrysafe::hedge::HedgeOutcome;
 use retrysafe::observe::{AttemptNumber, names};
+use retrysafe::retry::GiveUp;
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::{
     AdaptiveThrottleLayer, CircuitBreakerLayer, ClientLayers, DeadlineLayer, HedgeLayer,
     RetryBudget, RetryBudgetLayer, RetryLayer, StandardRetryStrategy,
@@ -835,8 +835,8 @@ mod reqwest_form {
     use super::*;
     use axum::Router;
     use reqwest_middleware::ClientWithMiddleware;
-    use retrysafe::core::strategy::GiveUp;
     use retrysafe::reqwest::{CircuitBreakerMiddleware, ClientMiddlewares, RetryMiddleware};
+    use retrysafe::retry::GiveUp;
 
     async fn scripted(answers: &[u16]) -> String {
         let script = Arc::new(Mutex::new(answers.iter().copied().collect::<VecDeque<_>>()));

@@ -31,9 +31,9 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
-use retrysafe::core::error::{CircuitOpen, DeadlineExceeded, find};
+use retrysafe::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+use retrysafe::error::{CircuitOpen, DeadlineExceeded, find};
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::{
     CallContext, CircuitBreakerLayer, ClientLayers, DeadlineLayer, PropagateLayer, ReplayBody,
     RetryBudget, RetryBudgetLayer, RetryLayer, StandardRetryStrategy,

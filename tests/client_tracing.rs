@@ -27,9 +27,9 @@ use http_body_util::Full;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
-use retrysafe::core::backoff::{Backoff, Jitter};
 use retrysafe::observe::AttemptNumber;
 use retrysafe::reqwest::{ClientMiddlewares, RetryMiddleware};
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::{ClientLayers, ReplayBody, RetryLayer, StandardRetryStrategy};
 use tokio::net::TcpListener;
 use tower::{Layer, ServiceBuilder, ServiceExt};
@@ -196,8 +196,8 @@ async fn reqwest_tracing_after_the_retry_middleware_records_the_resend_count() {
 /// The verdicts of the budget and the breaker, recorded on the call's span as they
 /// happen (no network: a transport answering 503).
 async fn budget_and_breaker_verdicts_are_recorded_on_the_call_span(form: Form) {
-    use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker};
-    use retrysafe::core::budget::RatioConfig;
+    use retrysafe::breaker::{BreakerConfig, CircuitBreaker};
+    use retrysafe::budget::RatioConfig;
     use retrysafe::{CircuitBreakerLayer, RetryBudget, RetryBudgetLayer};
     use tower::util::BoxCloneSyncService;
 
@@ -275,8 +275,8 @@ fn assert_cut_short(spans: &Spans) {
 /// The usual order, the deadline above the retry (no network: a transport failing
 /// once, then answering too late), on the paused clock.
 async fn a_deadline_above_the_retry_is_recorded_on_the_call_span(form: Form) {
-    use retrysafe::core::breaker::CircuitBreaker;
-    use retrysafe::core::error::{DeadlineExceeded, find};
+    use retrysafe::breaker::CircuitBreaker;
+    use retrysafe::error::{DeadlineExceeded, find};
     use retrysafe::{CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer};
     use tower::util::BoxCloneSyncService;
 
@@ -365,7 +365,7 @@ async fn a_deadline_middleware_above_the_retry_is_recorded_on_the_call_span() {
         .unwrap_err();
     assert!(
         matches!(&error, reqwest_middleware::Error::Middleware(e)
-            if e.is::<retrysafe::core::error::DeadlineExceeded>()),
+            if e.is::<retrysafe::error::DeadlineExceeded>()),
         "{error:?}"
     );
     assert_cut_short(&spans);

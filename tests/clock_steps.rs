@@ -39,7 +39,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use http::StatusCode;
-use retrysafe::core::idempotency::IdempotencyContext;
+use retrysafe::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{EventKind, IdempotencyLayer, IdempotencyStore, NoEffect};
 use retrysafe_core::idempotency::Token;
 use retrysafe_postgres::PostgresStore;

@@ -21,7 +21,7 @@ use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker};
+use retrysafe::breaker::{BreakerConfig, CircuitBreaker};
 use retrysafe::idempotency::IdempotencyLayer;
 use retrysafe::server::ServerLayers;
 use retrysafe::{

@@ -72,7 +72,7 @@ use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use retrysafe::core::idempotency::IdempotencyContext;
+use retrysafe::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{
     EventKind, IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, RecordId, Scope, Shutdown,
 };
@@ -350,7 +350,7 @@ fn unique() -> String {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
-    let rand = retrysafe::core::idempotency::Token::random().to_hex();
+    let rand = retrysafe::idempotency::Token::random().to_hex();
     format!("{secs}_{}", &rand[..12])
 }
 
@@ -501,8 +501,8 @@ fn app_state(seed: u64, effects_table: Option<String>, max_delay_ms: u64) -> Arc
 /// (`redis_pair`).
 mod pair {
     use super::*;
-    use retrysafe::core::recovery::{PendingRecord, ReconcilableStore, Resolution, Resolver};
     use retrysafe::idempotency::StoredResponse;
+    use retrysafe::recovery::{PendingRecord, ReconcilableStore, Resolution, Resolver};
 
     /// The lease of a claim: short, so a crashed holder's copies take over soon.
     const LEASE: Duration = Duration::from_millis(300);

@@ -30,12 +30,12 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use futures_util::stream::{self, BoxStream};
 use http::{Request, Response};
+use retrysafe::answer::GrpcStatusLayer;
 use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
-use retrysafe::core::budget::RatioConfig;
-use retrysafe::core::strategy::Idempotent;
-use retrysafe::local::GrpcStatusLayer;
+use retrysafe::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow, State};
+use retrysafe::budget::RatioConfig;
+use retrysafe::retry::Idempotent;
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
     CircuitBreakerLayer, ClientLayers, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer,
@@ -587,7 +587,7 @@ async fn nothing_listening_is_unavailable_not_unknown(form: Form) {
 
 #[test]
 fn tonics_transport_errors_are_recognised() {
-    use retrysafe::core::classify::Failure;
+    use retrysafe::classify::Failure;
     use retrysafe::retry::failure_of;
     let refused = tonic::ConnectError(Box::new(std::io::Error::from(
         std::io::ErrorKind::ConnectionRefused,

@@ -35,9 +35,9 @@ use http::{HeaderMap, Request, Response};
 use http_body_util::{BodyExt, Full};
 use hyper_util::client::legacy::Client as HttpClient;
 use hyper_util::rt::TokioExecutor;
+use retrysafe::answer::GrpcStatusLayer;
 use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::local::GrpcStatusLayer;
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::wire::parse_grpc_timeout;
 use retrysafe::{
     CallContext, CircuitBreakerLayer, DeadlineLayer, PropagateLayer, ReplayBody, RetryBudget,

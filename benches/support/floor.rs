@@ -54,15 +54,15 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use http_body::Body;
 use pin_project_lite::pin_project;
 use retrysafe::ReplayBody;
-use retrysafe::core::__private::{
-    BreakerFacts, Decision, Local, Outcome, RetryCall, RetryPolicy, Striped,
-};
-use retrysafe::core::breaker::{CircuitBreaker, Permit};
-use retrysafe::core::classify::{BreakerOutcome, Classifier, DefaultClassifier};
-use retrysafe::core::error::DeadlineExceeded;
-use retrysafe::core::strategy::RetryToken;
+use retrysafe::classify::{BreakerOutcome, Classifier, DefaultClassifier};
+use retrysafe::error::DeadlineExceeded;
 use retrysafe::wire::Convention;
 use retrysafe::{Deadline, RetryBudget};
+use retrysafe_core::__private::{
+    Attempt, BreakerFacts, Local, RetryCall, RetryPolicy, Striped, Verdict,
+};
+use retrysafe_core::breaker::{CircuitBreaker, Permit};
+use retrysafe_core::strategy::RetryToken;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
@@ -303,9 +303,9 @@ pub(crate) type FloorRequired<S, B> =
 /// The reads of [`floor_required`].
 fn read_required<B>(request: Request<B>) -> Request<B> {
     use retrysafe::CallContext;
-    use retrysafe::core::hedge::HedgeCopy;
-    use retrysafe::core::observe::AttemptNumber;
-    use retrysafe::core::strategy::{Idempotent, NoRetry};
+    use retrysafe::observe::AttemptNumber;
+    use retrysafe::retry::{Idempotent, NoRetry};
+    use retrysafe_core::hedge::HedgeCopy;
     let extensions = request.extensions();
     let headers = request.headers();
     let c = &*CONVENTION;
@@ -318,7 +318,7 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
         extensions.get::<HedgeCopy>().is_some(),
         extensions.get::<AttemptNumber>().is_some(),
         headers.contains_key(c.idempotency_key()),
-        retrysafe::core::__private::is_grpc(headers),
+        retrysafe_core::__private::is_grpc(headers),
         headers.get(c.request_timeout_ms()).is_some(),
     ));
     request
@@ -510,12 +510,12 @@ where
         };
         let response = response.map(|inner| Wrapped { inner, pending });
         if let Some(token) = this.token.take() {
-            let seen = Outcome::response(response.status(), response.headers());
+            let seen = Attempt::response(response.status(), response.headers());
             // A retry is not the yardstick's path: its answer goes out as it is.
             let decision = this
                 .call
                 .decide(seen, token, this.body.is_replayable(), None);
-            std::hint::black_box(matches!(decision, Decision::Success));
+            std::hint::black_box(matches!(decision, Verdict::Success));
         }
         this.extra.finish(this.future);
         Poll::Ready(Ok(response))
@@ -582,7 +582,7 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
         std::hint::black_box((
             extensions.get::<RetryBudget>().is_some(),
             extensions
-                .get::<retrysafe::core::__private::HedgeRace>()
+                .get::<retrysafe_core::__private::HedgeRace>()
                 .is_some(),
         ));
         let ready = self

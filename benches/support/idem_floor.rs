@@ -40,8 +40,8 @@ use axum::http::header::HeaderValue;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use retrysafe::core::idempotency::{CommitPoint, Completed, Record, Token};
-use retrysafe::core::store::{Claim, ClaimOutcome};
+use retrysafe_core::store::{Claim, ClaimOutcome};
+use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
 use retrysafe::idempotency::{
     Fingerprint, Fingerprinter, IdempotencyStore, MemoryStore, Principal, RecordId, Scope,
     StoredResponse,

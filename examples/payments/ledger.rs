@@ -27,7 +27,7 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use retrysafe::core::idempotency::{Scope, Token};
+use retrysafe::idempotency::{Scope, Token};
 use retrysafe::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::{self, Row};

@@ -19,9 +19,9 @@ use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
-use retrysafe::core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
+use retrysafe::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe::retry::{Backoff, Jitter};
 use retrysafe::{
     CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
     StandardRetryStrategy,
@@ -139,9 +139,9 @@ pub fn error_kind(e: &BoxError) -> &'static str {
         return "deadline_exceeded";
     }
     match retrysafe::retry::failure_of(&**e) {
-        retrysafe::core::classify::Failure::ConnectFailed => "connect_failed",
-        retrysafe::core::classify::Failure::NoResponse => "no_response",
-        retrysafe::core::classify::Failure::Timeout => "timeout",
+        retrysafe::classify::Failure::ConnectFailed => "connect_failed",
+        retrysafe::classify::Failure::NoResponse => "no_response",
+        retrysafe::classify::Failure::Timeout => "timeout",
         _ => "other",
     }
 }

@@ -114,7 +114,7 @@ where
         + Sync
         + 'static,
     S::Future: Send + 'static,
-    S::Error: Into<retrysafe::core::store::BoxError>,
+    S::Error: Into<retrysafe::BoxError>,
     B: From<Bytes> + Send + 'static,
     RB: Send + 'static,
 {

@@ -8,6 +8,9 @@ use std::error::Error as StdError;
 use std::fmt;
 use std::time::Duration;
 
+/// A boxed error: what the client layers, the stores and the reqwest adapters return.
+pub type BoxError = Box<dyn StdError + Send + Sync>;
+
 /// A retry budget refused a retry.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]

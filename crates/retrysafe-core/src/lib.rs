@@ -101,7 +101,7 @@ pub mod __private {
     pub use crate::idempotency::protocol;
     pub use crate::recovery::Reconcilers;
     pub use crate::retry::{
-        Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryPolicy, child_key_label,
+        Attempt, IdempotentIf, RequestHead, RetryCall, RetryPolicy, Verdict, child_key_label,
     };
     pub use crate::store::{DynIdempotencyStore, StoreFuture};
     pub use crate::strategy::RetryCharged;

@@ -624,7 +624,7 @@ fn header_deadline(headers: &HeaderMap, grpc: bool, convention: &Convention) -> 
 /// What one attempt produced, as [`RetryCall::decide`] reads it.
 #[derive(Debug, Clone, Copy)]
 #[doc(hidden)]
-pub enum Outcome<'a> {
+pub enum Attempt<'a> {
     /// A response head (for gRPC, with a Trailers-Only status when there is one).
     Response {
         /// The status.
@@ -639,16 +639,16 @@ pub enum Outcome<'a> {
     TimedOut,
 }
 
-impl<'a> Outcome<'a> {
+impl<'a> Attempt<'a> {
     /// A response head.
     pub fn response(status: StatusCode, headers: &'a HeaderMap) -> Self {
-        Outcome::Response { status, headers }
+        Attempt::Response { status, headers }
     }
 
     fn status(&self) -> Option<StatusCode> {
         match self {
-            Outcome::Response { status, .. } => Some(*status),
-            Outcome::Failure(_) | Outcome::TimedOut => None,
+            Attempt::Response { status, .. } => Some(*status),
+            Attempt::Failure(_) | Attempt::TimedOut => None,
         }
     }
 }
@@ -660,7 +660,7 @@ impl<'a> Outcome<'a> {
 #[derive(Debug)]
 #[must_use]
 #[doc(hidden)]
-pub enum Decision {
+pub enum Verdict {
     /// A success (recorded with the strategy): answer with the outcome as it is.
     Success,
     /// Retry: wait the token's [`delay`](RetryToken::delay), then make its attempt. A
@@ -698,8 +698,8 @@ pub enum Decision {
 /// 3. bounds it by [`attempt_until`](Self::attempt_until);
 /// 4. hands what came back to [`decide`](Self::decide), which classifies it,
 ///    records a success, refreshes the token, calls the hooks, and answers with a
-///    [`Decision`];
-/// 5. on [`Decision::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
+///    [`Verdict`];
+/// 5. on [`Verdict::Retry`], waits the token's [`delay`](RetryToken::delay) and starts
 ///    again at 1; when the wait leaves too little time, it calls
 ///    [`give_up`](Self::give_up) with [`GiveUp::NotEnoughTime`].
 ///
@@ -711,7 +711,7 @@ pub enum Decision {
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
 /// use http::{HeaderMap, Request, StatusCode};
-/// use retrysafe_core::retry::{Decision, Outcome, RetryPolicy};
+/// use retrysafe_core::retry::{Verdict, Attempt, RetryPolicy};
 /// use retrysafe_core::strategy::StandardRetryStrategy;
 /// use retrysafe_core::stripe::Striped;
 ///
@@ -729,12 +729,12 @@ pub enum Decision {
 ///     sent.push(attempt.headers.get("retry-attempt").cloned());
 ///     let status = answers[sent.len() - 1];
 ///     let headers = HeaderMap::new();
-///     match call.decide(Outcome::response(status, &headers), token, true, None) {
-///         Decision::Retry(next) => {
+///     match call.decide(Attempt::response(status, &headers), token, true, None) {
+///         Verdict::Retry(next) => {
 ///             tokio::time::sleep(next.delay()).await;
 ///             token = next;
 ///         }
-///         Decision::Success | Decision::Final | Decision::GiveUp(_) => break status,
+///         Verdict::Success | Verdict::Final | Verdict::GiveUp(_) => break status,
 ///     }
 /// };
 /// assert_eq!(status, StatusCode::OK);
@@ -961,16 +961,16 @@ impl RetryCall {
     /// last real response kept from an earlier attempt, if any.
     pub fn decide(
         &mut self,
-        outcome: Outcome<'_>,
+        outcome: Attempt<'_>,
         token: RetryToken,
         replayable: bool,
         last: Option<StatusCode>,
-    ) -> Decision {
+    ) -> Verdict {
         let classification = self.classify(outcome);
         if classification.is_success() {
             self.count_attempt(AttemptOutcome::Success);
             self.policy.strategy.record_success(&token);
-            return Decision::Success;
+            return Verdict::Success;
         }
         if classification.marked {
             // Downstream already retried, or answered for good.
@@ -981,14 +981,14 @@ impl RetryCall {
         let attempts = token.attempt();
         let status = outcome.status();
         let failed = match outcome {
-            Outcome::Response { .. } => AttemptOutcome::Failure,
-            Outcome::Failure(_) | Outcome::TimedOut => AttemptOutcome::Error,
+            Attempt::Response { .. } => AttemptOutcome::Failure,
+            Attempt::Failure(_) | Attempt::TimedOut => AttemptOutcome::Error,
         };
         match self.refresh(token, &classification, replayable) {
             Ok(next) => {
                 self.count_attempt(failed);
                 self.retrying(&next, status, &classification);
-                Decision::Retry(next)
+                Verdict::Retry(next)
             }
             Err(GiveUp::NotRetryable) => {
                 self.count_attempt(match failed {
@@ -1003,7 +1003,7 @@ impl RetryCall {
                     self.record("budget", &"refused");
                 }
                 self.give_up(reason, attempts, status.or(last));
-                Decision::GiveUp(reason)
+                Verdict::GiveUp(reason)
             }
         }
     }
@@ -1015,14 +1015,14 @@ impl RetryCall {
     }
 
     /// What the classifier makes of `outcome`.
-    fn classify(&self, outcome: Outcome<'_>) -> Classification {
+    fn classify(&self, outcome: Attempt<'_>) -> Classification {
         let classifier = &self.policy.classifier;
         match outcome {
-            Outcome::Response { status, headers } => {
+            Attempt::Response { status, headers } => {
                 classifier.classify_response(status, headers, &self.facts)
             }
-            Outcome::Failure(failure) => classifier.classify_failure(failure, &self.facts),
-            Outcome::TimedOut => classifier.classify_failure(Failure::Timeout, &self.facts),
+            Attempt::Failure(failure) => classifier.classify_failure(failure, &self.facts),
+            Attempt::TimedOut => classifier.classify_failure(Failure::Timeout, &self.facts),
         }
     }
 
@@ -1048,18 +1048,18 @@ impl RetryCall {
     /// A failure that is not retried, after `attempts` attempts.
     fn not_retryable(
         &self,
-        outcome: Outcome<'_>,
+        outcome: Attempt<'_>,
         classification: &Classification,
         attempts: u32,
         last: Option<StatusCode>,
-    ) -> Decision {
-        if let Outcome::Failure(Failure::Local) = outcome
+    ) -> Verdict {
+        if let Attempt::Failure(Failure::Local) = outcome
             && last.is_some()
         {
             // A local refusal (a budget or breaker below refused a retry) after a real
             // response: that response, marked, is the answer.
             self.give_up(GiveUp::RefusedBelow, attempts, last);
-            return Decision::GiveUp(GiveUp::RefusedBelow);
+            return Verdict::GiveUp(GiveUp::RefusedBelow);
         }
         // Retried, then a failure that is not retryable: this layer gave up after
         // retrying all the same, so the server above marks its own failure and its
@@ -1073,13 +1073,13 @@ impl RetryCall {
         {
             context.mark_downstream_gave_up();
         }
-        Decision::Final
+        Verdict::Final
     }
 
     /// Gives up on a retryable failure after `attempts` attempts: records
     /// `downstream_gave_up` in the inherited context, emits a `tracing` event and calls
     /// the `on_give_up` hook. `last` is the status of the last real response. The
-    /// adapter then answers as [`Decision::GiveUp`] says.
+    /// adapter then answers as [`Verdict::GiveUp`] says.
     pub fn give_up(&self, reason: GiveUp, attempts: u32, last: Option<StatusCode>) {
         if let Some(context) = &self.context {
             context.mark_downstream_gave_up();

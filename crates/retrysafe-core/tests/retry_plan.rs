@@ -21,7 +21,7 @@ use retrysafe_core::budget::{RatioConfig, RetryBudget, RetryCost};
 use retrysafe_core::classify::{Failure, FaultSide};
 use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
 use retrysafe_core::retry::{
-    Decision, GiveUpEvent, Outcome, RetryCall, RetryEvent, RetryPolicy, child_key_label,
+    Attempt, GiveUpEvent, RetryCall, RetryEvent, RetryPolicy, Verdict, child_key_label,
 };
 use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryCharged, RetryStrategy, RetryToken, StandardRetryStrategy,
@@ -98,19 +98,19 @@ fn respond(
     token: RetryToken,
     status: u16,
     pairs: &[(&'static str, &str)],
-) -> Decision {
+) -> Verdict {
     let h = headers(pairs);
     call.decide(
-        Outcome::response(StatusCode::from_u16(status).unwrap(), &h),
+        Attempt::response(StatusCode::from_u16(status).unwrap(), &h),
         token,
         true,
         None,
     )
 }
 
-fn retry(decision: Decision) -> RetryToken {
+fn retry(decision: Verdict) -> RetryToken {
     match decision {
-        Decision::Retry(next) => next,
+        Verdict::Retry(next) => next,
         other => panic!("expected a retry, got {other:?}"),
     }
 }
@@ -255,7 +255,7 @@ async fn the_retry_point_header_and_an_inherited_retry_point() {
     assert_eq!(header(&p, "retry-point"), Some("caller"));
     assert!(matches!(
         respond(&mut call, token, 503, &[]),
-        Decision::Final
+        Verdict::Final
     ));
     assert!(!ctx.downstream_gave_up());
     assert!(retries.lock().unwrap().is_empty() && give_ups.lock().unwrap().is_empty());
@@ -366,7 +366,7 @@ async fn per_attempt_headers_number_attempts_and_shrink_the_time_left() {
     let first = attempt(&call, &grpc, &token);
     assert_eq!(header(&first, "grpc-timeout"), Some("2000000u"));
     let h = headers(&[("content-type", "application/grpc"), ("grpc-status", "14")]);
-    let next = retry(call.decide(Outcome::response(StatusCode::OK, &h), token, true, None));
+    let next = retry(call.decide(Attempt::response(StatusCode::OK, &h), token, true, None));
     let second = attempt(&call, &grpc, &next);
     assert_eq!(header(&second, "grpc-previous-rpc-attempts"), Some("1"));
     assert_eq!(header(&second, "retry-attempt"), Some("2"));
@@ -483,7 +483,7 @@ async fn retries_with_seeded_full_jitter_then_gives_up_and_marks() {
     let decision = respond(&mut call, next, 503, &[]);
     assert!(matches!(
         decision,
-        Decision::GiveUp(GiveUp::AttemptsExhausted)
+        Verdict::GiveUp(GiveUp::AttemptsExhausted)
     ));
     assert!(ctx.downstream_gave_up());
 
@@ -512,7 +512,7 @@ async fn a_success_is_recorded_and_ends_the_call() {
     assert_eq!(bucket.available_retries(), 99); // 500 - 5 tokens, / 5
     assert!(matches!(
         respond(&mut call, next, 200, &[]),
-        Decision::Success
+        Verdict::Success
     ));
     // The retry that succeeded got its cost back.
     assert_eq!(bucket.available_retries(), 100);
@@ -525,42 +525,42 @@ async fn final_answers_for_what_is_not_retryable() {
     let (mut call, token) = begin(policy.clone(), &mut post());
     assert!(matches!(
         respond(&mut call, token, 503, &[]),
-        Decision::Final
+        Verdict::Final
     ));
     let (mut call, token) = begin(policy.clone(), &mut get());
     assert!(matches!(
         respond(&mut call, token, 404, &[]),
-        Decision::Final
+        Verdict::Final
     ));
     let (mut call, token) = begin(policy.clone(), &mut get());
     let h = HeaderMap::new();
     let d = call.decide(
-        Outcome::response(StatusCode::SERVICE_UNAVAILABLE, &h),
+        Attempt::response(StatusCode::SERVICE_UNAVAILABLE, &h),
         token,
         false,
         None,
     );
-    assert!(matches!(d, Decision::Final));
+    assert!(matches!(d, Verdict::Final));
     let (mut call, token) = begin(policy.clone(), &mut with(get(), NoRetry));
     assert!(matches!(
         respond(&mut call, token, 503, &[]),
-        Decision::Final
+        Verdict::Final
     ));
     // A POST whose connection closed before a response: maybe processed.
     let (mut call, token) = begin(policy, &mut post());
-    let d = call.decide(Outcome::Failure(Failure::NoResponse), token, true, None);
-    assert!(matches!(d, Decision::Final));
+    let d = call.decide(Attempt::Failure(Failure::NoResponse), token, true, None);
+    assert!(matches!(d, Verdict::Final));
     assert!(retries.lock().unwrap().is_empty() && give_ups.lock().unwrap().is_empty());
 }
 
 #[tokio::test(start_paused = true)]
 async fn a_failed_connect_is_retried_even_for_a_post() {
     let (mut call, token) = begin(policy(), &mut post());
-    let next = retry(call.decide(Outcome::Failure(Failure::ConnectFailed), token, true, None));
+    let next = retry(call.decide(Attempt::Failure(Failure::ConnectFailed), token, true, None));
     assert_eq!(next.attempt(), 2);
     // A time-out of a safe request is retried too, charged as a timeout.
     let (mut call, token) = begin(policy(), &mut get());
-    let next = retry(call.decide(Outcome::TimedOut, token, true, None));
+    let next = retry(call.decide(Attempt::TimedOut, token, true, None));
     assert_eq!(next.charged(), Some(RetryCost::Timeout));
 }
 
@@ -571,7 +571,7 @@ async fn a_marked_reply_is_final_and_recorded_in_the_context() {
         let (mut call, token) = begin(policy(), &mut with(get(), ctx.clone()));
         assert!(matches!(
             respond(&mut call, token, 503, &[pair]),
-            Decision::Final
+            Verdict::Final
         ));
         assert!(ctx.downstream_gave_up());
     }
@@ -584,19 +584,19 @@ async fn a_local_refusal_after_a_real_response_gives_that_response_up() {
     let next = retry(respond(&mut call, token, 503, &[]));
     // A budget or breaker below refused the retry.
     let d = call.decide(
-        Outcome::Failure(Failure::Local),
+        Attempt::Failure(Failure::Local),
         next,
         true,
         Some(StatusCode::SERVICE_UNAVAILABLE),
     );
-    assert!(matches!(d, Decision::GiveUp(GiveUp::RefusedBelow)));
+    assert!(matches!(d, Verdict::GiveUp(GiveUp::RefusedBelow)));
     let give_ups = give_ups.lock().unwrap();
     assert_eq!(give_ups[0].status, Some(StatusCode::SERVICE_UNAVAILABLE));
     assert_eq!(give_ups[0].attempts, 2);
     // Without an earlier response, the refusal is passed on as it is.
     let (mut call, token) = begin(policy, &mut get());
-    let d = call.decide(Outcome::Failure(Failure::Local), token, true, None);
-    assert!(matches!(d, Decision::Final));
+    let d = call.decide(Attempt::Failure(Failure::Local), token, true, None);
+    assert!(matches!(d, Verdict::Final));
 }
 
 #[tokio::test(start_paused = true)]
@@ -605,13 +605,13 @@ async fn a_refused_budget_and_a_delay_past_the_deadline_give_up_at_once() {
     let (mut call, token) = begin(policy.clone(), &mut with(get(), empty_budget()));
     assert!(matches!(
         respond(&mut call, token, 503, &[]),
-        Decision::GiveUp(GiveUp::BudgetExhausted)
+        Verdict::GiveUp(GiveUp::BudgetExhausted)
     ));
     // retry-after: 5 under a 2 s deadline.
     let (mut call, token) = begin(policy, &mut with(get(), Deadline::after(ms(2000))));
     assert!(matches!(
         respond(&mut call, token, 503, &[("retry-after", "5")]),
-        Decision::GiveUp(GiveUp::NotEnoughTime)
+        Verdict::GiveUp(GiveUp::NotEnoughTime)
     ));
     assert!(retries.lock().unwrap().is_empty());
     let reasons: Vec<_> = give_ups.lock().unwrap().iter().map(|e| e.reason).collect();
@@ -655,7 +655,7 @@ async fn a_custom_convention_renames_every_header() {
     // The default classifier follows the convention: x-stop marks.
     assert!(matches!(
         respond(&mut call, token, 503, &[("x-stop", "1")]),
-        Decision::Final
+        Verdict::Final
     ));
 
     let (mut call, token) = begin(

@@ -162,7 +162,7 @@ use http::{Extensions, HeaderMap, Method};
 use reqwest::{Request, Response};
 use reqwest_middleware::{Error, Middleware, Next, Result};
 use retrysafe_core::__private::{
-    Decision, IdempotentIf, Outcome, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped,
+    Attempt, IdempotentIf, RequestHead, RetryCall, RetryCharged, RetryPolicy, Striped, Verdict,
     child_key_label,
 };
 use retrysafe_core::Deadline;
@@ -519,14 +519,14 @@ impl Call<'_> {
     ) -> ControlFlow<Result<Response>, RetryToken> {
         self.extensions.remove::<RetryCharged>();
         let outcome = match &result {
-            Some(Ok(response)) => Outcome::response(response.status(), response.headers()),
-            Some(Err(error)) => Outcome::Failure(failure_of(error)),
-            None => Outcome::TimedOut,
+            Some(Ok(response)) => Attempt::response(response.status(), response.headers()),
+            Some(Err(error)) => Attempt::Failure(failure_of(error)),
+            None => Attempt::TimedOut,
         };
         let previous = last.as_ref().map(Response::status);
         match self.call.decide(outcome, token, replayable, previous) {
-            Decision::Success | Decision::Final => ControlFlow::Break(self.ended(as_is(result))),
-            Decision::GiveUp(_) => {
+            Verdict::Success | Verdict::Final => ControlFlow::Break(self.ended(as_is(result))),
+            Verdict::GiveUp(_) => {
                 let answer = match result {
                     Some(Ok(response)) => Ok(given_up(&self.call, response)),
                     other => match last.take() {
@@ -536,7 +536,7 @@ impl Call<'_> {
                 };
                 ControlFlow::Break(self.ended(answer))
             }
-            Decision::Retry(next) => {
+            Verdict::Retry(next) => {
                 if let Some(Ok(response)) = result {
                     *last = Some(response);
                 }

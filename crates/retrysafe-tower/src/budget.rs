@@ -10,7 +10,7 @@
 //! refused:
 //!
 //! - on a client ([`RetryBudgetLayer::new`]): the error [`BudgetExhausted`] (for gRPC, a
-//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it into a
+//!   [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above the stack turns it into a
 //!   synthesised `UNAVAILABLE`);
 //! - on a server's inbound path ([`RetryBudgetLayer::server`]): a 503 problem+json (or
 //!   gRPC `UNAVAILABLE`) with `do-not-retry: 1`, so callers' retries cannot overload it.
@@ -56,7 +56,8 @@ use retrysafe_core::wire::{Convention, parse_retry_attempt};
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{BoxError, LocalBody, problem};
+use crate::BoxError;
+use crate::answer::{LocalBody, problem};
 
 #[derive(Debug)]
 struct Config {

@@ -25,7 +25,8 @@
 //! - [`chaos`] (feature `chaos`, not on by default): the `FaultLayer`, which injects
 //!   seeded latency, error answers, connection resets and replies lost after the
 //!   effect, for tests and staging.
-//! - [`local`]: how client layers answer the failures they generate themselves.
+//! - [`answer`]: the answers layers give by themselves (local failures as gRPC statuses,
+//!   and the body of a response that is a layer's own or the inner service's).
 //! - [`server`]: a helper that assembles the recommended server order.
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
@@ -50,6 +51,7 @@ macro_rules! define_inner_service_accessors {
     };
 }
 
+pub mod answer;
 #[cfg(feature = "breaker")]
 pub mod breaker;
 #[cfg(feature = "budget")]
@@ -66,7 +68,6 @@ pub mod edge;
 pub mod hedge;
 #[cfg(feature = "idempotency")]
 pub mod idempotency;
-pub mod local;
 #[cfg(feature = "propagate")]
 pub mod propagate;
 #[cfg(feature = "retry")]
@@ -76,7 +77,7 @@ pub mod server;
 #[cfg(feature = "throttle")]
 pub mod throttle;
 
-pub use retrysafe_core as core;
+pub use retrysafe_core::error::BoxError;
 
 /// Plumbing shared with the other retrysafe crates (the transactional layer of
 /// `retrysafe-postgres`): not part of the public API, it may change in any release.
@@ -110,13 +111,13 @@ mod tests {
     use retrysafe_core::budget::RetryBudget;
     use tower_layer::Layer;
 
+    use crate::answer::GrpcStatusLayer;
     use crate::breaker::CircuitBreakerLayer;
     use crate::budget::RetryBudgetLayer;
     use crate::client::ClientLayers;
     use crate::deadline::DeadlineLayer;
     use crate::edge::EdgeLayer;
     use crate::hedge::HedgeLayer;
-    use crate::local::GrpcStatusLayer;
     use crate::propagate::PropagateLayer;
     use crate::retry::RetryLayer;
     use crate::throttle::AdaptiveThrottleLayer;

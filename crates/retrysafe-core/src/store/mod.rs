@@ -58,8 +58,7 @@ pub const RESEND_WINDOW: Duration = Duration::from_secs(60);
 /// ([`IdempotencyStore::commit_point_with`]): 1 KiB. Longer notes are cut.
 pub const MAX_NOTE: usize = 1024;
 
-/// A boxed error from a store backend.
-pub type BoxError = Box<dyn StdError + Send + Sync>;
+use crate::error::BoxError;
 
 /// A failed store call.
 #[derive(Debug)]

@@ -2,7 +2,7 @@
 
 use std::future::Future;
 
-use retrysafe_core::store::BoxError;
+use retrysafe_core::error::BoxError;
 
 /// A delivered message, as [`Consumer::process`](super::Consumer::process) needs it:
 /// its id, whether the broker delivered it before, its body, and the three ways to
@@ -11,7 +11,7 @@ use retrysafe_core::store::BoxError;
 /// ```
 /// use std::sync::Mutex;
 /// use retrysafe_postgres::consumer::Inbound;
-/// use retrysafe_core::store::BoxError;
+/// use retrysafe_core::error::BoxError;
 ///
 /// /// A message of an in-process queue.
 /// struct Local { id: Option<String>, body: Vec<u8>, settled: Mutex<Option<&'static str>> }

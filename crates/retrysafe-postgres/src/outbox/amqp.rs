@@ -42,7 +42,7 @@ use lapin::options::{
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
-use retrysafe_core::store::BoxError;
+use retrysafe_core::error::BoxError;
 use tokio::sync::Mutex;
 
 use super::{Message, PublishError, Publisher};

@@ -4,7 +4,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
-use retrysafe_core::store::BoxError;
+use retrysafe_core::error::BoxError;
 
 use super::Message;
 

@@ -8,7 +8,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::future::poll_fn;
 use http::{HeaderMap, Request, Response, StatusCode};
-use retrysafe_core::store::BoxError;
+use retrysafe_core::error::BoxError;
 use retrysafe_core::wire::{RetryAfter, parse_retry_after};
 use tower_service::Service;
 

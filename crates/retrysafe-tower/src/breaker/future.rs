@@ -19,7 +19,7 @@ use tower_service::Service;
 
 use super::body::ResponseBody;
 use super::layer::Config;
-use crate::local::BoxError;
+use crate::BoxError;
 
 pin_project! {
     /// The response future of [`CircuitBreakerService`](super::CircuitBreakerService).

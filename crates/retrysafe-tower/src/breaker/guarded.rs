@@ -16,7 +16,7 @@ use super::body::ResponseBody;
 use super::future::{Call, ResponseFuture};
 use super::layer::{Breakers, Config};
 use super::service::refused;
-use crate::local::BoxError;
+use crate::BoxError;
 use crate::retry::{Attempts, ReplayBody, Sent};
 
 /// The fused client stack's attempts through the breaker: the breaker is chosen once per

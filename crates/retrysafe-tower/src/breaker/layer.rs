@@ -31,7 +31,7 @@ pub(crate) struct Config {
 /// Guards calls with a circuit breaker; see the [module docs](super).
 ///
 /// A refusal is the error [`CircuitOpen`](retrysafe_core::error::CircuitOpen) (for
-/// gRPC, a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it
+/// gRPC, a [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above the stack turns it
 /// into a status).
 ///
 /// The layer reports under its breaker's name ([`BreakerConfig::with_name`]; a keyed

@@ -7,7 +7,7 @@
 //! - [`poll_ready`](tower_service::Service::poll_ready) is always ready and never polls
 //!   the inner service; [`call`](tower_service::Service::call) decides. A refused call
 //!   is answered at once with the error [`CircuitOpen`], carrying the time until the
-//!   next probe (a [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack
+//!   next probe (a [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above the stack
 //!   turns it into a synthesised Trailers-Only `UNAVAILABLE` for gRPC requests). Either
 //!   way it is never retried: the error is a local failure to a `RetryLayer`, the status
 //!   carries `do-not-retry: 1`. An admitted call is made on a *clone* of the inner

@@ -11,7 +11,7 @@ use tower_service::Service;
 use super::body::ResponseBody;
 use super::future::{Call, ResponseFuture};
 use super::layer::{Breakers, Config};
-use crate::local::BoxError;
+use crate::BoxError;
 
 /// The service of a [`CircuitBreakerLayer`](super::CircuitBreakerLayer).
 ///

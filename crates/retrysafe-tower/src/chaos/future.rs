@@ -11,7 +11,8 @@ use tower_service::Service;
 
 use super::error::{ConnectionReset, ReplyLost};
 use super::layer::{Config, Counts, Fault, Plan};
-use crate::local::{BoxError, LocalBody};
+use crate::BoxError;
+use crate::answer::LocalBody;
 
 pin_project! {
     /// The response future of [`FaultService`](super::FaultService).

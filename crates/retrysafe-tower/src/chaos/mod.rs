@@ -29,7 +29,7 @@
 //! and serve with hyper's connection API: an error from the service makes hyper close
 //! the connection without an answer, which is what a client of a lost reply sees.
 //!
-//! Its answers have a [`LocalBody`](crate::local::LocalBody) around the inner service's
+//! Its answers have a [`LocalBody`](crate::answer::LocalBody) around the inner service's
 //! body (an error answer's body is empty), and its errors are boxed. With the feature
 //! `chaos` off nothing of it is compiled.
 //!

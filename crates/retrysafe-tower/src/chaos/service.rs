@@ -7,7 +7,8 @@ use tower_service::Service;
 
 use super::future::ResponseFuture;
 use super::layer::Config;
-use crate::local::{BoxError, LocalBody};
+use crate::BoxError;
+use crate::answer::LocalBody;
 
 /// The service of a [`FaultLayer`](super::FaultLayer).
 pub struct FaultService<S> {

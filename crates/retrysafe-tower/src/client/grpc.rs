@@ -14,8 +14,9 @@ use tower_service::Service;
 
 use super::layer::ClientLayers;
 use super::service::{self, ClientService, Fused};
+use crate::BoxError;
+use crate::answer::{self, GrpcStatusLayer, GrpcStatusService};
 use crate::breaker::{Guarded, ResponseBody};
-use crate::local::{self, BoxError, GrpcStatusLayer, GrpcStatusService};
 use crate::retry::{Attempts, ReplayBody};
 
 /// [`ClientLayers`] for a tonic generated client, made by [`ClientLayers::grpc`]: over
@@ -108,7 +109,7 @@ pin_project! {
         Fused<IntoGrpcBody<S>>: Service<Request<ReplayBody<GrpcBody>>>,
     {
         #[pin]
-        inner: local::ResponseFuture<service::ResponseFuture<IntoGrpcBody<S>, GrpcBody>>,
+        inner: answer::ResponseFuture<service::ResponseFuture<IntoGrpcBody<S>, GrpcBody>>,
     }
 }
 

@@ -16,8 +16,8 @@ use tower_service::Service;
 use retrysafe_core::__private::Striped;
 use retrysafe_core::error::Throttled;
 
+use crate::BoxError;
 use crate::breaker::{self, Guarded, ResponseBody, StackBudget, Transport};
-use crate::local::BoxError;
 use crate::retry::{self, Attempts, ReplayBody, Within};
 use crate::{hedge, throttle};
 

@@ -11,7 +11,7 @@ use retrysafe_core::Deadline;
 use retrysafe_core::error::DeadlineExceeded;
 use tokio::time::Sleep;
 
-use crate::local::BoxError;
+use crate::BoxError;
 
 /// What a [`DeadlineLayer`](super::DeadlineLayer) does with the response body: leave it
 /// ([`Unbounded`], the default) or bound it by the deadline ([`BoundBody`]).

@@ -21,12 +21,12 @@ use tower_service::Service;
 
 use super::body::{BoundBody, Unbounded, WrapBody};
 use super::server::ServerDeadlineLayer;
-use crate::local::BoxError;
+use crate::BoxError;
 
 /// Bounds a whole call by a deadline; see the [module docs](super).
 ///
 /// The deadline running out is the error [`DeadlineExceeded`] (for gRPC, a
-/// [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+/// [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above turns it into a synthesised
 /// `DEADLINE_EXCEEDED`). `W` says whether the response body is bounded too
 /// ([`Unbounded`], [`BoundBody`]).
 #[must_use]

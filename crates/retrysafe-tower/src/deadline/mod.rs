@@ -16,7 +16,7 @@
 //!   connection, a concurrency permit or a breaker counts against the deadline.
 //! - When the deadline passes before the response head, the inner future is dropped and
 //!   the call fails with [`DeadlineExceeded`] (a
-//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above turns it into a synthesised
+//!   [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above turns it into a synthesised
 //!   Trailers-Only `DEADLINE_EXCEEDED`, code 4, marked `do-not-retry: 1`). A response that is ready is
 //!   never dropped for the timer: the inner future is polled first.
 //! - With [`bound_body`](DeadlineLayer::bound_body), the deadline also bounds the
@@ -124,7 +124,7 @@
 //! see `CANCELLED`. This layer clamps with [`max_timeout`](ServerDeadlineLayer::max_timeout) as well;
 //! `Server::timeout` bounds calls that carry no `grpc-timeout` at all, which this layer
 //! leaves unbounded. The server form wraps the response body in a
-//! [`LocalBody`](crate::local::LocalBody) (its own answers are bytes), so it fits
+//! [`LocalBody`](crate::answer::LocalBody) (its own answers are bytes), so it fits
 //! `Server::layer` with `tonic::body::Body` as it is, and marks `do-not-retry` in the
 //! trailers of a stream whose outbound call gave up, like the `PropagateLayer`.
 //!

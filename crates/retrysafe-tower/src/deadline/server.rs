@@ -21,7 +21,7 @@ use tokio::time::Sleep;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::local::{LocalBody, grpc_status_response, problem};
+use crate::answer::{LocalBody, grpc_status_response, problem};
 use crate::propagate::{self, Inbound};
 
 /// The server form of the [`DeadlineLayer`](super::DeadlineLayer), made by

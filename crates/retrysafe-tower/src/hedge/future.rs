@@ -16,7 +16,7 @@ use tokio::time::{Instant, Sleep};
 use tower_service::Service;
 
 use super::layer::{Config, Counts, HedgeOutcome};
-use crate::local::BoxError;
+use crate::BoxError;
 use crate::retry::{ReplayBody, failure_of};
 use retrysafe_core::observe::AttemptNumber;
 

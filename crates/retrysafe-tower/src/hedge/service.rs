@@ -13,7 +13,7 @@ use tower_service::Service;
 
 use super::future::ResponseFuture;
 use super::layer::Config;
-use crate::local::BoxError;
+use crate::BoxError;
 use crate::retry::ReplayBody;
 
 /// The service of a [`HedgeLayer`](super::HedgeLayer).

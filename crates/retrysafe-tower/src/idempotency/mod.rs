@@ -95,7 +95,7 @@
 //!
 //! # Backends
 //!
-//! What runs a guarded request is the layer's [backend](backend): by default the
+//! What runs a guarded request is the layer's [`backend`]: by default the
 //! claim–run–complete protocol above over any
 //! [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore), whose own settings
 //! ([`lease`](IdempotencyLayer::lease), [`fail_open`](IdempotencyLayer::fail_open), …)

@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::{Request, Response};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use retrysafe_core::__private::{Decision, Outcome as Seen, RetryCall};
+use retrysafe_core::__private::{Attempt as Seen, RetryCall, Verdict};
 use retrysafe_core::error::DeadlineExceeded;
 use retrysafe_core::strategy::{GiveUp, RetryToken};
 use tokio::time::{Instant, Sleep};
@@ -16,7 +16,7 @@ use tower_service::Service;
 use super::attempts::{Attempts, Plain, Sent};
 use super::body::ReplayBody;
 use super::transport::failure_of;
-use crate::local::BoxError;
+use crate::BoxError;
 
 pin_project! {
     /// The response future of [`RetryService`](super::RetryService). Polled again once
@@ -325,9 +325,9 @@ where
             last.map(Response::status),
         );
         match decision {
-            Decision::Retry(next) => Next::Retry(next),
-            Decision::Success | Decision::Final => Next::Answer,
-            Decision::GiveUp(_) => Next::GiveUp,
+            Verdict::Retry(next) => Next::Retry(next),
+            Verdict::Success | Verdict::Final => Next::Answer,
+            Verdict::GiveUp(_) => Next::GiveUp,
         }
     }
 
@@ -539,7 +539,7 @@ mod tests {
     use tokio::time::Instant;
     use tower::{Layer, Service, service_fn};
 
-    use crate::local::BoxError;
+    use crate::BoxError;
     use crate::retry::{ReplayBody, RetryLayer};
 
     /// A transport answering `status` to every call, and the number of calls it got.

@@ -43,7 +43,7 @@
 //!   again;
 //! - fails with the typed errors of local failures (its deadline, and a budget or
 //!   breaker below that refused before any real response); a
-//!   [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack answers them
+//!   [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above the stack answers them
 //!   for gRPC requests as synthesised Trailers-Only statuses;
 //! - calls [`on_retry`](RetryLayer::on_retry) / [`on_give_up`](RetryLayer::on_give_up),
 //!   emits `tracing` events, runs each call in one `retrysafe.call` span and puts an
@@ -151,7 +151,7 @@ pub(crate) use layer::Config;
 #[cfg(feature = "client")]
 pub(crate) use layer::MAX_REPLAY_CAP;
 pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
-pub use retrysafe_core::backoff::{Backoff, Jitter};
+pub use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
 pub use retrysafe_core::observe::AttemptNumber;
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
 pub use retrysafe_core::strategy::{

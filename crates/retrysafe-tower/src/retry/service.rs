@@ -12,7 +12,7 @@ use super::attempts::{Attempts, Plain, Sent};
 use super::body::ReplayBody;
 use super::future::{Driver, ResponseFuture};
 use super::layer::{Config, MAX_REPLAY_CAP};
-use crate::local::BoxError;
+use crate::BoxError;
 
 /// The service of a [`RetryLayer`](super::RetryLayer).
 #[derive(Clone, Debug)]

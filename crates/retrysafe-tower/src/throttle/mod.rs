@@ -9,7 +9,7 @@
 //! `max(0, (requests − K × accepts) / (requests + 1))` (`K` default 2.0). A rejection
 //! never reaches the callee: it is the error [`Throttled`], which no retrysafe layer
 //! above retries and which breakers and budgets do not count; for gRPC, a
-//! [`GrpcStatusLayer`](crate::local::GrpcStatusLayer) above the stack turns it into a
+//! [`GrpcStatusLayer`](crate::answer::GrpcStatusLayer) above the stack turns it into a
 //! synthesised `UNAVAILABLE` marked `do-not-retry`.
 //!
 //! The answer is judged by its head: a gRPC status there (a Trailers-Only answer, as

@@ -11,7 +11,7 @@ use retrysafe_core::error::Throttled;
 use tower_service::Service;
 
 use super::layer::Config;
-use crate::local::BoxError;
+use crate::BoxError;
 
 /// The service of an [`AdaptiveThrottleLayer`](super::AdaptiveThrottleLayer).
 #[derive(Clone, Debug)]

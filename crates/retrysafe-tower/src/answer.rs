@@ -1,5 +1,7 @@
-//! How the failures client layers generate themselves (a deadline, an open breaker, an
-//! exhausted budget) are answered.
+//! The answers layers give by themselves, instead of the inner service's: how the
+//! failures client layers generate (a deadline, an open breaker, an exhausted budget)
+//! are answered, and the body of a response that is either a layer's own answer or the
+//! inner service's ([`LocalBody`]).
 //!
 //! The client layers always fail with their typed errors, boxed: [`DeadlineExceeded`],
 //! [`CircuitOpen`], [`BudgetExhausted`] (and a `RetryLayer` recognises a refusal from
@@ -20,7 +22,8 @@
 //! # async fn main() {
 //! use http::{Request, Response};
 //! use retrysafe_core::error::DeadlineExceeded;
-//! use retrysafe_tower::local::{BoxError, GrpcStatusLayer};
+//! use retrysafe_tower::BoxError;
+//! use retrysafe_tower::answer::GrpcStatusLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
@@ -52,8 +55,7 @@ use retrysafe_core::wire::{Convention, DO_NOT_RETRY_VALUE};
 use tower_layer::Layer;
 use tower_service::Service;
 
-/// A boxed error, as the client layers return.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+use crate::BoxError;
 
 /// Answers the local failures of the client layers below it, for gRPC requests, with
 /// synthesised Trailers-Only statuses (see the [module docs](self)). Put it outermost
