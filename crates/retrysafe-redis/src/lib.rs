@@ -100,12 +100,17 @@
 mod check;
 mod recovery;
 mod scripts;
-mod slots;
+#[cfg(feature = "sentinel")]
+mod sentinel;
+pub mod slots;
 mod store;
 #[cfg(feature = "test-util")]
 pub mod test_util;
 
 pub use check::{CheckError, ConfigReport, EvictionPolicy};
+#[cfg(feature = "sentinel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+pub use sentinel::SentinelConnection;
 pub use store::{RedisStore, RedisStoreOptions};
 
 /// The redis-rs crate this store is built on, for building connections.
