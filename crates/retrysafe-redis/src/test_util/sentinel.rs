@@ -179,6 +179,21 @@ impl LocalSentinel {
         self.signal(port, "-STOP")
     }
 
+    /// Holds the replicas behind their primary: stops them ([`pause`](Self::pause))
+    /// and makes the primary close their replication links (`CLIENT KILL TYPE
+    /// replica`), so that nothing the primary takes from then on reaches them, as
+    /// happens to an asynchronous replica that fell behind. [`resume`](Self::resume)
+    /// each (returned) to let it reconnect and catch up, if its primary is still there.
+    pub fn hold_replicas_behind(&self) -> Result<Vec<u16>, LocalError> {
+        let primary = self.primary()?;
+        let replicas = self.replicas();
+        for replica in &replicas {
+            self.pause(*replica)?;
+        }
+        cli(primary, &["CLIENT", "KILL", "TYPE", "replica"])?;
+        Ok(replicas)
+    }
+
     /// Resumes a data node stopped by [`pause`](Self::pause) (SIGCONT).
     pub fn resume(&self, port: u16) -> Result<(), LocalError> {
         self.signal(port, "-CONT")
