@@ -592,8 +592,11 @@ async fn connect_redis(
         // Checked by `connect` above, on the same node.
         .skip_config_check();
     let (backend, store_check) = if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        // A response timeout bounds every wait of the cluster client, its slot refresh's
+        // included (see `RedisStore::connect_cluster`).
         let client = redis::cluster::ClusterClient::builder([url])
             .connection_timeout(Duration::from_secs(1))
+            .response_timeout(Duration::from_secs(2))
             .build()
             .map_err(|e| format!("cannot use the redis cluster at {shown}: {e}"))?;
         let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())

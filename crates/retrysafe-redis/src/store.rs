@@ -43,6 +43,12 @@ const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
+/// The response timeout of the cluster client of [`RedisStore::connect_cluster`]:
+/// longer than any call the store makes (a waited write takes at most the call
+/// timeout), so that only a node that stopped answering meets it.
+#[cfg(feature = "cluster")]
+const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
+
 /// How often [`RedisStore::connect`] retries a connection (also when reconnecting).
 const CONNECT_RETRIES: usize = 2;
 
@@ -265,6 +271,15 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// Every record is one key whose hash tag is its record id, so each script runs on
     /// the node that owns that key's slot.
     ///
+    /// The cluster client is made with a response timeout of twice the default call
+    /// timeout (2 s; a waited write may take the call timeout). Without one, redis-rs's
+    /// cluster client waits for every reply without end, also inside its slot refresh,
+    /// which holds the topology lock that every request needs: one node that stops
+    /// answering (frozen, partitioned, or its connection held up behind waited writes)
+    /// can then stall every request to every node. Over your own cluster connection,
+    /// set one too. A primary that stops answering is still not given up by the
+    /// client: calls to its slots fail until it answers again (demoted, with `MOVED`).
+    ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -282,6 +297,7 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
         let timeout = DEFAULT_CALL_TIMEOUT;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
+            .response_timeout(CLUSTER_RESPONSE_TIMEOUT)
             .build()
             .map_err(StoreError::unavailable)?;
         let conn = bounded(timeout * 5, client.get_async_connection()).await?;

@@ -6,7 +6,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
 use super::local::{
-    LocalError, check_tools, cli, error, free_ports, start_server, wait_until, watchdog,
+    LocalError, check_tools, cli, error, free_ports, signal, start_server, wait_until, watchdog,
 };
 
 /// A Redis Cluster of 3 primaries and 3 replicas (one each), `redis-server` processes
@@ -122,11 +122,15 @@ impl LocalCluster {
         self.nodes.iter().map(|n| n.port).collect()
     }
 
-    /// The ports of the nodes that are primaries now and that own slots.
+    /// The ports of the nodes that are primaries now and that own slots (of those that
+    /// answer).
     pub fn primaries(&self) -> Result<Vec<u16>, LocalError> {
         let mut out = Vec::new();
         for node in self.nodes.iter().filter(|n| n.child.is_some()) {
-            let role = cli(node.port, &["ROLE"])?;
+            // A node that does not answer (paused, say) is not counted.
+            let Ok(role) = cli(node.port, &["ROLE"]) else {
+                continue;
+            };
             if role.lines().next() == Some("master") && !out.contains(&node.port) {
                 out.push(node.port);
             }
@@ -146,6 +150,42 @@ impl LocalCluster {
             let _ = child.wait();
         }
         Ok(())
+    }
+
+    /// Stops the node on `port` (SIGSTOP): its connections stay open and it answers
+    /// nothing until [`resume`](Self::resume)d, as a frozen process or a lost network
+    /// would. A stopped primary is failed over to its replica after the node timeout.
+    pub fn pause(&self, port: u16) -> Result<(), LocalError> {
+        signal(self.child(port)?, "-STOP")
+    }
+
+    /// Resumes a node stopped by [`pause`](Self::pause) (SIGCONT); a primary failed
+    /// over meanwhile rejoins as a replica.
+    pub fn resume(&self, port: u16) -> Result<(), LocalError> {
+        signal(self.child(port)?, "-CONT")
+    }
+
+    /// The port of the replica of the primary on `port`, as the replicas say (`ROLE`).
+    pub fn replica_of(&self, primary: u16) -> Option<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some() && n.port != primary)
+            .find(|n| {
+                cli(n.port, &["ROLE"]).is_ok_and(|role| {
+                    let mut lines = role.lines();
+                    lines.next() == Some("slave")
+                        && lines.nth(1).and_then(|p| p.trim().parse().ok()) == Some(primary)
+                })
+            })
+            .map(|n| n.port)
+    }
+
+    fn child(&self, port: u16) -> Result<&Child, LocalError> {
+        self.nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .ok_or_else(|| error(format!("no live node on port {port}")))
     }
 
     /// Starts the node on `port` again (after [`kill`](Self::kill)): it rejoins the

@@ -37,8 +37,9 @@ pub(crate) fn wait_until(
     dir: &Path,
     mut done: impl FnMut() -> bool,
 ) -> Result<(), LocalError> {
-    let tries = SETTLE.as_millis() / POLL.as_millis();
-    for _ in 0..tries {
+    // tokio's clock, which is std's outside a runtime with a paused clock.
+    let started = tokio::time::Instant::now();
+    while started.elapsed() < SETTLE {
         if done() {
             return Ok(());
         }
@@ -108,15 +109,16 @@ pub(crate) fn free_ports(n: usize) -> Result<Vec<u16>, LocalError> {
         .map_err(|e| error(format!("no free port: {e}")))
 }
 
-/// `redis-cli -p port args…`: its output, or why it failed.
+/// `redis-cli -p port args…`: its output, or why it failed (also when it has no answer
+/// within 5 s: a node may be frozen on purpose).
 pub(crate) fn cli(port: u16, args: &[&str]) -> Result<String, LocalError> {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
+    let out = Command::new("timeout")
+        .args(["5", "redis-cli", "-p", &port.to_string()])
         .args(args)
         .stdin(Stdio::null())
         .stderr(Stdio::null())
         .output()
-        .map_err(|e| error(format!("cannot run redis-cli: {e}")))?;
+        .map_err(|e| error(format!("cannot run timeout redis-cli: {e}")))?;
     if out.status.success() {
         Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
@@ -173,4 +175,16 @@ pub(crate) fn start_server(
         return Err(e);
     }
     Ok(child)
+}
+
+/// Sends `signal` (`-STOP`, `-CONT`) to `child` with `kill`.
+pub(crate) fn signal(child: &Child, signal: &str) -> Result<(), LocalError> {
+    let sent = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .map_err(|e| error(format!("cannot run kill: {e}")))?;
+    if !sent.success() {
+        return Err(error(format!("kill {signal} {} failed", child.id())));
+    }
+    Ok(())
 }

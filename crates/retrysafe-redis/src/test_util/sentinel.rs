@@ -7,7 +7,7 @@ use std::process::{Child, Command};
 use std::sync::OnceLock;
 
 use super::local::{
-    LocalError, check_tools, cli, error, free_ports, start_server, wait_until, watchdog,
+    LocalError, check_tools, cli, error, free_ports, signal, start_server, wait_until, watchdog,
 };
 
 /// How many sentinels must agree that the primary is down before one fails it over.
@@ -286,21 +286,14 @@ impl LocalSentinel {
             .ok_or_else(|| error(format!("no data node on port {port}")))
     }
 
-    fn signal(&self, port: u16, signal: &str) -> Result<(), LocalError> {
+    fn signal(&self, port: u16, sig: &str) -> Result<(), LocalError> {
         let child = self
             .nodes
             .iter()
             .find(|n| n.port == port)
             .and_then(|n| n.child.as_ref())
             .ok_or_else(|| error(format!("no live data node on port {port}")))?;
-        let sent = Command::new("kill")
-            .args([signal, &child.id().to_string()])
-            .status()
-            .map_err(|e| error(format!("cannot run kill: {e}")))?;
-        if !sent.success() {
-            return Err(error(format!("kill {signal} {} failed", child.id())));
-        }
-        Ok(())
+        signal(child, sig)
     }
 
     /// Starts the data node on `port`: a replica of the node on port `primary`, or
