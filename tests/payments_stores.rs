@@ -95,10 +95,61 @@ impl Space {
     async fn amounts(&self, account: &str) -> Vec<i64> {
         match self {
             Space::Redis(r) => r.amounts(account).await,
-            Space::RedisCluster(r) => r.amounts(account).await,
+            Space::RedisCluster(r) => r.ledger_amounts(account).await,
             Space::Postgres(p) => p.amounts(account).await,
         }
     }
+}
+
+/// The amounts of an account's payments in the example's Redis ledger, read directly.
+trait LedgerAmounts {
+    async fn ledger_amounts(&self, account: &str) -> Vec<i64>;
+}
+
+impl LedgerAmounts for RedisSpace {
+    async fn ledger_amounts(&self, account: &str) -> Vec<i64> {
+        self.amounts(account).await
+    }
+}
+
+impl LedgerAmounts for RedisSpace<ClusterConnection> {
+    async fn ledger_amounts(&self, account: &str) -> Vec<i64> {
+        cluster_amounts(self, account).await
+    }
+}
+
+/// The amounts of `account`'s payments on the cluster. The example keeps each payment
+/// in the hash slot of its idempotency record, under the short tag of that slot
+/// (`{prefix}{<tag>}:account:<account>`): read the hash of every slot, one pipeline per
+/// range of slots a primary holds.
+async fn cluster_amounts(space: &RedisSpace<ClusterConnection>, account: &str) -> Vec<i64> {
+    use retrysafe_redis::redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+    use retrysafe_redis::slots::tag_of_slot;
+    let mut conn = space.conn.clone();
+    let ranges: Vec<Vec<redis::Value>> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut amounts = Vec::new();
+    for range in ranges {
+        let first: u16 = redis::from_redis_value(range[0].clone()).unwrap();
+        let last: u16 = redis::from_redis_value(range[1].clone()).unwrap();
+        let mut pipe = redis::pipe();
+        for slot in first..=last {
+            let tag = tag_of_slot(slot);
+            pipe.cmd("HVALS")
+                .arg(format!("{}{{{tag}}}:account:{account}", space.prefix));
+        }
+        let route = SingleNodeRoutingInfo::SpecificNode(Route::new(first, SlotAddr::Master));
+        let count = usize::from(last - first) + 1;
+        let replies = conn.route_pipeline(pipe, 0, count, route).await.unwrap();
+        for reply in replies {
+            let found: Vec<i64> = redis::from_redis_value(reply).unwrap();
+            amounts.extend(found);
+        }
+    }
+    amounts
 }
 
 /// A key prefix of one test on the shared local Redis Cluster.
@@ -234,6 +285,47 @@ async fn redis_cluster_two_instances_behave_as_one() {
     two_instances_behave_as_one(Kind::RedisCluster).await;
 }
 
+/// On a cluster a payment is kept in the hash slot of its idempotency record, so a
+/// failover of one node loses both or neither.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_cluster_a_payment_lives_in_the_slot_of_its_record() {
+    use retrysafe_redis::slots::{slot_of_record, tag_of_slot};
+    let space = cluster_space().await;
+    let server = Server::start_with(&["--store", space.url.as_str()], &space.env());
+    let api = Api::new(&server);
+    let mut conn = space.conn.clone();
+    for n in 0..8 {
+        let key = format!("slot-{n}");
+        api.pay(&key, "acct-slot", 10, &[])
+            .await
+            .assert_created("acct-slot", 10);
+        let id = record_id(&key);
+        let slot = slot_of_record(&id);
+        let record_slot: u16 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(space.store.key(&id))
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(record_slot, slot);
+        let payment = format!(
+            "{}{{{}}}:account:acct-slot",
+            space.prefix,
+            tag_of_slot(slot)
+        );
+        let amounts: Vec<i64> = redis::cmd("HVALS")
+            .arg(&payment)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert!(
+            amounts.contains(&10),
+            "{payment} holds the payment of {key}"
+        );
+    }
+    assert_eq!(space.ledger_amounts("acct-slot").await.len(), 8);
+}
+
 async fn waiting_copies_get_the_answer_across_instances(kind: Kind) {
     let space = Space::new(kind).await;
     let a = space.start(&name("a"), &["--in-flight", "wait"]);
@@ -319,6 +411,7 @@ async fn redis_cluster_killed_before_the_commit_point_runs_once_after_the_lease(
 async fn killed_before_the_commit_point_runs_once_after_the_lease<C>(space: RedisSpace<C>)
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    RedisSpace<C>: LedgerAmounts,
 {
     let url = space.url.clone();
     let args = ["--store", url.as_str(), "--lease-ms", "500"];
@@ -350,13 +443,13 @@ where
 
     a.kill();
     assert!(original.await.unwrap().is_err(), "A died before answering");
-    assert!(space.amounts("acct-kill").await.is_empty());
+    assert!(space.ledger_amounts("acct-kill").await.is_empty());
 
     // B answers 409 while A's lease lasts, then takes over and runs once.
     let ran = pay_until_not(&api_b, &[409], "kill-1", "acct-kill", 700).await;
     ran.assert_created("acct-kill", 700);
     assert!(!ran.replayed(), "{ran:?}");
-    assert_eq!(space.amounts("acct-kill").await, vec![700]);
+    assert_eq!(space.ledger_amounts("acct-kill").await, vec![700]);
     assert!(
         matches!(space.record("kill-1").await, Some(Record::Completed(_))),
         "the takeover completed the record"
@@ -364,7 +457,7 @@ where
     let again = api_b.pay("kill-1", "acct-kill", 700, &[]).await;
     assert!(again.replayed(), "{again:?}");
     assert_eq!(again.body, ran.body);
-    assert_eq!(space.amounts("acct-kill").await, vec![700]);
+    assert_eq!(space.ledger_amounts("acct-kill").await, vec![700]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -437,6 +530,7 @@ async fn redis_cluster_killed_after_the_effect_is_outcome_unknown_never_twice() 
 async fn killed_after_the_effect_is_outcome_unknown_never_twice<C>(space: RedisSpace<C>)
 where
     C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+    RedisSpace<C>: LedgerAmounts,
 {
     let url = space.url.clone();
     let args = [
@@ -465,7 +559,7 @@ where
     };
     // The payment is in the ledger, the claim past its commit point, no answer stored.
     eventually("A's payment", PATIENCE, || async {
-        (!space.amounts("acct-after").await.is_empty()).then_some(())
+        (!space.ledger_amounts("acct-after").await.is_empty()).then_some(())
     })
     .await;
     let record = space.record("after-1").await;
@@ -491,7 +585,7 @@ where
         ),
         "the expired lease past the commit point became outcome_unknown"
     );
-    assert_eq!(space.amounts("acct-after").await, vec![800]);
+    assert_eq!(space.ledger_amounts("acct-after").await, vec![800]);
     assert_eq!(api_b.totals("acct-after").await, (1, 800));
 }
 

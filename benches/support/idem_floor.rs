@@ -40,13 +40,13 @@ use axum::http::header::HeaderValue;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use retrysafe_core::store::{Claim, ClaimOutcome};
-use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
 use retrysafe::idempotency::{
     Fingerprint, Fingerprinter, IdempotencyStore, MemoryStore, Principal, RecordId, Scope,
     StoredResponse,
 };
 use retrysafe::wire::IdempotencyKey;
+use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
+use retrysafe_core::store::{Claim, ClaimOutcome};
 use std::time::Duration;
 use tower::{Layer, Service, ServiceExt};
 

@@ -69,8 +69,8 @@ use retrysafe::server::ServerLayers;
 use retrysafe::{ConfigError, DeadlineLayer};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
-use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::cluster_async::ClusterConnection;
+use retrysafe_redis::{RedisStore, SentinelConnection};
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;
@@ -229,8 +229,15 @@ pub(crate) enum Backend {
         /// The ledger (`Ledger::Redis`).
         ledger: Ledger,
     },
+    /// The same on the primary of a Redis Sentinel service, followed across failovers.
+    RedisSentinel {
+        /// The idempotency store.
+        store: RedisStore<SentinelConnection>,
+        /// The ledger (`Ledger::Redis`, on the same connection).
+        ledger: Ledger,
+    },
     /// The same on a Redis Cluster: records in a `RedisStore` over the cluster client
-    /// (its in-flight index kept per slot), payments in a Redis ledger (one slot).
+    /// (its in-flight index kept per slot), each payment in the slot of its record.
     RedisCluster {
         /// The idempotency store.
         store: RedisStore<ClusterConnection>,
@@ -281,6 +288,10 @@ pub(crate) fn router_on(backend: Backend, options: &Options) -> Result<App, Conf
             (IdempotencyLayer::new(store), ledger, reconciler)
         }
         Backend::Redis { store, ledger } => {
+            let reconciler = reconciler(&store, &ledger, options)?;
+            (IdempotencyLayer::new(store), ledger, reconciler)
+        }
+        Backend::RedisSentinel { store, ledger } => {
             let reconciler = reconciler(&store, &ledger, options)?;
             (IdempotencyLayer::new(store), ledger, reconciler)
         }

@@ -11,13 +11,21 @@
 //!
 //! - **Memory**: a list in the process (the `quickstart` and the default `payments`),
 //!   with an index by (scope, key).
-//! - **Redis**: one hash per account, `{prefix}{ledger}:account:{account}`, mapping each
-//!   payment id to its amount, the set of accounts `{prefix}{ledger}:accounts`, and one
-//!   key per idempotency key, `{prefix}{ledger}:by-key:<scope hash>:<key>`, holding the
-//!   payment and expiring with the key window, written together by one script that
-//!   first checks it. (`{ledger}` is a Redis Cluster hash tag: every ledger key is in
-//!   one slot, so on a cluster ([`RedisConn::Cluster`]) the script and the reads run
-//!   on the one node that holds that slot.)
+//! - **Redis** (one server, or the primary Redis Sentinel names): one hash per account,
+//!   `{prefix}{ledger}:account:{account}`, mapping each payment id to its amount, the
+//!   set of accounts `{prefix}{ledger}:accounts`, and one key per idempotency key,
+//!   `{prefix}{ledger}:by-key:<scope hash>:<key>`, holding the payment and expiring
+//!   with the key window, written together by one script that first checks it.
+//! - **Redis Cluster** ([`RedisConn::Cluster`]): the same keys, per hash slot, in the
+//!   slot of the payment's idempotency record: `{prefix}{<tag>}:account:{account}`,
+//!   `{prefix}{<tag>}:all` (every payment of the slot: id → amount) and
+//!   `{prefix}{<tag>}:by-key:…`, `<tag>` the short hash tag of the record's slot
+//!   (`retrysafe_redis::slots`). A payment then lives on the node of the record that
+//!   says it happened, and a failover of one node loses both or neither: kept on a node
+//!   of its own, a payment could be lost while its record survived, and a later copy
+//!   would be answered a replayed 201 for a payment that no longer exists. The script
+//!   runs on that one node; totals read every slot, one pipeline per range of slots a
+//!   node holds (`CLUSTER SLOTS`).
 //! - **PostgreSQL**: a `payments` table (in the store's schema when it has one), unique
 //!   on (scope, key), written inside the request's transaction through the
 //!   [`IdempotentTx`] guard, so the payment and the idempotency key commit together; or,
@@ -27,14 +35,17 @@
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use retrysafe::idempotency::{Scope, Token};
+use retrysafe::idempotency::{RecordId, Scope, Token};
 use retrysafe::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::{self, Row};
 use retrysafe_postgres::tx::IdempotentTx;
+use retrysafe_redis::SentinelConnection;
 use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager};
 use retrysafe_redis::redis::cluster_async::ClusterConnection;
-use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, Value};
+use retrysafe_redis::redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use retrysafe_redis::slots::{SLOTS, slot_of_record, tag_of_slot};
 use serde::{Deserialize, Serialize};
 
 /// How long one ledger call to Redis or PostgreSQL may take.
@@ -126,22 +137,30 @@ impl Owner<'_> {
 }
 
 /// Records a payment unless its (scope, key) already has one within the key window;
-/// replies the payment stored under the key (the new one, or the first).
+/// replies the payment stored under the key (the new one, or the first). The third key
+/// is the set of accounts on one server, the slot's hash of payments on a cluster.
 const REDIS_RECORD: &str = r"
 local first = redis.call('GET', KEYS[1])
 if first then return first end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[5])
 redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-redis.call('SADD', KEYS[3], ARGV[4])
+if ARGV[6] == 'slot' then
+  redis.call('HSET', KEYS[3], ARGV[2], ARGV[3])
+else
+  redis.call('SADD', KEYS[3], ARGV[4])
+end
 return ARGV[1]
 ";
 
-/// A connection to one Redis server, or to a Redis Cluster (every ledger key is in one
-/// slot, so the ledger's scripts and pipelines run on the node that holds it).
+/// A connection to one Redis server, to the primary Redis Sentinel names, or to a
+/// Redis Cluster (a payment's keys are in the slot of its idempotency record, so the
+/// ledger's script runs on the node that holds that record).
 #[derive(Clone)]
 pub(crate) enum RedisConn {
     /// One server, through a reconnecting manager.
     Server(ConnectionManager),
+    /// The primary of a Sentinel service, followed across failovers.
+    Sentinel(SentinelConnection),
     /// A cluster, through the cluster client (it follows `MOVED` and `ASK`).
     Cluster(ClusterConnection),
 }
@@ -150,6 +169,7 @@ impl std::fmt::Debug for RedisConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
             RedisConn::Server(_) => "RedisConn::Server",
+            RedisConn::Sentinel(_) => "RedisConn::Sentinel",
             RedisConn::Cluster(_) => "RedisConn::Cluster",
         })
     }
@@ -159,6 +179,7 @@ impl ConnectionLike for RedisConn {
     fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
         match self {
             RedisConn::Server(c) => c.req_packed_command(cmd),
+            RedisConn::Sentinel(c) => c.req_packed_command(cmd),
             RedisConn::Cluster(c) => c.req_packed_command(cmd),
         }
     }
@@ -171,6 +192,7 @@ impl ConnectionLike for RedisConn {
     ) -> RedisFuture<'a, Vec<Value>> {
         match self {
             RedisConn::Server(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Sentinel(c) => c.req_packed_commands(pipeline, offset, count),
             RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
         }
     }
@@ -178,7 +200,22 @@ impl ConnectionLike for RedisConn {
     fn get_db(&self) -> i64 {
         match self {
             RedisConn::Server(c) => c.get_db(),
+            RedisConn::Sentinel(c) => c.get_db(),
             RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+impl RedisConn {
+    /// The hash tag of the ledger keys of a payment made under `owner`: `ledger` (one
+    /// slot for the whole ledger) but on a cluster, where it is the tag of the slot of
+    /// the owner's idempotency record (slot 0 for a payment without a key).
+    fn tag(&self, owner: Option<Owner<'_>>) -> String {
+        match self {
+            RedisConn::Cluster(_) => {
+                tag_of_slot(owner.map_or(0, |o| slot_of_record(&RecordId::new(o.scope, o.key))))
+            }
+            RedisConn::Server(_) | RedisConn::Sentinel(_) => "ledger".to_owned(),
         }
     }
 }
@@ -319,17 +356,24 @@ impl Ledger {
                 let json = serde_json::to_string(&payment).map_err(unavailable)?;
                 // A keyless payment gets a name of its own, so the script is one.
                 let name = owner.map_or_else(|| format!("unkeyed:{}", payment.id), |o| o.name());
+                let tag = conn.tag(owner);
+                let per_slot = matches!(conn, RedisConn::Cluster(_));
                 let mut conn = conn.clone();
                 let script = redis::Script::new(REDIS_RECORD);
                 let mut call = script.prepare_invoke();
-                call.key(by_key(prefix, &name))
-                    .key(account_key(prefix, &payment.account))
-                    .key(accounts_key(prefix))
+                call.key(by_key(prefix, &tag, &name))
+                    .key(account_key(prefix, &tag, &payment.account))
+                    .key(if per_slot {
+                        all_key(prefix, &tag)
+                    } else {
+                        accounts_key(prefix)
+                    })
                     .arg(&json)
                     .arg(&payment.id)
                     .arg(payment.amount_cents)
                     .arg(&payment.account)
-                    .arg(millis(*window));
+                    .arg(millis(*window))
+                    .arg(if per_slot { "slot" } else { "one" });
                 let stored: String = bounded(call.invoke_async(&mut conn)).await?;
                 serde_json::from_str(&stored).map_err(unavailable)
             }
@@ -400,17 +444,19 @@ impl Ledger {
         scope: &Scope,
         key: &IdempotencyKey,
     ) -> Result<Option<Payment>, LedgerError> {
-        let name = Owner { scope, key }.name();
+        let owner = Owner { scope, key };
+        let name = owner.name();
         match self {
             Ledger::Memory(ledger) => {
                 let ledger = ledger.lock().unwrap_or_else(PoisonError::into_inner);
                 Ok(ledger.owned(&name).cloned())
             }
             Ledger::Redis { conn, prefix, .. } => {
+                let tag = conn.tag(Some(owner));
                 let mut conn = conn.clone();
                 let found: Option<String> = bounded(
                     redis::cmd("GET")
-                        .arg(by_key(prefix, &name))
+                        .arg(by_key(prefix, &tag, &name))
                         .query_async(&mut conn),
                 )
                 .await?;
@@ -461,6 +507,14 @@ impl Ledger {
                     .filter(|p| account.is_none_or(|a| p.account == a))
                     .fold(Totals::default(), |t, p| t.add(p.amount_cents)))
             }
+            Ledger::Redis {
+                conn: RedisConn::Cluster(conn),
+                prefix,
+                ..
+            } => {
+                let amounts = bounded(cluster_amounts(conn.clone(), prefix, account)).await?;
+                Ok(amounts.into_iter().fold(Totals::default(), Totals::add))
+            }
             Ledger::Redis { conn, prefix, .. } => {
                 let mut conn = conn.clone();
                 let accounts: Vec<String> = match account {
@@ -476,7 +530,7 @@ impl Ledger {
                 };
                 let mut pipe = redis::pipe();
                 for a in &accounts {
-                    pipe.cmd("HVALS").arg(account_key(prefix, a));
+                    pipe.cmd("HVALS").arg(account_key(prefix, "ledger", a));
                 }
                 let amounts: Vec<Vec<i64>> = if accounts.is_empty() {
                     Vec::new()
@@ -506,14 +560,56 @@ impl Ledger {
     }
 }
 
-/// The Redis hash of `account`'s payments: payment id → amount in cents.
-pub(crate) fn account_key(prefix: &str, account: &str) -> String {
-    format!("{prefix}{{ledger}}:account:{account}")
+/// The Redis hash of `account`'s payments (under hash tag `tag`): payment id → amount
+/// in cents.
+pub(crate) fn account_key(prefix: &str, tag: &str, account: &str) -> String {
+    format!("{prefix}{{{tag}}}:account:{account}")
 }
 
 /// The Redis key of the payment made under `name` (`<scope hash>:<key>`).
-fn by_key(prefix: &str, name: &str) -> String {
-    format!("{prefix}{{ledger}}:by-key:{name}")
+fn by_key(prefix: &str, tag: &str, name: &str) -> String {
+    format!("{prefix}{{{tag}}}:by-key:{name}")
+}
+
+/// On a cluster, the hash of the payments of the slot of tag `tag`: id → amount.
+fn all_key(prefix: &str, tag: &str) -> String {
+    format!("{prefix}{{{tag}}}:all")
+}
+
+/// The amounts of `account`'s payments (or of every payment) on a Redis Cluster: the
+/// hash of each slot, read in one pipeline per range of slots a primary holds.
+pub(crate) async fn cluster_amounts(
+    mut conn: ClusterConnection,
+    prefix: &str,
+    account: Option<&str>,
+) -> RedisResult<Vec<i64>> {
+    let ranges: Vec<Vec<Value>> = redis::cmd("CLUSTER")
+        .arg("SLOTS")
+        .query_async(&mut conn)
+        .await?;
+    let mut amounts = Vec::new();
+    for range in ranges {
+        let bound = |i: usize| -> RedisResult<u16> {
+            redis::from_redis_value(range.get(i).cloned().unwrap_or(Value::Nil)).map_err(Into::into)
+        };
+        let (first, last) = (bound(0)?, bound(1)?.min(SLOTS - 1));
+        let mut pipe = redis::pipe();
+        for slot in first..=last {
+            let tag = tag_of_slot(slot);
+            pipe.cmd("HVALS").arg(match account {
+                Some(a) => account_key(prefix, &tag, a),
+                None => all_key(prefix, &tag),
+            });
+        }
+        let count = usize::from(last - first) + 1;
+        let route = SingleNodeRoutingInfo::SpecificNode(Route::new(first, SlotAddr::Master));
+        let replies = conn.route_pipeline(pipe, 0, count, route).await?;
+        for reply in replies {
+            let slot_amounts: Vec<i64> = redis::from_redis_value(reply.extract_error()?)?;
+            amounts.extend(slot_amounts);
+        }
+    }
+    Ok(amounts)
 }
 
 /// Whole milliseconds of `d`, for Redis and PostgreSQL.

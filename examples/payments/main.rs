@@ -2,7 +2,9 @@
 //! Redis or PostgreSQL backend.
 //!
 //! ```text
-//! cargo run --example payments -- [--listen ADDR] [--store memory | redis://… | postgres://…]
+//! cargo run --example payments -- [--listen ADDR]
+//!                                 [--store memory | redis://… | redis+sentinel://… | postgres://…]
+//!                                 [--replicated-writes N:MS]
 //!                                 [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
 //!                                 [--max-execution-ms N] [--memory-bytes N]
 //!                                 [--reconcile-ms N] [--metrics-listen ADDR] [--test-hooks]
@@ -24,8 +26,15 @@
 //! ledger live in Redis; with `--store postgres://USER@HOST:PORT/DB` each payment is
 //! inserted in the same transaction as its idempotency key (the `TxIdempotencyLayer`).
 //! A Redis URL may name a node of a Redis Cluster: the store and the ledger then use
-//! the cluster client (the ledger's keys share one hash slot). Several instances on one
-//! Redis (or Redis Cluster) or one PostgreSQL database behave as one. Two
+//! the cluster client (each payment in the hash slot of its idempotency record, so both
+//! live on one node). With `--store redis+sentinel://HOST:PORT[,HOST:PORT…]/SERVICE`
+//! the store and the ledger use the primary that Redis Sentinel names for SERVICE, and
+//! follow it across failovers with no restart. A `redis://` URL of a read-only replica
+//! is refused. `--replicated-writes N:MS` (Redis stores only) makes every claim, commit
+//! point and completion wait until N replicas have it, for at most MS milliseconds
+//! (`RedisStore::replicated_writes`): fewer acknowledged writes are lost on a failover.
+//! Several instances on one Redis (or Redis Cluster, or Sentinel service) or one
+//! PostgreSQL database behave as one. Two
 //! environment variables keep instances apart: `PAYMENTS_REDIS_PREFIX` (the prefix of
 //! every Redis key, default `payments:`) and `PAYMENTS_PG_SCHEMA` (the schema of the
 //! tables, default none: the connection's `search_path`). See `app.rs` for the routes and
@@ -51,21 +60,28 @@ use std::time::Duration;
 use app::RedisConn;
 use retrysafe_postgres::{PostgresStore, SweeperHandle};
 use retrysafe_redis::redis;
-use retrysafe_redis::{CheckError, RedisStore};
+use retrysafe_redis::{CheckError, RedisStore, SentinelConnection};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
 const USAGE: &str = "\
-usage: payments [--listen ADDR] [--store memory | redis://... | postgres://...]
-                [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
+usage: payments [--listen ADDR]
+                [--store memory | redis://... | redis+sentinel://... | postgres://...]
+                [--replicated-writes N:MS] [--lease-ms N] [--ttl-ms N] [--in-flight conflict|wait]
                 [--max-execution-ms N] [--memory-bytes N]
                 [--reconcile-ms N] [--metrics-listen ADDR] [--test-hooks]
 
   --listen ADDR        address to listen on (default 127.0.0.1:3000; port 0 picks one)
   --store STORE        where idempotency records and payments live: `memory` (default),
-                       a redis:// URL (RedisStore and a Redis ledger), or a postgres://
-                       URL (key and payment in one PostgreSQL transaction); instances
-                       sharing one Redis or database behave as one
+                       a redis:// URL (RedisStore and a Redis ledger; a node of a Redis
+                       Cluster finds the cluster; a read-only replica is refused),
+                       redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE (the primary
+                       Redis Sentinel names, followed across failovers), or a
+                       postgres:// URL (key and payment in one PostgreSQL transaction);
+                       instances sharing one Redis or database behave as one
+  --replicated-writes N:MS
+                       Redis stores only: each claim, commit point and completion waits
+                       until N replicas have it, at most MS milliseconds (else 503)
   --lease-ms N         lease of a claim in milliseconds (default 5000); with postgres,
                        how long an idle transaction keeps its key (a vanished holder's)
   --ttl-ms N           how long completed keys are kept, in milliseconds (default 24 h)
@@ -117,7 +133,83 @@ const DEFAULT_REDIS_PREFIX: &str = "payments:";
 enum Store {
     Memory,
     Redis(String),
+    /// `redis+sentinel://HOST:PORT[,HOST:PORT…]/SERVICE`.
+    RedisSentinel(Box<Sentinel>),
     Postgres(String),
+}
+
+/// A Redis Sentinel service: the sentinels' URLs and the service whose primary they
+/// name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Sentinel {
+    sentinels: Vec<String>,
+    service: String,
+}
+
+impl Store {
+    fn is_redis(&self) -> bool {
+        matches!(self, Store::Redis(_) | Store::RedisSentinel(_))
+    }
+}
+
+/// `redis+sentinel://HOST:PORT[,HOST:PORT…]/SERVICE`.
+fn parse_sentinel(url: &str) -> Result<Store, String> {
+    let bad = |why: &str| {
+        format!(
+            "--store {url:?}: {why} (expected redis+sentinel://HOST:PORT[,HOST:PORT...]/SERVICE)"
+        )
+    };
+    let rest = url.strip_prefix("redis+sentinel://").unwrap_or(url);
+    let (hosts, service) = rest
+        .split_once('/')
+        .ok_or_else(|| bad("no /SERVICE after the sentinels"))?;
+    if service.is_empty() || service.contains(['/', '?', '#']) {
+        return Err(bad("the service name must follow the last /, alone"));
+    }
+    if hosts.contains('@') {
+        return Err(bad("credentials are not supported here"));
+    }
+    let sentinels = hosts
+        .split(',')
+        .map(|host_port| match host_port.rsplit_once(':') {
+            Some((host, port))
+                if !host.is_empty()
+                    && !port.is_empty()
+                    && port.bytes().all(|b| b.is_ascii_digit())
+                    && port.parse::<u16>().is_ok_and(|p| p > 0) =>
+            {
+                Ok(format!("redis://{host_port}"))
+            }
+            _ => Err(bad(&format!("{host_port:?} is not HOST:PORT"))),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Store::RedisSentinel(Box::new(Sentinel {
+        sentinels,
+        service: service.to_owned(),
+    })))
+}
+
+/// `--replicated-writes N:MS`: replicas, then a timeout in milliseconds, both positive
+/// whole numbers written in digits.
+fn replicated_writes(value: &str) -> Result<(u32, Duration), String> {
+    let bad = || {
+        format!(
+            "--replicated-writes must be N:MS, the replicas then a timeout in milliseconds, \
+             both positive whole numbers (for example 1:500), not {value:?}"
+        )
+    };
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    let (n, ms) = value.split_once(':').ok_or_else(bad)?;
+    if !digits(n) || !digits(ms) {
+        return Err(bad());
+    }
+    let n = n.parse::<u32>().ok().filter(|&n| n > 0).ok_or_else(bad)?;
+    let ms = ms
+        .parse::<u64>()
+        .ok()
+        .filter(|&ms| ms > 0)
+        .ok_or_else(bad)?;
+    Ok((n, Duration::from_millis(ms)))
 }
 
 #[derive(Debug)]
@@ -125,6 +217,8 @@ struct Args {
     listen: String,
     metrics_listen: Option<String>,
     store: Store,
+    /// `--replicated-writes`: replicas and timeout, for a Redis store.
+    replicated_writes: Option<(u32, Duration)>,
     options: app::Options,
 }
 
@@ -145,6 +239,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let mut memory_bytes = None;
     let mut reconcile = None;
     let mut metrics_listen = None;
+    let mut replicated = None;
     let mut test_hooks = false;
 
     let mut args = args.into_iter();
@@ -179,6 +274,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
             "--memory-bytes" => &mut memory_bytes,
             "--reconcile-ms" => &mut reconcile,
             "--metrics-listen" => &mut metrics_listen,
+            "--replicated-writes" => &mut replicated,
             other if other.starts_with('-') => return Err(format!("unknown option {other}")),
             other => return Err(format!("unexpected argument {other:?}")),
         };
@@ -200,14 +296,26 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
         Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => {
             Store::Redis(s.to_owned())
         }
+        Some(s) if s.starts_with("redis+sentinel://") => parse_sentinel(s)?,
         Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => {
             Store::Postgres(s.to_owned())
         }
         Some(other) => {
             return Err(format!(
-                "--store must be `memory`, a redis:// URL or a postgres:// URL, not {other:?}"
+                "--store must be `memory`, a redis:// URL, a redis+sentinel:// URL or a \
+                 postgres:// URL, not {other:?}"
             ));
         }
+    };
+    let replicated_writes = match replicated {
+        None => None,
+        Some(_) if !store.is_redis() => {
+            return Err(
+                "--replicated-writes is for Redis stores (redis:// or redis+sentinel://)"
+                    .to_owned(),
+            );
+        }
+        Some(v) => Some(replicated_writes(&v)?),
     };
     let listen = listen.unwrap_or_else(|| "127.0.0.1:3000".to_owned());
     if listen.is_empty() {
@@ -256,6 +364,7 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
         listen,
         metrics_listen,
         store,
+        replicated_writes,
         options: app::Options {
             lease: lease.map(|v| millis("--lease-ms", &v)).transpose()?,
             retention: ttl.map(|v| millis("--ttl-ms", &v)).transpose()?,
@@ -318,6 +427,16 @@ async fn main() -> ExitCode {
                 url,
                 &env_or("PAYMENTS_REDIS_PREFIX", DEFAULT_REDIS_PREFIX),
                 args.options.key_window(),
+                args.replicated_writes,
+            )
+            .await
+        }
+        Store::RedisSentinel(sentinel) => {
+            connect_sentinel(
+                sentinel,
+                &env_or("PAYMENTS_REDIS_PREFIX", DEFAULT_REDIS_PREFIX),
+                args.options.key_window(),
+                args.replicated_writes,
             )
             .await
         }
@@ -457,14 +576,18 @@ fn env_or(name: &str, default: &str) -> String {
         .unwrap_or_else(|| default.to_owned())
 }
 
-/// Connects to Redis and checks its configuration: the idempotency records go under
-/// `{prefix}idem:`, the ledger under `{prefix}{ledger}:`. When the server is a node of
-/// a Redis Cluster (`cluster_enabled:1`), both go through the cluster client instead,
-/// the node being the first the client asks. The error is the message.
+/// Connects to Redis and checks its configuration (a read-only replica is refused):
+/// the idempotency records go under `{prefix}idem:`, the ledger under
+/// `{prefix}{ledger}:`. When the server is a node of a Redis Cluster
+/// (`cluster_enabled:1`), both go through the cluster client instead, the node being
+/// the first the client asks, and each payment goes in the slot of its record. With
+/// `replicated`, the store waits for replicas (`replicated_writes`). The error is the
+/// message.
 async fn connect_redis(
     url: &str,
     prefix: &str,
     key_window: Duration,
+    replicated: Option<(u32, Duration)>,
 ) -> Result<app::Backend, String> {
     let shown = redact(url);
     // `connect` refuses a maxmemory-policy other than noeviction (or one it cannot read).
@@ -483,8 +606,11 @@ async fn connect_redis(
         // Checked by `connect` above, on the same node.
         .skip_config_check();
     let (backend, store_check) = if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
+        // A response timeout bounds every wait of the cluster client, its slot refresh's
+        // included (see `RedisStore::connect_cluster`).
         let client = redis::cluster::ClusterClient::builder([url])
             .connection_timeout(Duration::from_secs(1))
+            .response_timeout(Duration::from_secs(2))
             .build()
             .map_err(|e| format!("cannot use the redis cluster at {shown}: {e}"))?;
         let conn = tokio::time::timeout(Duration::from_secs(5), client.get_async_connection())
@@ -496,6 +622,7 @@ async fn connect_redis(
             .build(conn.clone())
             .await
             .map_err(|e| format!("invalid redis store settings: {e}"))?;
+        let store = with_replicas(store, replicated);
         let check = store.check_config().await;
         let ledger = app::Ledger::redis(RedisConn::Cluster(conn), prefix, key_window);
         (app::Backend::RedisCluster { store, ledger }, check)
@@ -504,19 +631,77 @@ async fn connect_redis(
             .build(conn.clone())
             .await
             .map_err(|e| format!("invalid redis store settings: {e}"))?;
+        let store = with_replicas(store, replicated);
         let check = store.check_config().await;
         let ledger = app::Ledger::redis(RedisConn::Server(conn), prefix, key_window);
         (app::Backend::Redis { store, ledger }, check)
     };
-    match store_check {
-        Ok(report) if report.persistent() == Some(false) => eprintln!(
-            "warning: {shown} persists nothing: a restart forgets every idempotency \
-             record and payment"
-        ),
-        Ok(_) => {}
-        Err(e) => return Err(format!("cannot use the redis store at {shown}: {e}")),
-    }
+    persistence_warning(&shown, store_check)?;
     Ok(backend)
+}
+
+/// Finds the primary of a Redis Sentinel service (`sentinels`, `service`), connects to
+/// it and checks it as [`connect_redis`] does; the store and the ledger share the
+/// connection, which follows the primary across failovers. The error is the message.
+async fn connect_sentinel(
+    Sentinel { sentinels, service }: &Sentinel,
+    prefix: &str,
+    key_window: Duration,
+    replicated: Option<(u32, Duration)>,
+) -> Result<app::Backend, String> {
+    let shown = format!(
+        "the primary of {service} (sentinels {})",
+        sentinels.join(", ")
+    );
+    let found = tokio::time::timeout(
+        Duration::from_secs(5),
+        SentinelConnection::connect(sentinels.iter().map(String::as_str), service, None),
+    )
+    .await
+    .map_err(|_| format!("cannot find {shown}: no answer within 5 s"))?;
+    let conn = found.map_err(|e| format!("cannot find {shown}: {e}"))?;
+    let store = RedisStore::options()
+        .key_prefix(format!("{prefix}idem:"))
+        .build(conn.clone())
+        .await
+        .map_err(|e| match e {
+            CheckError::Store(e) => format!("cannot connect to {shown}: {e}"),
+            e => format!("cannot use {shown}: {e}"),
+        })?;
+    let store = with_replicas(store, replicated);
+    persistence_warning(&shown, store.check_config().await)?;
+    let ledger = app::Ledger::redis(RedisConn::Sentinel(conn), prefix, key_window);
+    Ok(app::Backend::RedisSentinel { store, ledger })
+}
+
+/// `store` with `--replicated-writes`, if given.
+fn with_replicas<C>(store: RedisStore<C>, replicated: Option<(u32, Duration)>) -> RedisStore<C>
+where
+    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
+{
+    match replicated {
+        Some((replicas, timeout)) => store.replicated_writes(replicas, timeout),
+        None => store,
+    }
+}
+
+/// Warns (on stderr) when the Redis at `shown` persists nothing; the error is the
+/// message.
+fn persistence_warning(
+    shown: &str,
+    check: Result<retrysafe_redis::ConfigReport, CheckError>,
+) -> Result<(), String> {
+    match check {
+        Ok(report) if report.persistent() == Some(false) => {
+            eprintln!(
+                "warning: {shown} persists nothing: a restart forgets every idempotency \
+                 record and payment"
+            );
+            Ok(())
+        }
+        Ok(_) => Ok(()),
+        Err(e) => Err(format!("cannot use the redis store at {shown}: {e}")),
+    }
 }
 
 /// Connects to PostgreSQL, creates the tables if needed and starts the sweeper of

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 use std::fmt;
 
 use redis::aio::ConnectionLike;
-use redis::{RedisError, RedisResult};
+use redis::{RedisError, RedisResult, Value};
 use retrysafe_core::ConfigError;
 use retrysafe_core::store::StoreError;
 
@@ -132,6 +132,13 @@ pub enum CheckError {
     /// policy could not be checked: make sure it is `noeviction`, then build the store
     /// with [`skip_config_check`](crate::RedisStoreOptions::skip_config_check).
     EvictionPolicyUnreadable,
+    /// The node is a read-only replica (`role:slave`): every write would be refused.
+    /// Connect to its primary (named when the replica reports it), or through Redis
+    /// Sentinel (`RedisStore::connect_sentinel`, feature `sentinel`), which finds it.
+    ReadOnlyReplica {
+        /// The primary it replicates, `host:port`, when it says.
+        primary: Option<String>,
+    },
     /// The server could not be asked.
     Store(StoreError),
 }
@@ -150,6 +157,13 @@ impl fmt::Display for CheckError {
                 "cannot read the Redis maxmemory-policy (CONFIG GET refused): make sure it \
                  is noeviction and build the store with skip_config_check()",
             ),
+            CheckError::ReadOnlyReplica { primary } => {
+                f.write_str("the Redis node is a read-only replica, and a store writes: ")?;
+                match primary {
+                    Some(p) => write!(f, "connect to its primary, {p}"),
+                    None => f.write_str("connect to its primary"),
+                }
+            }
             CheckError::Store(e) => write!(f, "cannot check the Redis configuration: {e}"),
         }
     }
@@ -159,7 +173,9 @@ impl std::error::Error for CheckError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             CheckError::Options(e) => Some(e),
-            CheckError::UnsafeEvictionPolicy(_) | CheckError::EvictionPolicyUnreadable => None,
+            CheckError::UnsafeEvictionPolicy(_)
+            | CheckError::EvictionPolicyUnreadable
+            | CheckError::ReadOnlyReplica { .. } => None,
             CheckError::Store(e) => Some(e),
         }
     }
@@ -276,6 +292,65 @@ where
         }
         Ok(())
     }
+
+    /// Refuses a read-only replica ([`CheckError::ReadOnlyReplica`]), from the node's
+    /// `INFO` (`role`, `cluster_enabled`, `master_host`, `master_port`). Not on a
+    /// Redis Cluster: its client sends each write to the primary of its slot, and
+    /// fans `INFO` out to every primary. A refused `INFO` is not checked.
+    pub(crate) async fn check_role(&self) -> Result<(), CheckError> {
+        if self.per_slot() {
+            return Ok(());
+        }
+        let mut conn = self.connection().clone();
+        let reply: RedisResult<Value> =
+            bounded_raw(self, redis::cmd("INFO").query_async(&mut conn)).await?;
+        let info = match reply {
+            Ok(Value::BulkString(bytes)) => String::from_utf8_lossy(&bytes).into_owned(),
+            Ok(Value::VerbatimString { text, .. }) => text,
+            // A fan-out's map: a cluster client, whose writes go to primaries.
+            Ok(_) => return Ok(()),
+            Err(e) if e.code().is_some() => {
+                tracing::warn!(
+                    target: "retrysafe::redis",
+                    name = self.name().as_str(),
+                    error = %e,
+                    "cannot read the Redis node's role (INFO refused): make sure it is a primary"
+                );
+                return Ok(());
+            }
+            Err(e) => return Err(CheckError::Store(store_error(e))),
+        };
+        match replica_of(&info) {
+            Some(primary) => {
+                tracing::error!(
+                    target: "retrysafe::redis",
+                    name = self.name().as_str(),
+                    primary = primary.as_deref().unwrap_or("unknown"),
+                    "the Redis node is a read-only replica: a store needs its primary"
+                );
+                Err(CheckError::ReadOnlyReplica { primary })
+            }
+            None => Ok(()),
+        }
+    }
+}
+
+/// From an `INFO` reply: `None` for a primary (or a cluster node, or an unknown role);
+/// for a replica, `Some` of its primary's `host:port` when the reply names it.
+pub(crate) fn replica_of(info: &str) -> Option<Option<String>> {
+    let field = |name: &str| {
+        info.lines().find_map(|line| {
+            let (key, value) = line.split_once(':')?;
+            (key == name).then(|| value.trim())
+        })
+    };
+    if field("role") != Some("slave") || field("cluster_enabled") == Some("1") {
+        return None;
+    }
+    Some(match (field("master_host"), field("master_port")) {
+        (Some(host), Some(port)) => Some(format!("{host}:{port}")),
+        _ => None,
+    })
 }
 
 /// Bounds `fut` by the store's call timeout, keeping the redis result (for its error
@@ -391,6 +466,24 @@ mod tests {
         let r = report_from(&[HashMap::new(), HashMap::new()]);
         assert_eq!(r.eviction_policy, EvictionPolicy::Unknown);
         assert_eq!((r.aof, r.rdb, r.persistent()), (None, None, None));
+    }
+
+    #[test]
+    fn replicas_are_found_in_info() {
+        let primary = "# Replication\r\nrole:master\r\nconnected_slaves:1\r\n";
+        assert_eq!(replica_of(primary), None);
+        let replica = "# Server\r\nredis_version:7.0.15\r\n# Replication\r\nrole:slave\r\n\
+                       master_host:10.0.0.1\r\nmaster_port:6379\r\n# Cluster\r\ncluster_enabled:0\r\n";
+        assert_eq!(replica_of(replica), Some(Some("10.0.0.1:6379".to_owned())));
+        assert_eq!(replica_of("role:slave\r\n"), Some(None));
+        // A cluster replica: the cluster client routes writes to primaries.
+        assert_eq!(replica_of("role:slave\r\ncluster_enabled:1\r\n"), None);
+        assert_eq!(replica_of(""), None);
+        let e = CheckError::ReadOnlyReplica {
+            primary: Some("10.0.0.1:6379".to_owned()),
+        };
+        assert!(e.to_string().contains("read-only replica"), "{e}");
+        assert!(e.to_string().contains("10.0.0.1:6379"), "{e}");
     }
 
     #[test]

@@ -1,4 +1,5 @@
-//! RedisStore: a retrysafe idempotency store on Redis, shared by every app server.
+//! RedisStore: a retrysafe idempotency store on Redis (one server, Redis Sentinel or a
+//! Redis Cluster), shared by every app server.
 //!
 //! [`RedisStore`] implements [`IdempotencyStore`](retrysafe_core::store::IdempotencyStore)
 //! on [redis-rs](https://docs.rs/redis): hand it to the `IdempotencyLayer` and copies of
@@ -77,10 +78,22 @@
 //!   drops index entries of expired records as it finds them. The cluster client
 //!   follows `MOVED` and `ASK` during resharding and may send a request again after a
 //!   lost connection: every script is idempotent per token.
+//! - **Sentinel**: feature `sentinel`, `RedisStore::connect_sentinel` (or a
+//!   `SentinelConnection` given to [`RedisStoreOptions::build`]): the primary Redis
+//!   Sentinel names, asked for again when its connection breaks, when it answers
+//!   `READONLY`, or when it stops answering, so a failover needs no restart.
+//! - **Replicas**: making a store refuses a read-only replica
+//!   ([`CheckError::ReadOnlyReplica`], naming its primary). A node made a replica under
+//!   a running store (a failover behind a DNS name, a proxy or a managed service's
+//!   endpoint) answers `READONLY`: the call is refused as unavailable (503 under the
+//!   layer), a warning is logged once, and the connection is made again to the same
+//!   name, which then leads to the new primary.
 //! - **Replication**: asynchronous, so a failover can lose the last acknowledged
 //!   writes, a claim or a completion among them, and a copy of the request may then run
 //!   again. [`RedisStore::replicated_writes`] waits for replicas (`WAIT`) on each
 //!   claim, commit point and completion: it reduces that loss, it does not remove it.
+//!   Keep your own effect on the record's node ([`slots`]) and a failover loses both
+//!   or neither.
 //!
 //! # Timeouts and failures
 //!
@@ -100,12 +113,17 @@
 mod check;
 mod recovery;
 mod scripts;
-mod slots;
+#[cfg(feature = "sentinel")]
+mod sentinel;
+pub mod slots;
 mod store;
 #[cfg(feature = "test-util")]
 pub mod test_util;
 
 pub use check::{CheckError, ConfigReport, EvictionPolicy};
+#[cfg(feature = "sentinel")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
+pub use sentinel::SentinelConnection;
 pub use store::{RedisStore, RedisStoreOptions};
 
 /// The redis-rs crate this store is built on, for building connections.

@@ -1,11 +1,32 @@
-//! Redis Cluster hash slots: which slot a key maps to, and for each slot a short hash
-//! tag that maps to it, so that the in-flight index can be split into one key per slot
-//! without renaming any record key.
+//! Redis Cluster hash slots, for keys an application keeps beside a record.
+//!
+//! On a Redis Cluster a record lives on the node that holds the hash slot of its key's
+//! hash tag, the record id in hex ([`RedisStore::key`](crate::RedisStore::key)). An
+//! effect written to another node can be lost in a failover of that node alone while
+//! the record that says it happened survives (or the reverse); written to the same
+//! slot, both are copied to a replica in the order they were made. Name the effect's
+//! keys with the record's hash tag, `{<record id in hex>}`, or, to group several
+//! records' effects per slot, with the short tag of its slot:
+//!
+//! ```
+//! use retrysafe_core::idempotency::RecordId;
+//! use retrysafe_redis::slots::{slot_of_record, slot_of_tag, tag_of_slot};
+//!
+//! let id = RecordId::from_bytes([7; 32]);
+//! let slot = slot_of_record(&id);
+//! assert_eq!(slot_of_tag(&id.to_hex()), slot);
+//! // `ledger:{<tag>}:account:acme` is in the record's slot, on the record's node.
+//! let tag = tag_of_slot(slot);
+//! assert_eq!(slot_of_tag(&tag), slot);
+//! assert!(tag.len() <= 6);
+//! ```
 
 use std::sync::LazyLock;
 
+use retrysafe_core::idempotency::RecordId;
+
 /// The number of hash slots of a Redis Cluster.
-pub(crate) const SLOTS: u16 = 16_384;
+pub const SLOTS: u16 = 16_384;
 
 /// CRC16-CCITT (XMODEM: polynomial 0x1021, initial value 0), the checksum Redis
 /// Cluster maps keys to slots with.
@@ -25,7 +46,7 @@ fn crc16(bytes: &[u8]) -> u16 {
 }
 
 /// The slot of a hash tag (the text between the first `{` and the next `}` of a key).
-pub(crate) fn slot_of_tag(tag: &str) -> u16 {
+pub fn slot_of_tag(tag: &str) -> u16 {
     crc16(tag.as_bytes()) % SLOTS
 }
 
@@ -45,8 +66,14 @@ static TAGS: LazyLock<Vec<u32>> = LazyLock::new(|| {
     tags
 });
 
-/// A hash tag (decimal digits) that maps to `slot` (taken modulo [`SLOTS`]).
-pub(crate) fn tag_of_slot(slot: u16) -> String {
+/// The slot of the record of `id`: its key's hash tag is the id in hex.
+pub fn slot_of_record(id: &RecordId) -> u16 {
+    slot_of_tag(&id.to_hex())
+}
+
+/// A short hash tag (decimal digits, the smallest number whose text maps to `slot`,
+/// taken modulo [`SLOTS`]): a key named `…{tag}…` lives in `slot`.
+pub fn tag_of_slot(slot: u16) -> String {
     let n = TAGS
         .get(usize::from(slot % SLOTS))
         .copied()

@@ -34,7 +34,7 @@ use crate::slots::{SLOTS, slot_of_tag, tag_of_slot};
 const DEFAULT_KEY_PREFIX: &str = "retrysafe:";
 
 /// The default bound on every store call.
-const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
+pub(crate) const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// Durations longer than this (a century) are clamped before they become milliseconds.
 const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
@@ -42,6 +42,12 @@ const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 /// The first and the longest pause between two polls of [`IdempotencyStore::wait`].
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
+
+/// The response timeout of the cluster client of [`RedisStore::connect_cluster`]:
+/// longer than any call the store makes (a waited write takes at most the call
+/// timeout), so that only a node that stopped answering meets it.
+#[cfg(feature = "cluster")]
+const CLUSTER_RESPONSE_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How often [`RedisStore::connect`] retries a connection (also when reconnecting).
 const CONNECT_RETRIES: usize = 2;
@@ -166,6 +172,14 @@ struct Config {
     cursor: AtomicU16,
     /// The token of this store's scan leases on a cluster.
     owner: Token,
+    /// The store's connection when it is a [`ConnectionManager`], which reconnects only
+    /// when its connection breaks: on `READONLY` the store closes it (see
+    /// [`RedisStore::read_only`]).
+    manager: Option<ConnectionManager>,
+    /// Set by a `READONLY` reply (logged once), cleared by the next write that succeeds.
+    read_only: AtomicBool,
+    /// Set while the store makes its [`ConnectionManager`] reconnect.
+    reconnecting: AtomicBool,
 }
 
 impl<C: Clone> Clone for RedisStore<C> {
@@ -257,6 +271,15 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
     /// Every record is one key whose hash tag is its record id, so each script runs on
     /// the node that owns that key's slot.
     ///
+    /// The cluster client is made with a response timeout of twice the default call
+    /// timeout (2 s; a waited write may take the call timeout). Without one, redis-rs's
+    /// cluster client waits for every reply without end, also inside its slot refresh,
+    /// which holds the topology lock that every request needs: one node that stops
+    /// answering (frozen, partitioned, or its connection held up behind waited writes)
+    /// can then stall every request to every node. Over your own cluster connection,
+    /// set one too. A primary that stops answering is still not given up by the
+    /// client: calls to its slots fail until it answers again (demoted, with `MOVED`).
+    ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -274,6 +297,7 @@ impl RedisStore<redis::cluster_async::ClusterConnection> {
         let timeout = DEFAULT_CALL_TIMEOUT;
         let client = redis::cluster::ClusterClient::builder(nodes)
             .connection_timeout(timeout)
+            .response_timeout(CLUSTER_RESPONSE_TIMEOUT)
             .build()
             .map_err(StoreError::unavailable)?;
         let conn = bounded(timeout * 5, client.get_async_connection()).await?;
@@ -391,12 +415,30 @@ where
             Ok(Err(e)) if e.code() == Some("CROSSSLOT") && !self.per_slot() => {
                 self.index_per_slot();
             }
-            Ok(reply) => return reply.map_err(store_error),
+            Ok(reply) => return self.written(reply),
             Err(_elapsed) => return Err(StoreError::Timeout),
         }
         let mut script = build();
         script.key(self.index_key(id));
-        self.bounded(self.run(&script, wait)).await
+        match tokio::time::timeout(timeout, self.run(&script, wait)).await {
+            Ok(reply) => self.written(reply),
+            Err(_elapsed) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// The reply of a write: a success ends a spell of `READONLY` replies.
+    fn written<T>(&self, reply: RedisResult<T>) -> Result<T, StoreError> {
+        let value = reply.map_err(|e| self.failed(e))?;
+        if self.config.read_only.load(Ordering::Relaxed)
+            && self.config.read_only.swap(false, Ordering::Relaxed)
+        {
+            tracing::info!(
+                target: "retrysafe::redis",
+                name = self.config.name.as_str(),
+                "the Redis node takes writes again"
+            );
+        }
+        Ok(value)
     }
 
     /// Runs `script`, pipelined with `WAIT replicas timeout` when `wait` and replicated
@@ -508,7 +550,59 @@ where
         &self,
         fut: impl Future<Output = RedisResult<T>>,
     ) -> Result<T, StoreError> {
-        bounded(self.config.call_timeout, fut).await
+        match tokio::time::timeout(self.config.call_timeout, fut).await {
+            Ok(reply) => reply.map_err(|e| self.failed(e)),
+            Err(_elapsed) => Err(StoreError::Timeout),
+        }
+    }
+
+    /// A redis error as a store error (see [`store_error`]); a `READONLY` reply is
+    /// [`read_only`](Self::read_only).
+    pub(crate) fn failed(&self, e: RedisError) -> StoreError {
+        if e.kind() == ErrorKind::Server(ServerErrorKind::ReadOnly) {
+            return self.read_only(&e);
+        }
+        store_error(e)
+    }
+
+    /// A `READONLY` reply: the node the store writes to was made a replica (a failover
+    /// behind a fixed name, a proxy or a managed service's endpoint). The call is
+    /// refused as unavailable (the layer answers 503 `store-unavailable`), the first
+    /// such reply of a spell is logged, and the connection is made to connect again, so
+    /// that it finds whatever node the name leads to now: a [`ConnectionManager`]
+    /// reconnects only when its connection breaks, so the store asks the server to
+    /// close it (`QUIT`) and sends one `PING` that fails and starts the reconnection. A
+    /// [`SentinelConnection`](crate::SentinelConnection) finds the new primary by
+    /// itself; other connections are left as they are.
+    fn read_only(&self, e: &RedisError) -> StoreError {
+        let config = &self.config;
+        if !config.read_only.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                target: "retrysafe::redis",
+                name = config.name.as_str(),
+                error = %e,
+                "the Redis node answered READONLY: a failover made it a replica; \
+                 reconnecting, and refusing calls until a primary takes the writes"
+            );
+        }
+        if let Some(manager) = &config.manager
+            && !config.reconnecting.swap(true, Ordering::AcqRel)
+        {
+            let mut manager = manager.clone();
+            let config = Arc::clone(&self.config);
+            tokio::spawn(async move {
+                let bound = config.call_timeout;
+                for command in ["QUIT", "PING"] {
+                    let command = redis::cmd(command);
+                    let _ =
+                        tokio::time::timeout(bound, command.query_async::<()>(&mut manager)).await;
+                }
+                config.reconnecting.store(false, Ordering::Release);
+            });
+        }
+        StoreError::unavailable(format!(
+            "the Redis node is a read-only replica now (a failover demoted it): {e}"
+        ))
     }
 
     /// Whether the record of `id` is `in_progress` with a live lease (by Redis's clock).
@@ -546,7 +640,11 @@ where
         if let Some(note) = note {
             script.arg(note);
         }
-        let (reply, acked) = self.bounded(self.run(&script, true)).await?;
+        let (reply, acked) =
+            match tokio::time::timeout(self.config.call_timeout, self.run(&script, true)).await {
+                Ok(reply) => self.written(reply)?,
+                Err(_elapsed) => return Err(StoreError::Timeout),
+            };
         held(reply)?;
         if !acked {
             return Err(self.unreplicated(id, token, "commit point").await);
@@ -886,7 +984,7 @@ impl RedisStoreOptions {
     }
 
     /// Makes the store without checking the server's configuration, for managed
-    /// services that refuse the `CONFIG` command. The server's `maxmemory-policy` must
+    /// services that refuse the `CONFIG` command (the node's role is still checked). The server's `maxmemory-policy` must
     /// still be `noeviction`: that is then the user's responsibility (any other policy
     /// can evict an in-flight claim, and a copy of its request would run again).
     pub fn skip_config_check(mut self) -> Self {
@@ -908,7 +1006,9 @@ impl RedisStoreOptions {
 
     /// Validates the settings and makes a store over `conn` with them, then checks the
     /// server's configuration (one round trip) unless
-    /// [`skip_config_check`](Self::skip_config_check) was set.
+    /// [`skip_config_check`](Self::skip_config_check) was set, and that the node is a
+    /// primary (one round trip, `INFO`; not on a Redis Cluster, whose client routes
+    /// each write to a primary).
     ///
     /// - Refused settings (a prefix with braces, a zero or huge call timeout) are
     ///   [`CheckError::Options`], naming every one; the server is not asked.
@@ -916,6 +1016,9 @@ impl RedisStoreOptions {
     ///   [`CheckError::UnsafeEvictionPolicy`]; one that cannot be read (`CONFIG`
     ///   refused) is [`CheckError::EvictionPolicyUnreadable`]. See
     ///   [`RedisStore::check_config`].
+    /// - A read-only replica (`role:slave`) is [`CheckError::ReadOnlyReplica`], which
+    ///   names its primary: every write would be refused, and reads would see what
+    ///   the replica had copied. (An `INFO` the server refuses is not checked.)
     /// - A server that cannot be reached is [`CheckError::Store`].
     ///
     /// Async, like redis-rs's own connection constructors: the store is checked where
@@ -929,11 +1032,12 @@ impl RedisStoreOptions {
         if check {
             store.check_on_start().await?;
         }
+        store.check_role().await?;
         Ok(store)
     }
 
     /// Validates the settings: names every refused one.
-    fn validate<C>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
+    fn validate<C: 'static>(self, conn: C) -> Result<RedisStore<C>, ConfigError> {
         let mut v = Validate::new();
         v.check(
             !self.prefix.contains(['{', '}']),
@@ -950,6 +1054,9 @@ impl RedisStoreOptions {
             "call_timeout",
             "must be at most 30 days",
         );
+        let manager = (&conn as &dyn std::any::Any)
+            .downcast_ref::<ConnectionManager>()
+            .cloned();
         v.finish(RedisStore {
             conn,
             config: Arc::new(Config {
@@ -960,6 +1067,9 @@ impl RedisStoreOptions {
                 cursor: AtomicU16::new(0),
                 owner: Token::random(),
                 name: self.name,
+                manager,
+                read_only: AtomicBool::new(false),
+                reconnecting: AtomicBool::new(false),
             }),
             replication: None,
         })

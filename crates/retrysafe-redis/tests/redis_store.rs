@@ -15,6 +15,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::events::Events;
 use common::{ServerLock, fresh_prefix, host_port, manager, manager_to, redis_url, store};
 use redis::aio::ConnectionManager;
 use retrysafe_core::ConfigError;
@@ -819,27 +820,6 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         .find(|e| e["message"].starts_with("cannot read the Redis configuration"))
         .unwrap_or_else(|| panic!("{events:#?}"));
     assert_eq!(refusal["name"], "orders-redis", "{refusal:?}");
-}
-
-/// The fields of every tracing event seen, as text (`message` included).
-#[derive(Clone, Default)]
-struct Events(Arc<Mutex<Vec<std::collections::BTreeMap<String, String>>>>);
-
-impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Events {
-    fn on_event(&self, event: &tracing::Event<'_>, _: tracing_subscriber::layer::Context<'_, S>) {
-        struct Fields<'a>(&'a mut std::collections::BTreeMap<String, String>);
-        impl tracing::field::Visit for Fields<'_> {
-            fn record_debug(&mut self, field: &tracing::field::Field, value: &dyn std::fmt::Debug) {
-                self.0.insert(field.name().to_owned(), format!("{value:?}"));
-            }
-            fn record_str(&mut self, field: &tracing::field::Field, value: &str) {
-                self.0.insert(field.name().to_owned(), value.to_owned());
-            }
-        }
-        let mut fields = std::collections::BTreeMap::new();
-        event.record(&mut Fields(&mut fields));
-        self.0.lock().unwrap().push(fields);
-    }
 }
 
 #[tokio::test]

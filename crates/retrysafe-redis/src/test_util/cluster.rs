@@ -4,30 +4,10 @@ use std::fmt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
-use std::time::Duration;
 
-/// How long to wait, at most, for a node to listen or for the cluster to settle.
-const SETTLE: Duration = Duration::from_secs(60);
-
-/// The pause between two looks at a node or the cluster.
-const POLL: Duration = Duration::from_millis(50);
-
-/// Why a [`LocalCluster`] could not be made or changed.
-#[derive(Debug)]
-#[non_exhaustive]
-pub struct ClusterError(String);
-
-impl fmt::Display for ClusterError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for ClusterError {}
-
-fn error(what: impl Into<String>) -> ClusterError {
-    ClusterError(what.into())
-}
+use super::local::{
+    LocalError, check_tools, cli, error, free_ports, signal, start_server, wait_until, watchdog,
+};
 
 /// A Redis Cluster of 3 primaries and 3 replicas (one each), `redis-server` processes
 /// on loopback ports of their own, made with `redis-cli --cluster create` in a
@@ -78,7 +58,7 @@ impl LocalCluster {
     /// Starts six nodes, makes them a cluster of three primaries with one replica each,
     /// and returns once every node reports `cluster_state:ok` and every replica is in
     /// sync with its primary.
-    pub fn start() -> Result<LocalCluster, ClusterError> {
+    pub fn start() -> Result<LocalCluster, LocalError> {
         check_tools()?;
         let dir = std::env::temp_dir().join(format!(
             "retrysafe-cluster-{}-{}",
@@ -142,11 +122,15 @@ impl LocalCluster {
         self.nodes.iter().map(|n| n.port).collect()
     }
 
-    /// The ports of the nodes that are primaries now and that own slots.
-    pub fn primaries(&self) -> Result<Vec<u16>, ClusterError> {
+    /// The ports of the nodes that are primaries now and that own slots (of those that
+    /// answer).
+    pub fn primaries(&self) -> Result<Vec<u16>, LocalError> {
         let mut out = Vec::new();
         for node in self.nodes.iter().filter(|n| n.child.is_some()) {
-            let role = cli(node.port, &["ROLE"])?;
+            // A node that does not answer (paused, say) is not counted.
+            let Ok(role) = cli(node.port, &["ROLE"]) else {
+                continue;
+            };
             if role.lines().next() == Some("master") && !out.contains(&node.port) {
                 out.push(node.port);
             }
@@ -155,7 +139,7 @@ impl LocalCluster {
     }
 
     /// Kills the node on `port` (SIGKILL: no shutdown, no save), as a crash would.
-    pub fn kill(&mut self, port: u16) -> Result<(), ClusterError> {
+    pub fn kill(&mut self, port: u16) -> Result<(), LocalError> {
         let node = self
             .nodes
             .iter_mut()
@@ -168,10 +152,46 @@ impl LocalCluster {
         Ok(())
     }
 
+    /// Stops the node on `port` (SIGSTOP): its connections stay open and it answers
+    /// nothing until [`resume`](Self::resume)d, as a frozen process or a lost network
+    /// would. A stopped primary is failed over to its replica after the node timeout.
+    pub fn pause(&self, port: u16) -> Result<(), LocalError> {
+        signal(self.child(port)?, "-STOP")
+    }
+
+    /// Resumes a node stopped by [`pause`](Self::pause) (SIGCONT); a primary failed
+    /// over meanwhile rejoins as a replica.
+    pub fn resume(&self, port: u16) -> Result<(), LocalError> {
+        signal(self.child(port)?, "-CONT")
+    }
+
+    /// The port of the replica of the primary on `port`, as the replicas say (`ROLE`).
+    pub fn replica_of(&self, primary: u16) -> Option<u16> {
+        self.nodes
+            .iter()
+            .filter(|n| n.child.is_some() && n.port != primary)
+            .find(|n| {
+                cli(n.port, &["ROLE"]).is_ok_and(|role| {
+                    let mut lines = role.lines();
+                    lines.next() == Some("slave")
+                        && lines.nth(1).and_then(|p| p.trim().parse().ok()) == Some(primary)
+                })
+            })
+            .map(|n| n.port)
+    }
+
+    fn child(&self, port: u16) -> Result<&Child, LocalError> {
+        self.nodes
+            .iter()
+            .find(|n| n.port == port)
+            .and_then(|n| n.child.as_ref())
+            .ok_or_else(|| error(format!("no live node on port {port}")))
+    }
+
     /// Starts the node on `port` again (after [`kill`](Self::kill)): it rejoins the
     /// cluster, as a replica once another node was promoted in its place. Returns once
     /// the cluster is healthy again (see [`wait_healthy`](Self::wait_healthy)).
-    pub fn restart(&mut self, port: u16) -> Result<(), ClusterError> {
+    pub fn restart(&mut self, port: u16) -> Result<(), LocalError> {
         let i = self
             .nodes
             .iter()
@@ -184,7 +204,7 @@ impl LocalCluster {
     /// Moves `slots` hash slots from the primary on port `from` to the primary on port
     /// `to` with `redis-cli --cluster reshard` (keys migrate with `MIGRATE`; clients see
     /// `ASK` and then `MOVED`), and returns once every node agrees on the result.
-    pub fn reshard(&self, from: u16, to: u16, slots: u16) -> Result<(), ClusterError> {
+    pub fn reshard(&self, from: u16, to: u16, slots: u16) -> Result<(), LocalError> {
         let id = |port: u16| cli(port, &["CLUSTER", "MYID"]).map(|s| s.trim().to_owned());
         let (from_id, to_id) = (id(from)?, id(to)?);
         let entry = format!("127.0.0.1:{from}");
@@ -215,7 +235,7 @@ impl LocalCluster {
 
     /// Waits until every live node reports `cluster_state:ok`, the cluster has three
     /// primaries, and every primary has a replica in sync (`ROLE` lists it).
-    pub fn wait_healthy(&self) -> Result<(), ClusterError> {
+    pub fn wait_healthy(&self) -> Result<(), LocalError> {
         wait_until("the cluster to be healthy", &self.dir, || {
             let live: Vec<u16> = self
                 .nodes
@@ -242,7 +262,7 @@ impl LocalCluster {
 
     /// Waits until a node other than `old` is a primary for the slots `old` served:
     /// the cluster counts three primaries among its live nodes, all `cluster_state:ok`.
-    pub fn wait_promoted(&self, old: u16) -> Result<(), ClusterError> {
+    pub fn wait_promoted(&self, old: u16) -> Result<(), LocalError> {
         wait_until("a replica to be promoted", &self.dir, || {
             let Ok(primaries) = self.primaries() else {
                 return false;
@@ -255,24 +275,16 @@ impl LocalCluster {
     }
 
     /// Starts node `i` and waits until it answers `PING`.
-    fn spawn(&mut self, i: usize) -> Result<(), ClusterError> {
+    fn spawn(&mut self, i: usize) -> Result<(), LocalError> {
         let dir = self.dir.clone();
         let node = self
             .nodes
             .get_mut(i)
             .ok_or_else(|| error(format!("no node {i}")))?;
         let (port, bus) = (node.port.to_string(), node.bus.to_string());
-        let data = dir.join(&port);
-        std::fs::create_dir_all(&data).map_err(|e| error(format!("{}: {e}", data.display())))?;
-        let child = Command::new("redis-server")
-            .args([
-                "--port",
-                &port,
-                "--cluster-port",
-                &bus,
-                "--bind",
-                "127.0.0.1",
-            ])
+        let mut command = Command::new("redis-server");
+        command
+            .args(["--port", &port, "--cluster-port", &bus])
             .args([
                 "--cluster-enabled",
                 "yes",
@@ -281,45 +293,12 @@ impl LocalCluster {
             ])
             .args(["--cluster-node-timeout", "1000"])
             .args(["--cluster-replica-validity-factor", "0"])
-            .args(["--cluster-require-full-coverage", "no"])
-            .args(["--appendonly", "no", "--save", ""])
-            .args(["--maxmemory-policy", "noeviction", "--protected-mode", "no"])
-            .arg("--dir")
-            .arg(&data)
-            .arg("--logfile")
-            .arg(data.join("redis.log"))
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| error(format!("cannot start redis-server: {e}")))?;
-        let pid_file = dir.join(format!("{port}.pid"));
-        std::fs::write(&pid_file, child.id().to_string())
-            .map_err(|e| error(format!("{}: {e}", pid_file.display())))?;
-        node.child = Some(child);
-        let port = node.port;
-        let log = data.join("redis.log");
-        let mut exited = None;
-        let nodes = &mut self.nodes;
-        let up = wait_until("redis-server to answer PING", &dir, || {
-            let child = nodes.get_mut(i).and_then(|n| n.child.as_mut());
-            if let Some(Ok(Some(status))) = child.map(Child::try_wait) {
-                exited = Some(status);
-                return true;
-            }
-            cli(port, &["PING"]).is_ok_and(|r| r.trim() == "PONG")
-        });
-        if let Some(status) = exited {
-            let log = std::fs::read_to_string(&log).unwrap_or_default();
-            return Err(error(format!(
-                "redis-server on port {port} exited ({status}): {}",
-                log.lines().rev().take(5).collect::<Vec<_>>().join(" / ")
-            )));
-        }
-        up
+            .args(["--cluster-require-full-coverage", "no"]);
+        node.child = Some(start_server(command, &dir, node.port)?);
+        Ok(())
     }
 
-    fn create(&self) -> Result<(), ClusterError> {
+    fn create(&self) -> Result<(), LocalError> {
         let mut args = vec!["--cluster".to_owned(), "create".to_owned()];
         args.extend(self.ports().iter().map(|p| format!("127.0.0.1:{p}")));
         args.extend(["--cluster-replicas", "1", "--cluster-yes"].map(str::to_owned));
@@ -357,90 +336,5 @@ impl Drop for LocalCluster {
             let _ = w.wait();
         }
         let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-/// Calls `done` every [`POLL`] until it says so, for at most [`SETTLE`].
-fn wait_until(what: &str, dir: &Path, mut done: impl FnMut() -> bool) -> Result<(), ClusterError> {
-    let tries = SETTLE.as_millis() / POLL.as_millis();
-    for _ in 0..tries {
-        if done() {
-            return Ok(());
-        }
-        // Synchronous on purpose: `shared` makes the cluster in a static
-        // initializer, outside any runtime.
-        #[allow(clippy::disallowed_methods)]
-        std::thread::sleep(POLL);
-    }
-    Err(error(format!(
-        "timed out after {SETTLE:?} waiting for {what} (logs in {})",
-        dir.display()
-    )))
-}
-
-/// Fails, saying what to install, when `redis-server` or `redis-cli` cannot be run.
-fn check_tools() -> Result<(), ClusterError> {
-    for tool in ["redis-server", "redis-cli"] {
-        let ran = Command::new(tool)
-            .arg("--version")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if !ran.is_ok_and(|s| s.success()) {
-            return Err(error(format!(
-                "{tool} is not installed (or not on the PATH): a local Redis Cluster needs \
-                 redis-server and redis-cli 7 (Debian package redis-server)"
-            )));
-        }
-    }
-    Ok(())
-}
-
-/// A shell that waits for this process to exit, then kills every node whose pid file
-/// is in `dir` and removes `dir`.
-fn watchdog(dir: &Path) -> Result<Child, ClusterError> {
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-         for f in '{dir}'/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; \
-         rm -rf '{dir}'",
-        pid = std::process::id(),
-        dir = dir.display()
-    );
-    Command::new("sh")
-        .args(["-c", &script])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| error(format!("cannot start the cluster's watchdog shell: {e}")))
-}
-
-/// `n` distinct free TCP ports on 127.0.0.1 (all bound at once, read, released).
-fn free_ports(n: usize) -> Result<Vec<u16>, ClusterError> {
-    let listeners = (0..n)
-        .map(|_| std::net::TcpListener::bind("127.0.0.1:0"))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| error(format!("no free port: {e}")))?;
-    listeners
-        .iter()
-        .map(|l| l.local_addr().map(|a| a.port()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|e| error(format!("no free port: {e}")))
-}
-
-/// `redis-cli -p port args…`: its output, or why it failed.
-fn cli(port: u16, args: &[&str]) -> Result<String, ClusterError> {
-    let out = Command::new("redis-cli")
-        .args(["-p", &port.to_string()])
-        .args(args)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()
-        .map_err(|e| error(format!("cannot run redis-cli: {e}")))?;
-    if out.status.success() {
-        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
-    } else {
-        Err(error(format!("redis-cli -p {port} {args:?} failed")))
     }
 }

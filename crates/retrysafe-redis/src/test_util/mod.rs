@@ -1,7 +1,9 @@
 //! Test and bench support (feature `test-util`): a Redis connection that counts the
-//! requests it sends, so tests and benches can count a store's round trips; and
+//! requests it sends, so tests and benches can count a store's round trips;
 //! [`LocalCluster`], a Redis Cluster of 3 primaries and 3 replicas on loopback ports,
-//! for tests of the store on a cluster and across failovers.
+//! for tests of the store on a cluster and across failovers; and, with the feature
+//! `sentinel`, `LocalSentinel`, a primary with two replicas watched by three
+//! sentinels.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -76,5 +78,11 @@ impl ConnectionLike for CountingConnection {
 }
 
 mod cluster;
+mod local;
+#[cfg(feature = "sentinel")]
+mod sentinel;
 
-pub use cluster::{ClusterError, LocalCluster};
+pub use cluster::LocalCluster;
+pub use local::LocalError;
+#[cfg(feature = "sentinel")]
+pub use sentinel::LocalSentinel;

@@ -2,6 +2,8 @@
 //! random key prefix per test, and a primary with a replica of their own.
 #![allow(dead_code, clippy::panic)]
 
+pub(crate) mod events;
+pub(crate) mod forwarder;
 pub(crate) mod replicated;
 
 use std::time::Duration;

@@ -48,6 +48,16 @@ impl PrimaryWithReplica {
         format!("redis://127.0.0.1:{}", self.primary)
     }
 
+    /// The replica's URL.
+    pub(crate) fn replica_url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.replica)
+    }
+
+    /// The ports of the primary and of the replica, as they were started.
+    pub(crate) fn ports(&self) -> (u16, u16) {
+        (self.primary, self.replica)
+    }
+
     /// Stops the replica (SIGSTOP): the primary keeps its link, but no write is
     /// acknowledged until it is [resumed](Self::resume_replica).
     pub(crate) fn stop_replica(&self) {
