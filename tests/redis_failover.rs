@@ -51,15 +51,11 @@ async fn instance(
             .await
             .unwrap_or_else(|_| panic!("no cluster connection within 30 s"))
             .unwrap();
-    let mut store = RedisStore::options()
-        .key_prefix(prefix)
-        .per_slot_index()
-        .build(conn)
-        .await
-        .unwrap();
+    let mut options = RedisStore::options().key_prefix(prefix).per_slot_index();
     if replicated {
-        store = store.replicated_writes(1, Duration::from_millis(500));
+        options = options.replicated_writes(1, Duration::from_millis(500));
     }
+    let store = options.build(conn).await.unwrap();
     let layer = IdempotencyLayer::new(store)
         .lease(Duration::from_secs(4))
         .build()

@@ -62,15 +62,15 @@ use retrysafe::idempotency::{
     IdempotencyContext, IdempotencyLayer, NoEffect, Principal, Shutdown, StoredResponse,
 };
 use retrysafe::memory::MemoryStore;
+use retrysafe::postgres::PostgresStore;
+use retrysafe::postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe::recovery::{
     PendingRecord, ReconcilableStore, ReconcilerHandle, Resolution, Resolver,
 };
+use retrysafe::redis::redis::cluster_async::ClusterConnection;
+use retrysafe::redis::{RedisStore, SentinelConnection};
 use retrysafe::server::ServerLayers;
 use retrysafe::{ConfigError, DeadlineLayer};
-use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
-use retrysafe_redis::redis::cluster_async::ClusterConnection;
-use retrysafe_redis::{RedisStore, SentinelConnection};
 use serde::Deserialize;
 use tokio::net::TcpListener;
 use tower_http::trace::TraceLayer;

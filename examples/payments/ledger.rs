@@ -20,7 +20,7 @@
 //!   slot of the payment's idempotency record: `{prefix}{<tag>}:account:{account}`,
 //!   `{prefix}{<tag>}:all` (every payment of the slot: id → amount) and
 //!   `{prefix}{<tag>}:by-key:…`, `<tag>` the short hash tag of the record's slot
-//!   (`retrysafe_redis::slots`). A payment then lives on the node of the record that
+//!   (`retrysafe::redis::slots`). A payment then lives on the node of the record that
 //!   says it happened, and a failover of one node loses both or neither: kept on a node
 //!   of its own, a payment could be lost while its record survived, and a later copy
 //!   would be answered a replayed 201 for a payment that no longer exists. The script
@@ -36,16 +36,16 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use retrysafe::idempotency::{RecordId, Scope, Token};
+use retrysafe::postgres::PostgresStore;
+use retrysafe::postgres::sqlx::{self, Row};
+use retrysafe::postgres::tx::IdempotentTx;
+use retrysafe::redis::SentinelConnection;
+use retrysafe::redis::redis::aio::{ConnectionLike, ConnectionManager};
+use retrysafe::redis::redis::cluster_async::ClusterConnection;
+use retrysafe::redis::redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
+use retrysafe::redis::redis::{self, Cmd, Pipeline, RedisFuture, RedisResult, Value};
+use retrysafe::redis::slots::{SLOTS, slot_of_record, tag_of_slot};
 use retrysafe::wire::IdempotencyKey;
-use retrysafe_postgres::PostgresStore;
-use retrysafe_postgres::sqlx::{self, Row};
-use retrysafe_postgres::tx::IdempotentTx;
-use retrysafe_redis::SentinelConnection;
-use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager};
-use retrysafe_redis::redis::cluster_async::ClusterConnection;
-use retrysafe_redis::redis::cluster_routing::{Route, SingleNodeRoutingInfo, SlotAddr};
-use retrysafe_redis::redis::{self, Cmd, Pipeline, RedisFuture, RedisResult, Value};
-use retrysafe_redis::slots::{SLOTS, slot_of_record, tag_of_slot};
 use serde::{Deserialize, Serialize};
 
 /// How long one ledger call to Redis or PostgreSQL may take.

@@ -32,7 +32,7 @@
 //! follow it across failovers with no restart. A `redis://` URL of a read-only replica
 //! is refused. `--replicated-writes N:MS` (Redis stores only) makes every claim, commit
 //! point and completion wait until N replicas have it, for at most MS milliseconds
-//! (`RedisStore::replicated_writes`): fewer acknowledged writes are lost on a failover.
+//! (`RedisStoreOptions::replicated_writes`): fewer acknowledged writes are lost on a failover.
 //! Several instances on one Redis (or Redis Cluster, or Sentinel service) or one
 //! PostgreSQL database behave as one. Two
 //! environment variables keep instances apart: `PAYMENTS_REDIS_PREFIX` (the prefix of
@@ -58,9 +58,9 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use app::RedisConn;
-use retrysafe_postgres::{PostgresStore, SweeperHandle};
-use retrysafe_redis::redis;
-use retrysafe_redis::{CheckError, RedisStore, SentinelConnection};
+use retrysafe::postgres::{PostgresStore, PostgresStoreError, SweeperHandle};
+use retrysafe::redis::redis;
+use retrysafe::redis::{RedisStore, RedisStoreError, RedisStoreOptions, SentinelConnection};
 use tokio::net::TcpListener;
 use tracing_subscriber::EnvFilter;
 
@@ -294,10 +294,17 @@ fn parse_args(args: impl IntoIterator<Item = OsString>) -> Result<Command, Strin
     let store = match store.as_deref() {
         None | Some("memory") => Store::Memory,
         Some(s) if s.starts_with("redis://") || s.starts_with("rediss://") => {
+            // A URL that does not parse is a mistake in the command line, not an outage.
+            redis::IntoConnectionInfo::into_connection_info(s)
+                .map_err(|e| format!("--store: invalid Redis URL {:?}: {e}", redact(s)))?;
             Store::Redis(s.to_owned())
         }
         Some(s) if s.starts_with("redis+sentinel://") => parse_sentinel(s)?,
         Some(s) if s.starts_with("postgres://") || s.starts_with("postgresql://") => {
+            <retrysafe::postgres::sqlx::postgres::PgConnectOptions as std::str::FromStr>::from_str(
+                s,
+            )
+            .map_err(|e| format!("--store: invalid PostgreSQL URL {:?}: {e}", redact(s)))?;
             Store::Postgres(s.to_owned())
         }
         Some(other) => {
@@ -592,7 +599,10 @@ async fn connect_redis(
     let shown = redact(url);
     // `connect` refuses a maxmemory-policy other than noeviction (or one it cannot read).
     let connected = RedisStore::connect(url).await.map_err(|e| match e {
-        CheckError::Store(e) => format!("cannot connect to the redis store at {shown}: {e}"),
+        RedisStoreError::Unreachable { cause, .. } => {
+            format!("cannot connect to the redis store at {shown}: {cause}")
+        }
+        RedisStoreError::Store(e) => format!("cannot connect to the redis store at {shown}: {e}"),
         e => format!("cannot use the redis store at {shown}: {e}"),
     })?;
     let mut conn = connected.connection().clone();
@@ -601,13 +611,16 @@ async fn connect_redis(
         .query_async(&mut conn)
         .await
         .map_err(|e| format!("cannot use the redis store at {shown}: {e}"))?;
-    let options = RedisStore::options()
-        .key_prefix(format!("{prefix}idem:"))
-        // Checked by `connect` above, on the same node.
-        .skip_config_check();
+    let options = with_replicas(
+        RedisStore::options()
+            .key_prefix(format!("{prefix}idem:"))
+            // Checked by `connect` above, on the same node.
+            .skip_config_check(),
+        replicated,
+    );
     let (backend, store_check) = if info.lines().any(|l| l.trim() == "cluster_enabled:1") {
         // A response timeout bounds every wait of the cluster client, its slot refresh's
-        // included (see `RedisStore::connect_cluster`).
+        // included (see `RedisStore::options().connect_cluster`).
         let client = redis::cluster::ClusterClient::builder([url])
             .connection_timeout(Duration::from_secs(1))
             .response_timeout(Duration::from_secs(2))
@@ -622,7 +635,6 @@ async fn connect_redis(
             .build(conn.clone())
             .await
             .map_err(|e| format!("invalid redis store settings: {e}"))?;
-        let store = with_replicas(store, replicated);
         let check = store.check_config().await;
         let ledger = app::Ledger::redis(RedisConn::Cluster(conn), prefix, key_window);
         (app::Backend::RedisCluster { store, ledger }, check)
@@ -631,7 +643,6 @@ async fn connect_redis(
             .build(conn.clone())
             .await
             .map_err(|e| format!("invalid redis store settings: {e}"))?;
-        let store = with_replicas(store, replicated);
         let check = store.check_config().await;
         let ledger = app::Ledger::redis(RedisConn::Server(conn), prefix, key_window);
         (app::Backend::Redis { store, ledger }, check)
@@ -660,28 +671,29 @@ async fn connect_sentinel(
     .await
     .map_err(|_| format!("cannot find {shown}: no answer within 5 s"))?;
     let conn = found.map_err(|e| format!("cannot find {shown}: {e}"))?;
-    let store = RedisStore::options()
-        .key_prefix(format!("{prefix}idem:"))
-        .build(conn.clone())
-        .await
-        .map_err(|e| match e {
-            CheckError::Store(e) => format!("cannot connect to {shown}: {e}"),
-            e => format!("cannot use {shown}: {e}"),
-        })?;
-    let store = with_replicas(store, replicated);
+    let store = with_replicas(
+        RedisStore::options().key_prefix(format!("{prefix}idem:")),
+        replicated,
+    )
+    .build(conn.clone())
+    .await
+    .map_err(|e| match e {
+        RedisStoreError::Store(e) => format!("cannot connect to {shown}: {e}"),
+        e => format!("cannot use {shown}: {e}"),
+    })?;
     persistence_warning(&shown, store.check_config().await)?;
     let ledger = app::Ledger::redis(RedisConn::Sentinel(conn), prefix, key_window);
     Ok(app::Backend::RedisSentinel { store, ledger })
 }
 
-/// `store` with `--replicated-writes`, if given.
-fn with_replicas<C>(store: RedisStore<C>, replicated: Option<(u32, Duration)>) -> RedisStore<C>
-where
-    C: redis::aio::ConnectionLike + Clone + Send + Sync + 'static,
-{
+/// `options` with `--replicated-writes`, if given.
+fn with_replicas(
+    options: RedisStoreOptions,
+    replicated: Option<(u32, Duration)>,
+) -> RedisStoreOptions {
     match replicated {
-        Some((replicas, timeout)) => store.replicated_writes(replicas, timeout),
-        None => store,
+        Some((replicas, timeout)) => options.replicated_writes(replicas, timeout),
+        None => options,
     }
 }
 
@@ -689,7 +701,7 @@ where
 /// message.
 fn persistence_warning(
     shown: &str,
-    check: Result<retrysafe_redis::ConfigReport, CheckError>,
+    check: Result<retrysafe::redis::ConfigReport, RedisStoreError>,
 ) -> Result<(), String> {
     match check {
         Ok(report) if report.persistent() == Some(false) => {
@@ -720,10 +732,12 @@ async fn connect_postgres(
             .migration_sql()
             .map_err(|e| format!("PAYMENTS_PG_SCHEMA is not a usable schema name: {e}"))?;
     }
-    let store = options
-        .connect(url)
-        .await
-        .map_err(|e| format!("cannot connect to the postgres store at {shown}: {e}"))?;
+    let store = options.connect(url).await.map_err(|e| match e {
+        PostgresStoreError::Unreachable { cause, .. } => {
+            format!("cannot connect to the postgres store at {shown}: {cause}")
+        }
+        e => format!("cannot connect to the postgres store at {shown}: {e}"),
+    })?;
     store
         .migrate()
         .await

@@ -150,7 +150,7 @@ pub mod test_util;
 pub mod tx;
 
 pub use replication::{ReplicationReport, SynchronousCommit};
-pub use store::{PostgresStore, PostgresStoreOptions, SweeperHandle, Swept};
+pub use store::{PostgresStore, PostgresStoreError, PostgresStoreOptions, SweeperHandle, Swept};
 
 /// Another name of [`PostgresStoreOptions`], hidden: for code and doc links that name it.
 #[doc(hidden)]

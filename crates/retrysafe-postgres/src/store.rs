@@ -152,7 +152,7 @@ impl PostgresStore {
 
     /// Connects a pool to `url` with the defaults of [`options`](Self::options) and
     /// makes a store on it. Does not create the table: see [`migrate`](Self::migrate).
-    pub async fn connect(url: &str) -> Result<Self, sqlx::Error> {
+    pub async fn connect(url: &str) -> Result<Self, PostgresStoreError> {
         Self::options().connect(url).await
     }
 
@@ -573,8 +573,8 @@ impl PostgresStoreOptions {
 
     /// Validates the settings and makes the store on `pool`, used as it is: refuses the
     /// invalid settings named on each method (the connected pool's own settings aside),
-    /// naming each.
-    pub fn build(self, pool: PgPool) -> Result<PostgresStore, ConfigError> {
+    /// naming each ([`PostgresStoreError::Config`]).
+    pub fn build(self, pool: PgPool) -> Result<PostgresStore, PostgresStoreError> {
         let mut v = Validate::new();
         let sql = self.render(&mut v);
         let sql = v.finish(sql)?;
@@ -590,11 +590,17 @@ impl PostgresStoreOptions {
     }
 
     /// Validates the settings, connects a pool to `url` (a `postgres://` URL) as
-    /// described on [`PostgresStoreOptions`] and makes the store on it. Invalid settings
-    /// are one [`sqlx::Error::Configuration`] holding the [`ConfigError`] that names
-    /// each.
-    pub async fn connect(self, url: &str) -> Result<PostgresStore, sqlx::Error> {
-        let options = PgConnectOptions::from_str(url)?;
+    /// described on [`PostgresStoreOptions`] and makes the store on it.
+    ///
+    /// Refused settings are [`PostgresStoreError::Config`], naming each, before
+    /// anything is connected; a URL that does not parse is
+    /// [`PostgresStoreError::InvalidUrl`]; a server that is down or does not answer is
+    /// [`PostgresStoreError::Unreachable`] at once, naming its address; a refusal by
+    /// the server (a login, a database that does not exist) is
+    /// [`PostgresStoreError::Database`].
+    pub async fn connect(self, url: &str) -> Result<PostgresStore, PostgresStoreError> {
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| PostgresStoreError::InvalidUrl(e.to_string()))?;
         self.connect_with(options).await
     }
 
@@ -602,7 +608,7 @@ impl PostgresStoreOptions {
     pub async fn connect_with(
         self,
         options: PgConnectOptions,
-    ) -> Result<PostgresStore, sqlx::Error> {
+    ) -> Result<PostgresStore, PostgresStoreError> {
         let mut v = Validate::new();
         v.check(
             !self.connect_timeout.is_zero(),
@@ -615,9 +621,7 @@ impl PostgresStoreOptions {
             "must be greater than zero",
         );
         let sql = self.render(&mut v);
-        let sql = v
-            .finish(sql)
-            .map_err(|e| sqlx::Error::Configuration(Box::new(e)))?;
+        let sql = v.finish(sql)?;
         let asked = self.synchronous_commit;
         let statement_ms = self.statement_millis();
         let mut options = options.options([("statement_timeout", statement_ms.to_string())]);
@@ -631,7 +635,8 @@ impl PostgresStoreOptions {
             .acquire_timeout(connect_timeout)
             .test_before_acquire(false)
             .connect_with(options)
-            .await?;
+            .await
+            .map_err(PostgresStoreError::Database)?;
         let store = self.store(pool, sql, None);
         replication::warn_on_connect(&store, asked).await;
         Ok(store)
@@ -688,7 +693,10 @@ impl PostgresStoreOptions {
 /// Opens one connection before the pool does, so that a server that is down or
 /// refuses the login says so at once, naming its address — the pool would retry until
 /// its acquire timeout and then report only that it timed out.
-async fn first_connection(options: &PgConnectOptions, within: Duration) -> Result<(), sqlx::Error> {
+async fn first_connection(
+    options: &PgConnectOptions,
+    within: Duration,
+) -> Result<(), PostgresStoreError> {
     use sqlx::{ConnectOptions, Connection};
     let at = match options.get_socket() {
         Some(socket) => socket.display().to_string(),
@@ -699,15 +707,65 @@ async fn first_connection(options: &PgConnectOptions, within: Duration) -> Resul
             let _ = connection.close().await;
             Ok(())
         }
-        Ok(Err(sqlx::Error::Io(e))) => Err(sqlx::Error::Io(std::io::Error::new(
-            e.kind(),
-            format!("{} at {at}", io_cause(&e)),
-        ))),
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(sqlx::Error::Io(std::io::Error::new(
-            std::io::ErrorKind::TimedOut,
-            format!("no answer from {at} within {within:?}"),
-        ))),
+        Ok(Err(sqlx::Error::Io(e))) => Err(PostgresStoreError::Unreachable {
+            at,
+            cause: io_cause(&e),
+        }),
+        Ok(Err(e)) => Err(PostgresStoreError::Database(e)),
+        Err(_) => Err(PostgresStoreError::Unreachable {
+            at,
+            cause: format!("no answer within {within:?}"),
+        }),
+    }
+}
+
+/// Why a [`PostgresStore`] could not be made.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum PostgresStoreError {
+    /// The store's settings were refused (every refused one is named).
+    Config(ConfigError),
+    /// The URL does not parse.
+    InvalidUrl(String),
+    /// The server could not be reached: nothing answers at `at`, or it refused the
+    /// connection.
+    Unreachable {
+        /// The address asked, `host:port` or a socket's path.
+        at: String,
+        /// Why, in a few words (`connection refused`, `no answer within 5s`).
+        cause: String,
+    },
+    /// The server refused (a login, a database that does not exist), or the pool
+    /// failed.
+    Database(sqlx::Error),
+}
+
+impl fmt::Display for PostgresStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            PostgresStoreError::Config(e) => write!(f, "invalid PostgreSQL store settings: {e}"),
+            PostgresStoreError::InvalidUrl(e) => write!(f, "invalid PostgreSQL URL: {e}"),
+            PostgresStoreError::Unreachable { at, cause } => {
+                write!(f, "cannot connect to PostgreSQL at {at}: {cause}")
+            }
+            PostgresStoreError::Database(e) => write!(f, "PostgreSQL refused: {e}"),
+        }
+    }
+}
+
+impl std::error::Error for PostgresStoreError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            PostgresStoreError::Config(e) => Some(e),
+            PostgresStoreError::Database(e) => Some(e),
+            PostgresStoreError::InvalidUrl(_) | PostgresStoreError::Unreachable { .. } => None,
+        }
+    }
+}
+
+impl From<ConfigError> for PostgresStoreError {
+    fn from(e: ConfigError) -> Self {
+        PostgresStoreError::Config(e)
     }
 }
 

@@ -29,7 +29,7 @@ use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
 use retrysafe_postgres::sqlx::{self, PgConnection};
-use retrysafe_postgres::{PostgresStore, PostgresStoreOptions};
+use retrysafe_postgres::{PostgresStore, PostgresStoreError, PostgresStoreOptions};
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
@@ -691,6 +691,14 @@ async fn leases_use_the_database_clock() {
     assert!(i64::try_from(p.lease_until_ms).unwrap() >= after + 60_000);
 }
 
+/// The configuration error of a store that could not be made.
+fn config(err: PostgresStoreError) -> ConfigError {
+    match err {
+        PostgresStoreError::Config(e) => e,
+        other => panic!("expected a configuration error, got {other:?}"),
+    }
+}
+
 /// Settings are validated where the store is made; `connect` reports them as
 /// configuration errors.
 #[tokio::test]
@@ -701,10 +709,13 @@ async fn settings_are_validated() {
     let build = |options: PostgresStoreOptions| options.build(pool.clone());
     let b = PostgresStore::options;
     assert!(build(b()).is_ok());
-    assert_eq!(build(b().table("a b")).unwrap_err().field(), "table");
-    assert_eq!(build(b().schema("")).unwrap_err().field(), "schema");
     assert_eq!(
-        build(b().call_timeout(Duration::ZERO)).unwrap_err().field(),
+        config(build(b().table("a b")).unwrap_err()).field(),
+        "table"
+    );
+    assert_eq!(config(build(b().schema("")).unwrap_err()).field(), "schema");
+    assert_eq!(
+        config(build(b().call_timeout(Duration::ZERO)).unwrap_err()).field(),
         "call_timeout"
     );
     // A refused setting stops `connect` before any connection is tried.
@@ -713,7 +724,7 @@ async fn settings_are_validated() {
         .connect("postgres://postgres@127.0.0.1:1/test")
         .await
         .unwrap_err();
-    assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
+    assert!(matches!(err, PostgresStoreError::Config(_)), "{err:?}");
     let err = b()
         .max_connections(0)
         .connect("postgres://postgres@127.0.0.1:1/test")
@@ -723,7 +734,7 @@ async fn settings_are_validated() {
     let err = PostgresStore::connect("postgres://127.0.0.1/test?sslmode=bogus")
         .await
         .unwrap_err();
-    assert!(matches!(err, sqlx::Error::Configuration(_)), "{err:?}");
+    assert!(matches!(err, PostgresStoreError::InvalidUrl(_)), "{err:?}");
 }
 
 /// One validation names every refused setting, for `build` and for `connect`.
@@ -737,6 +748,7 @@ async fn every_refused_setting_is_named() {
         .call_timeout(Duration::ZERO)
         .build(pool)
         .unwrap_err();
+    let e = config(e);
     assert_eq!(e.fields().collect::<Vec<_>>(), ["call_timeout", "table"]);
 
     let err = PostgresStore::options()
@@ -746,10 +758,7 @@ async fn every_refused_setting_is_named() {
         .connect("postgres://postgres@127.0.0.1:1/test")
         .await
         .unwrap_err();
-    let sqlx::Error::Configuration(e) = err else {
-        panic!("expected a configuration error, got {err:?}");
-    };
-    let e = e.downcast_ref::<ConfigError>().expect("a ConfigError");
+    let e = config(err);
     assert_eq!(
         e.fields().collect::<Vec<_>>(),
         ["connect_timeout", "max_connections", "schema"]

@@ -122,9 +122,19 @@ impl ConfigReport {
 /// [`RedisStore::check_config`] failed.
 #[derive(Debug)]
 #[non_exhaustive]
-pub enum CheckError {
+pub enum RedisStoreError {
     /// The store's settings were refused (every refused one is named).
-    Options(ConfigError),
+    Config(ConfigError),
+    /// The URL of the server (or of a sentinel, a cluster node) does not parse.
+    InvalidUrl(String),
+    /// The server could not be reached: nothing answers at `at`, or it refused the
+    /// connection.
+    Unreachable {
+        /// The address asked, `host:port`.
+        at: String,
+        /// Why, in a few words (`connection refused`, `timed out`).
+        cause: String,
+    },
     /// The server's eviction policy may evict records (anything but `noeviction`). The
     /// report says what else was found.
     UnsafeEvictionPolicy(ConfigReport),
@@ -134,7 +144,7 @@ pub enum CheckError {
     EvictionPolicyUnreadable,
     /// The node is a read-only replica (`role:slave`): every write would be refused.
     /// Connect to its primary (named when the replica reports it), or through Redis
-    /// Sentinel (`RedisStore::connect_sentinel`, feature `sentinel`), which finds it.
+    /// Sentinel (`RedisStore::options().connect_sentinel`, feature `sentinel`), which finds it.
     ReadOnlyReplica {
         /// The primary it replicates, `host:port`, when it says.
         primary: Option<String>,
@@ -143,53 +153,59 @@ pub enum CheckError {
     Store(StoreError),
 }
 
-impl fmt::Display for CheckError {
+impl fmt::Display for RedisStoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            CheckError::Options(e) => write!(f, "invalid Redis store settings: {e}"),
-            CheckError::UnsafeEvictionPolicy(r) => write!(
+            RedisStoreError::Config(e) => write!(f, "invalid Redis store settings: {e}"),
+            RedisStoreError::InvalidUrl(e) => write!(f, "invalid Redis URL: {e}"),
+            RedisStoreError::Unreachable { at, cause } => {
+                write!(f, "cannot connect to Redis at {at}: {cause}")
+            }
+            RedisStoreError::UnsafeEvictionPolicy(r) => write!(
                 f,
                 "Redis maxmemory-policy is {}: it may evict in-flight idempotency claims; \
                  set maxmemory-policy noeviction",
                 r.eviction_policy
             ),
-            CheckError::EvictionPolicyUnreadable => f.write_str(
+            RedisStoreError::EvictionPolicyUnreadable => f.write_str(
                 "cannot read the Redis maxmemory-policy (CONFIG GET refused): make sure it \
                  is noeviction and build the store with skip_config_check()",
             ),
-            CheckError::ReadOnlyReplica { primary } => {
+            RedisStoreError::ReadOnlyReplica { primary } => {
                 f.write_str("the Redis node is a read-only replica, and a store writes: ")?;
                 match primary {
                     Some(p) => write!(f, "connect to its primary, {p}"),
                     None => f.write_str("connect to its primary"),
                 }
             }
-            CheckError::Store(e) => write!(f, "cannot check the Redis configuration: {e}"),
+            RedisStoreError::Store(e) => write!(f, "cannot check the Redis configuration: {e}"),
         }
     }
 }
 
-impl std::error::Error for CheckError {
+impl std::error::Error for RedisStoreError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
-            CheckError::Options(e) => Some(e),
-            CheckError::UnsafeEvictionPolicy(_)
-            | CheckError::EvictionPolicyUnreadable
-            | CheckError::ReadOnlyReplica { .. } => None,
-            CheckError::Store(e) => Some(e),
+            RedisStoreError::Config(e) => Some(e),
+            RedisStoreError::InvalidUrl(_)
+            | RedisStoreError::Unreachable { .. }
+            | RedisStoreError::UnsafeEvictionPolicy(_)
+            | RedisStoreError::EvictionPolicyUnreadable
+            | RedisStoreError::ReadOnlyReplica { .. } => None,
+            RedisStoreError::Store(e) => Some(e),
         }
     }
 }
 
-impl From<ConfigError> for CheckError {
+impl From<ConfigError> for RedisStoreError {
     fn from(e: ConfigError) -> Self {
-        CheckError::Options(e)
+        RedisStoreError::Config(e)
     }
 }
 
-impl From<StoreError> for CheckError {
+impl From<StoreError> for RedisStoreError {
     fn from(e: StoreError) -> Self {
-        CheckError::Store(e)
+        RedisStoreError::Store(e)
     }
 }
 
@@ -204,12 +220,12 @@ where
     /// it again to read the report.
     ///
     /// - Any policy but `noeviction` (`volatile-*`, `allkeys-*`, one this release does
-    ///   not know) is [`CheckError::UnsafeEvictionPolicy`]: Redis could evict an
+    ///   not know) is [`RedisStoreError::UnsafeEvictionPolicy`]: Redis could evict an
     ///   in-flight claim, which carries an expiry, and a duplicate would run.
     /// - A refused `CONFIG` command (managed services, ACLs) is not an error: the report
     ///   says [`EvictionPolicy::Unknown`] and the persistence is `None`; it is logged.
     /// - No persistence is logged as a warning, not an error.
-    /// - A server that cannot be reached is [`CheckError::Store`].
+    /// - A server that cannot be reached is [`RedisStoreError::Store`].
     ///
     /// On a cluster connection the command goes to one node; configure all alike.
     ///
@@ -225,7 +241,7 @@ where
     /// }
     /// # Ok(()) }
     /// ```
-    pub async fn check_config(&self) -> Result<ConfigReport, CheckError> {
+    pub async fn check_config(&self) -> Result<ConfigReport, RedisStoreError> {
         let mut conn = self.connection().clone();
         let mut pipe = redis::pipe();
         for name in ["maxmemory-policy", "appendonly", "save", "cluster-enabled"] {
@@ -252,7 +268,7 @@ where
                     cluster: None,
                 }
             }
-            Err(e) => return Err(CheckError::Store(store_error(e))),
+            Err(e) => return Err(RedisStoreError::Store(store_error(e))),
         };
         if report.eviction_policy.is_unsafe() {
             tracing::error!(
@@ -261,7 +277,7 @@ where
                 policy = %report.eviction_policy,
                 "Redis maxmemory-policy may evict idempotency records"
             );
-            return Err(CheckError::UnsafeEvictionPolicy(report));
+            return Err(RedisStoreError::UnsafeEvictionPolicy(report));
         }
         if report.persistent() == Some(false) {
             tracing::warn!(
@@ -282,10 +298,10 @@ where
     /// The check run when a store is made: [`check_config`](Self::check_config), and a
     /// policy that could not be read is refused too. A cluster node makes the store
     /// keep its in-flight index per hash slot.
-    pub(crate) async fn check_on_start(&self) -> Result<(), CheckError> {
+    pub(crate) async fn check_on_start(&self) -> Result<(), RedisStoreError> {
         let report = self.check_config().await?;
         if report.eviction_policy == EvictionPolicy::Unknown {
-            return Err(CheckError::EvictionPolicyUnreadable);
+            return Err(RedisStoreError::EvictionPolicyUnreadable);
         }
         if report.cluster == Some(true) {
             self.index_per_slot();
@@ -293,11 +309,11 @@ where
         Ok(())
     }
 
-    /// Refuses a read-only replica ([`CheckError::ReadOnlyReplica`]), from the node's
+    /// Refuses a read-only replica ([`RedisStoreError::ReadOnlyReplica`]), from the node's
     /// `INFO` (`role`, `cluster_enabled`, `master_host`, `master_port`). Not on a
     /// Redis Cluster: its client sends each write to the primary of its slot, and
     /// fans `INFO` out to every primary. A refused `INFO` is not checked.
-    pub(crate) async fn check_role(&self) -> Result<(), CheckError> {
+    pub(crate) async fn check_role(&self) -> Result<(), RedisStoreError> {
         if self.per_slot() {
             return Ok(());
         }
@@ -318,7 +334,7 @@ where
                 );
                 return Ok(());
             }
-            Err(e) => return Err(CheckError::Store(store_error(e))),
+            Err(e) => return Err(RedisStoreError::Store(store_error(e))),
         };
         match replica_of(&info) {
             Some(primary) => {
@@ -328,7 +344,7 @@ where
                     primary = primary.as_deref().unwrap_or("unknown"),
                     "the Redis node is a read-only replica: a store needs its primary"
                 );
-                Err(CheckError::ReadOnlyReplica { primary })
+                Err(RedisStoreError::ReadOnlyReplica { primary })
             }
             None => Ok(()),
         }
@@ -479,7 +495,7 @@ mod tests {
         // A cluster replica: the cluster client routes writes to primaries.
         assert_eq!(replica_of("role:slave\r\ncluster_enabled:1\r\n"), None);
         assert_eq!(replica_of(""), None);
-        let e = CheckError::ReadOnlyReplica {
+        let e = RedisStoreError::ReadOnlyReplica {
             primary: Some("10.0.0.1:6379".to_owned()),
         };
         assert!(e.to_string().contains("read-only replica"), "{e}");
@@ -488,7 +504,7 @@ mod tests {
 
     #[test]
     fn check_error_messages() {
-        let e = CheckError::UnsafeEvictionPolicy(report_from(&[map(
+        let e = RedisStoreError::UnsafeEvictionPolicy(report_from(&[map(
             "maxmemory-policy",
             "allkeys-lru",
         )]));

@@ -67,7 +67,7 @@
 //!   `always` nothing) or at least RDB snapshots.
 //! - **Clocks**: leases are measured by the Redis server's clock only; app-server clocks
 //!   do not matter.
-//! - **Cluster**: feature `cluster`, `RedisStore::connect_cluster`: each record, its
+//! - **Cluster**: feature `cluster`, `RedisStore::options().connect_cluster`: each record, its
 //!   `:last` and `:meta` keys share the record id's hash tag, so each script runs on
 //!   the node that owns them. The in-flight index is then one key per hash slot,
 //!   `{prefix}inflight:{<tag>}`, the tag a short number that hashes to the slot of the
@@ -78,12 +78,12 @@
 //!   drops index entries of expired records as it finds them. The cluster client
 //!   follows `MOVED` and `ASK` during resharding and may send a request again after a
 //!   lost connection: every script is idempotent per token.
-//! - **Sentinel**: feature `sentinel`, `RedisStore::connect_sentinel` (or a
+//! - **Sentinel**: feature `sentinel`, `RedisStore::options().connect_sentinel` (or a
 //!   `SentinelConnection` given to [`RedisStoreOptions::build`]): the primary Redis
 //!   Sentinel names, asked for again when its connection breaks, when it answers
 //!   `READONLY`, or when it stops answering, so a failover needs no restart.
 //! - **Replicas**: making a store refuses a read-only replica
-//!   ([`CheckError::ReadOnlyReplica`], naming its primary). A node made a replica under
+//!   ([`RedisStoreError::ReadOnlyReplica`], naming its primary). A node made a replica under
 //!   a running store (a failover behind a DNS name, a proxy or a managed service's
 //!   endpoint) answers `READONLY`: the call is refused as unavailable (503 under the
 //!   layer), a warning is logged once, and the connection is made again to the same
@@ -120,7 +120,7 @@ mod store;
 #[cfg(feature = "test-util")]
 pub mod test_util;
 
-pub use check::{CheckError, ConfigReport, EvictionPolicy};
+pub use check::{ConfigReport, EvictionPolicy, RedisStoreError};
 #[cfg(feature = "sentinel")]
 #[cfg_attr(docsrs, doc(cfg(feature = "sentinel")))]
 pub use sentinel::SentinelConnection;

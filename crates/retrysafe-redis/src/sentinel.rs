@@ -1,5 +1,5 @@
 //! [`SentinelConnection`]: a connection to the primary that Redis Sentinel names, which
-//! follows it across failovers (feature `sentinel`), and [`RedisStore::connect_sentinel`].
+//! follows it across failovers (feature `sentinel`), and [`RedisStoreOptions::connect_sentinel`].
 
 use std::fmt;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -15,8 +15,8 @@ use redis::{
 use retrysafe_core::store::StoreError;
 use tokio::time::Instant;
 
-use crate::store::{DEFAULT_CALL_TIMEOUT, bounded};
-use crate::{CheckError, RedisStore, RedisStoreOptions};
+use crate::store::{DEFAULT_CALL_TIMEOUT, bounded, unreachable};
+use crate::{RedisStore, RedisStoreError, RedisStoreOptions};
 
 /// How long a connection may stay silent under a request before it is given up: a
 /// request abandoned (by its caller's timeout) after this long, with no reply on its
@@ -322,23 +322,22 @@ impl ConnectionLike for SentinelConnection {
     }
 }
 
-impl RedisStore<SentinelConnection> {
+impl RedisStoreOptions {
     /// Finds the primary of `service` through `sentinels` (any subset of them; each a
     /// `redis://HOST:PORT` URL, with the sentinels' credentials if they need any),
-    /// checks it as [`RedisStoreOptions::build`] does, and returns a store with the
-    /// default settings that follows the primary across failovers (see
+    /// checks it as [`build`](Self::build) does, and returns a store with these
+    /// settings that follows the primary across failovers (see
     /// [`SentinelConnection`]). Feature `sentinel`.
     ///
     /// A primary that needs a password: make the connection with
-    /// [`SentinelConnection::connect`] and pass it to
-    /// [`options`](RedisStore::options)`().build(conn)`.
+    /// [`SentinelConnection::connect`] and [`build`](Self::build) over it.
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use retrysafe_redis::RedisStore;
     ///
-    /// let store = RedisStore::connect_sentinel(
+    /// let store = RedisStore::options().connect_sentinel(
     ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],
     ///     "payments",
     /// )
@@ -347,21 +346,25 @@ impl RedisStore<SentinelConnection> {
     /// # Ok(()) }
     /// ```
     pub async fn connect_sentinel<T: IntoConnectionInfo>(
+        self,
         sentinels: impl IntoIterator<Item = T>,
         service: &str,
-    ) -> Result<Self, CheckError> {
+    ) -> Result<RedisStore<SentinelConnection>, RedisStoreError> {
         let conn = bounded(
             DEFAULT_CALL_TIMEOUT * 5,
             SentinelConnection::connect(sentinels, service, None),
         )
         .await
-        .map_err(|e| match e {
-            StoreError::Timeout => StoreError::unavailable(format!(
-                "no primary of the Redis Sentinel service {service:?} within {:?}",
-                DEFAULT_CALL_TIMEOUT * 5
-            )),
-            e => e,
+        .map_err(|e| {
+            let at = format!("the primary of the Redis Sentinel service {service:?}");
+            match e {
+                StoreError::Timeout => RedisStoreError::Unreachable {
+                    at,
+                    cause: format!("not found within {:?}", DEFAULT_CALL_TIMEOUT * 5),
+                },
+                e => unreachable(at, &e),
+            }
         })?;
-        RedisStoreOptions::new().build(conn).await
+        self.build(conn).await
     }
 }

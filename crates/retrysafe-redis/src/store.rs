@@ -26,7 +26,7 @@ use retrysafe_core::store::{
 use retrysafe_core::wire::MAX_TIMEOUT;
 use tokio::time::Instant;
 
-use crate::CheckError;
+use crate::RedisStoreError;
 use crate::scripts::{BECAME_UNKNOWN, CLAIMED, EXISTING, RESOLVING, SCRIPTS, TAKEN_OVER};
 use crate::slots::{SLOTS, slot_of_tag, tag_of_slot};
 
@@ -43,7 +43,7 @@ const MAX_SPAN: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 const POLL_MIN: Duration = Duration::from_millis(5);
 const POLL_MAX: Duration = Duration::from_millis(100);
 
-/// The response timeout of the cluster client of [`RedisStore::connect_cluster`]:
+/// The response timeout of the cluster client of [`RedisStoreOptions::connect_cluster`]:
 /// longer than any call the store makes (a waited write takes at most the call
 /// timeout), so that only a node that stopped answering meets it.
 #[cfg(feature = "cluster")]
@@ -211,34 +211,19 @@ impl<C> fmt::Debug for RedisStore<C> {
 }
 
 impl RedisStore {
-    /// Connects to the Redis server at `url` (for example `redis://127.0.0.1:6379`)
-    /// with a [`ConnectionManager`], checks the server's configuration (see
-    /// [`RedisStoreOptions::build`]: `maxmemory-policy` must be `noeviction`), and
-    /// returns a store with the default settings.
-    ///
-    /// The manager reconnects by itself after a lost connection. It is configured
-    /// here with a 1 s connection timeout, two retries per connection attempt, and no
-    /// response timeout of its own (the store's call timeout bounds every call). To
-    /// configure it differently (or to skip the check), build it yourself and pass it
-    /// to [`options`](Self::options)`().build(conn)`.
-    ///
-    /// A server that cannot be reached is [`CheckError::Store`] with
-    /// [`StoreError::Unavailable`] (or [`StoreError::Timeout`]), never a hang.
-    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, CheckError> {
-        let client = redis::Client::open(url).map_err(StoreError::unavailable)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
-            .set_response_timeout(None)
-            .set_number_of_retries(CONNECT_RETRIES)
-            .set_max_delay(CONNECT_MAX_DELAY);
-        // Each attempt is bounded by the connection timeout; the whole by a few of them.
-        let bound = DEFAULT_CALL_TIMEOUT * 5;
-        let conn = bounded(bound, ConnectionManager::new_with_config(client, config)).await?;
-        RedisStoreOptions::new().build(conn).await
+    /// Connects to the Redis server at `url` (for example `redis://127.0.0.1:6379`) and
+    /// returns a store with the default settings: [`options`](Self::options)`()`
+    /// `.connect(url)`.
+    pub async fn connect(url: impl IntoConnectionInfo) -> Result<Self, RedisStoreError> {
+        RedisStoreOptions::new().connect(url).await
     }
 
-    /// The settings of a store (key prefix, call timeout) with their defaults, to be
-    /// changed and then [built](RedisStoreOptions::build) over a connection.
+    /// The settings of a store (name, key prefix, call timeout, replicated writes)
+    /// with their defaults, to be changed and then used to
+    /// [connect](RedisStoreOptions::connect) to a server (or a
+    /// [cluster](RedisStoreOptions::connect_cluster), or the primary
+    /// [a Sentinel names](RedisStoreOptions::connect_sentinel)), or to
+    /// [build](RedisStoreOptions::build) a store over a connection of yours.
     ///
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
@@ -246,62 +231,16 @@ impl RedisStore {
     /// use std::time::Duration;
     /// use retrysafe_redis::RedisStore;
     ///
-    /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
-    /// let conn = redis::aio::ConnectionManager::new(client).await?;
     /// let store = RedisStore::options()
     ///     .key_prefix("billing:idem:")
     ///     .call_timeout(Duration::from_millis(300))
-    ///     .build(conn) // also checks the server's maxmemory-policy
+    ///     .connect("redis://127.0.0.1:6379") // also checks the server's maxmemory-policy
     ///     .await?;
     /// assert_eq!(store.key_prefix(), "billing:idem:");
     /// # Ok(()) }
     /// ```
     pub fn options() -> RedisStoreOptions {
         RedisStoreOptions::new()
-    }
-}
-
-#[cfg(feature = "cluster")]
-impl RedisStore<redis::cluster_async::ClusterConnection> {
-    /// Connects to a Redis Cluster through its `nodes` (any subset; the others are
-    /// discovered), checks the configuration of the node it asks (see
-    /// [`RedisStoreOptions::build`]), and returns a store with the default settings.
-    /// Feature `cluster`.
-    ///
-    /// Every record is one key whose hash tag is its record id, so each script runs on
-    /// the node that owns that key's slot.
-    ///
-    /// The cluster client is made with a response timeout of twice the default call
-    /// timeout (2 s; a waited write may take the call timeout). Without one, redis-rs's
-    /// cluster client waits for every reply without end, also inside its slot refresh,
-    /// which holds the topology lock that every request needs: one node that stops
-    /// answering (frozen, partitioned, or its connection held up behind waited writes)
-    /// can then stall every request to every node. Over your own cluster connection,
-    /// set one too. A primary that stops answering is still not given up by the
-    /// client: calls to its slots fail until it answers again (demoted, with `MOVED`).
-    ///
-    /// ```no_run
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_redis::RedisStore;
-    /// let store = RedisStore::connect_cluster([
-    ///     "redis://10.0.0.1:6379",
-    ///     "redis://10.0.0.2:6379",
-    /// ])
-    /// .await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn connect_cluster<T: IntoConnectionInfo>(
-        nodes: impl IntoIterator<Item = T>,
-    ) -> Result<Self, CheckError> {
-        let timeout = DEFAULT_CALL_TIMEOUT;
-        let client = redis::cluster::ClusterClient::builder(nodes)
-            .connection_timeout(timeout)
-            .response_timeout(CLUSTER_RESPONSE_TIMEOUT)
-            .build()
-            .map_err(StoreError::unavailable)?;
-        let conn = bounded(timeout * 5, client.get_async_connection()).await?;
-        RedisStoreOptions::new().per_slot_index().build(conn).await
     }
 }
 
@@ -470,57 +409,13 @@ where
         Ok((reply, acked >= u64::from(r.replicas)))
     }
 
-    /// Writes pipelined with `WAIT`: each claim, commit point and completion is
-    /// acknowledged only once `replicas` replicas of the primary that holds the record
-    /// have it, or refused after `timeout` (clamped to at least 1 ms and at most the
-    /// [call timeout](RedisStoreOptions::call_timeout)). `replicas` 0 turns it off (the
-    /// default).
-    ///
-    /// Redis replicates asynchronously: a claim or a completion acknowledged by a
-    /// primary that dies before its replica has it is lost when the replica is
-    /// promoted, and a copy of the request may then run again. This setting
-    /// **reduces** that loss; it does not remove it (Redis's own documentation of
-    /// `WAIT` says so: a replica that acknowledged can still lose the write, and a
-    /// failover can promote another replica). The `WAIT` is pipelined with the script
-    /// on the connection of the record's primary (one round trip, plus the replicas'
-    /// acknowledgement), not sent to every primary, and not run inside the script,
-    /// where it does not block.
-    ///
-    /// - A **claim** (or a commit point) not acknowledged in time is released by the
-    ///   store (best effort) and refused as
-    ///   [`StoreError::Unavailable`](retrysafe_core::store::StoreError::Unavailable):
-    ///   the layer answers 503 `store-unavailable`, and nothing ran.
-    /// - A **completion** not acknowledged in time is refused the same way; the layer
-    ///   then returns the handler's real response and emits `completion_lost`.
-    /// - Releases, renewals and unknown outcomes are not waited for.
-    ///
-    /// Costs: each of those calls waits for the replicas' acknowledgement (a
-    /// replication round trip more).
-    ///
-    /// ```no_run
-    /// # #[tokio::main(flavor = "current_thread")]
-    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use std::time::Duration;
-    /// use retrysafe_redis::RedisStore;
-    ///
-    /// let store = RedisStore::connect("redis://127.0.0.1:6379")
-    ///     .await?
-    ///     .replicated_writes(1, Duration::from_millis(100));
-    /// assert_eq!(store.replicas(), 1);
-    /// # Ok(()) }
-    /// ```
-    pub fn replicated_writes(mut self, replicas: u32, timeout: Duration) -> Self {
-        self.replication = Some(Replication { replicas, timeout });
-        self
-    }
-
     /// The store's name ([`RedisStoreOptions::name`]; `default` unless set).
     pub fn name(&self) -> &Name {
         &self.config.name
     }
 
     /// How many replicas must acknowledge a claim, commit point or completion (see
-    /// [`replicated_writes`](Self::replicated_writes)); 0 when the setting is off.
+    /// [`RedisStoreOptions::replicated_writes`]); 0 when the setting is off.
     pub fn replicas(&self) -> u32 {
         self.replication.map_or(0, |r| r.replicas)
     }
@@ -917,7 +812,7 @@ where
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_redis::{CheckError, RedisStoreOptions};
+/// use retrysafe_redis::{RedisStoreError, RedisStoreOptions};
 ///
 /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
 /// let conn = redis::aio::ConnectionManager::new(client).await?;
@@ -927,7 +822,7 @@ where
 ///     .call_timeout(Duration::ZERO)
 ///     .build(conn)
 ///     .await;
-/// let Err(CheckError::Options(refused)) = refused else { unreachable!() };
+/// let Err(RedisStoreError::Config(refused)) = refused else { unreachable!() };
 /// assert_eq!(refused.fields().collect::<Vec<_>>(), ["key_prefix", "call_timeout"]);
 /// # Ok(()) }
 /// ```
@@ -938,6 +833,7 @@ pub struct RedisStoreOptions {
     call_timeout: Duration,
     check_config: bool,
     per_slot_index: bool,
+    replication: Option<Replication>,
     name: Name,
 }
 
@@ -948,6 +844,7 @@ impl Default for RedisStoreOptions {
             call_timeout: DEFAULT_CALL_TIMEOUT,
             check_config: true,
             per_slot_index: false,
+            replication: None,
             name: Name::default(),
         }
     }
@@ -995,13 +892,92 @@ impl RedisStoreOptions {
     /// Keeps the reconcilers' in-flight index as one key per hash slot, as a Redis
     /// Cluster needs (every script touches keys of one slot). Making a store finds
     /// out by itself when its server is a cluster node (`cluster-enabled`, read by the
-    /// configuration check) and [`RedisStore::connect_cluster`] sets it; set it when
+    /// configuration check) and [`RedisStoreOptions::connect_cluster`] sets it; set it when
     /// you [skip the check](Self::skip_config_check) on a cluster, so that the
     /// reconcilers of every app server look for pending records in the same keys.
     /// Record key names are the same either way.
     pub fn per_slot_index(mut self) -> Self {
         self.per_slot_index = true;
         self
+    }
+
+    /// Writes pipelined with `WAIT`: each claim, commit point and completion is
+    /// acknowledged only once `replicas` replicas of the primary that holds the record
+    /// have it, or refused after `timeout` (clamped to at least 1 ms and at most the
+    /// [call timeout](RedisStoreOptions::call_timeout)). `replicas` 0 turns it off (the
+    /// default).
+    ///
+    /// Redis replicates asynchronously: a claim or a completion acknowledged by a
+    /// primary that dies before its replica has it is lost when the replica is
+    /// promoted, and a copy of the request may then run again. This setting
+    /// **reduces** that loss; it does not remove it (Redis's own documentation of
+    /// `WAIT` says so: a replica that acknowledged can still lose the write, and a
+    /// failover can promote another replica). The `WAIT` is pipelined with the script
+    /// on the connection of the record's primary (one round trip, plus the replicas'
+    /// acknowledgement), not sent to every primary, and not run inside the script,
+    /// where it does not block.
+    ///
+    /// - A **claim** (or a commit point) not acknowledged in time is released by the
+    ///   store (best effort) and refused as
+    ///   [`StoreError::Unavailable`](retrysafe_core::store::StoreError::Unavailable):
+    ///   the layer answers 503 `store-unavailable`, and nothing ran.
+    /// - A **completion** not acknowledged in time is refused the same way; the layer
+    ///   then returns the handler's real response and emits `completion_lost`.
+    /// - Releases, renewals and unknown outcomes are not waited for.
+    ///
+    /// Costs: each of those calls waits for the replicas' acknowledgement (a
+    /// replication round trip more).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use std::time::Duration;
+    /// use retrysafe_redis::RedisStore;
+    ///
+    /// let store = RedisStore::options()
+    ///     .replicated_writes(1, Duration::from_millis(100))
+    ///     .connect("redis://127.0.0.1:6379")
+    ///     .await?;
+    /// assert_eq!(store.replicas(), 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn replicated_writes(mut self, replicas: u32, timeout: Duration) -> Self {
+        self.replication = (replicas > 0).then_some(Replication { replicas, timeout });
+        self
+    }
+
+    /// Connects to the Redis server at `url` (for example `redis://127.0.0.1:6379`)
+    /// with a [`ConnectionManager`], and [builds](Self::build) the store over it.
+    ///
+    /// The manager reconnects by itself after a lost connection. It is configured
+    /// here with a 1 s connection timeout, two retries per connection attempt, and no
+    /// response timeout of its own (the store's call timeout bounds every call). To
+    /// configure it differently, make it yourself and [`build`](Self::build) over it.
+    ///
+    /// A URL that does not parse is [`RedisStoreError::InvalidUrl`]; a server that
+    /// cannot be reached is [`RedisStoreError::Unreachable`], naming its address, never
+    /// a hang.
+    pub async fn connect(
+        self,
+        url: impl IntoConnectionInfo,
+    ) -> Result<RedisStore, RedisStoreError> {
+        let info = url
+            .into_connection_info()
+            .map_err(|e| RedisStoreError::InvalidUrl(e.to_string()))?;
+        let at = info.addr().to_string();
+        let client =
+            redis::Client::open(info).map_err(|e| RedisStoreError::InvalidUrl(e.to_string()))?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(DEFAULT_CALL_TIMEOUT))
+            .set_response_timeout(None)
+            .set_number_of_retries(CONNECT_RETRIES)
+            .set_max_delay(CONNECT_MAX_DELAY);
+        // Each attempt is bounded by the connection timeout; the whole by a few of them.
+        let bound = DEFAULT_CALL_TIMEOUT * 5;
+        let conn = bounded(bound, ConnectionManager::new_with_config(client, config))
+            .await
+            .map_err(|e| unreachable(at, &e))?;
+        self.build(conn).await
     }
 
     /// Validates the settings and makes a store over `conn` with them, then checks the
@@ -1011,19 +987,19 @@ impl RedisStoreOptions {
     /// each write to a primary).
     ///
     /// - Refused settings (a prefix with braces, a zero or huge call timeout) are
-    ///   [`CheckError::Options`], naming every one; the server is not asked.
+    ///   [`RedisStoreError::Config`], naming every one; the server is not asked.
     /// - A `maxmemory-policy` other than `noeviction` is
-    ///   [`CheckError::UnsafeEvictionPolicy`]; one that cannot be read (`CONFIG`
-    ///   refused) is [`CheckError::EvictionPolicyUnreadable`]. See
+    ///   [`RedisStoreError::UnsafeEvictionPolicy`]; one that cannot be read (`CONFIG`
+    ///   refused) is [`RedisStoreError::EvictionPolicyUnreadable`]. See
     ///   [`RedisStore::check_config`].
-    /// - A read-only replica (`role:slave`) is [`CheckError::ReadOnlyReplica`], which
+    /// - A read-only replica (`role:slave`) is [`RedisStoreError::ReadOnlyReplica`], which
     ///   names its primary: every write would be refused, and reads would see what
     ///   the replica had copied. (An `INFO` the server refuses is not checked.)
-    /// - A server that cannot be reached is [`CheckError::Store`].
+    /// - A server that cannot be reached is [`RedisStoreError::Store`].
     ///
     /// Async, like redis-rs's own connection constructors: the store is checked where
     /// it is made, so that no store runs on a server that may evict its claims.
-    pub async fn build<C>(self, conn: C) -> Result<RedisStore<C>, CheckError>
+    pub async fn build<C>(self, conn: C) -> Result<RedisStore<C>, RedisStoreError>
     where
         C: ConnectionLike + Clone + Send + Sync + 'static,
     {
@@ -1071,9 +1047,23 @@ impl RedisStoreOptions {
                 read_only: AtomicBool::new(false),
                 reconnecting: AtomicBool::new(false),
             }),
-            replication: None,
+            replication: self.replication,
         })
     }
+}
+
+/// A connection that could not be made to `at`, as the error of making a store.
+pub(crate) fn unreachable(at: String, error: &StoreError) -> RedisStoreError {
+    let cause = match error {
+        StoreError::Timeout => "no answer in time".to_owned(),
+        StoreError::Unavailable(e) => match e.downcast_ref::<redis::RedisError>() {
+            Some(e) if e.is_connection_refusal() => "connection refused".to_owned(),
+            Some(e) => e.to_string(),
+            None => e.to_string(),
+        },
+        other => other.to_string(),
+    };
+    RedisStoreError::Unreachable { at, cause }
 }
 
 /// Awaits `fut` for at most `timeout`, mapping redis errors.
@@ -1155,6 +1145,64 @@ pub(crate) fn retention_millis(d: Duration) -> u64 {
 /// A pause between half and all of `d`.
 fn jitter(d: Duration) -> Duration {
     d.mul_f64(rand::rng().random_range(0.5..=1.0))
+}
+
+#[cfg(feature = "cluster")]
+impl RedisStoreOptions {
+    /// Connects to a Redis Cluster through its `nodes` (any subset; the others are
+    /// discovered), checks the configuration of the node it asks (see
+    /// [`build`](Self::build)), and returns a store with these settings and the
+    /// reconcilers' in-flight index kept per slot ([`per_slot_index`](Self::per_slot_index)).
+    /// Feature `cluster`.
+    ///
+    /// Every record is one key whose hash tag is its record id, so each script runs on
+    /// the node that owns that key's slot.
+    ///
+    /// The cluster client is made with a response timeout of twice the default call
+    /// timeout (2 s; a waited write may take the call timeout). Without one, redis-rs's
+    /// cluster client waits for every reply without end, also inside its slot refresh,
+    /// which holds the topology lock that every request needs: one node that stops
+    /// answering (frozen, partitioned, or its connection held up behind waited writes)
+    /// can then stall every request to every node. Over your own cluster connection,
+    /// set one too. A primary that stops answering is still not given up by the
+    /// client: calls to its slots fail until it answers again (demoted, with `MOVED`).
+    ///
+    /// ```no_run
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// use retrysafe_redis::RedisStore;
+    /// let store = RedisStore::options().connect_cluster([
+    ///     "redis://10.0.0.1:6379",
+    ///     "redis://10.0.0.2:6379",
+    /// ])
+    /// .await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn connect_cluster<T: IntoConnectionInfo>(
+        self,
+        nodes: impl IntoIterator<Item = T>,
+    ) -> Result<RedisStore<redis::cluster_async::ClusterConnection>, RedisStoreError> {
+        let timeout = DEFAULT_CALL_TIMEOUT;
+        let nodes: Vec<redis::ConnectionInfo> = nodes
+            .into_iter()
+            .map(|n| n.into_connection_info())
+            .collect::<Result<_, _>>()
+            .map_err(|e| RedisStoreError::InvalidUrl(e.to_string()))?;
+        let at = nodes
+            .iter()
+            .map(|n| n.addr().to_string())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let client = redis::cluster::ClusterClient::builder(nodes)
+            .connection_timeout(timeout)
+            .response_timeout(CLUSTER_RESPONSE_TIMEOUT)
+            .build()
+            .map_err(|e| RedisStoreError::InvalidUrl(e.to_string()))?;
+        let conn = bounded(timeout * 5, client.get_async_connection())
+            .await
+            .map_err(|e| unreachable(at, &e))?;
+        self.per_slot_index().build(conn).await
+    }
 }
 
 #[cfg(test)]

@@ -22,8 +22,8 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::recovery::{ReconcilableStore, Settlement};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_redis::RedisStore;
 use retrysafe_redis::test_util::LocalCluster;
+use retrysafe_redis::{RedisStore, RedisStoreOptions};
 
 mod conformance {
     retrysafe_core::store_conformance_tests! {
@@ -61,8 +61,12 @@ async fn connection() -> ClusterConnection {
 /// A store on the shared local cluster with a fresh key prefix (made as users make
 /// one over their own connection: the configuration check finds the cluster).
 async fn store() -> RedisStore<ClusterConnection> {
-    RedisStore::options()
-        .key_prefix(common::fresh_prefix())
+    with_options(RedisStore::options().key_prefix(common::fresh_prefix())).await
+}
+
+/// A store on the cluster with `options`.
+async fn with_options(options: RedisStoreOptions) -> RedisStore<ClusterConnection> {
+    options
         .build(connection().await)
         .await
         .unwrap_or_else(|e| panic!("options: {e}"))
@@ -252,9 +256,13 @@ async fn a_limited_walk_goes_on_where_the_last_one_stopped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replicated_writes_wait_for_the_replica_of_the_records_primary() {
-    let store = store()
-        .await
-        .replicated_writes(1, Duration::from_millis(900));
+    let options = RedisStore::options().key_prefix(common::fresh_prefix());
+    let store = with_options(
+        options
+            .clone()
+            .replicated_writes(1, Duration::from_millis(900)),
+    )
+    .await;
     for _ in 0..20 {
         let id = fresh_id();
         let c = claim();
@@ -271,7 +279,7 @@ async fn replicated_writes_wait_for_the_replica_of_the_records_primary() {
         assert_eq!(store.get(&id).await.unwrap(), Some(Record::Completed(done)));
     }
     // Asking for more replicas than there are: refused, and the claim released.
-    let store = store.replicated_writes(2, Duration::from_millis(20));
+    let store = with_options(options.replicated_writes(2, Duration::from_millis(20))).await;
     let id = fresh_id();
     let err = store.claim(&id, &claim()).await.unwrap_err();
     assert!(matches!(err, StoreError::Unavailable(_)), "{err}");
@@ -289,8 +297,9 @@ async fn cost_of_replicated_writes_in_round_trips() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(300);
-    let plain = store().await;
-    let replicated = plain.clone().replicated_writes(1, Duration::from_secs(1));
+    let options = RedisStore::options().key_prefix(common::fresh_prefix());
+    let plain = with_options(options.clone()).await;
+    let replicated = with_options(options.replicated_writes(1, Duration::from_secs(1))).await;
     let mean = |total: Duration| total.as_secs_f64() * 1e6 / f64::from(calls);
     let started = tokio::time::Instant::now();
     for _ in 0..calls {

@@ -100,7 +100,10 @@ async fn a_store_on_a_cluster_answers_again_once_a_frozen_primary_answers() {
     let cluster = tokio::task::spawn_blocking(|| LocalCluster::start().unwrap())
         .await
         .unwrap();
-    let store = RedisStore::connect_cluster(cluster.urls()).await.unwrap();
+    let store = RedisStore::options()
+        .connect_cluster(cluster.urls())
+        .await
+        .unwrap();
     let victim = cluster.primaries().unwrap()[0];
     let ranges = slots_of(victim).await;
     assert!(!ranges.is_empty(), "the primary on {victim} serves slots");

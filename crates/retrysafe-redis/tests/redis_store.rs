@@ -25,7 +25,7 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_redis::test_util::CountingConnection;
-use retrysafe_redis::{CheckError, EvictionPolicy, RedisStore};
+use retrysafe_redis::{EvictionPolicy, RedisStore, RedisStoreError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
@@ -409,9 +409,9 @@ fn kind<T>(r: &Result<T, StoreError>) -> StoreErrorKind {
 }
 
 /// The settings a build refused.
-fn refused<T: std::fmt::Debug>(r: Result<T, CheckError>) -> ConfigError {
+fn refused<T: std::fmt::Debug>(r: Result<T, RedisStoreError>) -> ConfigError {
     match r {
-        Err(CheckError::Options(e)) => e,
+        Err(RedisStoreError::Config(e)) => e,
         other => panic!("expected refused settings, got {other:?}"),
     }
 }
@@ -471,23 +471,45 @@ async fn closed_port() -> u16 {
 }
 
 #[tokio::test]
-async fn connecting_to_a_closed_port_is_unavailable_not_a_hang() {
+async fn connecting_to_a_closed_port_is_unreachable_not_a_hang() {
     let port = closed_port().await;
     let url = format!("redis://127.0.0.1:{port}");
     let r = tokio::time::timeout(Duration::from_secs(20), RedisStore::connect(url.as_str()))
         .await
-        .expect("connect must give up by itself")
-        .map_err(|e| match e {
-            CheckError::Store(e) => e,
-            other => panic!("expected a store error, got {other:?}"),
-        });
-    assert!(
-        matches!(
-            kind(&r),
-            StoreErrorKind::Unavailable | StoreErrorKind::Timeout
-        ),
-        "{r:?}"
+        .expect("connect must give up by itself");
+    match r {
+        Err(RedisStoreError::Unreachable { at, cause }) => {
+            assert_eq!(at, format!("127.0.0.1:{port}"));
+            assert_eq!(cause, "connection refused");
+        }
+        other => panic!("expected Unreachable, got {other:?}"),
+    }
+    // Said once, with the address.
+    let shown = RedisStore::connect(url.as_str())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert_eq!(
+        shown,
+        format!("cannot connect to Redis at 127.0.0.1:{port}: connection refused")
     );
+}
+
+#[tokio::test]
+async fn a_url_that_does_not_parse_is_invalid_not_unavailable() {
+    for url in [
+        "redis://127.0.0.1:99999",
+        "redis://bad host/",
+        "http://127.0.0.1:6379",
+    ] {
+        let r = RedisStore::connect(url).await;
+        assert!(
+            matches!(r, Err(RedisStoreError::InvalidUrl(_))),
+            "{url}: {r:?}"
+        );
+        let shown = r.unwrap_err().to_string();
+        assert!(shown.starts_with("invalid Redis URL: "), "{shown}");
+    }
 }
 
 #[tokio::test]
@@ -718,8 +740,8 @@ async fn making_a_store_refuses_volatile_and_allkeys_policies() {
             .await;
         for r in [connected.map(drop), built.map(drop)] {
             match r {
-                Err(e @ CheckError::UnsafeEvictionPolicy(_)) => {
-                    let CheckError::UnsafeEvictionPolicy(report) = &e else {
+                Err(e @ RedisStoreError::UnsafeEvictionPolicy(_)) => {
+                    let RedisStoreError::UnsafeEvictionPolicy(report) = &e else {
                         unreachable!()
                     };
                     assert_eq!(report.eviction_policy, EvictionPolicy::parse(policy));
@@ -801,7 +823,7 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         .unwrap();
 
     match refused {
-        Err(e @ CheckError::EvictionPolicyUnreadable) => {
+        Err(e @ RedisStoreError::EvictionPolicyUnreadable) => {
             assert!(e.to_string().contains("skip_config_check"), "{e}");
         }
         other => panic!("an unreadable policy must be refused, got {other:?}"),
@@ -834,5 +856,5 @@ async fn check_config_on_a_server_gone_is_a_store_error() {
     let r = tokio::time::timeout(Duration::from_secs(20), store.check_config())
         .await
         .expect("bounded");
-    assert!(matches!(r, Err(CheckError::Store(_))), "{r:?}");
+    assert!(matches!(r, Err(RedisStoreError::Store(_))), "{r:?}");
 }

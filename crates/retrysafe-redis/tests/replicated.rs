@@ -1,4 +1,4 @@
-//! `RedisStore::replicated_writes` against the server at `REDIS_URL`, which has no
+//! `RedisStoreOptions::replicated_writes` against the server at `REDIS_URL`, which has no
 //! replicas: every write that waits for one is refused, and what the store does then
 //! (a claim or commit point released, a completion kept but reported) is what a
 //! primary whose replicas lag behind gets. Then the same over HTTP: an app server on a
@@ -22,12 +22,25 @@ use axum::extract::Request;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use common::replicated::PrimaryWithReplica;
-use common::{fresh_prefix, manager_to, store};
+use common::{fresh_prefix, manager, manager_to};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_redis::RedisStore;
+use retrysafe_redis::{RedisStore, RedisStoreOptions};
 use retrysafe_tower::idempotency::{EventKind, IdempotencyEvent, IdempotencyLayer, Principal};
+
+/// Two stores on one fresh key prefix: one plain, one whose writes wait for
+/// `replicas` replicas at most 10 ms.
+async fn plain_and_waiting(replicas: u32) -> (RedisStore, RedisStore) {
+    let options = RedisStoreOptions::new().key_prefix(fresh_prefix());
+    let plain = options.clone().build(manager().await).await.unwrap();
+    let waiting = options
+        .replicated_writes(replicas, Duration::from_millis(10))
+        .build(manager().await)
+        .await
+        .unwrap();
+    (plain, waiting)
+}
 
 fn claim() -> Claim<'static> {
     Claim::new(
@@ -48,9 +61,7 @@ fn unavailable<T: std::fmt::Debug>(r: Result<T, StoreError>) -> String {
 
 #[tokio::test]
 async fn an_unacknowledged_claim_is_released_and_refused() {
-    let store = store()
-        .await
-        .replicated_writes(1, Duration::from_millis(10));
+    let (_, store) = plain_and_waiting(1).await;
     assert_eq!(store.replicas(), 1);
     let id = fresh_id();
     let e = unavailable(store.claim(&id, &claim()).await);
@@ -60,10 +71,7 @@ async fn an_unacknowledged_claim_is_released_and_refused() {
 
 #[tokio::test]
 async fn an_unacknowledged_commit_point_is_released_and_refused() {
-    let plain = store().await;
-    let waiting = plain
-        .clone()
-        .replicated_writes(1, Duration::from_millis(10));
+    let (plain, waiting) = plain_and_waiting(1).await;
     let id = fresh_id();
     let c = claim();
     assert_eq!(
@@ -77,10 +85,7 @@ async fn an_unacknowledged_commit_point_is_released_and_refused() {
 
 #[tokio::test]
 async fn an_unacknowledged_completion_is_reported_not_undone() {
-    let plain = store().await;
-    let waiting = plain
-        .clone()
-        .replicated_writes(1, Duration::from_millis(10));
+    let (plain, waiting) = plain_and_waiting(1).await;
     let id = fresh_id();
     let c = claim();
     plain.claim(&id, &c).await.unwrap();
@@ -97,9 +102,8 @@ async fn an_unacknowledged_completion_is_reported_not_undone() {
 
 #[tokio::test]
 async fn zero_replicas_turns_it_off() {
-    let store = store()
-        .await
-        .replicated_writes(0, Duration::from_millis(10));
+    let (_, store) = plain_and_waiting(0).await;
+    assert_eq!(store.replicas(), 0);
     let id = fresh_id();
     let c = claim();
     store.claim(&id, &c).await.unwrap();
@@ -133,12 +137,12 @@ impl App {
     async fn start(pair: &PrimaryWithReplica, lease: Duration, during: During) -> App {
         let store = RedisStore::options()
             .key_prefix(fresh_prefix())
-            .build(manager_to(&pair.url()).await)
-            .await
-            .unwrap()
             // Long enough for a running loopback replica on a loaded machine: only a
             // stopped one lets it run out.
-            .replicated_writes(1, Duration::from_millis(500));
+            .replicated_writes(1, Duration::from_millis(500))
+            .build(manager_to(&pair.url()).await)
+            .await
+            .unwrap();
         let events = Arc::new(Mutex::new(Vec::new()));
         let seen = Arc::clone(&events);
         let layer = IdempotencyLayer::new(store)

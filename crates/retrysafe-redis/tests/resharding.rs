@@ -56,7 +56,10 @@ async fn resharding_under_load_keeps_records_and_their_index() {
     })
     .await
     .unwrap();
-    let store = RedisStore::connect_cluster(cluster.urls()).await.unwrap();
+    let store = RedisStore::options()
+        .connect_cluster(cluster.urls())
+        .await
+        .unwrap();
     let claim = || {
         Claim::new(
             Token::random(),

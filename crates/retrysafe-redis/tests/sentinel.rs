@@ -35,7 +35,7 @@ use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, T
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_redis::test_util::LocalSentinel;
-use retrysafe_redis::{CheckError, RedisStore, SentinelConnection};
+use retrysafe_redis::{RedisStore, RedisStoreError, SentinelConnection};
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 
@@ -232,8 +232,8 @@ async fn a_store_is_refused_on_a_read_only_replica() {
         .await;
     for made in [connected.map(drop), built.map(drop)] {
         match made {
-            Err(e @ CheckError::ReadOnlyReplica { .. }) => {
-                let CheckError::ReadOnlyReplica { primary } = &e else {
+            Err(e @ RedisStoreError::ReadOnlyReplica { .. }) => {
+                let RedisStoreError::ReadOnlyReplica { primary } = &e else {
                     unreachable!()
                 };
                 assert_eq!(primary.as_deref(), Some(expected.as_str()));

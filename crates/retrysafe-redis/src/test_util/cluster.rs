@@ -29,7 +29,7 @@ use super::local::{
 ///
 /// let cluster = LocalCluster::start()?;
 /// assert_eq!(cluster.urls().len(), 6);
-/// let store = RedisStore::connect_cluster(cluster.urls()).await?;
+/// let store = RedisStore::options().connect_cluster(cluster.urls()).await?;
 /// # let _ = store;
 /// # Ok(()) }
 /// ```

@@ -30,7 +30,7 @@ const QUORUM: usize = 2;
 /// use retrysafe_redis::test_util::LocalSentinel;
 ///
 /// let setup = LocalSentinel::start()?;
-/// let store = RedisStore::connect_sentinel(setup.sentinel_urls(), setup.service()).await?;
+/// let store = RedisStore::options().connect_sentinel(setup.sentinel_urls(), setup.service()).await?;
 /// let old = setup.primary()?;
 /// # let mut setup = setup;
 /// setup.kill(old)?; // the sentinels promote a replica; the store follows
