@@ -36,10 +36,9 @@ use retrysafe::{
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, ServiceBuilder, ServiceExt};
 
-mod client_forms;
-mod observe;
-use client_forms::Form;
-use observe::Recorder;
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::Form;
+use retrysafe_test_support::observe::Recorder;
 
 type Stack =
     BoxCloneSyncService<Request<Full<Bytes>>, Response<ResponseBody<Full<Bytes>>>, BoxError>;

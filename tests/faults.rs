@@ -50,9 +50,6 @@
     unreachable_pub
 )]
 
-#[path = "fault_proxy/mod.rs"]
-mod fault_proxy;
-
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::str::FromStr;
@@ -65,8 +62,6 @@ use axum::response::{IntoResponse, Response as AxumResponse};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use bytes::Bytes;
-use fault_proxy::client::{Stack, StackCounts, client_stack, client_stack_with, error_kind};
-use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, ProxyStats, SplitMix64};
 use futures_util::StreamExt;
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
@@ -83,6 +78,11 @@ use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
+use retrysafe_test_support::client_stack::{
+    Stack, StackCounts, client_stack, client_stack_with, error_kind,
+};
+use retrysafe_test_support::proxy::{FaultMix, FaultProxy, ProxyConfig, ProxyStats};
+use retrysafe_test_support::rng::{SplitMix64, seed_from_env};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -787,7 +787,7 @@ async fn run(mode: Mode) {
     let started = Instant::now();
     let n = posts();
     let concurrency = env_u64("FAULT_CONCURRENCY", 64) as usize;
-    let run_seed = fault_proxy::seed_from_env("FAULT_SEED");
+    let run_seed = seed_from_env("FAULT_SEED", "faults");
     let seed = run_seed ^ mode.index();
     let server = start_server(mode, seed).await;
     let mut config = ProxyConfig::new(FaultMix::standard(), seed);
@@ -1024,7 +1024,7 @@ async fn one_request(proxy: SocketAddr, patience: Duration) -> Seen {
 /// finished: what the client sees, and whether the server answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_fault_behaves_as_documented() {
-    use fault_proxy::Fault;
+    use retrysafe_test_support::proxy::Fault;
 
     let hits = Arc::new(AtomicU64::new(0));
     let h = Arc::clone(&hits);

@@ -3,7 +3,7 @@
 //! own `PostgresStore`) on a private primary with one standby (`pg_basebackup`, on
 //! loopback ports of their own); the primary is stopped at once (`pg_ctl -m
 //! immediate`, as a crash), the standby is promoted, and a TCP forwarder in front of
-//! them sends new connections to it (the load: `tests/failover/mod.rs`).
+//! them sends new connections to it (the load: `retrysafe_test_support::failover`).
 //!
 //! A key with two effects is a claim or completion acknowledged by the primary and
 //! missing on the promoted standby.
@@ -22,22 +22,19 @@
     missing_docs
 )]
 
-mod example_bin;
-mod failover;
-mod fault_proxy;
-mod support;
-
 use std::sync::atomic::{AtomicU16, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use failover::{Effects, Front, Load, env_number};
 use retrysafe_core::idempotency::{CommitPoint, Fingerprint, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_postgres::{PostgresStore, SynchronousCommit};
+use retrysafe_test_support::eventually;
+use retrysafe_test_support::failover::{Effects, Front, Load, app, duplicates};
+use retrysafe_test_support::private::PrivatePg;
+use retrysafe_test_support::rng::env_number;
 use retrysafe_tower::idempotency::IdempotencyLayer;
-use support::private::PrivatePg;
 use tokio::net::{TcpListener, TcpStream};
 
 /// A TCP forwarder on 127.0.0.1 whose upstream port can be switched: connections made
@@ -113,7 +110,7 @@ async fn pair(sync: bool) -> (PrivatePg, PrivatePg) {
         "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' \
          AND sync_state = '{state}'"
     );
-    support::eventually("the standby to stream", Duration::from_secs(30), || async {
+    eventually("the standby to stream", Duration::from_secs(30), || async {
         (scalar(&primary.url(), &query).await == 1).then_some(())
     })
     .await;
@@ -138,7 +135,7 @@ async fn instance(url: &str, sync: bool, (effects, seed): (&Effects, u64)) -> Fr
         .lease(Duration::from_secs(4))
         .build()
         .unwrap();
-    Front::start(failover::app(layer, effects), seed).await
+    Front::start(app(layer, effects), seed).await
 }
 
 /// One promotion under load: the number of keys with two effects, and the load's
@@ -162,7 +159,7 @@ async fn promotion(sync: bool, seed: u64) -> (u64, String) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (tally, _) = load.stop().await;
     assert!(tally.created() > 0, "the load went through");
-    (failover::duplicates(&effects), tally.json_fields())
+    (duplicates(&effects), tally.json_fields())
 }
 
 async fn run(sync: bool, promotions: u64) -> u64 {

@@ -88,9 +88,7 @@ async fn handler(
     res
 }
 
-#[path = "support/bearer.rs"]
-mod bearer;
-use bearer::auth;
+use retrysafe_test_support::bearer::auth;
 
 fn make_app(layer: IdempotencyLayer) -> (Router, Arc<Effects>) {
     let effects = Arc::new(Effects::default());

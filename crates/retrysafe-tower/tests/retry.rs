@@ -4,10 +4,10 @@
 //! giving up, local failures, default timeouts, hooks, body replay), the
 //! `RetryBudgetLayer` and the `EdgeLayer` in front of it.
 //!
-//! The behaviour the whole client stack shares runs on both of its forms (`both_forms!`,
-//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
-//! from one description. Single-form, the API of one standalone layer with no
-//! `ClientLayers` counterpart:
+//! The behaviour the whole client stack shares runs on both of its forms
+//! (`both_forms!`, `retrysafe_test_support::forms`): the separate layers stacked by
+//! hand and `ClientLayers`, built from one description. Single-form, the API of one
+//! standalone layer with no `ClientLayers` counterpart:
 //! - `readiness_is_awaited_after_the_backoff_and_counts_against_the_deadline` and
 //!   `readiness_that_outlasts_the_deadline_is_a_deadline_exceeded`: a `RetryLayer` right
 //!   over a service awaits its readiness itself; in a stack the breaker below it is
@@ -61,9 +61,8 @@ use tower::layer::util::{Identity, Stack};
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
-#[path = "support/forms.rs"]
-mod forms;
-use forms::{Client, Form, FormLayer};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::{Client, Form, FormLayer};
 
 type Req = Request<ReplayBody<String>>;
 type Res = Response<String>;

@@ -16,7 +16,20 @@ pub struct Recorder {
     snapshotter: Snapshotter,
 }
 
+impl std::fmt::Debug for Recorder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Recorder").finish_non_exhaustive()
+    }
+}
+
+impl Default for Recorder {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Recorder {
+    /// A recorder of its own, not installed anywhere yet.
     pub fn new() -> Self {
         let recorder = DebuggingRecorder::new();
         Recorder {
@@ -119,15 +132,17 @@ impl Values {
 /// A span as the [`Spans`] layer saw it: its name and its fields as text.
 #[derive(Debug, Clone)]
 pub struct SeenSpan {
+    /// The span's name.
     pub name: &'static str,
     /// The parent's name, if the span has a parent.
     pub parent: Option<&'static str>,
+    /// Its fields, each as `Debug` text (a string as itself).
     pub fields: HashMap<&'static str, String>,
 }
 
 /// A `tracing-subscriber` layer keeping every span it sees, in creation order, with
 /// the fields recorded on it since.
-#[derive(Clone, Default)]
+#[derive(Clone, Default, Debug)]
 pub struct Spans {
     spans: Arc<Mutex<Vec<SeenSpan>>>,
     ids: Arc<Mutex<HashMap<Id, usize>>>,

@@ -19,9 +19,11 @@ pub fn free_port() -> u16 {
 }
 
 /// A fresh directory under the temporary directory, removed by [`Scratch`]'s drop.
+#[derive(Debug)]
 pub struct Scratch(PathBuf);
 
 impl Scratch {
+    /// A fresh directory whose name says `what` it holds.
     pub fn new(what: &str) -> Scratch {
         let dir = std::env::temp_dir().join(format!(
             "retrysafe-private-{what}-{}",
@@ -31,6 +33,7 @@ impl Scratch {
         Scratch(dir)
     }
 
+    /// Where it is.
     pub fn path(&self) -> &Path {
         &self.0
     }
@@ -59,7 +62,9 @@ pub async fn wait_for_port(port: u16, what: &str) {
 
 /// A private `redis-server` with an append-only file fsynced on every write, on a port
 /// of its own; killed (SIGKILL) when dropped.
+#[derive(Debug)]
 pub struct PrivateRedis {
+    /// Its port on 127.0.0.1.
     pub port: u16,
     dir: Scratch,
     child: Option<Child>,
@@ -68,6 +73,7 @@ pub struct PrivateRedis {
 }
 
 impl PrivateRedis {
+    /// Starts a server and waits until it answers.
     pub async fn start() -> PrivateRedis {
         PrivateRedis::start_with(Vec::new()).await
     }
@@ -84,6 +90,7 @@ impl PrivateRedis {
         redis
     }
 
+    /// `redis://127.0.0.1:PORT`.
     pub fn url(&self) -> String {
         format!("redis://127.0.0.1:{}", self.port)
     }
@@ -176,7 +183,9 @@ pub fn pg_bin() -> PathBuf {
 
 /// A private PostgreSQL cluster (initdb into a temporary directory, as user
 /// `postgres`) on a port of its own; stopped and removed when dropped.
+#[derive(Debug)]
 pub struct PrivatePg {
+    /// Its port on 127.0.0.1.
     pub port: u16,
     dir: Scratch,
     ids: (u32, u32),
@@ -186,6 +195,7 @@ pub struct PrivatePg {
 }
 
 impl PrivatePg {
+    /// Makes a cluster, starts it and waits until it accepts connections.
     pub async fn start() -> PrivatePg {
         PrivatePg::start_with(Vec::new()).await
     }
@@ -222,10 +232,12 @@ impl PrivatePg {
         pg
     }
 
+    /// Its data directory.
     pub fn data(&self) -> String {
         self.dir.path().join("data").display().to_string()
     }
 
+    /// `postgres://postgres@127.0.0.1:PORT/postgres`.
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
     }
@@ -250,6 +262,7 @@ impl PrivatePg {
         );
     }
 
+    /// Starts the server on its port and data directory, and waits for its port.
     pub async fn start_server(&self) {
         let options = format!(
             "-p {} -c listen_addresses=127.0.0.1 -c unix_socket_directories={} \

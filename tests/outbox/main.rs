@@ -13,20 +13,10 @@
     dead_code
 )]
 
-mod example_bin;
-mod support;
-
-#[path = "outbox/broker.rs"]
 mod broker;
-#[path = "outbox/consumer.rs"]
 mod consumer;
-#[path = "outbox/downstream.rs"]
 mod downstream;
-#[path = "outbox/fencing.rs"]
 mod fencing;
-#[path = "outbox/harness.rs"]
 mod harness;
-#[path = "outbox/messages.rs"]
 mod messages;
-#[path = "outbox/relay.rs"]
 mod relay;

@@ -10,14 +10,6 @@
 //! a 201 is then sent again, as a client whose reply was lost would, to the other
 //! instance, which must replay it. The handler counts its effects per key: a key with
 //! two effects is a claim or completion that the store acknowledged and then lost.
-#![allow(
-    clippy::unwrap_used,
-    clippy::panic,
-    clippy::print_stdout,
-    dead_code,
-    unreachable_pub,
-    missing_docs
-)]
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -36,8 +28,8 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 use tower::{Service, ServiceExt};
 
-use crate::fault_proxy::client::{Stack, StackCounts, client_stack_with, error_kind};
-use crate::fault_proxy::{FaultMix, FaultProxy, ProxyConfig};
+use crate::client_stack::{Stack, StackCounts, client_stack_with, error_kind};
+use crate::proxy::{FaultMix, FaultProxy, ProxyConfig};
 
 /// How long one logical request keeps trying before it is given up.
 pub const PATIENCE: Duration = Duration::from_secs(40);
@@ -51,14 +43,6 @@ const STOPPING: Duration = Duration::from_secs(120);
 
 /// Effects per idempotency key, across both instances.
 pub type Effects = Arc<Mutex<HashMap<String, u32>>>;
-
-/// A whole number from the environment variable `name`, or `default`.
-pub fn env_number(name: &str, default: u64) -> u64 {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
 
 /// The app of one instance: `POST /pay` counts an effect for its key, under `layer`, for
 /// one tenant's principal.
@@ -83,6 +67,7 @@ pub fn app(layer: IdempotencyLayer, effects: &Effects) -> Router {
 }
 
 /// One instance served on a loopback port, behind a fault proxy (the standard mix).
+#[derive(Debug)]
 pub struct Front {
     /// Where the client stack sends it requests: the proxy.
     pub addr: SocketAddr,
@@ -91,6 +76,7 @@ pub struct Front {
 }
 
 impl Front {
+    /// Serves `app` behind a proxy whose faults are drawn with `seed`.
     pub async fn start(app: Router, seed: u64) -> Front {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let upstream = listener.local_addr().unwrap();
@@ -166,6 +152,7 @@ impl Tally {
 type Stage = Arc<Mutex<String>>;
 
 /// Workers sending logical requests to two fronts until stopped.
+#[derive(Debug)]
 pub struct Load {
     stop: Arc<AtomicBool>,
     workers: Vec<(JoinHandle<()>, Stage)>,

@@ -3,7 +3,6 @@
 //! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`) and `ClientLayers`, one
 //! fused service. A test describes its stack once, as a [`Client`], and builds it in the
 //! form it is given; [`both_forms!`] runs it once per form.
-#![allow(dead_code, reason = "each test binary uses the part it needs")]
 
 use std::time::Duration;
 
@@ -20,7 +19,7 @@ use tower::util::Either;
 
 /// Which form of the stack a test builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Form {
+pub enum Form {
     /// `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`.
     Separate,
     /// `ClientLayers`, one fused service.
@@ -34,7 +33,7 @@ impl Default for Client {
 }
 
 /// The separate layers, outermost first (the deadline only when one is set).
-pub(crate) type Separate = ServiceBuilder<
+pub type Separate = ServiceBuilder<
     Stack<
         CircuitBreakerLayer,
         Stack<
@@ -46,11 +45,11 @@ pub(crate) type Separate = ServiceBuilder<
 
 /// The layer of either form: its services answer alike, `Response<ResponseBody<B>>`
 /// or a `BoxError`.
-pub(crate) type FormLayer = Either<Separate, ClientLayers>;
+pub type FormLayer = Either<Separate, ClientLayers>;
 
 /// One description of a client stack: the same settings for both forms.
 #[derive(Debug)]
-pub(crate) struct Client {
+pub struct Client {
     deadline: Option<Duration>,
     retry: RetryLayer,
     strategy: StandardRetryStrategy,
@@ -61,7 +60,7 @@ pub(crate) struct Client {
 impl Client {
     /// No deadline, `RetryLayer::new()` with `StandardRetryStrategy::new()`, a ratio
     /// budget and a default breaker of the stack's own.
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Client {
             deadline: None,
             retry: RetryLayer::new(),
@@ -72,38 +71,38 @@ impl Client {
     }
 
     /// A deadline on every whole call.
-    pub(crate) fn deadline(mut self, timeout: Duration) -> Self {
+    pub fn deadline(mut self, timeout: Duration) -> Self {
         self.deadline = Some(timeout);
         self
     }
 
     /// The retry layer's settings but its strategy (hooks, keys, convention, cap…):
     /// its strategy is replaced by [`strategy`](Self::strategy).
-    pub(crate) fn retry(mut self, retry: RetryLayer) -> Self {
+    pub fn retry(mut self, retry: RetryLayer) -> Self {
         self.retry = retry;
         self
     }
 
     /// The retry strategy; its budget is replaced by [`budget`](Self::budget).
-    pub(crate) fn strategy(mut self, strategy: StandardRetryStrategy) -> Self {
+    pub fn strategy(mut self, strategy: StandardRetryStrategy) -> Self {
         self.strategy = strategy;
         self
     }
 
     /// The budget, given once: the retry layer's and the budget layer's.
-    pub(crate) fn budget(mut self, budget: RetryBudget) -> Self {
+    pub fn budget(mut self, budget: RetryBudget) -> Self {
         self.budget = budget;
         self
     }
 
     /// The breaker layer.
-    pub(crate) fn breaker(mut self, breaker: CircuitBreakerLayer) -> Self {
+    pub fn breaker(mut self, breaker: CircuitBreakerLayer) -> Self {
         self.breaker = breaker;
         self
     }
 
     /// The stack in `form`, as a layer (clone it for more services of one stack).
-    pub(crate) fn layer(self, form: Form) -> FormLayer {
+    pub fn layer(self, form: Form) -> FormLayer {
         let strategy = self.strategy.budget(self.budget.clone());
         let retry = self.retry.strategy(strategy);
         match form {

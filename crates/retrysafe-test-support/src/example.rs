@@ -8,7 +8,7 @@ use std::sync::{Mutex, OnceLock};
 /// The binary of example `name`, built once per test process: `cargo test --test X`
 /// does not build examples, so it is built here — also when it exists, so that a stale
 /// binary is never tested (cargo does nothing when it is fresh).
-pub(crate) fn example_binary(name: &str) -> PathBuf {
+pub fn example_binary(name: &str) -> PathBuf {
     static BUILT: OnceLock<Mutex<HashMap<String, PathBuf>>> = OnceLock::new();
     let mut built = BUILT
         .get_or_init(Mutex::default)
@@ -17,7 +17,7 @@ pub(crate) fn example_binary(name: &str) -> PathBuf {
     if let Some(path) = built.get(name) {
         return path.clone();
     }
-    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    let root = workspace_root();
     let target =
         std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| root.join("target"), PathBuf::from);
     // A cargo profile to build the examples with (default `dev`), for a target
@@ -45,8 +45,7 @@ pub(crate) fn example_binary(name: &str) -> PathBuf {
 
 /// Example `name` run with an argument that is not UTF-8 answers with its usage and
 /// exit code 2, writing nothing on stdout.
-#[allow(dead_code, reason = "not every CLI test checks this")]
-pub(crate) fn assert_non_utf8_argument_is_a_usage_error(name: &str) {
+pub fn assert_non_utf8_argument_is_a_usage_error(name: &str) {
     use std::os::unix::ffi::OsStrExt;
     let bad = std::ffi::OsStr::from_bytes(b"http://127.0.0.1:1/\xff");
     let output = Command::new(example_binary(name))
@@ -58,4 +57,13 @@ pub(crate) fn assert_non_utf8_argument_is_a_usage_error(name: &str) {
     let stderr = String::from_utf8_lossy(&output.stderr);
     assert!(stderr.contains("not valid UTF-8"), "{stderr}");
     assert!(stderr.contains("usage:"), "{stderr}");
+}
+
+/// The workspace's root: the `retrysafe` package, whose examples these are.
+pub fn workspace_root() -> PathBuf {
+    let here = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
+    here.parent()
+        .and_then(std::path::Path::parent)
+        .map(PathBuf::from)
+        .expect("this crate lives in crates/ of the workspace")
 }

@@ -4,7 +4,7 @@ use axum::extract::Request;
 use retrysafe_tower::idempotency::Principal;
 
 /// Authentication: `authorization: Bearer T` → principal T, none → "anonymous".
-pub(crate) async fn auth(mut req: Request) -> Request {
+pub async fn auth(mut req: Request) -> Request {
     let principal = req
         .headers()
         .get("authorization")

@@ -1,5 +1,6 @@
-//! The client stack that the fault runs (`tests/faults.rs`) and the soak
-//! (`benches/soak.rs`) drive through the proxy, and what it counts.
+//! The client stack that the fault runs (`tests/faults.rs`), the failover load
+//! ([`failover`](crate::failover)) and the soak (`benches/soak.rs`) drive through the
+//! [fault proxy](crate::proxy), and what it counts.
 //!
 //! `DeadlineLayer` (10 s) → `RetryLayer` generating idempotency keys (4 attempts, full
 //! jitter 5–200 ms, a ratio budget) → `RetryBudgetLayer` (the same budget) →
@@ -18,14 +19,16 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use retrysafe::breaker::ResponseBody;
-use retrysafe::core::backoff::{Backoff, Jitter};
-use retrysafe::core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
-use retrysafe::core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
-use retrysafe::{
-    CircuitBreakerLayer, DeadlineLayer, RetryBudget, RetryBudgetLayer, RetryLayer,
-    StandardRetryStrategy,
-};
+use retrysafe_core::backoff::{Backoff, Jitter};
+use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State as BreakerState};
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::classify::Failure;
+use retrysafe_core::error::{BudgetExhausted, CircuitOpen, DeadlineExceeded, find};
+use retrysafe_core::strategy::StandardRetryStrategy;
+use retrysafe_tower::breaker::{CircuitBreakerLayer, ResponseBody};
+use retrysafe_tower::budget::RetryBudgetLayer;
+use retrysafe_tower::deadline::DeadlineLayer;
+use retrysafe_tower::retry::{RetryLayer, failure_of};
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, ServiceBuilder};
 
@@ -138,10 +141,10 @@ pub fn error_kind(e: &BoxError) -> &'static str {
     if find::<DeadlineExceeded>(&**e).is_some() {
         return "deadline_exceeded";
     }
-    match retrysafe::retry::failure_of(&**e) {
-        retrysafe::core::classify::Failure::ConnectFailed => "connect_failed",
-        retrysafe::core::classify::Failure::NoResponse => "no_response",
-        retrysafe::core::classify::Failure::Timeout => "timeout",
+    match failure_of(&**e) {
+        Failure::ConnectFailed => "connect_failed",
+        Failure::NoResponse => "no_response",
+        Failure::Timeout => "timeout",
         _ => "other",
     }
 }
