@@ -90,12 +90,12 @@ use retrysafe_core::wire::IdempotencyKey;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use retrysafe_postgres::sqlx::{self, PgPool};
-use retrysafe_postgres::test_util::WireProxy;
 use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use retrysafe_redis::test_util::CountingConnection;
+use retrysafe_test_support::proxy::postgres::PgProxy;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -1114,7 +1114,7 @@ async fn count_round_trips(settings: &Settings, env: &Env) -> Res<()> {
     }
 
     // PostgreSQL, through a counting proxy.
-    let proxy = WireProxy::start(&env.pg_options).await?;
+    let proxy = PgProxy::start(&env.pg_options).await?;
     let store = env
         .pg_store("counted", proxy.connect_options(&env.pg_options), None)
         .await?;

@@ -20,8 +20,8 @@ use retrysafe_core::recovery::{PendingRecord, ReconcilableStore, Settlement};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
-use retrysafe_postgres::test_util::{Seen, WireProxy};
 use retrysafe_postgres::{PostgresStore, PostgresStoreOptions};
+use retrysafe_test_support::proxy::postgres::{PgProxy, Seen};
 
 pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 
@@ -310,15 +310,14 @@ impl ReconcilableStore for SharedStore {
     }
 }
 
-/// The round-trip counting proxy of the crate's `test-util` feature, in front of the
-/// PostgreSQL of `DATABASE_URL`.
+/// The round-trip counting proxy, in front of the PostgreSQL of `DATABASE_URL`.
 #[derive(Debug)]
-pub struct Proxy(WireProxy);
+pub struct Proxy(PgProxy);
 
 impl Proxy {
     pub async fn start() -> Proxy {
         Proxy(
-            WireProxy::start(&connect_options())
+            PgProxy::start(&connect_options())
                 .await
                 .unwrap_or_else(|e| unreachable(e)),
         )
@@ -333,8 +332,8 @@ impl Proxy {
         self.0.seen()
     }
 
-    /// Stops (or resumes) forwarding client bytes to the server.
+    /// Stops (or resumes) forwarding bytes: a server that hangs.
     pub fn freeze(&self, frozen: bool) {
-        self.0.freeze(frozen);
+        self.0.proxy().stall(frozen);
     }
 }
