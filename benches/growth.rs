@@ -107,6 +107,9 @@ use retrysafe::{CircuitBreakerLayer, ReplayBody};
 use retrysafe_core::breaker::{CircuitBreaker, State};
 use retrysafe_core::budget::{RetryBudget, RetryCost};
 use retrysafe_core::classify::BreakerOutcome;
+use retrysafe_test_support::bench::failsafe_service::Failsafe;
+use retrysafe_test_support::bench::http1;
+use retrysafe_test_support::bench::load::*;
 use tokio::time::Instant;
 use tower::retry::budget::{Budget, TpsBudget};
 use tower::{Layer, Service};
@@ -1381,15 +1384,3 @@ mod ceiling {
         Ok(())
     }
 }
-
-#[path = "support/failsafe.rs"]
-mod failsafe_service;
-use failsafe_service::Failsafe;
-
-#[path = "support/http1.rs"]
-mod http1;
-
-#[path = "support/load.rs"]
-#[allow(dead_code, reason = "each bench uses part of it")]
-mod load;
-use load::*;

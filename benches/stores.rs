@@ -95,6 +95,9 @@ use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use retrysafe_redis::test_util::CountingConnection;
+use retrysafe_test_support::bench::body::blob_body;
+use retrysafe_test_support::bench::http1::{Sender, open_http};
+use retrysafe_test_support::bench::load::*;
 use retrysafe_test_support::proxy::postgres::PgProxy;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
@@ -1664,16 +1667,3 @@ fn print_phase(phase: &PhaseResults, cases: &[Case]) {
         }
     }
 }
-
-#[path = "support/http1.rs"]
-mod http1;
-use http1::{Sender, open_http};
-
-#[path = "support/body.rs"]
-mod body;
-use body::blob_body;
-
-#[path = "support/load.rs"]
-#[allow(dead_code, reason = "each bench uses part of it")]
-mod load;
-use load::*;

@@ -19,6 +19,7 @@
 )]
 
 pub mod bearer;
+pub mod bench;
 pub mod client_stack;
 pub mod example;
 pub mod failover;

@@ -12,15 +12,16 @@ use tower::retry::budget::{Budget, TpsBudget};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Req = Request<Empty<Bytes>>;
 
-#[derive(Clone)]
-pub(crate) struct TowerPolicy {
+/// tower's documented budget pattern, as a `Policy` (see the module docs).
+#[derive(Clone, Debug)]
+pub struct TowerPolicy {
     budget: Arc<TpsBudget>,
     attempts_left: u32,
 }
 
 impl TowerPolicy {
     /// A policy with a `TpsBudget::default()` of its own and `retries` retries.
-    pub(crate) fn new(retries: u32) -> Self {
+    pub fn new(retries: u32) -> Self {
         TowerPolicy {
             budget: Arc::new(TpsBudget::default()),
             attempts_left: retries,

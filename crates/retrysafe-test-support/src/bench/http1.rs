@@ -8,10 +8,10 @@ use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
 
 /// The sending half of one connection.
-pub(crate) type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
+pub type Sender = hyper::client::conn::http1::SendRequest<Full<Bytes>>;
 
 /// Opens a connection to `addr` with `TCP_NODELAY`; its driver runs in a spawned task.
-pub(crate) async fn open_http(
+pub async fn open_http(
     addr: SocketAddr,
 ) -> Result<Sender, Box<dyn std::error::Error + Send + Sync>> {
     let tcp = TcpStream::connect(addr).await?;

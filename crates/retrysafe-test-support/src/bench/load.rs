@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// `/proc/loadavg`: the 1, 5 and 15 minute load averages.
-pub(crate) fn loadavg() -> String {
+pub fn loadavg() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
         .unwrap_or_else(|_| "?".to_owned())
@@ -16,14 +16,14 @@ pub(crate) fn loadavg() -> String {
 /// Clock ticks so far: all CPUs' busy time, all CPUs' total time (`/proc/stat`), and
 /// the user + system time of the processes counted as the bench's own.
 #[derive(Clone, Copy, Debug)]
-pub(crate) struct Ticks {
+pub struct Ticks {
     busy: u64,
     total: u64,
     ours: u64,
 }
 
 /// The user + system time of process `pid` (`/proc/<pid>/stat`), if it is there.
-pub(crate) fn process_ticks(pid: u32) -> Option<u64> {
+pub fn process_ticks(pid: u32) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // After the command's closing parenthesis: state (field 3), …, utime (14), stime (15).
     let fields: Vec<&str> = text[text.rfind(')')? + 1..].split_whitespace().collect();
@@ -52,7 +52,7 @@ fn machine() -> Option<(u64, u64)> {
 
 /// Ticks now, counting `pids` as ours (include `std::process::id()`; a process that is
 /// gone counts 0).
-pub(crate) fn ticks(pids: &[u32]) -> Option<Ticks> {
+pub fn ticks(pids: &[u32]) -> Option<Ticks> {
     let (busy, total) = machine()?;
     Some(Ticks {
         busy,
@@ -63,7 +63,7 @@ pub(crate) fn ticks(pids: &[u32]) -> Option<Ticks> {
 
 /// Ticks now, counting as ours this process and every process whose command is one of
 /// `names` (the servers a bench drives, such as `redis-server` and `postgres`).
-pub(crate) fn ticks_named(names: &[&str]) -> Option<Ticks> {
+pub fn ticks_named(names: &[&str]) -> Option<Ticks> {
     let (busy, total) = machine()?;
     let me = std::process::id();
     let mut ours = 0;
@@ -90,7 +90,7 @@ pub(crate) fn ticks_named(names: &[&str]) -> Option<Ticks> {
 
 /// The share of all CPUs, in percent, that processes other than ours used between two
 /// readings; `extra` is CPU time of ours that the readings miss (a child that exited).
-pub(crate) fn others(before: Option<Ticks>, after: Option<Ticks>, extra: u64) -> f64 {
+pub fn others(before: Option<Ticks>, after: Option<Ticks>, extra: u64) -> f64 {
     match (before, after) {
         (Some(a), Some(b)) if b.total > a.total => {
             let ours = (b.ours + extra).saturating_sub(a.ours);
@@ -102,7 +102,7 @@ pub(crate) fn others(before: Option<Ticks>, after: Option<Ticks>, extra: u64) ->
 }
 
 /// Sleeps for `d` without `std::thread::sleep` (disallowed in this workspace).
-pub(crate) fn pause(d: Duration) {
+pub fn pause(d: Duration) {
     let start = Instant::now();
     while let Some(left) = d.checked_sub(start.elapsed())
         && !left.is_zero()
@@ -113,7 +113,7 @@ pub(crate) fn pause(d: Duration) {
 
 /// Waits (up to an hour) until processes other than this one use at most `max_other` %
 /// of the CPUs over one second.
-pub(crate) fn wait_for_quiet(max_other: f64) {
+pub fn wait_for_quiet(max_other: f64) {
     let me = [std::process::id()];
     for waited in 0..3600 {
         let before = ticks(&me);

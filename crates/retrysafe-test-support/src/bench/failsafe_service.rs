@@ -6,10 +6,13 @@ use std::task::{Context, Poll};
 
 use tower::Service;
 
-#[derive(Clone)]
-pub(crate) struct Failsafe<S, B> {
-    pub(crate) inner: S,
-    pub(crate) breaker: B,
+/// The inner service behind failsafe's `breaker`.
+#[derive(Clone, Debug)]
+pub struct Failsafe<S, B> {
+    /// The service called.
+    pub inner: S,
+    /// failsafe's breaker.
+    pub breaker: B,
 }
 
 impl<S, B, R> Service<R> for Failsafe<S, B>

@@ -40,22 +40,24 @@ use axum::http::header::HeaderValue;
 use axum::http::{HeaderMap, Request, Response, StatusCode};
 use bytes::Bytes;
 use http_body_util::BodyExt;
-use retrysafe::core::idempotency::{CommitPoint, Completed, Record, Token};
-use retrysafe::core::store::{Claim, ClaimOutcome};
-use retrysafe::idempotency::{
-    Fingerprint, Fingerprinter, IdempotencyStore, MemoryStore, Principal, RecordId, Scope,
-    StoredResponse,
+use retrysafe_core::idempotency::{CommitPoint, Completed, Record, Token};
+use retrysafe_core::idempotency::{
+    Fingerprint, Fingerprinter, Principal, RecordId, Scope, StoredResponse,
 };
-use retrysafe::wire::IdempotencyKey;
+use retrysafe_core::store::IdempotencyStore;
+use retrysafe_core::store::{Claim, ClaimOutcome};
+use retrysafe_core::wire::IdempotencyKey;
+use retrysafe_memory::MemoryStore;
 use std::time::Duration;
 use tower::{Layer, Service, ServiceExt};
 
 /// The floor's guard over the routes it wraps, with `max_bytes` of records.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct FloorLayer {
     state: Arc<State>,
 }
 
+#[derive(Debug)]
 struct State {
     fingerprinter: Fingerprinter,
     records: Mutex<Records>,
@@ -68,18 +70,20 @@ struct State {
 const LEASE: Duration = Duration::from_secs(10);
 const RETENTION: Duration = Duration::from_secs(24 * 3600);
 
-#[derive(Default)]
+#[derive(Debug, Default)]
 struct Records {
     map: HashMap<RecordId, Slot>,
     order: VecDeque<(RecordId, usize)>,
     bytes: usize,
 }
 
+#[derive(Debug)]
 enum Slot {
     InFlight,
     Done(Arc<Stored>),
 }
 
+#[derive(Debug)]
 struct Stored {
     fingerprint: Fingerprint,
     status: StatusCode,
@@ -88,6 +92,7 @@ struct Stored {
 }
 
 impl FloorLayer {
+    /// The guard over its own map, keeping at most `max_bytes` of records.
     pub fn new(max_bytes: usize) -> Self {
         FloorLayer {
             state: Arc::new(State {
@@ -123,7 +128,8 @@ impl<S> Layer<S> for FloorLayer {
     }
 }
 
-#[derive(Clone)]
+/// The service of [`FloorLayer`].
+#[derive(Clone, Debug)]
 pub struct FloorService<S> {
     inner: S,
     state: Arc<State>,

@@ -53,16 +53,17 @@ use std::time::Duration;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Uri};
 use http_body::Body;
 use pin_project_lite::pin_project;
-use retrysafe::ReplayBody;
-use retrysafe::core::__private::{
+use retrysafe_core::__private::{
     BreakerFacts, Decision, Local, Outcome, RetryCall, RetryPolicy, Striped,
 };
-use retrysafe::core::breaker::{CircuitBreaker, Permit};
-use retrysafe::core::classify::{BreakerOutcome, Classifier, DefaultClassifier};
-use retrysafe::core::error::DeadlineExceeded;
-use retrysafe::core::strategy::RetryToken;
-use retrysafe::wire::Convention;
-use retrysafe::{Deadline, RetryBudget};
+use retrysafe_core::Deadline;
+use retrysafe_core::breaker::{CircuitBreaker, Permit};
+use retrysafe_core::budget::RetryBudget;
+use retrysafe_core::classify::{BreakerOutcome, Classifier, DefaultClassifier};
+use retrysafe_core::error::DeadlineExceeded;
+use retrysafe_core::strategy::RetryToken;
+use retrysafe_core::wire::Convention;
+use retrysafe_tower::retry::ReplayBody;
 use tokio::time::{Instant, Sleep};
 use tower::Service;
 
@@ -73,8 +74,9 @@ const TIMEOUT: Duration = Duration::from_secs(10);
 /// The header names the yardsticks read by (the default convention).
 static CONVENTION: LazyLock<Convention> = LazyLock::new(Convention::default);
 
-#[derive(Clone)]
-pub(crate) struct Floor<S> {
+/// `floor` and `floor_header` (see the module docs).
+#[derive(Clone, Debug)]
+pub struct Floor<S> {
     inner: S,
     /// `false`: only the header (`floor_header`).
     all: bool,
@@ -84,7 +86,8 @@ pub(crate) struct Floor<S> {
 }
 
 impl<S> Floor<S> {
-    pub(crate) fn new(inner: S, all: bool) -> Self {
+    /// The floor over `inner`; `all = false` writes only the header (`floor_header`).
+    pub fn new(inner: S, all: bool) -> Self {
         Floor {
             inner,
             all,
@@ -95,8 +98,7 @@ impl<S> Floor<S> {
     }
 
     /// Also enforce the deadline with a timer (needed once calls really wait).
-    #[allow(dead_code, reason = "used by the loopback bench only")]
-    pub(crate) fn with_timer(mut self) -> Self {
+    pub fn with_timer(mut self) -> Self {
         self.timer = true;
         self
     }
@@ -171,7 +173,9 @@ fn time_left(at: Instant, now: Instant) -> HeaderValue {
 }
 
 pin_project! {
-    pub(crate) struct FloorFuture<F, K> {
+    /// [`Floor`]'s future.
+    #[derive(Debug)]
+    pub struct FloorFuture<F, K> {
         #[pin]
         future: F,
         // Made when the call first waits.
@@ -216,17 +220,16 @@ where
 
 /// `floor_separate`: the floor plus the hand-overs of separate layers (see the module
 /// docs).
-#[derive(Clone)]
-#[allow(dead_code, reason = "used by the in-process bench only")]
-pub(crate) struct FloorSeparate<S> {
+#[derive(Clone, Debug)]
+pub struct FloorSeparate<S> {
     inner: S,
     budget: RetryBudget,
     breaker: CircuitBreaker,
 }
 
 impl<S> FloorSeparate<S> {
-    #[allow(dead_code, reason = "used by the in-process bench only")]
-    pub(crate) fn new(inner: S) -> Self {
+    /// The yardstick over `inner`.
+    pub fn new(inner: S) -> Self {
         FloorSeparate {
             inner,
             budget: RetryBudget::ratio(),
@@ -237,7 +240,6 @@ impl<S> FloorSeparate<S> {
 
 /// The retry layer's mark for a budget layer below (as large as retrysafe's).
 #[derive(Clone, Copy)]
-#[allow(dead_code, reason = "used by the in-process bench only")]
 struct Counted {
     #[allow(dead_code, reason = "carried, as the mark is")]
     attempt: u32,
@@ -291,21 +293,19 @@ where
 
 /// `floor_required`: the floor plus the reads every retrying call must make (see the
 /// module docs), hand-made: made before the floor's call, by a `MapRequest`.
-#[allow(dead_code, reason = "used by the in-process bench only")]
-pub(crate) fn floor_required<S, B>(inner: S) -> FloorRequired<S, B> {
+pub fn floor_required<S, B>(inner: S) -> FloorRequired<S, B> {
     tower::util::MapRequest::new(Floor::new(inner, true), read_required::<B>)
 }
 
 /// The service of [`floor_required`].
-pub(crate) type FloorRequired<S, B> =
-    tower::util::MapRequest<Floor<S>, fn(Request<B>) -> Request<B>>;
+pub type FloorRequired<S, B> = tower::util::MapRequest<Floor<S>, fn(Request<B>) -> Request<B>>;
 
 /// The reads of [`floor_required`].
 fn read_required<B>(request: Request<B>) -> Request<B> {
-    use retrysafe::CallContext;
-    use retrysafe::core::hedge::HedgeCopy;
-    use retrysafe::core::observe::AttemptNumber;
-    use retrysafe::core::strategy::{Idempotent, NoRetry};
+    use retrysafe_core::CallContext;
+    use retrysafe_core::hedge::HedgeCopy;
+    use retrysafe_core::observe::AttemptNumber;
+    use retrysafe_core::strategy::{Idempotent, NoRetry};
     let extensions = request.extensions();
     let headers = request.headers();
     let c = &*CONVENTION;
@@ -318,7 +318,7 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
         extensions.get::<HedgeCopy>().is_some(),
         extensions.get::<AttemptNumber>().is_some(),
         headers.contains_key(c.idempotency_key()),
-        retrysafe::core::__private::is_grpc(headers),
+        retrysafe_core::__private::is_grpc(headers),
         headers.get(c.request_timeout_ms()).is_some(),
     ));
     request
@@ -328,9 +328,8 @@ fn read_required<B>(request: Request<B>) -> Request<B> {
 /// future nests nothing but the transport's (see the module docs). It does what
 /// `client_layers` does on the success path, with no layering and no nested state
 /// machine: the yardstick of a flattened design.
-#[derive(Clone)]
-#[allow(dead_code, reason = "used by the in-process bench only")]
-pub(crate) struct FloorFlat<S> {
+#[derive(Clone, Debug)]
+pub struct FloorFlat<S> {
     inner: S,
     policy: Striped<RetryPolicy>,
     breaker: CircuitBreaker,
@@ -340,8 +339,7 @@ pub(crate) struct FloorFlat<S> {
 
 impl<S> FloorFlat<S> {
     /// Over `inner`, with the planner of `strategy` (which holds the stack's budget).
-    #[allow(dead_code, reason = "used by the in-process bench only")]
-    pub(crate) fn new(inner: S, strategy: retrysafe::StandardRetryStrategy) -> Self {
+    pub fn new(inner: S, strategy: retrysafe_core::strategy::StandardRetryStrategy) -> Self {
         // No budget layer below: no "counted" mark on the attempt (as `ClientLayers`).
         let policy = RetryPolicy::new()
             .with_strategy(strategy)
@@ -411,7 +409,7 @@ macro_rules! flat_call {
 }
 
 /// The transport of the flat yardsticks: a service of replayable requests.
-pub(crate) trait Inner<B>: Service<Request<ReplayBody<B>>, Error: Into<BoxError>> {}
+pub trait Inner<B>: Service<Request<ReplayBody<B>>, Error: Into<BoxError>> {}
 
 impl<S, B> Inner<B> for S
 where
@@ -438,7 +436,7 @@ pin_project! {
     /// The future of both flat yardsticks ([`FloorFlat`], [`FloorFlatFeatures`]): the
     /// transport's future (in the retry loop's states, for the second) and what a retry
     /// needs, side by side.
-    pub(crate) struct FlatFuture<F, B, X> {
+    pub struct FlatFuture<F, B, X> {
         #[pin]
         future: F,
         // What `floor_flat_features` adds (nothing for `floor_flat`).
@@ -523,7 +521,7 @@ where
 }
 
 /// What a flat yardstick's future does with its own state once it has answered.
-pub(crate) trait Finish<F> {
+pub trait Finish<F> {
     /// Done with `future`, which has answered.
     fn finish(&mut self, future: Pin<&mut F>);
 }
@@ -541,9 +539,8 @@ impl<F> Finish<F> for () {
 /// `Striped` value taken per call, as the stack takes it), the checks of the request's own
 /// budget and hedge race, the transport's readiness checked in place, and the retry
 /// loop's states (calling, backoff, readying, done) with what a pending retry keeps.
-#[derive(Clone)]
-#[allow(dead_code, reason = "used by the in-process bench only")]
-pub(crate) struct FloorFlatFeatures<S> {
+#[derive(Clone, Debug)]
+pub struct FloorFlatFeatures<S> {
     flat: FloorFlat<S>,
     transport: Arc<Mutex<S>>,
     /// A stand-in for the breaker's shared configuration.
@@ -554,8 +551,7 @@ pub(crate) struct FloorFlatFeatures<S> {
 
 impl<S: Clone> FloorFlatFeatures<S> {
     /// As [`FloorFlat::new`].
-    #[allow(dead_code, reason = "used by the in-process bench only")]
-    pub(crate) fn new(inner: S, strategy: retrysafe::StandardRetryStrategy) -> Self {
+    pub fn new(inner: S, strategy: retrysafe_core::strategy::StandardRetryStrategy) -> Self {
         FloorFlatFeatures {
             transport: Arc::new(Mutex::new(inner.clone())),
             flat: FloorFlat::new(inner, strategy),
@@ -582,7 +578,7 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
         std::hint::black_box((
             extensions.get::<RetryBudget>().is_some(),
             extensions
-                .get::<retrysafe::core::__private::HedgeRace>()
+                .get::<retrysafe_core::__private::HedgeRace>()
                 .is_some(),
         ));
         let ready = self
@@ -604,7 +600,8 @@ impl<S: Inner<B, Response = Response<R>>, B: Body, R> Service<Request<B>> for Fl
 
 /// What [`FloorFlatFeatures`]'s future keeps besides [`FlatFuture`]'s.
 #[allow(dead_code, reason = "carried, as the fused stack carries it")]
-pub(crate) struct Kept<S> {
+#[derive(Debug)]
+pub struct Kept<S> {
     transport: Arc<Mutex<S>>,
     config: Local<()>,
     /// A timer is armed.
@@ -625,10 +622,16 @@ impl<F, S> Finish<Loop<F>> for Kept<S> {
 pin_project! {
     /// The retry loop's states, in [`FloorFlatFeatures`]'s future.
     #[project = LoopProj]
-    pub(crate) enum Loop<F> {
+    #[derive(Debug)]
+    #[allow(missing_docs, reason = "pin-project-lite takes no docs on a variant's fields")]
+    pub enum Loop<F> {
+        /// An attempt in flight.
         Calling { #[pin] future: F },
+        /// Waiting out a backoff.
         Backoff,
+        /// Waiting for the transport's readiness.
         Readying,
+        /// Finished.
         Done,
     }
 }
@@ -653,9 +656,14 @@ pin_project! {
     /// [`FloorFlatFeatures`]'s future: the call, or the throttle's refusal (the hedge's
     /// race is never made here).
     #[project = FrontProj]
-    pub(crate) enum Front<F> {
+    #[derive(Debug)]
+    #[allow(missing_docs, reason = "pin-project-lite takes no docs on a variant's fields")]
+    pub enum Front<F> {
+        /// The call, in place.
         Fused { #[pin] future: F },
+        /// The call, boxed as a hedge's race would hold it.
         Hedged { future: Pin<Box<F>> },
+        /// The throttle's refusal.
         Refused,
     }
 }
@@ -678,7 +686,8 @@ where
 /// The response body of [`FloorFlat`]: the body, and room for the breaker's record of
 /// a gRPC answer whose status comes in the trailers (as the breaker's `ResponseBody`).
 #[allow(dead_code, reason = "carried, as the breaker's body carries it")]
-pub(crate) struct Wrapped<B> {
+#[derive(Debug)]
+pub struct Wrapped<B> {
     inner: B,
     pending: Option<Box<Permit>>,
 }

@@ -4,7 +4,7 @@ use bytes::Bytes;
 
 /// A JSON body of exactly `n` bytes (at least 8) of incompressible text: the same body
 /// for the same size.
-pub(crate) fn blob_body(n: usize) -> Bytes {
+pub fn blob_body(n: usize) -> Bytes {
     const ALNUM: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
     let mut out = Vec::with_capacity(n.max(8));
     out.extend_from_slice(br#"{"d":""#);

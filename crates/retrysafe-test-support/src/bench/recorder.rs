@@ -3,7 +3,7 @@
 //! no recorder is installed (the `metrics` facade's handles do nothing).
 
 /// Installs the recorder when the environment asks for it.
-pub(crate) fn install_if_asked() {
+pub fn install_if_asked() {
     if std::env::var_os("BENCH_METRICS_RECORDER").is_some() {
         let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
         metrics::set_global_recorder(recorder).expect("no recorder installed yet");
