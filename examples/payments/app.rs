@@ -40,7 +40,6 @@
 //! principal `T`, no header an anonymous principal) → `IdempotencyLayer` (or
 //! `TxIdempotencyLayer`) → handlers.
 
-#[path = "ledger.rs"]
 mod ledger;
 
 use std::future::Future;
