@@ -27,6 +27,7 @@ pub mod forms;
 pub mod lease_race;
 pub mod observe;
 pub mod payments;
+pub mod pg_store;
 pub mod private;
 pub mod proxy;
 pub mod rng;

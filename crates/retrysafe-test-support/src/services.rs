@@ -1,13 +1,15 @@
 //! The Redis and PostgreSQL every test shares (`REDIS_URL`, `DATABASE_URL`): their
 //! URLs, plain connections, and names unique to one test.
 
+use std::collections::BTreeSet;
 use std::net::SocketAddr;
 use std::str::FromStr;
+use std::sync::{Mutex, PoisonError};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use retrysafe_core::idempotency::Token;
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
-use retrysafe_postgres::sqlx::{Connection, PgConnection};
+use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 
 use crate::proxy::FaultProxy;
 
@@ -24,7 +26,8 @@ pub fn database_url() -> String {
     std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
 }
 
-fn pg_unreachable(e: impl std::fmt::Display) -> ! {
+/// Fails the test: PostgreSQL at `DATABASE_URL` cannot be reached.
+pub fn pg_unreachable(e: impl std::fmt::Display) -> ! {
     panic!(
         "cannot reach PostgreSQL at DATABASE_URL={} ({e}); start it or point DATABASE_URL \
          at a server (default {DEFAULT_DATABASE_URL})",
@@ -32,14 +35,54 @@ fn pg_unreachable(e: impl std::fmt::Display) -> ! {
     )
 }
 
-/// One plain connection to `DATABASE_URL`.
-pub async fn pg_admin() -> PgConnection {
+/// The connection options of `DATABASE_URL`; fails the test with a clear message.
+pub fn pg_options() -> PgConnectOptions {
     let url = database_url();
-    let options = PgConnectOptions::from_str(&url)
-        .unwrap_or_else(|e| panic!("DATABASE_URL={url} is not a PostgreSQL URL: {e}"));
-    PgConnection::connect_with(&options)
+    PgConnectOptions::from_str(&url)
+        .unwrap_or_else(|e| panic!("DATABASE_URL={url} is not a PostgreSQL URL: {e}"))
+}
+
+/// One plain connection to `DATABASE_URL`, for inspecting and tampering with rows.
+pub async fn pg_admin() -> PgConnection {
+    PgConnection::connect_with(&pg_options())
         .await
         .unwrap_or_else(|e| pg_unreachable(e))
+}
+
+/// Drops the schemas named `<prefix><unix seconds>_…` that earlier runs left (older
+/// than an hour), once per prefix and process.
+pub async fn drop_stale_schemas(prefix: &str) {
+    static DONE: Mutex<BTreeSet<String>> = Mutex::new(BTreeSet::new());
+    if !DONE
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .insert(prefix.to_owned())
+    {
+        return;
+    }
+    let mut conn = pg_admin().await;
+    let pattern = format!("{}%", prefix.replace('_', "\\_"));
+    let names: Vec<String> =
+        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE $1")
+            .bind(pattern)
+            .fetch_all(&mut conn)
+            .await
+            .unwrap_or_default();
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    for name in names {
+        let secs = name
+            .strip_prefix(prefix)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|s| s.parse::<u64>().ok());
+        if secs.is_some_and(|s| s + 3600 < now) {
+            let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
+                .execute(&mut conn)
+                .await;
+        }
+    }
+    let _ = conn.close().await;
 }
 
 /// One plain connection to the PostgreSQL server at `url`.

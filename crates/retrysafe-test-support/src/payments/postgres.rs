@@ -2,15 +2,13 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
 
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 
 use super::audit::{KeyAudit, Payment, RecordState};
 use super::record_id;
-use crate::services::{database_url, pg_admin, pg_connect, unique};
+use crate::services::{database_url, drop_stale_schemas, pg_admin, pg_connect, unique};
 
 /// The prefix of the schemas these tests create.
 const SCHEMA_PREFIX: &str = "payments_test_";
@@ -29,7 +27,7 @@ pub struct PgSpace {
 impl PgSpace {
     /// A schema of one test in the database at `DATABASE_URL`.
     pub async fn new() -> PgSpace {
-        drop_stale_schemas().await;
+        drop_stale_schemas(SCHEMA_PREFIX).await;
         PgSpace {
             schema: format!("{SCHEMA_PREFIX}{}", unique()),
             url: database_url(),
@@ -154,36 +152,6 @@ impl Drop for PgSpace {
         })
         .join();
     }
-}
-
-/// Drops schemas left by earlier runs (older than an hour), once per process.
-async fn drop_stale_schemas() {
-    static DONE: AtomicBool = AtomicBool::new(false);
-    if DONE.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let mut conn = pg_admin().await;
-    let names: Vec<String> = sqlx::query_scalar(
-        "SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'payments\\_test\\_%'",
-    )
-    .fetch_all(&mut conn)
-    .await
-    .unwrap_or_default();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    for name in names {
-        let secs = name
-            .strip_prefix(SCHEMA_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|s| s.parse::<u64>().ok());
-        if secs.is_some_and(|s| s + 3600 < now) {
-            let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
-                .execute(&mut conn)
-                .await;
-        }
-    }
-    let _ = conn.close().await;
 }
 
 impl PgSpace {

@@ -1,19 +1,10 @@
-//! Test support: isolated stores on the real PostgreSQL at `DATABASE_URL`, and a TCP
-//! proxy that counts what the client sends.
-#![allow(
-    clippy::unwrap_used,
-    clippy::panic,
-    clippy::indexing_slicing,
-    dead_code,
-    unreachable_pub,
-    missing_docs
-)]
+//! What the tests of `retrysafe-postgres` share: isolated, migrated stores in schemas
+//! of their own on the PostgreSQL at `DATABASE_URL`, stores shared by reference, and
+//! the round-trip counting proxy in front of that server.
 
 use std::ops::Deref;
-use std::str::FromStr;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 use retrysafe_core::recovery::{PendingRecord, ReconcilableStore, Settlement};
@@ -21,40 +12,17 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_postgres::sqlx::{self, Connection, PgConnection};
 use retrysafe_postgres::{PostgresStore, PostgresStoreOptions};
-use retrysafe_test_support::proxy::postgres::{PgProxy, Seen};
 
-pub const DEFAULT_DATABASE_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+use crate::proxy::postgres::{PgProxy, Seen};
+pub use crate::services::{database_url, pg_admin, pg_options};
+use crate::services::{drop_stale_schemas, pg_unreachable, unique};
 
-/// Prefix of the schemas tests create: `rspg_<unix seconds>_<random>`.
+/// Prefix of the schemas the tests create: `rspg_<unix seconds>_<random>`.
 const SCHEMA_PREFIX: &str = "rspg_";
-
-/// `DATABASE_URL`, or the development default.
-pub fn database_url() -> String {
-    std::env::var("DATABASE_URL").unwrap_or_else(|_| DEFAULT_DATABASE_URL.to_owned())
-}
-
-/// The connection options of `DATABASE_URL`; fails the test with a clear message.
-pub fn connect_options() -> PgConnectOptions {
-    let url = database_url();
-    PgConnectOptions::from_str(&url)
-        .unwrap_or_else(|e| panic!("DATABASE_URL={url} is not a PostgreSQL URL: {e}"))
-}
-
-fn unreachable(e: impl std::fmt::Display) -> ! {
-    panic!(
-        "cannot reach PostgreSQL at DATABASE_URL={} ({e}); start it or point DATABASE_URL \
-         at a server (default {DEFAULT_DATABASE_URL})",
-        database_url()
-    )
-}
 
 /// A fresh schema name, unique to one test.
 pub fn fresh_schema() -> String {
-    let secs = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    let rand = Token::random().to_hex();
-    format!("{SCHEMA_PREFIX}{secs}_{}", &rand[..12])
+    format!("{SCHEMA_PREFIX}{}", unique())
 }
 
 /// An isolated, migrated store in its own schema (dropped, best effort, when the store
@@ -62,7 +30,7 @@ pub fn fresh_schema() -> String {
 pub async fn isolated_store(
     configure: impl FnOnce(PostgresStoreOptions) -> PostgresStoreOptions,
 ) -> TestStore {
-    isolated_store_with(connect_options(), configure).await
+    isolated_store_with(pg_options(), configure).await
 }
 
 /// Like [`isolated_store`], connecting with `options`.
@@ -70,7 +38,7 @@ pub async fn isolated_store_with(
     options: PgConnectOptions,
     configure: impl FnOnce(PostgresStoreOptions) -> PostgresStoreOptions,
 ) -> TestStore {
-    drop_stale_schemas().await;
+    drop_stale_schemas(SCHEMA_PREFIX).await;
     let schema = fresh_schema();
     let settings = PostgresStore::options()
         .schema(schema.clone())
@@ -81,51 +49,17 @@ pub async fn isolated_store_with(
     let store = configure(settings)
         .connect_with(options)
         .await
-        .unwrap_or_else(|e| unreachable(e));
+        .unwrap_or_else(|e| pg_unreachable(e));
     store.migrate().await.unwrap();
     TestStore { store, schema }
-}
-
-/// Drops schemas left by earlier runs (older than an hour), once per process.
-async fn drop_stale_schemas() {
-    static DONE: AtomicBool = AtomicBool::new(false);
-    if DONE.swap(true, Ordering::AcqRel) {
-        return;
-    }
-    let mut conn = admin().await;
-    let names: Vec<String> =
-        sqlx::query_scalar("SELECT nspname::text FROM pg_namespace WHERE nspname LIKE 'rspg\\_%'")
-            .fetch_all(&mut conn)
-            .await
-            .unwrap_or_default();
-    let now = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    for name in names {
-        let secs = name
-            .strip_prefix(SCHEMA_PREFIX)
-            .and_then(|rest| rest.split('_').next())
-            .and_then(|s| s.parse::<u64>().ok());
-        if secs.is_some_and(|s| s + 3600 < now) {
-            let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
-                .execute(&mut conn)
-                .await;
-        }
-    }
-    let _ = conn.close().await;
-}
-
-/// One plain connection to `DATABASE_URL`, for inspecting and tampering with rows.
-pub async fn admin() -> PgConnection {
-    PgConnection::connect_with(&connect_options())
-        .await
-        .unwrap_or_else(|e| unreachable(e))
 }
 
 /// A store in its own schema; drops the schema when dropped.
 #[derive(Debug)]
 pub struct TestStore {
+    /// The store.
     pub store: PostgresStore,
+    /// Its schema.
     pub schema: String,
 }
 
@@ -141,7 +75,7 @@ impl Drop for TestStore {
         // Best effort, on a thread of its own: Drop may run inside (or outside) a
         // runtime of either flavour.
         let schema = self.schema.clone();
-        let options = connect_options();
+        let options = pg_options();
         let _ = std::thread::spawn(move || {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
@@ -315,19 +249,21 @@ impl ReconcilableStore for SharedStore {
 pub struct Proxy(PgProxy);
 
 impl Proxy {
+    /// A proxy to the server of `DATABASE_URL`.
     pub async fn start() -> Proxy {
         Proxy(
-            PgProxy::start(&connect_options())
+            PgProxy::start(&pg_options())
                 .await
-                .unwrap_or_else(|e| unreachable(e)),
+                .unwrap_or_else(|e| pg_unreachable(e)),
         )
     }
 
     /// Connection options to PostgreSQL through the proxy.
     pub fn connect_options(&self) -> PgConnectOptions {
-        self.0.connect_options(&connect_options())
+        self.0.connect_options(&pg_options())
     }
 
+    /// What the clients sent so far, by round trip.
     pub fn seen(&self) -> Seen {
         self.0.seen()
     }
