@@ -1,13 +1,9 @@
-//! One description of the client stack — deadline → retry → budget → breaker, then
-//! any middleware below — built in either form: the separate middleware added one by
-//! one, or the fused middleware of `ClientMiddlewares`. The behavioural tests run on
-//! both ([`both_forms!`]), so the two cannot drift.
+//! The client stack of the reqwest tests, in either [`Form`]: the separate middleware
+//! added one by one, or the fused middleware of `ClientMiddlewares`.
 //!
 //! Both forms are the same stack: the separate retry middleware charges the stack's
 //! budget (given to its strategy) as `ClientMiddlewares` charges the one given with
 //! `.budget`, and both have the stack's breaker (by default a fresh one each).
-// Each test file uses a part of it.
-#![allow(dead_code, unused_macros)]
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,15 +16,7 @@ use retrysafe_reqwest::{
     CircuitBreakerMiddleware, ClientMiddlewares, DeadlineMiddleware, RetryMiddleware,
 };
 
-/// How a [`Stack`] is assembled.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Form {
-    /// `ClientBuilder::new(c).with(deadline).with(retry).with(breaker)`.
-    Separate,
-    /// `ClientMiddlewares::new().deadline(..).retry(..).budget(..).breaker(..)`: one
-    /// fused middleware.
-    Fused,
-}
+use super::Form;
 
 type ExpiryHook = Arc<dyn Fn(&DeadlineExpiry) + Send + Sync>;
 
@@ -42,6 +30,21 @@ pub struct Stack {
     budget: RetryBudget,
     breaker: CircuitBreakerMiddleware,
     below: Vec<Arc<dyn Middleware>>,
+}
+
+impl std::fmt::Debug for Stack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stack")
+            .field("deadline", &self.deadline)
+            .field("below", &self.below.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for Stack {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl Stack {
@@ -157,41 +160,3 @@ pub fn budget_counts(budget: &RetryBudget) -> (u64, u64) {
         other => panic!("not a ratio budget: {other:?}"),
     }
 }
-
-/// Runs an async test on both forms, as `<name>::separate` and `<name>::fused` (its
-/// attributes, the test one included, go on both):
-///
-/// ```ignore
-/// both_forms! {
-///     /// What it checks.
-///     #[tokio::test]
-///     async fn a_test(form) {
-///         let client = Stack::new().client(form);
-///         // ...
-///     }
-/// }
-/// ```
-macro_rules! both_forms {
-    ($(
-        $(#[$attr:meta])*
-        async fn $name:ident($form:ident) $body:block
-    )*) => {$(
-        mod $name {
-            #[allow(clippy::wildcard_imports)]
-            use super::*;
-
-            async fn body($form: $crate::support::Form) $body
-
-            $(#[$attr])*
-            async fn separate() {
-                body($crate::support::Form::Separate).await;
-            }
-
-            $(#[$attr])*
-            async fn fused() {
-                body($crate::support::Form::Fused).await;
-            }
-        }
-    )*};
-}
-pub(crate) use both_forms;

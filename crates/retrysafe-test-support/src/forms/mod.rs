@@ -1,8 +1,12 @@
 //! The two forms of the standard client stack that the behavioural tests run on alike,
 //! so that they cannot drift: the separate layers stacked by hand (`DeadlineLayer` →
 //! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`) and `ClientLayers`, one
-//! fused service. A test describes its stack once, as a [`Client`], and builds it in the
-//! form it is given; [`both_forms!`] runs it once per form.
+//! fused service; for reqwest ([`reqwest`]), the separate middleware and
+//! `ClientMiddlewares`. A test describes its stack once, as a [`Client`] (or a
+//! [`reqwest::Stack`]), and builds it in the form it is given; [`both_forms!`] runs it
+//! once per form.
+
+pub mod reqwest;
 
 use std::time::Duration;
 
@@ -20,9 +24,11 @@ use tower::util::Either;
 /// Which form of the stack a test builds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Form {
-    /// `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`.
+    /// `DeadlineLayer` → `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`
+    /// (reqwest: `DeadlineMiddleware` → `RetryMiddleware` → `CircuitBreakerMiddleware`).
     Separate,
-    /// `ClientLayers`, one fused service.
+    /// `ClientLayers`, one fused service (reqwest: `ClientMiddlewares`, one fused
+    /// middleware).
     Fused,
 }
 
@@ -127,10 +133,47 @@ impl Client {
     }
 }
 
-/// Runs the test body `async fn $name(form: Form)` once per form, as the tests
-/// `$name::separate` and `$name::fused` (extra `#[tokio::test]` arguments after it).
+/// Runs a test once per [`Form`], as the tests `NAME::separate` and `NAME::fused`.
+///
+/// Two shapes: `both_forms!(name)` (extra `#[tokio::test]` arguments after it, as in
+/// `both_forms!(name, start_paused = true)`) runs the test body `async fn name(form:
+/// Form)` defined beside it; and
+///
+/// ```ignore
+/// both_forms! {
+///     /// What it checks.
+///     #[tokio::test]
+///     async fn a_test(form) {
+///         let client = Stack::new().client(form);
+///         // ...
+///     }
+/// }
+/// ```
+///
+/// defines the body inline, with its attributes (the test one included) on both tests.
 #[macro_export]
 macro_rules! both_forms {
+    ($(
+        $(#[$attr:meta])*
+        async fn $name:ident($form:ident) $body:block
+    )+) => {$(
+        mod $name {
+            #[allow(clippy::wildcard_imports)]
+            use super::*;
+
+            async fn body($form: $crate::forms::Form) $body
+
+            $(#[$attr])*
+            async fn separate() {
+                body($crate::forms::Form::Separate).await;
+            }
+
+            $(#[$attr])*
+            async fn fused() {
+                body($crate::forms::Form::Fused).await;
+            }
+        }
+    )+};
     ($name:ident $(, $($arg:tt)*)?) => {
         mod $name {
             #[tokio::test$(($($arg)*))?]
