@@ -1,7 +1,7 @@
 //! What the benches share: the yardsticks the client and server benches measure the
 //! layers against ([`floor`], [`idem_floor`]), the peers' glue ([`failsafe_service`],
 //! [`tower_policy`]), and the load drivers' pieces ([`http1`], [`body`], [`load`],
-//! [`recorder`]).
+//! [`recorder`], [`report`]).
 
 pub mod body;
 pub mod failsafe_service;
@@ -10,4 +10,5 @@ pub mod http1;
 pub mod idem_floor;
 pub mod load;
 pub mod recorder;
+pub mod report;
 pub mod tower_policy;
