@@ -11,4 +11,5 @@ pub mod idem_floor;
 pub mod load;
 pub mod recorder;
 pub mod report;
+pub mod stores;
 pub mod tower_policy;
