@@ -1,10 +1,12 @@
 //! What retrysafe's tests, benches and examples share, so that no fixture is written
 //! twice: one TCP fault proxy ([`proxy`]), the client stack of the fault runs
-//! ([`client_stack`]), the drivers of the example binaries ([`example`],
-//! [`payments`]), the Redis and PostgreSQL every test shares ([`services`]) and private
-//! ones a test may kill ([`private`]), the failover load ([`failover`]), the two forms
-//! of the client stack ([`forms`]), the observability probes ([`observe`]), the lease
-//! race engine ([`lease_race`]), and the benches' yardsticks and load helpers
+//! ([`client_stack`]) and the two forms of the client stack ([`forms`]), the drivers
+//! of the example binaries ([`example`], [`payments`]), the Redis and PostgreSQL every
+//! test shares ([`services`]), the PostgreSQL store's own fixtures ([`pg_store`]),
+//! private servers a test may kill ([`private`]), the failover load ([`failover`]), the
+//! observability probes ([`observe`]), the test authentication ([`bearer`]), the lease
+//! race engine ([`lease_race`]), the measurement examples' harness ([`measurement`]),
+//! seeded randomness ([`rng`]), and the benches' yardsticks and load helpers
 //! ([`bench`]).
 //!
 //! Not published: a dev-dependency of the workspace's crates, never a dependency.
@@ -25,6 +27,7 @@ pub mod example;
 pub mod failover;
 pub mod forms;
 pub mod lease_race;
+pub mod measurement;
 pub mod observe;
 pub mod payments;
 pub mod pg_store;

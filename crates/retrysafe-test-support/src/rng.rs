@@ -21,6 +21,13 @@ impl SplitMix64 {
         z ^ (z >> 31)
     }
 
+    /// Uniform in `[0, 1)`, from the top 53 bits.
+    pub fn next_f64(&mut self) -> f64 {
+        #[allow(clippy::cast_precision_loss, reason = "53 bits fit an f64 exactly")]
+        let (bits, scale) = ((self.next_u64() >> 11) as f64, (1u64 << 53) as f64);
+        bits / scale
+    }
+
     /// Uniform in `0..n` (`n > 0`; the modulo bias is irrelevant here).
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n.max(1)
