@@ -194,7 +194,7 @@ impl Load {
     }
 
     /// Stops the workers once their logical requests are done (failing, with what each
-    /// awaits, when they do not stop within [`STOPPING`]) and returns their tally.
+    /// awaits, when they do not stop within two minutes) and returns their tally.
     pub async fn stop(self) -> (Arc<Tally>, Arc<StackCounts>) {
         self.stop.store(true, Ordering::Relaxed);
         let mut workers = self.workers;

@@ -7,7 +7,7 @@
 //! observability probes ([`observe`]), the test authentication ([`bearer`]), the lease
 //! race engine ([`lease_race`]), the measurement examples' harness ([`measurement`]),
 //! seeded randomness ([`rng`]), and the benches' yardsticks and load helpers
-//! ([`bench`]).
+//! ([`bench`](mod@bench)).
 //!
 //! Not published: a dev-dependency of the workspace's crates, never a dependency.
 // Test support: a broken invariant of the test itself is a panic, and the helpers that

@@ -3,7 +3,7 @@
 //! `RetryLayer` → `RetryBudgetLayer` → `CircuitBreakerLayer`) and `ClientLayers`, one
 //! fused service; for reqwest ([`reqwest`]), the separate middleware and
 //! `ClientMiddlewares`. A test describes its stack once, as a [`Client`] (or a
-//! [`reqwest::Stack`]), and builds it in the form it is given; [`both_forms!`] runs it
+//! [`reqwest::Stack`]), and builds it in the form it is given; [`both_forms!`](crate::both_forms) runs it
 //! once per form.
 
 pub mod reqwest;
