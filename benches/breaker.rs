@@ -94,6 +94,8 @@ use http_body_util::Empty;
 use retrysafe::breaker::KeyedBreakers;
 use retrysafe::breaker::{BreakerConfig, SlidingWindow};
 use retrysafe::{CircuitBreakerLayer, DeadlineLayer};
+use retrysafe_test_support::bench::failsafe_service::Failsafe;
+use retrysafe_test_support::bench::load::*;
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
@@ -599,12 +601,3 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
 }
-
-#[path = "support/failsafe.rs"]
-mod failsafe_service;
-use failsafe_service::Failsafe;
-
-#[path = "support/load.rs"]
-#[allow(dead_code, reason = "each bench uses part of it")]
-mod load;
-use load::*;

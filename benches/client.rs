@@ -92,7 +92,11 @@ use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{Layer, Service, ServiceExt};
 
-use floor::{Floor, FloorFlat, FloorFlatFeatures, FloorSeparate, floor_required};
+use retrysafe_test_support::bench::floor::{
+    Floor, FloorFlat, FloorFlatFeatures, FloorSeparate, floor_required,
+};
+use retrysafe_test_support::bench::recorder;
+use retrysafe_test_support::bench::tower_policy::TowerPolicy;
 
 type Req = Request<Empty<Bytes>>;
 type Res = Response<()>;
@@ -301,10 +305,6 @@ fn case(name: &str) -> Option<Runner> {
     })
 }
 
-/// The `floor` and `floor_header` yardsticks (see the module docs).
-#[path = "support/floor.rs"]
-mod floor;
-
 fn all_cases() -> impl Iterator<Item = String> {
     NAMES
         .iter()
@@ -378,9 +378,3 @@ fn main() {
     benches();
     Criterion::default().configure_from_args().final_summary();
 }
-
-#[path = "support/recorder.rs"]
-mod recorder;
-#[path = "support/tower_policy.rs"]
-mod tower_policy;
-use tower_policy::TowerPolicy;

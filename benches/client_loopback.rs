@@ -21,8 +21,8 @@
 //! `ExponentialBackoff` with 2 retries. No request fails, so only overhead is measured.
 //!
 //! Yardsticks (not products): `hyper_floor` is the hyper client under the `floor` of
-//! `benches/support/floor.rs` with its deadline timer — the least per-request work
-//! the whole stack must do, hand-written in one service; `reqwest_noop3` is
+//! `retrysafe_test_support::bench::floor` with its deadline timer — the least
+//! per-request work the whole stack must do, hand-written in one service; `reqwest_noop3` is
 //! reqwest-middleware with three middlewares that only pass the request on (the hops of
 //! `reqwest_retrysafe`); `reqwest_floor` is the same floor as one middleware.
 //!
@@ -67,6 +67,8 @@ use retrysafe::{
 use retrysafe_reqwest::{
     CircuitBreakerMiddleware, ClientMiddlewares, DeadlineMiddleware, RetryMiddleware,
 };
+use retrysafe_test_support::bench::floor::Floor;
+use retrysafe_test_support::bench::tower_policy::TowerPolicy;
 use tokio::time::Instant;
 use tower::util::BoxCloneService;
 use tower::{Service, ServiceBuilder, ServiceExt};
@@ -111,10 +113,6 @@ where
     Ok(Response::from_parts(parts, bytes))
 }
 
-#[path = "support/floor.rs"]
-mod floor;
-use floor::Floor;
-
 /// A middleware that only passes the request on: what one reqwest-middleware hop costs
 /// (its boxed `async_trait` future), three of them being as many hops as
 /// `reqwest_retrysafe` has.
@@ -132,8 +130,8 @@ impl reqwest_middleware::Middleware for Noop {
     }
 }
 
-/// The `floor` of `benches/support/floor.rs` as ONE reqwest middleware: the least
-/// per-request work of the client stack (clock read, a copy of the request kept for a retry,
+/// The `floor` of `retrysafe_test_support::bench::floor` as ONE reqwest middleware: the
+/// least per-request work of the client stack (clock read, a copy of the request kept for a retry,
 /// `request-timeout-ms`, budget deposit, breaker permit and record, the deadline
 /// enforced by a timer) in one hop.
 struct ReqwestFloor {
@@ -500,7 +498,3 @@ fn cpu_seconds() -> f64 {
     };
     (ticks(11) + ticks(12)) / 100.0
 }
-
-#[path = "support/tower_policy.rs"]
-mod tower_policy;
-use tower_policy::TowerPolicy;

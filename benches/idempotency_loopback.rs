@@ -26,11 +26,11 @@
 //! to `bare`, with the load average and the CPU share other processes used.
 //!
 //! `IDEM_LOOPBACK_CALLGRIND=bare|first|replay` (or the floor's `floor`, `floor_replay`,
-//! `store`, `store_replay`: see `support/idem_floor.rs`) with `IDEM_LOOPBACK_CALLS=N` instead runs
-//! one process (server runtime as above, the client on the main thread) sending N
-//! requests on one connection after one warm-up request, for
-//! `valgrind --tool=callgrind`: (instructions for N − instructions for 0) / N is the
-//! cost of one request through client, loopback and server (see
+//! `store`, `store_replay`: see `retrysafe_test_support::bench::idem_floor`) with
+//! `IDEM_LOOPBACK_CALLS=N` instead runs one process (server runtime as above, the
+//! client on the main thread) sending N requests on one connection after one warm-up
+//! request, for `valgrind --tool=callgrind`: (instructions for N − instructions for 0)
+//! / N is the cost of one request through client, loopback and server (see
 //! `scripts/bench-idempotency-loopback`).
 //!
 //! `IDEM_LOOPBACK_SERVE=routes` serves one server with both routes of the same handler,
@@ -71,6 +71,10 @@ use axum::serve::ListenerExt;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use retrysafe::idempotency::{IdempotencyLayer, MemoryStore, Principal};
+use retrysafe_test_support::bench::http1::{Sender, open_http};
+use retrysafe_test_support::bench::idem_floor;
+use retrysafe_test_support::bench::load::*;
+use retrysafe_test_support::bench::recorder;
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -194,10 +198,6 @@ fn store_mib() -> Res<usize> {
         Err(_) => 64,
     })
 }
-
-/// The hand-made floor of a guard (`/floor`), a yardstick: see its module.
-#[path = "support/idem_floor.rs"]
-mod idem_floor;
 
 /// The guarded server's store: `IDEM_LOOPBACK_STORE_MIB` sets its byte budget (default:
 /// the MemoryStore's).
@@ -562,14 +562,3 @@ fn floor_route(store: bool) -> Res<MethodRouter> {
     };
     Ok(handler().layer(layer))
 }
-
-#[path = "support/http1.rs"]
-mod http1;
-#[path = "support/recorder.rs"]
-mod recorder;
-use http1::{Sender, open_http};
-
-#[path = "support/load.rs"]
-#[allow(dead_code, reason = "each bench uses part of it")]
-mod load;
-use load::*;

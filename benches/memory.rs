@@ -70,6 +70,8 @@ use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use retrysafe_test_support::bench::body::blob_body;
+use retrysafe_test_support::bench::load::*;
 use stats_alloc::{INSTRUMENTED_SYSTEM, Region, StatsAlloc};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
@@ -780,12 +782,3 @@ impl PgEnv {
         Ok(())
     }
 }
-
-#[path = "support/body.rs"]
-mod body;
-use body::blob_body;
-
-#[path = "support/load.rs"]
-#[allow(dead_code, reason = "each bench uses part of it")]
-mod load;
-use load::*;

@@ -1,5 +1,6 @@
-//! Soak run: a bounded run of mixed load through the fault-injecting
-//! proxy (`tests/fault_proxy`) on the memory and Redis stores at once, in one process.
+//! Soak run: a bounded run of mixed load through the fault-injecting proxy
+//! (`retrysafe_test_support::proxy`) on the memory and Redis stores at once, in one
+//! process.
 //!
 //! Two in-process axum servers guarded by an `IdempotencyLayer` — one over a
 //! `MemoryStore` bounded by `SOAK_MEMORY_MAX_BYTES` (default 16 MiB), one over a
@@ -36,9 +37,6 @@
     unreachable_pub
 )]
 
-#[path = "../tests/fault_proxy/mod.rs"]
-mod fault_proxy;
-
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -51,14 +49,15 @@ use axum::response::{IntoResponse, Response as AxumResponse};
 use axum::routing::post;
 use axum::{Extension, Json, Router};
 use bytes::Bytes;
-use fault_proxy::client::{Stack, StackCounts, client_stack, error_kind};
-use fault_proxy::{FaultMix, FaultProxy, ProxyConfig, SplitMix64};
 use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Full};
 use retrysafe::idempotency::IdempotencyContext;
 use retrysafe::idempotency::{IdempotencyEvent, IdempotencyLayer, MemoryStore, NoEffect, Shutdown};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
+use retrysafe_test_support::client_stack::{Stack, StackCounts, client_stack, error_kind};
+use retrysafe_test_support::proxy::{FaultMix, FaultProxy, ProxyConfig};
+use retrysafe_test_support::rng::{SplitMix64, seed_from_env};
 use serde::Deserialize;
 use serde_json::json;
 use tokio::net::TcpListener;
@@ -363,7 +362,7 @@ async fn run() -> bool {
     let sample_every = env_u64("SOAK_SAMPLE_SECS", 60).max(1);
     let concurrency = env_u64("SOAK_CONCURRENCY", 32);
     let max_bytes = env_u64("SOAK_MEMORY_MAX_BYTES", 16 << 20);
-    let seed = fault_proxy::seed_from_env("SOAK_SEED");
+    let seed = seed_from_env("SOAK_SEED", "soak");
     let started = Instant::now();
     let rss_start = rss_kib();
     eprintln!(

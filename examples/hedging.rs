@@ -43,6 +43,8 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::{HedgeLayer, RetryLayer};
+use retrysafe_test_support::measurement;
+use retrysafe_test_support::rng::SplitMix64;
 use tokio::time::{Instant, MissedTickBehavior};
 use tower::util::BoxCloneSyncService;
 use tower::{ServiceBuilder, ServiceExt};
@@ -65,48 +67,15 @@ impl Options {
             rate: 1000,
             seed: 1,
         };
-        let args = std::env::args_os()
-            .skip(1)
-            .map(|a| {
-                a.into_string()
-                    .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
-            })
-            .collect::<Result<Vec<String>, String>>()?;
-        let mut args = args.into_iter();
-        while let Some(flag) = args.next() {
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let n = value
-                .parse::<u64>()
-                .map_err(|_| format!("{flag}: not a number: {value}"))?;
-            let small = || {
-                u32::try_from(n)
-                    .ok()
-                    .filter(|x| *x > 0)
-                    .ok_or_else(|| format!("{flag}: out of range: {value}"))
-            };
+        for (flag, value) in measurement::flags()? {
             match flag.as_str() {
-                "--requests" => o.requests = small()?,
-                "--rate" => o.rate = small()?,
-                "--seed" => o.seed = n,
+                "--requests" => o.requests = measurement::count(&flag, &value, u32::MAX)?,
+                "--rate" => o.rate = measurement::count(&flag, &value, u32::MAX)?,
+                "--seed" => o.seed = measurement::number(&flag, &value)?,
                 other => return Err(format!("unknown option {other}")),
             }
         }
         Ok(o)
-    }
-}
-
-/// SplitMix64: a seeded stream of uniform draws.
-#[derive(Debug)]
-struct Rng(u64);
-
-impl Rng {
-    fn next_f64(&mut self) -> f64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        z ^= z >> 31;
-        (z >> 11) as f64 / (1u64 << 53) as f64
     }
 }
 
@@ -116,7 +85,7 @@ struct Server {
     calls: AtomicU64,
     /// Share of slow answers, in thousandths.
     slow_per_mille: AtomicU64,
-    rng: Mutex<Rng>,
+    rng: Mutex<SplitMix64>,
 }
 
 async fn item(State(server): State<Arc<Server>>, headers: HeaderMap) -> &'static str {
@@ -135,15 +104,7 @@ async fn item(State(server): State<Arc<Server>>, headers: HeaderMap) -> &'static
 }
 
 async fn serve(server: Arc<Server>) -> Result<SocketAddr, BoxError> {
-    let router = Router::new().route("/item", get(item)).with_state(server);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            eprintln!("server error: {e}");
-        }
-    });
-    Ok(addr)
+    measurement::serve(Router::new().route("/item", get(item)).with_state(server)).await
 }
 
 fn http_client<B>() -> Client<HttpConnector, B>
@@ -292,7 +253,7 @@ async fn measure(options: Options) -> Result<String, BoxError> {
     let server = Arc::new(Server {
         calls: AtomicU64::new(0),
         slow_per_mille: AtomicU64::new(20),
-        rng: Mutex::new(Rng(options.seed)),
+        rng: Mutex::new(SplitMix64::new(options.seed)),
     });
     let addr = serve(Arc::clone(&server)).await?;
     println!(
@@ -364,22 +325,6 @@ async fn measure(options: Options) -> Result<String, BoxError> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let options = match Options::parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("usage: hedging [--requests N] [--rate N] [--seed N]");
-            return ExitCode::from(2);
-        }
-    };
-    match measure(options).await {
-        Ok(json) => {
-            println!("{json}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    let usage = "hedging [--requests N] [--rate N] [--seed N]";
+    measurement::main(usage, Options::parse, measure).await
 }

@@ -42,6 +42,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::{EdgeLayer, PropagateLayer, ReplayBody, RetryLayer, StandardRetryStrategy};
+use retrysafe_test_support::measurement;
 use tokio::time::Instant;
 use tower::util::BoxCloneSyncService;
 use tower::{ServiceBuilder, ServiceExt};
@@ -72,34 +73,14 @@ impl Options {
             requests: 1000,
             seed: 42,
         };
-        let mut args = std::env::args_os()
-            .skip(1)
-            .map(|a| {
-                a.into_string()
-                    .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
-            })
-            .collect::<Result<Vec<String>, String>>()?
-            .into_iter();
-        while let Some(flag) = args.next() {
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let n = |v: &str| {
-                v.parse::<u64>()
-                    .map_err(|_| format!("{flag}: not a number: {v}"))
-            };
-            let small = |v: &str| {
-                n(v).and_then(|x| {
-                    u32::try_from(x)
-                        .ok()
-                        .filter(|x| *x > 0)
-                        .ok_or_else(|| format!("{flag}: out of range: {v}"))
-                })
-            };
+        for (flag, value) in measurement::flags()? {
+            let count = || measurement::count(&flag, &value, u32::MAX);
             match flag.as_str() {
-                "--rate" => o.rate = small(&value)?,
-                "--secs" => o.secs = small(&value)?,
-                "--naive" => o.naive = small(&value)?,
-                "--requests" => o.requests = small(&value)?,
-                "--seed" => o.seed = n(&value)?,
+                "--rate" => o.rate = count()?,
+                "--secs" => o.secs = count()?,
+                "--naive" => o.naive = count()?,
+                "--requests" => o.requests = count()?,
+                "--seed" => o.seed = measurement::number(&flag, &value)?,
                 other => return Err(format!("unknown option {other}")),
             }
         }
@@ -251,17 +232,6 @@ impl tower::retry::Policy<Request<Body>, http::Response<Incoming>, BoxError> for
     }
 }
 
-async fn serve(router: Router) -> Result<SocketAddr, BoxError> {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            eprintln!("server error: {e}");
-        }
-    });
-    Ok(addr)
-}
-
 /// A chain edge → A → B → `d` in `stack`; returns the top-level client and the edge.
 async fn chain(
     stack: Stack,
@@ -284,7 +254,7 @@ async fn chain(
             ),
             (Stack::Retrysafe, _) => router.layer(PropagateLayer::new()),
         };
-        next = serve(router).await?;
+        next = measurement::serve(router).await?;
     }
     Ok((hop_client(stack, seed), next))
 }
@@ -340,7 +310,7 @@ async fn run(o: Options) -> Result<Report, BoxError> {
         per_seq: (0..capacity).map(|_| AtomicU32::new(0)).collect(),
         seed: o.seed,
     });
-    let d_addr = serve(
+    let d_addr = measurement::serve(
         Router::new()
             .route("/work", get(dependency))
             .with_state(d.clone()),
@@ -429,37 +399,23 @@ async fn run(o: Options) -> Result<Report, BoxError> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let options = match Options::parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!(
-                "usage: retry_storm [--rate N] [--secs N] [--naive N] [--requests N] [--seed N]"
-            );
-            return ExitCode::from(2);
-        }
-    };
-    match run(options).await {
-        Ok(r) => {
-            println!();
-            // The keys in the documented order.
-            println!(
-                "{{\"naive_outage\": {}, \"retrysafe_outage_first\": {}, \
-                 \"retrysafe_outage_steady\": {}, \"naive_success_10pct\": {}, \
-                 \"retrysafe_success_10pct\": {}}}",
-                json_number(r.naive_outage),
-                json_number(r.first),
-                json_number(r.steady),
-                json_number(r.naive_success),
-                json_number(r.retrysafe_success),
-            );
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    let usage = "retry_storm [--rate N] [--secs N] [--naive N] [--requests N] [--seed N]";
+    measurement::main(usage, Options::parse, async |options| {
+        let r = run(options).await?;
+        println!();
+        // The keys in the documented order.
+        Ok(format!(
+            "{{\"naive_outage\": {}, \"retrysafe_outage_first\": {}, \
+             \"retrysafe_outage_steady\": {}, \"naive_success_10pct\": {}, \
+             \"retrysafe_success_10pct\": {}}}",
+            json_number(r.naive_outage),
+            json_number(r.first),
+            json_number(r.steady),
+            json_number(r.naive_success),
+            json_number(r.retrysafe_success),
+        ))
+    })
+    .await
 }
 
 /// A JSON number with four decimals at most (`serde_json` formats it).

@@ -39,6 +39,7 @@ use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use retrysafe::AdaptiveThrottleLayer;
 use retrysafe::throttle::Throttled;
+use retrysafe_test_support::measurement;
 use tokio::time::{Instant, MissedTickBehavior};
 use tower::util::BoxCloneSyncService;
 use tower::{ServiceBuilder, ServiceExt};
@@ -68,29 +69,11 @@ impl Options {
             capacity: 250,
             seed: 1,
         };
-        let args = std::env::args_os()
-            .skip(1)
-            .map(|a| {
-                a.into_string()
-                    .map_err(|a| format!("argument {a:?} is not valid UTF-8"))
-            })
-            .collect::<Result<Vec<String>, String>>()?;
-        let mut args = args.into_iter();
-        while let Some(flag) = args.next() {
-            let value = args.next().ok_or_else(|| format!("{flag} needs a value"))?;
-            let n = value
-                .parse::<u64>()
-                .map_err(|_| format!("{flag}: not a number: {value}"))?;
-            let small = || {
-                u32::try_from(n)
-                    .ok()
-                    .filter(|x| *x > 0 && *x <= 100_000)
-                    .ok_or_else(|| format!("{flag}: out of range: {value}"))
-            };
+        for (flag, value) in measurement::flags()? {
             match flag.as_str() {
-                "--secs" => o.secs = small()?,
-                "--capacity" => o.capacity = small()?,
-                "--seed" => o.seed = n,
+                "--secs" => o.secs = measurement::count(&flag, &value, 100_000)?,
+                "--capacity" => o.capacity = measurement::count(&flag, &value, 100_000)?,
+                "--seed" => o.seed = measurement::number(&flag, &value)?,
                 other => return Err(format!("unknown option {other}")),
             }
         }
@@ -139,15 +122,7 @@ async fn item(State(backend): State<Arc<Backend>>) -> Response<axum::body::Body>
 }
 
 async fn serve(backend: Arc<Backend>) -> Result<SocketAddr, BoxError> {
-    let router = Router::new().route("/item", get(item)).with_state(backend);
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
-    let addr = listener.local_addr()?;
-    tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, router).await {
-            eprintln!("server error: {e}");
-        }
-    });
-    Ok(addr)
+    measurement::serve(Router::new().route("/item", get(item)).with_state(backend)).await
 }
 
 /// One run's rates, per second.
@@ -265,22 +240,6 @@ async fn measure(options: Options) -> Result<String, BoxError> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    let options = match Options::parse() {
-        Ok(o) => o,
-        Err(e) => {
-            eprintln!("error: {e}");
-            eprintln!("usage: throttle [--secs N] [--capacity N] [--seed N]");
-            return ExitCode::from(2);
-        }
-    };
-    match measure(options).await {
-        Ok(json) => {
-            println!("{json}");
-            ExitCode::SUCCESS
-        }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::FAILURE
-        }
-    }
+    let usage = "throttle [--secs N] [--capacity N] [--seed N]";
+    measurement::main(usage, Options::parse, measure).await
 }

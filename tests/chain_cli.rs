@@ -9,15 +9,14 @@
     missing_docs
 )]
 
-mod example_bin;
-
 use std::process::Command;
 
+use retrysafe_test_support::example::example_binary;
 use serde_json::Value;
 
 #[test]
 fn one_retry_point_shrinking_deadlines_and_no_duplicate_downstream_effect() {
-    let output = Command::new(example_bin::example_binary("chain"))
+    let output = Command::new(example_binary("chain"))
         .output()
         .expect("run the chain example");
     let stdout = String::from_utf8(output.stdout).unwrap();

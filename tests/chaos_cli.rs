@@ -10,9 +10,9 @@
     clippy::print_stdout
 )]
 
-mod example_bin;
-
 use std::process::Command;
+
+use retrysafe_test_support::example::{assert_non_utf8_argument_is_a_usage_error, example_binary};
 
 const KEYS: [&str; 6] = [
     "duplicates",
@@ -25,7 +25,7 @@ const KEYS: [&str; 6] = [
 
 #[test]
 fn a_run_prints_the_documented_json_with_no_duplicates() {
-    let output = Command::new(example_bin::example_binary("chaos"))
+    let output = Command::new(example_binary("chaos"))
         .args(["--requests", "300", "--seed", "7"])
         .output()
         .unwrap();
@@ -67,7 +67,7 @@ fn bad_arguments_are_refused() {
         &["--seed", "-1"],
         &["--colour", "blue"],
     ] {
-        let output = Command::new(example_bin::example_binary("chaos"))
+        let output = Command::new(example_binary("chaos"))
             .args(args)
             .output()
             .unwrap();
@@ -76,5 +76,5 @@ fn bad_arguments_are_refused() {
         let stderr = String::from_utf8_lossy(&output.stderr);
         assert!(stderr.contains("usage: chaos"), "{stderr}");
     }
-    example_bin::assert_non_utf8_argument_is_a_usage_error("chaos");
+    assert_non_utf8_argument_is_a_usage_error("chaos");
 }

@@ -44,8 +44,8 @@ use tower::limit::ConcurrencyLimit;
 use tower::util::BoxCloneSyncService;
 use tower::{BoxError, Layer, Service, ServiceBuilder, ServiceExt};
 
-mod client_forms;
-use client_forms::Form;
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::Form;
 
 /// The breaker's state changes, in order, as (from, to).
 type Changes = Arc<Mutex<Vec<(State, State)>>>;

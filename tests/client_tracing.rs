@@ -37,10 +37,9 @@ use tower_http::trace::TraceLayer;
 use tracing::Span;
 use tracing_subscriber::layer::SubscriberExt;
 
-mod client_forms;
-mod observe;
-use client_forms::Form;
-use observe::Spans;
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::Form;
+use retrysafe_test_support::observe::Spans;
 
 /// A server answering 503 to its first request and 200 after.
 async fn flaky() -> SocketAddr {

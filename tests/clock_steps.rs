@@ -25,9 +25,6 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -45,8 +42,9 @@ use retrysafe_core::idempotency::Token;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, aio::ConnectionManager};
+use retrysafe_test_support::private::{PrivatePg, PrivateRedis, Scratch};
+use retrysafe_test_support::rng::{SplitMix64, seed_from_env};
 use serde::Deserialize;
-use support::private::{PrivatePg, PrivateRedis, Scratch};
 
 /// Keys per store, each sent three times.
 const KEYS: u64 = 300;
@@ -143,7 +141,7 @@ async fn load(url: &str, seed: u64) -> BTreeMap<u16, u64> {
         .timeout(Duration::from_secs(20))
         .build()
         .unwrap();
-    let mut rng = support::Rng::new(seed);
+    let mut rng = SplitMix64::new(seed);
     let tag = &Token::random().to_hex()[..8];
     let mut copies = Vec::new();
     for k in 0..KEYS {
@@ -185,7 +183,7 @@ async fn run(name: &str, store: impl IdempotencyStore, file: PathBuf, format: fn
     let url = serve(store, &counts).await;
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let stepper = tokio::spawn(step_clock(file, format, Arc::clone(&stop)));
-    let seed = support::seed_from_env("CLOCK_STEPS_SEED", name);
+    let seed = seed_from_env("CLOCK_STEPS_SEED", name);
     let statuses = load(&url, seed).await;
     stop.store(true, Ordering::Relaxed);
     stepper.await.unwrap();

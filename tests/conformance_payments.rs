@@ -15,11 +15,9 @@
     clippy::print_stdout
 )]
 
-mod example_bin;
-mod support;
-
 use retrysafe_conformance::{Command, RULES, Report, Verdict, parse_args};
-use support::{PgSpace, RedisSpace, Server, redis_url};
+use retrysafe_test_support::payments::{PgSpace, RedisSpace, Server};
+use retrysafe_test_support::services::redis_url;
 
 /// One store the example runs on, with the namespace that keeps the test apart.
 enum Store {

@@ -49,19 +49,19 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use retrysafe_core::idempotency::Token;
-use support::{
-    Answer, Api, Final, KeyAudit, Payment, PgSpace, RecordState, RedisSpace, Rng, Server, Tally,
-    env_number, redis_url, resolve_all, seed_from_env,
+use retrysafe_test_support::eventually;
+use retrysafe_test_support::payments::audit::{
+    Final, KeyAudit, Payment, RecordState, Tally, resolve_all,
 };
+use retrysafe_test_support::payments::{Answer, Api, PgSpace, RedisSpace, Server, run_to_exit};
+use retrysafe_test_support::rng::{SplitMix64, env_number, seed_from_env};
+use retrysafe_test_support::services::{database_url, redis_url};
 
 /// How long one key may take to get a definitive answer after a kill.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -375,7 +375,7 @@ async fn send_stream(api: Api, prefix: String, stop: Arc<AtomicBool>) -> Vec<Sen
 
 async fn crash_and_restart(mode: Mode) {
     let test = format!("crash {mode:?}");
-    let mut rng = Rng::new(seed_from_env("CRASH_SEED", &test) ^ mode.salt());
+    let mut rng = SplitMix64::new(seed_from_env("CRASH_SEED", &test) ^ mode.salt());
     let rounds = env_number("CRASH_ROUNDS", 30);
     let space = Space::new(mode).await;
     let names = [name("a"), name("b")];
@@ -445,7 +445,7 @@ async fn crash_and_restart(mode: Mode) {
         // command it received).
         match &space {
             Space::Postgres(p, _) => {
-                support::eventually("the killed instance's sessions to end", PATIENCE, || {
+                eventually("the killed instance's sessions to end", PATIENCE, || {
                     let name = &names[victim];
                     async move { (p.sessions(name).await == 0).then_some(()) }
                 })
@@ -560,8 +560,8 @@ async fn crash_and_restart(mode: Mode) {
 
 #[test]
 fn the_plain_postgres_hook_takes_two_values_only() {
-    let url = support::database_url();
-    let (status, stderr) = support::run_to_exit(
+    let url = database_url();
+    let (status, stderr) = run_to_exit(
         &["--listen", "127.0.0.1:0", "--store", url.as_str()],
         &[("PAYMENTS_PG_MODE", "autocommit")],
     );

@@ -19,13 +19,11 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use support::{Answer, Api, PgSpace, RedisSpace, Server, redis_url};
+use retrysafe_test_support::payments::{Answer, Api, PgSpace, RedisSpace, Server};
+use retrysafe_test_support::services::redis_url;
 
 /// The default client's overall time.
 const CLIENT_TIME: Duration = Duration::from_secs(30);

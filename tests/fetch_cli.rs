@@ -11,8 +11,6 @@
     unreachable_pub
 )]
 
-mod example_bin;
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -24,6 +22,7 @@ use axum::body::Bytes;
 use axum::extract::State as AxumState;
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::routing::any;
+use retrysafe_test_support::example::{assert_non_utf8_argument_is_a_usage_error, example_binary};
 use serde_json::Value;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpListener;
@@ -31,7 +30,7 @@ use tokio::process::Command;
 
 /// The `fetch` example's binary.
 fn binary() -> PathBuf {
-    example_bin::example_binary("fetch")
+    example_binary("fetch")
 }
 
 /// One run of the example.
@@ -427,5 +426,5 @@ async fn fetches_a_file_from_python_http_server() {
 
 #[test]
 fn a_non_utf8_argument_is_a_usage_error() {
-    example_bin::assert_non_utf8_argument_is_a_usage_error("fetch");
+    assert_non_utf8_argument_is_a_usage_error("fetch");
 }

@@ -13,8 +13,6 @@
     clippy::disallowed_methods
 )]
 
-mod example_bin;
-
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::{Command, Output};
@@ -22,6 +20,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use futures_util::stream::BoxStream;
+use retrysafe_test_support::example::{assert_non_utf8_argument_is_a_usage_error, example_binary};
 use serde_json::Value;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
@@ -35,7 +34,7 @@ use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 
 /// The `health_probe` example's binary.
 fn binary() -> PathBuf {
-    example_bin::example_binary("health_probe")
+    example_binary("health_probe")
 }
 
 /// Runs the probe with `args` (off the runtime's threads).
@@ -240,5 +239,5 @@ async fn bad_arguments_are_a_usage_error() {
 
 #[test]
 fn a_non_utf8_argument_is_a_usage_error() {
-    example_bin::assert_non_utf8_argument_is_a_usage_error("health_probe");
+    assert_non_utf8_argument_is_a_usage_error("health_probe");
 }

@@ -10,8 +10,7 @@
     clippy::print_stdout
 )]
 
-mod example_bin;
-
+use retrysafe_test_support::example::example_binary;
 use std::process::Command;
 
 const KEYS: [&str; 11] = [
@@ -30,7 +29,7 @@ const KEYS: [&str; 11] = [
 
 #[test]
 fn a_short_run_prints_the_documented_json() {
-    let output = Command::new(example_bin::example_binary("hedging"))
+    let output = Command::new(example_binary("hedging"))
         .args(["--requests", "1500", "--rate", "1500", "--seed", "3"])
         .output()
         .unwrap();
@@ -66,7 +65,7 @@ fn a_short_run_prints_the_documented_json() {
 #[test]
 fn bad_arguments_are_refused() {
     for args in [&["--requests", "0"][..], &["--rate"], &["--colour", "blue"]] {
-        let output = Command::new(example_bin::example_binary("hedging"))
+        let output = Command::new(example_binary("hedging"))
             .args(args)
             .output()
             .unwrap();

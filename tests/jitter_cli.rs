@@ -10,18 +10,17 @@
     clippy::disallowed_methods
 )]
 
-mod example_bin;
-
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use retrysafe_test_support::example::example_binary;
 use serde_json::Value;
 
 const STRATEGIES: [&str; 5] = ["no_backoff", "exponential", "full", "equal", "decorrelated"];
 
 /// The `jitter` example's binary.
 fn binary() -> PathBuf {
-    example_bin::example_binary("jitter")
+    example_binary("jitter")
 }
 
 /// What one run printed.

@@ -1,5 +1,5 @@
-//! The lease race of `crates/retrysafe-tower/tests/lease_race.rs` (every interleaving of
-//! a late holder's operations with a takeover's) against the MemoryStore, the
+//! The lease race of `retrysafe_test_support::lease_race` (every interleaving of a late
+//! holder's operations with a takeover's) against the MemoryStore, the
 //! RedisStore (127.0.0.1:6379) and the PostgresStore (`DATABASE_URL`, default
 //! `postgres://postgres@127.0.0.1:5432/test`) on the real clock, with 2 s leases: each
 //! store passes every check of the engine, and the three agree on the outcome of every
@@ -13,10 +13,6 @@
     reason = "test code: panics are the assertions; std::time::Instant only times the runs"
 )]
 
-/// The engine: every interleaving, its checks and traces.
-#[path = "../crates/retrysafe-tower/tests/lease_race.rs"]
-pub mod lease_race;
-
 use std::time::Duration;
 
 use retrysafe_core::idempotency::Token;
@@ -25,6 +21,7 @@ use retrysafe_core::store::conformance::RealClock;
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx::postgres::PgConnectOptions;
 use retrysafe_redis::RedisStore;
+use retrysafe_test_support::lease_race;
 
 async fn timed<S: IdempotencyStore>(
     name: &str,

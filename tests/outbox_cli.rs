@@ -10,10 +10,9 @@
     clippy::disallowed_methods
 )]
 
-mod example_bin;
-
 use std::process::Command;
 
+use retrysafe_test_support::example::example_binary;
 use serde_json::Value;
 
 const KEYS: [&str; 9] = [
@@ -29,7 +28,7 @@ const KEYS: [&str; 9] = [
 ];
 
 fn run(args: &[&str], env: &[(&str, &str)]) -> (Option<i32>, String, String) {
-    let output = Command::new(example_bin::example_binary("outbox"))
+    let output = Command::new(example_binary("outbox"))
         .args(args)
         .envs(env.iter().copied())
         .output()

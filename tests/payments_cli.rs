@@ -10,14 +10,11 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::time::{Duration, Instant};
 
 use http::{HeaderValue, StatusCode};
+use retrysafe_test_support::payments::{Answer, Api, Server, binary, run_to_exit};
 use serde_json::json;
-use support::{Answer, Api, Server, run_to_exit};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn duplicates_replay_and_bad_input_is_refused() {
@@ -429,7 +426,7 @@ async fn the_memory_store_takes_a_reconciler_and_the_test_hooks() {
 
 #[test]
 fn help_names_the_stores_and_their_environment() {
-    let out = std::process::Command::new(support::binary())
+    let out = std::process::Command::new(binary())
         .arg("--help")
         .output()
         .unwrap();

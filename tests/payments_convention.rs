@@ -13,10 +13,8 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
-use support::{Api, PgSpace, RedisSpace, Server, redis_url};
+use retrysafe_test_support::payments::{Api, PgSpace, RedisSpace, Server};
+use retrysafe_test_support::services::redis_url;
 
 /// One store the example runs on, with the namespace that keeps the test apart.
 enum Store {
@@ -172,7 +170,7 @@ async fn a_failure_before_the_commit_point_leaves_the_key_to_the_retry() {
 
 #[test]
 fn help_lists_the_endpoints_and_the_principal() {
-    let out = std::process::Command::new(support::binary())
+    let out = std::process::Command::new(retrysafe_test_support::payments::binary())
         .arg("--help")
         .output()
         .unwrap();
@@ -198,7 +196,8 @@ fn startup_errors_name_what_and_where() {
         ("postgres://postgres@127.0.0.1:1/test", "postgres"),
         ("redis://127.0.0.1:1", "redis"),
     ] {
-        let (status, stderr) = support::run_to_exit(&["--store", store], &[]);
+        let (status, stderr) =
+            retrysafe_test_support::payments::run_to_exit(&["--store", store], &[]);
         assert_eq!(status.code(), Some(1), "{stderr}");
         assert_eq!(
             stderr.trim_end(),
@@ -213,7 +212,8 @@ fn startup_errors_name_what_and_where() {
             "invalid PostgreSQL URL",
         ),
     ] {
-        let (status, stderr) = support::run_to_exit(&["--store", store], &[]);
+        let (status, stderr) =
+            retrysafe_test_support::payments::run_to_exit(&["--store", store], &[]);
         assert_eq!(status.code(), Some(2), "{stderr}");
         assert!(
             stderr.starts_with(&format!("error: --store: {what}")),

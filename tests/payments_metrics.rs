@@ -9,10 +9,7 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
-use support::{Api, Server};
+use retrysafe_test_support::payments::{Api, Server, binary};
 
 /// A port free on loopback now (bound, read and released).
 fn free_port() -> u16 {
@@ -111,7 +108,7 @@ async fn metrics_count_a_first_request_a_replay_and_a_mismatch_by_name() {
 fn a_metrics_address_that_cannot_be_bound_is_a_runtime_error() {
     let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = taken.local_addr().unwrap().to_string();
-    let out = std::process::Command::new(support::binary())
+    let out = std::process::Command::new(binary())
         .args(["--listen", "127.0.0.1:0", "--metrics-listen", &addr])
         .output()
         .unwrap();

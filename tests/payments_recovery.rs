@@ -28,14 +28,12 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
 use retrysafe_core::idempotency::Token;
-use support::{Answer, Api, PgSpace, RedisSpace, Server};
+use retrysafe_test_support::payments::{Answer, Api, PgSpace, RedisSpace, Server};
+use retrysafe_test_support::services::{database_url, redis_url};
 
 /// How long a key may take to reach its final answer after the crash.
 const PATIENCE: Duration = Duration::from_secs(30);
@@ -122,7 +120,7 @@ fn assert_final(answer: &Answer, point: Point, rolls_back: bool) -> String {
 
 async fn run_redis(point: Point) {
     let space = RedisSpace::new().await;
-    let url = support::redis_url();
+    let url = redis_url();
     let (a, b) = instances(&url, &space.env());
     let (api_a, api_b) = (Api::new(&a), Api::new(&b));
     let key = format!("rec-{}", Token::random().to_hex());
@@ -147,7 +145,7 @@ async fn run_redis(point: Point) {
 
 async fn run_postgres(point: Point, transactional: bool) {
     let space = PgSpace::new().await;
-    let url = support::database_url();
+    let url = database_url();
     let mode = if transactional {
         "transactional"
     } else {
@@ -308,7 +306,7 @@ async fn paused_holder(store: &str, env: &[(&str, &str)], after_commit_point: bo
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_a_paused_holder_makes_no_duplicate_and_loses_nothing() {
     let space = RedisSpace::new().await;
-    let url = support::redis_url();
+    let url = redis_url();
     paused_holder(&url, &space.env(), false).await;
     paused_holder(&url, &space.env(), true).await;
 }
@@ -316,7 +314,7 @@ async fn redis_a_paused_holder_makes_no_duplicate_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_plain_a_paused_holder_makes_no_duplicate_and_loses_nothing() {
     let space = PgSpace::new().await;
-    let url = support::database_url();
+    let url = database_url();
     let mut env = space.env().to_vec();
     env.push(("PAYMENTS_PG_MODE", "plain"));
     paused_holder(&url, &env, false).await;

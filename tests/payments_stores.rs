@@ -18,9 +18,6 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::time::Duration;
 
 use http::StatusCode;
@@ -29,11 +26,12 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_redis::redis::{self, cluster_async::ClusterConnection};
 use retrysafe_redis::test_util::LocalCluster;
-use serde_json::json;
-use support::{
-    Answer, Api, PgSpace, Proxy, RedisSpace, Server, database_url, eventually, host_port,
-    pay_split, record_id, redis_url, with_addr,
+use retrysafe_test_support::eventually;
+use retrysafe_test_support::payments::{
+    Answer, Api, PgSpace, RedisSpace, Server, pay_split, record_id,
 };
+use retrysafe_test_support::services::{database_url, host_port, proxy_to, redis_url, with_addr};
+use serde_json::json;
 
 /// How long a test waits for something that must happen (a lease to expire, a killed
 /// session to end, a store to come back). Generous: the machine is noisy.
@@ -809,7 +807,7 @@ async fn store_unreachable_fails_closed_and_recovers(kind: Kind) {
         // The cluster client learns every node's address from the cluster itself.
         Kind::RedisCluster => panic!("one proxy cannot stand between a cluster and its client"),
     };
-    let proxy = Proxy::start(&host_port(&upstream, default_port)).await;
+    let proxy = proxy_to(&host_port(&upstream, default_port)).await;
     let instance = name("proxied");
     let url = with_addr(&space.url(&instance), proxy.addr);
     let server = Server::start_with(

@@ -2,8 +2,8 @@
 //! proxy and the client stack to two app instances (each an `IdempotencyLayer` over its
 //! own `PostgresStore`) on a private primary with one standby (`pg_basebackup`, on
 //! loopback ports of their own); the primary is stopped at once (`pg_ctl -m
-//! immediate`, as a crash), the standby is promoted, and a TCP forwarder in front of
-//! them sends new connections to it (the load: `tests/failover/mod.rs`).
+//! immediate`, as a crash), the standby is promoted, and the TCP proxy in front of
+//! them sends new connections to it (the load: `retrysafe_test_support::failover`).
 //!
 //! A key with two effects is a claim or completion acknowledged by the primary and
 //! missing on the promoted standby.
@@ -22,53 +22,24 @@
     missing_docs
 )]
 
-mod example_bin;
-mod failover;
-mod fault_proxy;
-mod support;
-
-use std::sync::atomic::{AtomicU16, Ordering};
+use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use failover::{Effects, Front, Load, env_number};
 use retrysafe_core::idempotency::{CommitPoint, Fingerprint, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_postgres::{PostgresStore, SynchronousCommit};
+use retrysafe_test_support::eventually;
+use retrysafe_test_support::failover::{Effects, Front, Load, app, duplicates};
+use retrysafe_test_support::private::PrivatePg;
+use retrysafe_test_support::proxy::FaultProxy;
+use retrysafe_test_support::rng::env_number;
 use retrysafe_tower::idempotency::IdempotencyLayer;
-use support::private::PrivatePg;
-use tokio::net::{TcpListener, TcpStream};
 
-/// A TCP forwarder on 127.0.0.1 whose upstream port can be switched: connections made
-/// after [`switch`](Self::switch) go to the new upstream.
-struct Forwarder {
-    port: u16,
-    upstream: Arc<AtomicU16>,
-}
-
-impl Forwarder {
-    async fn start(upstream: u16) -> Forwarder {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let target = Arc::new(AtomicU16::new(upstream));
-        let upstream = Arc::clone(&target);
-        tokio::spawn(async move {
-            while let Ok((mut client, _)) = listener.accept().await {
-                let port = target.load(Ordering::SeqCst);
-                tokio::spawn(async move {
-                    if let Ok(mut server) = TcpStream::connect(("127.0.0.1", port)).await {
-                        let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                    }
-                });
-            }
-        });
-        Forwarder { port, upstream }
-    }
-
-    fn switch(&self, port: u16) {
-        self.upstream.store(port, Ordering::SeqCst);
-    }
+/// 127.0.0.1:`port`.
+fn loopback(port: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], port))
 }
 
 /// Runs each statement on its own (`ALTER SYSTEM` refuses a transaction block).
@@ -113,7 +84,7 @@ async fn pair(sync: bool) -> (PrivatePg, PrivatePg) {
         "SELECT count(*) FROM pg_stat_replication WHERE state = 'streaming' \
          AND sync_state = '{state}'"
     );
-    support::eventually("the standby to stream", Duration::from_secs(30), || async {
+    eventually("the standby to stream", Duration::from_secs(30), || async {
         (scalar(&primary.url(), &query).await == 1).then_some(())
     })
     .await;
@@ -138,15 +109,18 @@ async fn instance(url: &str, sync: bool, (effects, seed): (&Effects, u64)) -> Fr
         .lease(Duration::from_secs(4))
         .build()
         .unwrap();
-    Front::start(failover::app(layer, effects), seed).await
+    Front::start(app(layer, effects), seed).await
 }
 
 /// One promotion under load: the number of keys with two effects, and the load's
 /// counts as JSON fields.
 async fn promotion(sync: bool, seed: u64) -> (u64, String) {
     let (primary, standby) = pair(sync).await;
-    let forwarder = Forwarder::start(primary.port).await;
-    let url = format!("postgres://postgres@127.0.0.1:{}/postgres", forwarder.port);
+    let forwarder = FaultProxy::tcp(loopback(primary.port)).await.unwrap();
+    let url = format!(
+        "postgres://postgres@127.0.0.1:{}/postgres",
+        forwarder.addr.port()
+    );
     let effects = Effects::default();
     let fronts = [
         instance(&url, sync, (&effects, seed)).await,
@@ -158,11 +132,11 @@ async fn promotion(sync: bool, seed: u64) -> (u64, String) {
     tokio::time::sleep(Duration::from_millis(1500)).await;
     primary.stop_immediate().await;
     standby.promote().await;
-    forwarder.switch(standby.port);
+    forwarder.switch(loopback(standby.port));
     tokio::time::sleep(Duration::from_millis(1500)).await;
     let (tally, _) = load.stop().await;
     assert!(tally.created() > 0, "the load went through");
-    (failover::duplicates(&effects), tally.json_fields())
+    (duplicates(&effects), tally.json_fields())
 }
 
 async fn run(sync: bool, promotions: u64) -> u64 {

@@ -2,7 +2,7 @@
 //! stack to two app instances (each an `IdempotencyLayer` over its own `RedisStore` on
 //! one local cluster of 3 primaries and 3 replicas, [`LocalCluster`]) while a primary
 //! is killed with SIGKILL, its replica is promoted, and the killed node comes back as a
-//! replica, again and again (the load: `tests/failover/mod.rs`).
+//! replica, again and again (the load: `retrysafe_test_support::failover`).
 //!
 //! A key with two effects is a claim or completion acknowledged by a primary that died
 //! before its replica had it. Two runs on the same cluster: without and with
@@ -21,16 +21,14 @@
     missing_docs
 )]
 
-mod failover;
-mod fault_proxy;
-
 use std::time::Duration;
 
-use failover::{Effects, Front, Load, env_number};
 use retrysafe_core::idempotency::Token;
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, cluster_async::ClusterConnection};
 use retrysafe_redis::test_util::LocalCluster;
+use retrysafe_test_support::failover::{Effects, Front, Load, app, duplicates};
+use retrysafe_test_support::rng::env_number;
 use retrysafe_tower::idempotency::IdempotencyLayer;
 
 /// One app instance, served behind its own fault proxy: its own cluster connection,
@@ -60,7 +58,7 @@ async fn instance(
         .lease(Duration::from_secs(4))
         .build()
         .unwrap();
-    Front::start(failover::app(layer, effects), seed).await
+    Front::start(app(layer, effects), seed).await
 }
 
 /// Kills a primary, waits for its replica's promotion, starts it again (it rejoins as
@@ -95,7 +93,7 @@ async fn run(cluster: LocalCluster, replicated: bool, promotions: u64) -> (Local
         .await
         .unwrap();
     let (tally, _) = load.stop().await;
-    let duplicates = failover::duplicates(&effects);
+    let duplicates = duplicates(&effects);
     let total: u64 = effects
         .lock()
         .unwrap()

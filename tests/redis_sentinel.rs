@@ -31,9 +31,6 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -43,7 +40,8 @@ use http::StatusCode;
 use retrysafe_core::idempotency::Token;
 use retrysafe_redis::redis;
 use retrysafe_redis::test_util::LocalSentinel;
-use support::{Answer, Api, Server, env_number, run_to_exit};
+use retrysafe_test_support::payments::{Answer, Api, Server, run_to_exit};
+use retrysafe_test_support::rng::env_number;
 
 /// How long a logical payment keeps trying (409, 503, a lost connection) for a final
 /// answer, and how long an instance may take to answer again after a failover.
@@ -126,7 +124,7 @@ fn sentinel_urls_are_parsed_strictly() {
 }
 
 fn help() -> (std::process::ExitStatus, String) {
-    let out = std::process::Command::new(support::binary())
+    let out = std::process::Command::new(retrysafe_test_support::payments::binary())
         .arg("--help")
         .output()
         .unwrap();

@@ -12,16 +12,15 @@
     clippy::disallowed_methods
 )]
 
-mod example_bin;
-
 use std::path::PathBuf;
 use std::process::Command;
 
+use retrysafe_test_support::example::example_binary;
 use serde_json::Value;
 
 /// The `retry_storm` example's binary.
 fn binary() -> PathBuf {
-    example_bin::example_binary("retry_storm")
+    example_binary("retry_storm")
 }
 
 #[test]

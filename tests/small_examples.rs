@@ -11,15 +11,14 @@
     missing_docs
 )]
 
-mod example_bin;
-
+use retrysafe_test_support::example::example_binary;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Runs example `name` (no arguments) and returns its stdout; fails the test unless it
 /// exits 0 within a minute.
 fn run(name: &str) -> String {
-    let binary = example_bin::example_binary(name);
+    let binary = example_binary(name);
     let mut child = Command::new(binary)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())

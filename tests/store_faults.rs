@@ -39,19 +39,18 @@
     missing_docs
 )]
 
-mod example_bin;
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use http::StatusCode;
-use support::private::{PrivatePg, PrivateRedis};
-use support::{
-    Answer, Api, Final, KeyAudit, Payment, PgSpace, Proxy, RedisSpace, Rng, Server, Tally,
-    database_url, host_port, is_outcome_unknown, redis_url, resolve_all, seed_from_env, with_addr,
+use retrysafe_test_support::payments::audit::{
+    Final, KeyAudit, Payment, Tally, is_outcome_unknown, resolve_all,
 };
+use retrysafe_test_support::payments::{Answer, Api, PgSpace, RedisSpace, Server};
+use retrysafe_test_support::private::{PrivatePg, PrivateRedis};
+use retrysafe_test_support::rng::{SplitMix64, seed_from_env};
+use retrysafe_test_support::services::{database_url, host_port, proxy_to, redis_url, with_addr};
 
 /// How long one key may take to get a definitive answer once the store is back.
 const PATIENCE: Duration = Duration::from_secs(60);
@@ -96,7 +95,7 @@ impl Load {
             .map(|t| {
                 let (api, stop) = (api.clone(), Arc::clone(&stop));
                 let prefix = format!("{prefix}-{t}");
-                let mut rng = Rng::new(seed.wrapping_add(t));
+                let mut rng = SplitMix64::new(seed.wrapping_add(t));
                 tokio::spawn(async move {
                     let mut out = Vec::new();
                     let mut n: i64 = 0;
@@ -366,7 +365,7 @@ where
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_unreachable_under_load_fails_closed_and_recovers() {
     let space = Space::Redis(RedisSpace::new().await);
-    let proxy = Proxy::start(&host_port(&redis_url(), 6379)).await;
+    let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let url = with_addr(&redis_url(), proxy.addr);
     outage_under_load(
         "redis unreachable",
@@ -380,7 +379,7 @@ async fn redis_unreachable_under_load_fails_closed_and_recovers() {
 
 async fn postgres_unreachable(plain: bool) {
     let space = Space::Postgres(PgSpace::new().await, plain);
-    let proxy = Proxy::start(&host_port(&database_url(), 5432)).await;
+    let proxy = proxy_to(&host_port(&database_url(), 5432)).await;
     let url = with_addr(&database_url(), proxy.addr);
     let test = if plain {
         "postgres plain unreachable"

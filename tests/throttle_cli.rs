@@ -10,8 +10,7 @@
     clippy::print_stdout
 )]
 
-mod example_bin;
-
+use retrysafe_test_support::example::example_binary;
 use std::process::Command;
 
 const KEYS: [&str; 8] = [
@@ -27,7 +26,7 @@ const KEYS: [&str; 8] = [
 
 #[test]
 fn a_short_run_prints_the_documented_json() {
-    let output = Command::new(example_bin::example_binary("throttle"))
+    let output = Command::new(example_binary("throttle"))
         .args(["--secs", "4", "--capacity", "100", "--seed", "3"])
         .output()
         .unwrap();
@@ -57,7 +56,7 @@ fn a_short_run_prints_the_documented_json() {
 #[test]
 fn bad_arguments_are_refused() {
     for args in [&["--secs", "0"][..], &["--capacity"], &["--colour", "blue"]] {
-        let output = Command::new(example_bin::example_binary("throttle"))
+        let output = Command::new(example_binary("throttle"))
             .args(args)
             .output()
             .unwrap();

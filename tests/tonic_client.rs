@@ -41,6 +41,7 @@ use retrysafe::{
     CircuitBreakerLayer, ClientLayers, DeadlineLayer, ReplayBody, RetryBudget, RetryBudgetLayer,
     RetryLayer, StandardRetryStrategy,
 };
+use retrysafe_test_support::observe::Recorder;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tonic::body::Body as GrpcBody;
@@ -54,10 +55,8 @@ use tonic_health::pb::health_server::{Health, HealthServer};
 use tonic_health::pb::{HealthCheckRequest, HealthCheckResponse};
 use tower::{Layer, ServiceBuilder};
 
-mod client_forms;
-#[allow(dead_code)]
-mod observe;
-use client_forms::Form;
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::Form;
 use tower::util::{BoxCloneSyncService, MapRequestLayer};
 
 /// The client stack as one cloneable type, for `HealthClient::new`. Its error is a
@@ -629,7 +628,7 @@ async fn the_grpc_stack_counts_attempts_and_retries_under_its_name() {
 
     let script = Script::new([Step::Fail(Code::Unavailable, None)]);
     let addr = serve(&script, None).await;
-    let recorder = observe::Recorder::new();
+    let recorder = Recorder::new();
     let mut client = recorder.build(|| {
         let strategy = StandardRetryStrategy::new()
             .backoff(Backoff::new(

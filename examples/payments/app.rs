@@ -45,7 +45,6 @@
 //! left → 504 `deadline-exceeded` before the handler starts) → `IdempotencyLayer` (or
 //! `TxIdempotencyLayer`) → handlers.
 
-#[path = "ledger.rs"]
 mod ledger;
 
 use std::future::Future;

@@ -6,13 +6,13 @@ use retrysafe_postgres::outbox::OutboxRelay;
 use retrysafe_postgres::outbox::amqp::AmqpPublisher;
 
 use crate::harness::{Broker, Db, amqp_url, eventually};
-use crate::support::Proxy;
+use retrysafe_test_support::services::proxy_to;
 
 #[tokio::test]
 async fn a_cut_broker_connection_is_retried_until_restored() {
     let db = Db::new().await;
     let broker = Broker::new().await;
-    let proxy = Proxy::start("127.0.0.1:5672").await;
+    let proxy = proxy_to("127.0.0.1:5672").await;
     let through_proxy = amqp_url().replace("127.0.0.1:5672", &proxy.addr.to_string());
     let relay = OutboxRelay::new(db.pool.clone())
         .publisher(AmqpPublisher::new(through_proxy).confirm_timeout(Duration::from_millis(500)))

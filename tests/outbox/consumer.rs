@@ -14,6 +14,7 @@ use retrysafe_postgres::outbox::amqp::lapin::{
 };
 use retrysafe_postgres::outbox::{Message, OutboxRelay, Publisher};
 use retrysafe_postgres::sqlx::{self, PgConnection};
+use retrysafe_test_support::services::database_url;
 
 use crate::harness::{
     Broker, Db, amqp_url, client, downstream, eventually, order_service, place_order,
@@ -360,7 +361,7 @@ async fn a_spawned_sweeper_deletes_processed_ids_past_the_retention() {
 #[tokio::test]
 async fn a_sweep_interval_of_zero_is_refused() {
     let pool = retrysafe_postgres::sqlx::postgres::PgPoolOptions::new()
-        .connect_lazy(&crate::support::database_url())
+        .connect_lazy(&database_url())
         .unwrap();
     let error = Consumer::new(pool, "billing")
         .sweep_interval(Duration::ZERO)

@@ -32,9 +32,8 @@ use retrysafe_postgres::outbox::{Message, Outbox};
 use retrysafe_postgres::sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+use retrysafe_test_support::services::{database_url, pg_admin};
 use tower::ServiceExt;
-
-use crate::support;
 
 /// `AMQP_URL`, or the development broker.
 pub fn amqp_url() -> String {
@@ -65,12 +64,12 @@ pub struct Db {
 impl Db {
     pub async fn new() -> Db {
         let schema = unique("outbox_test_");
-        let mut admin = support::pg_admin().await;
+        let mut admin = pg_admin().await;
         sqlx::raw_sql(&format!("CREATE SCHEMA {schema}"))
             .execute(&mut admin)
             .await
             .unwrap();
-        let options = PgConnectOptions::from_str(&support::database_url())
+        let options = PgConnectOptions::from_str(&database_url())
             .unwrap()
             .options([("search_path", schema.as_str())]);
         let pool = PgPoolOptions::new()
@@ -190,7 +189,7 @@ impl Drop for Db {
                 .build()
                 .unwrap();
             rt.block_on(async move {
-                let mut admin = support::pg_admin().await;
+                let mut admin = pg_admin().await;
                 let _ = sqlx::raw_sql(&format!("DROP SCHEMA IF EXISTS {schema} CASCADE"))
                     .execute(&mut admin)
                     .await;
@@ -300,7 +299,7 @@ pub fn client() -> Client<HttpConnector, Full<Bytes>> {
 pub async fn order_service(db: &Db, downstream: SocketAddr, queue: Option<String>) -> Router {
     let store = PostgresStore::options()
         .connect_with(
-            PgConnectOptions::from_str(&support::database_url())
+            PgConnectOptions::from_str(&database_url())
                 .unwrap()
                 .options([("search_path", db.schema.as_str())]),
         )

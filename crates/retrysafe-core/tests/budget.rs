@@ -366,7 +366,7 @@ async fn concurrent_withdrawals_never_overdraw() {
 /// allowance of 20 % of them: the window always has room, so no withdrawal may be
 /// refused. A thread descheduled between reading the deposits and its compare-and-swap
 /// once held the other threads' later withdrawals against its own stale allowance and
-/// refused (found by `benches/growth.rs`, `ratio_retry10`).
+/// refused (found by `benches/growth_shared.rs`, `ratio_retry10`).
 #[tokio::test(start_paused = true)]
 async fn concurrent_withdrawals_within_the_ratio_are_never_refused() {
     let budget = ratio(10, 0, 0.2);

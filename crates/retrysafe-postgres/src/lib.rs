@@ -145,8 +145,6 @@ mod recovery;
 mod replication;
 mod sql;
 mod store;
-#[cfg(feature = "test-util")]
-pub mod test_util;
 pub mod tx;
 
 pub use replication::{ReplicationReport, SynchronousCommit};

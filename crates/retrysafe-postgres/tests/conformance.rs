@@ -8,10 +8,8 @@
     missing_docs
 )]
 
-mod support;
-
 retrysafe_core::store_conformance_tests! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    store = || support::isolated_store(|b| b),
+    store = || retrysafe_test_support::pg_store::isolated_store(|b| b),
     clock = retrysafe_core::store::conformance::RealClock::default(),
 }

@@ -9,10 +9,8 @@
     missing_docs
 )]
 
-mod support;
-
 retrysafe_core::reconcilable_store_tests! {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    store = support::shared_store,
+    store = retrysafe_test_support::pg_store::shared_store,
     clock = retrysafe_core::store::conformance::RealClock::default(),
 }

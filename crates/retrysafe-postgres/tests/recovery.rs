@@ -10,8 +10,6 @@
     missing_docs
 )]
 
-mod support;
-
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -25,7 +23,9 @@ use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_postgres::sqlx;
-use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
+use retrysafe_test_support::pg_store::{
+    Proxy, TestStore, database_url, fresh_schema, isolated_store, isolated_store_with, pg_admin,
+};
 
 const HOUR: Duration = Duration::from_secs(3600);
 
@@ -71,7 +71,7 @@ async fn must_claim(store: &impl IdempotencyStore, id: &RecordId, c: &Claim<'_>)
 async fn request_info_costs_no_round_trip() {
     let proxy = Proxy::start().await;
     let store = isolated_store_with(proxy.connect_options(), |b| b.max_connections(1)).await;
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let request = info("/payments");
     let kept = format!("SELECT request FROM {} WHERE k = $1", store.table());
 
@@ -126,8 +126,8 @@ async fn request_info_costs_no_round_trip() {
 /// the previous release's way (naming only its columns) still work.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_upgrades_an_old_table_in_place() {
-    let schema = support::fresh_schema();
-    let mut conn = admin().await;
+    let schema = fresh_schema();
+    let mut conn = pg_admin().await;
     sqlx::raw_sql(&format!(
         "CREATE SCHEMA {schema};
 CREATE TABLE {schema}.retrysafe_idempotency (
@@ -171,7 +171,7 @@ VALUES ($1, $2, $3, $4, $5, clock_timestamp() + $6 * interval '1 second', 0,
 
     let store = PostgresStore::options()
         .schema(schema.clone())
-        .connect(&support::database_url())
+        .connect(&database_url())
         .await
         .unwrap();
     let store = TestStore { store, schema };
@@ -228,7 +228,7 @@ VALUES ($1, $2, $3, $4, $5, clock_timestamp() + $6 * interval '1 second', 0,
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_creates_the_pending_index() {
     let store = isolated_store(|b| b.table("keys")).await;
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let index: String = sqlx::query_scalar(
         "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'keys_pending_idx'",
     )
@@ -430,7 +430,7 @@ async fn a_record_completed_under_an_adoption_is_not_settled_over() {
         .expect("adoptable");
     // The earlier release's completion checks only state and token.
     let blob = Record::Completed(completed()).encode();
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     sqlx::query(&format!(
         "UPDATE {} SET state = 2, token = NULL, commit_point = NULL, lease_until = NULL,
              record = $2 WHERE k = $1",

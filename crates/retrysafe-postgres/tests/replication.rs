@@ -10,8 +10,6 @@
     missing_docs
 )]
 
-mod support;
-
 use std::fmt::Write as _;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -22,7 +20,9 @@ use retrysafe_core::store::{Claim, IdempotencyStore};
 use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
 use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_postgres::{PostgresStore, SynchronousCommit};
-use support::{TestStore, admin, connect_options, database_url, isolated_store};
+use retrysafe_test_support::pg_store::{
+    TestStore, database_url, isolated_store, pg_admin, pg_options,
+};
 use tracing::field::{Field, Visit};
 use tracing::{Event, Level, Subscriber};
 use tracing_subscriber::layer::{Context, Layer, SubscriberExt as _};
@@ -68,7 +68,7 @@ impl Captured {
 /// The server has no synchronous standby and streams to no standby: what every test
 /// here starts from.
 async fn assert_no_standby() {
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let (names, standbys): (String, i64) = sqlx::query_as(
         "SELECT current_setting('synchronous_standby_names'), \
                 (SELECT count(*) FROM pg_stat_replication)",
@@ -91,7 +91,7 @@ async fn connect_warns_when_a_level_waits_for_a_standby_that_is_not_named() {
     let guard = captured.start();
     let store = PostgresStore::options()
         .synchronous_commit(SynchronousCommit::RemoteApply)
-        .connect_with(connect_options())
+        .connect_with(pg_options())
         .await
         .unwrap();
     drop(guard);
@@ -116,7 +116,7 @@ async fn connect_is_silent_without_standbys_or_a_level_that_waits() {
         if let Some(level) = level {
             options = options.synchronous_commit(level);
         }
-        let store = options.connect_with(connect_options()).await.unwrap();
+        let store = options.connect_with(pg_options()).await.unwrap();
         drop(guard);
         assert_eq!(captured.warnings(), Vec::<String>::new(), "{level:?}");
         drop(store);
@@ -141,7 +141,7 @@ async fn note_levels(store: &TestStore) {
             store.table()
         ),
     ];
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     for statement in statements {
         sqlx::raw_sql(&statement).execute(&mut conn).await.unwrap();
     }
@@ -149,7 +149,7 @@ async fn note_levels(store: &TestStore) {
 
 /// The levels noted since the last call, oldest first.
 async fn levels(store: &TestStore) -> Vec<(String, String)> {
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let s = &store.schema;
     let seen = sqlx::query_as(&format!(
         "DELETE FROM {s}.levels RETURNING level, timeout, n"
@@ -188,7 +188,7 @@ async fn write_one(store: &PostgresStore) {
 async fn one_session() -> PgPool {
     PgPoolOptions::new()
         .max_connections(1)
-        .connect_with(connect_options())
+        .connect_with(pg_options())
         .await
         .unwrap()
 }

@@ -9,8 +9,6 @@
     missing_docs
 )]
 
-mod support;
-
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
@@ -30,8 +28,10 @@ use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
 use retrysafe_postgres::sqlx::{self, PgConnection};
 use retrysafe_postgres::{PostgresStore, PostgresStoreError, PostgresStoreOptions};
+use retrysafe_test_support::pg_store::{
+    Proxy, TestStore, fresh_schema, isolated_store, isolated_store_with, pg_admin,
+};
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
-use support::{Proxy, TestStore, admin, isolated_store, isolated_store_with};
 use tower::ServiceExt;
 
 fn claim(fp: u8, lease: Duration, retention: Duration) -> Claim<'static> {
@@ -299,7 +299,7 @@ async fn sweep_deletes_expired_rows_in_batches() {
         must_claim(&*store, &id, &claim(1, HOUR, HOUR)).await;
         live.push(id);
     }
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     assert_eq!(rows(&mut conn, &store).await, 35);
     // Wait until the short records are past their retention by the database's clock
     // (1 ms; the loop only guards against a stalled machine).
@@ -342,7 +342,7 @@ async fn sweep_keeps_a_recent_release_for_its_resend() {
     let c = claim(1, HOUR, HOUR);
     must_claim(&*store, &id, &c).await;
     store.release(&id, c.token).await.unwrap();
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     assert_eq!(
         rows(&mut conn, &store).await,
         1,
@@ -378,7 +378,7 @@ async fn spawned_sweeper_runs_and_stops() {
     must_claim(&*store, &keep, &claim(1, HOUR, HOUR)).await;
 
     let sweeper = store.spawn_sweeper(Duration::from_millis(20), 2).unwrap();
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
     while rows(&mut conn, &store).await > 1 {
         assert!(
@@ -445,7 +445,7 @@ async fn dropped_sweeper_stops() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn corrupt_rows_are_reported() {
     let store = isolated_store(|b| b).await;
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let table = store.table().to_owned();
     let id = fresh_id();
     let c = claim(1, HOUR, HOUR);
@@ -621,7 +621,7 @@ async fn migrate_is_idempotent() {
     for r in runs {
         r.await.unwrap().unwrap();
     }
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let index: Option<String> = sqlx::query_scalar(
         "SELECT indexdef FROM pg_indexes WHERE schemaname = $1 AND indexname = 'keys_expires_at_idx'",
     )
@@ -636,7 +636,7 @@ async fn migrate_is_idempotent() {
         store.schema
     )));
     // A fresh schema migrated by hand with the documented SQL works the same.
-    let schema = support::fresh_schema();
+    let schema = fresh_schema();
     let by_hand = PostgresStore::options()
         .schema(schema.clone())
         .build(store.pool().clone())
@@ -661,7 +661,7 @@ async fn migrate_is_idempotent() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_use_the_database_clock() {
     let store = isolated_store(|b| b).await;
-    let mut conn = admin().await;
+    let mut conn = pg_admin().await;
     let db_ms = "SELECT floor(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
     let lease = Duration::from_secs(30);
     let before: i64 = sqlx::query_scalar(db_ms)

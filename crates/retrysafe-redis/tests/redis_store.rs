@@ -10,13 +10,10 @@
 
 mod common;
 
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use common::events::Events;
-use common::{ServerLock, fresh_prefix, host_port, manager, manager_to, redis_url, store};
+use common::{ServerLock, fresh_prefix, manager, manager_to, store};
 use redis::aio::ConnectionManager;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{
@@ -26,9 +23,8 @@ use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_redis::test_util::CountingConnection;
 use retrysafe_redis::{EvictionPolicy, RedisStore, RedisStoreError};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::task::AbortHandle;
+use retrysafe_test_support::services::{host_port, proxy_to, redis_url, with_addr};
+use tokio::net::TcpListener;
 
 mod conformance {
     retrysafe_core::store_conformance_tests! {
@@ -514,11 +510,11 @@ async fn a_url_that_does_not_parse_is_invalid_not_unavailable() {
 
 #[tokio::test]
 async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
-    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(500))
-        .build(manager_to(&proxy.url()).await)
+        .build(manager_to(&with_addr(&redis_url(), proxy.addr)).await)
         .await
         .unwrap();
     let id = fresh_id();
@@ -544,93 +540,20 @@ async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
     }
 }
 
-/// A TCP proxy to Redis that can stall: while paused, it holds the bytes it reads
-/// (a server or network that stopped answering), and delivers them when resumed.
-struct StallingProxy {
-    addr: SocketAddr,
-    paused: Arc<AtomicBool>,
-    tasks: Arc<Mutex<Vec<AbortHandle>>>,
-}
-
-impl StallingProxy {
-    async fn start(upstream: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let paused = Arc::new(AtomicBool::new(false));
-        let tasks = Arc::new(Mutex::new(Vec::new()));
-        let flag = Arc::clone(&paused);
-        let pumps = Arc::clone(&tasks);
-        let accept = tokio::spawn(async move {
-            while let Ok((down, _)) = listener.accept().await {
-                let Ok(up) = TcpStream::connect(&upstream).await else {
-                    continue;
-                };
-                let (dr, dw) = down.into_split();
-                let (ur, uw) = up.into_split();
-                let mut pumps = pumps.lock().unwrap();
-                pumps.push(tokio::spawn(pump(dr, uw, Arc::clone(&flag))).abort_handle());
-                pumps.push(tokio::spawn(pump(ur, dw, Arc::clone(&flag))).abort_handle());
-            }
-        });
-        tasks.lock().unwrap().push(accept.abort_handle());
-        StallingProxy {
-            addr,
-            paused,
-            tasks,
-        }
-    }
-
-    /// Closes the listener and every connection.
-    fn shut_down(&self) {
-        for task in self.tasks.lock().unwrap().drain(..) {
-            task.abort();
-        }
-    }
-
-    fn url(&self) -> String {
-        let url = redis_url();
-        url.replacen(&host_port(&url), &self.addr.to_string(), 1)
-    }
-
-    fn pause(&self, paused: bool) {
-        self.paused.store(paused, Ordering::SeqCst);
-    }
-}
-
-async fn pump(
-    mut from: tokio::net::tcp::OwnedReadHalf,
-    mut to: tokio::net::tcp::OwnedWriteHalf,
-    paused: Arc<AtomicBool>,
-) {
-    let mut buf = vec![0u8; 64 * 1024];
-    loop {
-        let n = match from.read(&mut buf).await {
-            Ok(0) | Err(_) => return,
-            Ok(n) => n,
-        };
-        while paused.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        if to.write_all(&buf[..n]).await.is_err() {
-            return;
-        }
-    }
-}
-
 #[tokio::test]
 async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
-    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .call_timeout(Duration::from_millis(300))
-        .build(manager_to(&proxy.url()).await)
+        .build(manager_to(&with_addr(&redis_url(), proxy.addr)).await)
         .await
         .unwrap();
     let id = fresh_id();
     let c = claim_args(1, CommitPoint::Undeclared);
     store.claim(&id, &c).await.unwrap();
 
-    proxy.pause(true);
+    proxy.stall(true);
     let stalled = tokio::time::timeout(Duration::from_secs(20), async {
         [
             kind(&store.get(&id).await),
@@ -647,7 +570,7 @@ async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
     assert_eq!(stalled, [StoreErrorKind::Timeout; 3]);
 
     // The held requests reach Redis late (their replies are discarded); new calls work.
-    proxy.pause(false);
+    proxy.stall(false);
     store
         .complete(&id, c.token, &done(1), RETENTION)
         .await
@@ -795,7 +718,10 @@ async fn check_config_reports_unknown_when_config_is_refused() {
         .query_async(&mut admin)
         .await
         .unwrap();
-    let url = format!("redis://{user}:{password}@{}", host_port(&redis_url()));
+    let url = format!(
+        "redis://{user}:{password}@{}",
+        host_port(&redis_url(), 6379)
+    );
     // By default a policy that cannot be read is refused; skipped, it is the user's.
     let refused = RedisStore::connect(url.as_str()).await;
     let restricted = RedisStore::options()
@@ -846,10 +772,10 @@ async fn check_config_reports_unknown_when_config_is_refused() {
 
 #[tokio::test]
 async fn check_config_on_a_server_gone_is_a_store_error() {
-    let proxy = StallingProxy::start(host_port(&redis_url())).await;
+    let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let store = RedisStore::options()
         .call_timeout(Duration::from_millis(500))
-        .build(manager_to(&proxy.url()).await)
+        .build(manager_to(&with_addr(&redis_url(), proxy.addr)).await)
         .await
         .unwrap();
     proxy.shut_down();

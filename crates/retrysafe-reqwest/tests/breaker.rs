@@ -44,8 +44,9 @@ use retrysafe_reqwest::{CircuitBreakerMiddleware, RetryMiddleware};
 use retrysafe_tower::breaker::KeyedBreakers;
 use tokio::net::TcpListener;
 
-mod support;
-use support::{Form, Stack, both_forms, budget_counts};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::Form;
+use retrysafe_test_support::forms::reqwest::{Stack, budget_counts};
 
 /// What the test server answers, and how many requests reached it.
 #[derive(Default)]

@@ -41,8 +41,8 @@ use retrysafe_reqwest::DeadlineMiddleware;
 use retrysafe_reqwest::error::{find, find_in, is_deadline_exceeded};
 use tokio::net::TcpListener;
 
-mod support;
-use support::{Stack, both_forms, budget_counts};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::reqwest::{Stack, budget_counts};
 
 #[derive(Default)]
 struct Server {

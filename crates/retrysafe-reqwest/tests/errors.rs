@@ -29,8 +29,8 @@ use retrysafe_reqwest::error::{
 };
 use tokio::net::TcpListener;
 
-mod support;
-use support::{Stack, both_forms};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::reqwest::Stack;
 
 fn open() -> CircuitOpen {
     CircuitOpen::new(Duration::from_millis(1500))

@@ -1,9 +1,9 @@
 //! `CircuitBreakerLayer` at the poll level, over `tower-test` mocks on a paused clock.
 //!
 //! The breaker's behaviour runs on both forms of the client stack (`both_forms!`,
-//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
-//! from one description whose retry makes one attempt per call, so the breaker sees each
-//! call once. Single-form, with no stack behaviour to share:
+//! `retrysafe_test_support::forms`): the separate layers stacked by hand and
+//! `ClientLayers`, built from one description whose retry makes one attempt per call,
+//! so the breaker sees each call once. Single-form, with no stack behaviour to share:
 //! - `invalid_configuration_is_refused`: the validation of `BreakerConfig` and
 //!   `KeyedBreakers`;
 //! - `futures_and_bodies_are_send`: the types of the standalone `CircuitBreakerService`.
@@ -36,9 +36,8 @@ use retrysafe_tower::retry::ReplayBody;
 use tower::{Layer, Service, ServiceExt};
 use tower_test::mock::{self, Handle};
 
-#[path = "support/forms.rs"]
-mod forms;
-use forms::{Client, Form, FormLayer};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::{Client, Form, FormLayer};
 
 /// A response body: one data frame, then optional trailers.
 #[derive(Debug, Default)]

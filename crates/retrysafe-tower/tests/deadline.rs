@@ -3,10 +3,10 @@
 //! timing assertions: only orderings).
 //!
 //! A client deadline's behaviour runs on both forms of the client stack (`both_forms!`,
-//! `support/forms.rs`): the separate layers stacked by hand and `ClientLayers`, built
-//! from one description; the transport sees the time left as the timeout header each
-//! attempt carries. Single-form, the API of the standalone layer with no `ClientLayers`
-//! counterpart:
+//! `retrysafe_test_support::forms`): the separate layers stacked by hand and
+//! `ClientLayers`, built from one description; the transport sees the time left as the
+//! timeout header each attempt carries. Single-form, the API of the standalone layer
+//! with no `ClientLayers` counterpart:
 //! - `client_sets_the_deadline_extension` and
 //!   `the_extension_after_waiting_for_readiness_is_the_time_left`: the `Deadline`
 //!   extension the `DeadlineLayer` hands the layers below (the fused stack gives the
@@ -53,9 +53,8 @@ use tokio::net::TcpListener;
 use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 use tower_test::mock;
 
-#[path = "support/forms.rs"]
-mod forms;
-use forms::{Form, FormLayer};
+use retrysafe_test_support::both_forms;
+use retrysafe_test_support::forms::{Form, FormLayer};
 
 type Res = Response<Full<Bytes>>;
 /// A request as the transport below a client stack gets it.
@@ -63,7 +62,9 @@ type Sent = Request<ReplayBody<String>>;
 
 /// The client stack in `form` with a deadline of `timeout` on every call.
 fn stack(form: Form, timeout: Duration) -> FormLayer {
-    forms::Client::new().deadline(timeout).layer(form)
+    retrysafe_test_support::forms::Client::new()
+        .deadline(timeout)
+        .layer(form)
 }
 
 /// A GET through a client stack.

@@ -24,9 +24,7 @@ use retrysafe_memory::MemoryStore;
 use retrysafe_tower::idempotency::IdempotencyLayer;
 use tokio::net::TcpListener;
 
-#[path = "support/bearer.rs"]
-mod bearer;
-use bearer::auth;
+use retrysafe_test_support::bearer::auth;
 
 /// How many times the handler ran, per idempotency key.
 type Runs = Arc<Mutex<HashMap<String, usize>>>;

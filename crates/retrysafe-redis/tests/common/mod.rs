@@ -11,23 +11,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use retrysafe_core::idempotency::Token;
 use retrysafe_redis::RedisStore;
-
-/// `REDIS_URL`, default `redis://127.0.0.1:6379`.
-pub(crate) fn redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_owned())
-}
-
-/// `host:port` of a `redis://[user[:password]@]host:port[/db]` URL.
-pub(crate) fn host_port(url: &str) -> String {
-    let rest = url.split_once("://").map_or(url, |(_, r)| r);
-    let rest = rest.rsplit_once('@').map_or(rest, |(_, r)| r);
-    let hp = rest.split('/').next().unwrap_or(rest);
-    if hp.contains(':') {
-        hp.to_owned()
-    } else {
-        format!("{hp}:6379")
-    }
-}
+pub(crate) use retrysafe_test_support::services::redis_url;
 
 /// A connection manager to `url` without a response timeout of its own (the store's
 /// call timeout decides); fails the test, naming REDIS_URL, when Redis cannot be reached.

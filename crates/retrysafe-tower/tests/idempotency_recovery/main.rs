@@ -28,9 +28,7 @@ use axum::routing::post;
 use bytes::Bytes;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Problem, ProblemKind};
 
-#[path = "../support/bearer.rs"]
-mod bearer;
-use bearer::auth;
+use retrysafe_test_support::bearer::auth;
 
 /// `handler` behind `layer` and the authentication, on `POST /pay`.
 fn app<H, T>(layer: IdempotencyLayer, handler: H) -> Router
