@@ -90,7 +90,7 @@
 //!   name, which then leads to the new primary.
 //! - **Replication**: asynchronous, so a failover can lose the last acknowledged
 //!   writes, a claim or a completion among them, and a copy of the request may then run
-//!   again. [`RedisStore::replicated_writes`] waits for replicas (`WAIT`) on each
+//!   again. [`RedisStoreOptions::replicated_writes`] waits for replicas (`WAIT`) on each
 //!   claim, commit point and completion: it reduces that loss, it does not remove it.
 //!   Keep your own effect on the record's node ([`slots`]) and a failover loses both
 //!   or neither.

@@ -144,7 +144,7 @@ pub struct RedisStore<C = ConnectionManager> {
     replication: Option<Replication>,
 }
 
-/// The setting of [`RedisStore::replicated_writes`].
+/// The setting of [`RedisStoreOptions::replicated_writes`].
 #[derive(Debug, Clone, Copy)]
 struct Replication {
     replicas: u32,
