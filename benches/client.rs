@@ -31,6 +31,12 @@
 //! - `tower_resilience_retry`: tower-resilience 0.13's `RetryLayer`, `max_attempts(3)`,
 //!   `fixed_backoff(ZERO)`, `retry_on_response(status == 503)`, no budget (it clones the
 //!   request for every attempt and boxes its future);
+//! - `seatbelt_retry`: seatbelt 0.11's `Retry` alone (Microsoft's resilience crate),
+//!   `max_retry_attempts(2)`, `base_delay(ZERO)`, a retry on a 5xx, the request head
+//!   copied for a retry, no budget (one boxed future per call);
+//! - `seatbelt`: seatbelt's `Retry` (as above) over its `Breaker` (its defaults), the
+//!   closest it comes to the stack; no budget, no deadline (see
+//!   `retrysafe_test_support::bench::seatbelt`);
 //! - `floor`: not a product, a yardstick — the least per-call work required of
 //!   the four layers on the success path, written as one hand-made service with no
 //!   layering: one clock read for the deadline, a copy of the request head kept for a
@@ -96,6 +102,7 @@ use retrysafe_test_support::bench::floor::{
     Floor, FloorFlat, FloorFlatFeatures, FloorSeparate, floor_required,
 };
 use retrysafe_test_support::bench::recorder;
+use retrysafe_test_support::bench::seatbelt;
 use retrysafe_test_support::bench::tower_policy::TowerPolicy;
 
 type Req = Request<Empty<Bytes>>;
@@ -199,7 +206,7 @@ fn strategy(budget: Option<RetryBudget>) -> StandardRetryStrategy {
     }
 }
 
-const NAMES: [&str; 16] = [
+const NAMES: [&str; 18] = [
     "bare",
     "deadline",
     "retrysafe",
@@ -210,6 +217,8 @@ const NAMES: [&str; 16] = [
     "client_layers",
     "tower_retry_tps",
     "tower_resilience_retry",
+    "seatbelt_retry",
+    "seatbelt",
     "floor",
     "floor_header",
     "floor_separate",
@@ -287,6 +296,18 @@ fn case(name: &str) -> Option<Runner> {
                 .retry_on_response(|r: &Res| r.status() == StatusCode::SERVICE_UNAVAILABLE)
                 .build()
                 .layer(inner(fail)),
+            fail,
+        ),
+        "seatbelt_retry" => runner(
+            seatbelt::retry(Duration::ZERO)
+                .layer(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),
+            fail,
+        ),
+        "seatbelt" => runner(
+            tower::ServiceBuilder::new()
+                .layer(seatbelt::retry(Duration::ZERO))
+                .layer(seatbelt::breaker())
+                .service(inner::<Empty<Bytes>>(fail).map_err(BoxError::from)),
             fail,
         ),
         "floor" => runner(Floor::new(inner(fail), true), fail),

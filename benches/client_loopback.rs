@@ -20,6 +20,19 @@
 //! tower's `Retry` deposits into a `TpsBudget` per success, 2 retries; reqwest-retry's
 //! `ExponentialBackoff` with 2 retries. No request fails, so only overhead is measured.
 //!
+//! The peers over the same hyper client, each as close to `ClientLayers` as it comes:
+//! - `hyper_tower_retry_tps`: tower's `Retry` with its documented `TpsBudget` pattern
+//!   (`retrysafe_test_support::bench::tower_policy`): a budget, no breaker, no deadline;
+//! - `hyper_tower_resilience`: tower-resilience 0.13's `RetryLayer` (3 attempts, a retry
+//!   on a 5xx, no backoff) over its `CircuitBreakerLayer` (its defaults); no budget, no
+//!   deadline; it clones the whole request for every attempt and boxes both futures;
+//! - `hyper_failsafe`: failsafe 1's breaker (its defaults) and nothing else: it has no
+//!   retry; a 5xx answer counts as a success, only a transport error as a failure;
+//! - `hyper_seatbelt`: seatbelt 0.11's `Retry` (3 attempts, a retry on a 5xx, its default
+//!   backoff: exponential from 10 ms, with jitter) over its `Breaker` (its defaults):
+//!   no budget, no deadline (see
+//!   `retrysafe_test_support::bench::seatbelt`).
+//!
 //! Yardsticks (not products): `hyper_floor` is the hyper client under the `floor` of
 //! `retrysafe_test_support::bench::floor` with its deadline timer — the least
 //! per-request work the whole stack must do, hand-written in one service; `reqwest_noop3` is
@@ -35,6 +48,14 @@
 //! bottleneck.
 //!
 //! `cargo bench --bench client_loopback` (env: `ROUNDS`, `REQUESTS`, `CONNS`).
+//!
+//! The client's CPU per request comes from its threads' run time in
+//! `/proc/self/task/*/schedstat` (nanoseconds; `/proc/self/stat`'s 10 ms ticks where
+//! that is missing). After each group's table, a second one gives the same figures in
+//! user terms — client CPU per request, CPU over the group's bare client and
+//! throughput ÷ bare, each the median and quartiles of the rounds' own figures — and
+//! the round-by-round CPU difference of `ClientLayers` less tower's `Retry` +
+//! `TpsBudget`, and of `ClientMiddlewares` less reqwest-retry.
 //!
 //! Instructions per request of the client process (callgrind does not follow the server
 //! child): `CLIENT_LOOPBACK_BENCH_CASE=name CLIENT_LOOPBACK_BENCH_CALLS=n` runs a fixed
@@ -56,6 +77,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -67,11 +89,13 @@ use retrysafe::{
 use retrysafe_reqwest::{
     CircuitBreakerMiddleware, ClientMiddlewares, DeadlineMiddleware, RetryMiddleware,
 };
+use retrysafe_test_support::bench::failsafe_service::Failsafe;
 use retrysafe_test_support::bench::floor::Floor;
+use retrysafe_test_support::bench::seatbelt;
 use retrysafe_test_support::bench::tower_policy::TowerPolicy;
 use tokio::time::Instant;
 use tower::util::BoxCloneService;
-use tower::{Service, ServiceBuilder, ServiceExt};
+use tower::{Layer, Service, ServiceBuilder, ServiceExt};
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Req = Request<Empty<Bytes>>;
@@ -241,6 +265,37 @@ fn hyper_case(name: &str, conns: usize) -> HyperSvc {
                 .service(hyper_client::<Empty<Bytes>>(conns).map_err(BoxError::from))
                 .and_then(collect),
         ),
+        "hyper_tower_resilience" => {
+            let breaker = tower_resilience::circuitbreaker::CircuitBreakerLayer::builder()
+                .build()
+                .unwrap();
+            let retry =
+                tower_resilience::retry::RetryLayer::<Req, Response<Incoming>, BoxError>::builder()
+                    .max_attempts(3)
+                    .fixed_backoff(Duration::ZERO)
+                    .retry_on_response(|r: &Response<Incoming>| r.status().is_server_error())
+                    .build();
+            BoxCloneService::new(
+                retry
+                    .layer(breaker.layer(hyper_client(conns)).map_err(BoxError::from))
+                    .and_then(collect),
+            )
+        }
+        "hyper_failsafe" => BoxCloneService::new(
+            Failsafe {
+                inner: hyper_client(conns),
+                breaker: failsafe::Config::new().build(),
+            }
+            .map_err(BoxError::from)
+            .and_then(collect),
+        ),
+        "hyper_seatbelt" => BoxCloneService::new(
+            ServiceBuilder::new()
+                .layer(seatbelt::retry(Duration::from_millis(10)))
+                .layer(seatbelt::breaker())
+                .service(hyper_client::<Empty<Bytes>>(conns).map_err(BoxError::from))
+                .and_then(collect),
+        ),
         _ => panic!("unknown case {name}"),
     }
 }
@@ -365,6 +420,9 @@ const GROUPS: [(&str, &[&str]); 2] = [
             "hyper_retrysafe_full",
             "hyper_client_layers",
             "hyper_tower_retry_tps",
+            "hyper_tower_resilience",
+            "hyper_failsafe",
+            "hyper_seatbelt",
             "hyper_floor",
         ],
     ),
@@ -473,6 +531,7 @@ fn main() {
                         median(&mut cpu[i].clone())
                     );
                 }
+                user_terms(&cases, &rps, &cpu);
             }
         }
     });
@@ -480,9 +539,85 @@ fn main() {
     let _ = child.wait();
 }
 
-/// This process's CPU time so far (user + system, from `/proc/self/stat`), in seconds;
-/// 0 where there is no procfs.
+/// Quartiles (q1, median, q3) of `v`.
+fn quartiles(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let pos = q * (s.len() - 1) as f64;
+        let (lo, hi) = (pos.floor() as usize, pos.ceil() as usize);
+        s[lo] + (s[hi] - s[lo]) * (pos - lo as f64)
+    };
+    (at(0.25), at(0.5), at(0.75))
+}
+
+fn iqr(v: &[f64], digits: usize) -> String {
+    let (q1, m, q3) = quartiles(v);
+    format!("{m:.digits$} ({q1:.digits$}–{q3:.digits$})")
+}
+
+/// The pairs of the client-CPU targets: (retrysafe's case, the peer it is held to).
+const TARGETS: [(&str, &str); 2] = [
+    ("hyper_client_layers", "hyper_tower_retry_tps"),
+    ("reqwest_client_middlewares", "reqwest_retry"),
+];
+
+/// The group's figures in user terms, against its first case (bare hyper, bare
+/// reqwest): client CPU per request, CPU over bare and throughput ÷ bare, each the
+/// median (quartiles) of the rounds' own figures; then each target pair's CPU
+/// difference, round by round.
+fn user_terms<C>(cases: &[(&str, C)], rps: &[Vec<f64>], cpu: &[Vec<f64>]) {
+    let bare = cases[0].0;
+    println!("\n| case | client CPU µs/request | over {bare}, µs/request | throughput ÷ {bare} |");
+    println!("|---|---|---|---|");
+    for (i, (name, _)) in cases.iter().enumerate() {
+        let over: Vec<f64> = cpu[i].iter().zip(&cpu[0]).map(|(c, b)| c - b).collect();
+        let ratio: Vec<f64> = rps[i].iter().zip(&rps[0]).map(|(c, b)| c / b).collect();
+        println!(
+            "| {name} | {} | {} | {} |",
+            iqr(&cpu[i], 2),
+            iqr(&over, 2),
+            iqr(&ratio, 3)
+        );
+    }
+    for (mine, peer) in TARGETS {
+        let index = |n: &str| cases.iter().position(|(c, _)| *c == n);
+        if let (Some(m), Some(p)) = (index(mine), index(peer)) {
+            let diff: Vec<f64> = cpu[m].iter().zip(&cpu[p]).map(|(a, b)| a - b).collect();
+            println!(
+                "\nclient CPU of {mine} less {peer}, round by round: {} µs/request (target ≤ +1.5)",
+                iqr(&diff, 2)
+            );
+        }
+    }
+}
+
+/// This process's CPU time so far, in seconds: the sum of its threads' run time from
+/// `/proc/self/task/*/schedstat` (nanoseconds), else user + system from
+/// `/proc/self/stat` (10 ms ticks); 0 where there is no procfs.
 fn cpu_seconds() -> f64 {
+    if let Ok(tasks) = std::fs::read_dir("/proc/self/task") {
+        let mut ns = 0u64;
+        let mut read = false;
+        for task in tasks.flatten() {
+            let path = task.path().join("schedstat");
+            if let Some(run) = std::fs::read_to_string(path)
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+            {
+                ns += run;
+                read = true;
+            }
+        }
+        if read {
+            return ns as f64 / 1e9;
+        }
+    }
+    stat_cpu_seconds()
+}
+
+/// User + system time from `/proc/self/stat`, in seconds; 0 where there is no procfs.
+fn stat_cpu_seconds() -> f64 {
     let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
         return 0.0;
     };

@@ -33,8 +33,10 @@
 //! / N is the cost of one request through client, loopback and server (see
 //! `scripts/bench-idempotency-loopback`).
 //!
-//! `IDEM_LOOPBACK_SERVE=routes` serves one server with both routes of the same handler,
-//! `/bare` and `/guarded`, for an outside load generator: `wrk`, driven by
+//! `IDEM_LOOPBACK_SERVE=routes` serves one server with routes of the same handler,
+//! `/bare`, `/guarded`, `/hand` (the guard a user would write with
+//! `axum::middleware::from_fn`), `/axum_idempotent` (that crate with its moka session
+//! store) and the floor's, for an outside load generator: `wrk`, driven by
 //! `scripts/bench-idempotency-capacity`, which measures the server's CPU time per
 //! request. `IDEM_LOOPBACK_STORE_MIB` sets the guarded store's byte budget in every
 //! mode (with `IDEM_LOOPBACK_STORE_MIB=1`, `first` under callgrind runs with the store
@@ -59,6 +61,7 @@ use std::error::Error;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
@@ -68,17 +71,22 @@ use axum::http::header::{CONTENT_TYPE, HOST, HeaderName};
 use axum::http::{Request, StatusCode};
 use axum::routing::{MethodRouter, post};
 use axum::serve::ListenerExt;
+use axum_idempotent::{IdempotentLayer, IdempotentOptions};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use retrysafe::idempotency::{IdempotencyLayer, MemoryStore, Principal};
+use retrysafe_test_support::bench::hand_guard::{HandStore, hand_guard};
 use retrysafe_test_support::bench::http1::{Sender, open_http};
 use retrysafe_test_support::bench::idem_floor;
 use retrysafe_test_support::bench::load::*;
 use retrysafe_test_support::bench::recorder;
+use ruts::store::moka::MokaStore;
+use ruts::{CookieOptions, SessionLayer};
 use tokio::net::TcpListener;
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tower::util::MapRequestLayer;
+use tower_cookies::CookieManagerLayer;
 
 type BoxError = Box<dyn Error + Send + Sync>;
 type Res<T> = Result<T, BoxError>;
@@ -210,8 +218,9 @@ fn store() -> Res<MemoryStore> {
     })
 }
 
-/// One server with both routes of the same handler: `/bare` and `/guarded` (the
-/// latter behind `IdempotencyLayer::new(MemoryStore::new())`), both behind the
+/// One server with routes of the same handler: `/bare`, `/guarded` (behind
+/// `IdempotencyLayer::new(MemoryStore::new())`), `/hand` (behind the hand-written guard),
+/// `/axum_idempotent` (behind axum-idempotent) and the floor's, all behind the
 /// authentication layer. For an outside load generator
 /// (`scripts/bench-idempotency-capacity`): prints the address and the server's pid,
 /// then runs until stdin closes.
@@ -221,6 +230,8 @@ fn serve_routes(workers: usize) -> Res<()> {
         let routes = Router::new()
             .route("/bare", handler())
             .route("/guarded", handler().layer(IdempotencyLayer::new(store()?)))
+            .route("/hand", hand_route())
+            .route("/axum_idempotent", axum_idempotent_route())
             .route("/floor", floor_route(false)?)
             .route("/floor_store", floor_route(true)?);
         serve(authenticated(routes)).await
@@ -561,4 +572,39 @@ fn floor_route(store: bool) -> Res<MethodRouter> {
         idem_floor::FloorLayer::new(store_mib()? * 1024 * 1024)
     };
     Ok(handler().layer(layer))
+}
+
+/// The handler behind the guard a user would write with `axum::middleware::from_fn`
+/// (`retrysafe_test_support::bench::hand_guard`).
+fn hand_route() -> MethodRouter {
+    handler().layer(axum::middleware::from_fn_with_state(
+        HandStore::default(),
+        hand_guard,
+    ))
+}
+
+/// The handler behind axum-idempotent 0.6 set up as its README shows: `IdempotentLayer`
+/// in direct-key mode on `Idempotency-Key` (required), responses kept 5 minutes, inside
+/// ruts' `SessionLayer` over a `MokaStore` (its defaults: 10,000 sessions) and
+/// tower-cookies' `CookieManagerLayer`; its replay header renamed to the one the load
+/// generator checks.
+///
+/// What it does and does not do, by its README and source: best effort — two
+/// concurrent copies both run the handler, a request without a session cookie is not
+/// guarded; the key is not checked against the request (no 422 for another body); the
+/// response (head and body) is serialized into the caller's session, so a key is
+/// scoped by session, and every store sweeps that session's expired responses.
+fn axum_idempotent_route() -> MethodRouter {
+    let options = IdempotentOptions::default()
+        .use_idempotency_key_header(Some("Idempotency-Key"), true)
+        .expire_after(60 * 5)
+        .replay_header_name("idempotent-replayed");
+    let sessions = SessionLayer::new(Arc::new(MokaStore::builder().build()))
+        .with_cookie_options(CookieOptions::build().name("session"));
+    handler().layer(
+        tower::ServiceBuilder::new()
+            .layer(CookieManagerLayer::new())
+            .layer(sessions)
+            .layer(IdempotentLayer::<MokaStore>::new(options)),
+    )
 }

@@ -1,11 +1,14 @@
 -- wrk script of scripts/bench-idempotency-capacity: POSTs a 64-byte JSON body with an
 -- Idempotency-Key and checks every answer.
 --
--- Arguments (after `--`): MODE PATH NONCE
+-- Arguments (after `--`): MODE PATH NONCE THREADS [PER_SESSION]
 --   first   a new key per request ("f-NONCE-THREAD-N")
 --   replay  keys cycling over 1,000 records ("r-NONCE-I", I = 0..999; the threads
 --           share the cycle), each answer must be a replay
 --   prefill the same keys as replay, replayed or not (completes the 1,000 records)
+-- PER_SESSION (for axum-idempotent, which guards only requests of a session and keeps
+-- their responses in it): a session cookie per PER_SESSION consecutive keys, as many
+-- clients each sending a few requests; the same key always carries the same session.
 -- Every answer must be 201; `first` on /guarded must not be a replay. done() prints
 -- one line: "check requests=N bad=M" (M answers that were not as due).
 
@@ -19,6 +22,12 @@ end
 function init(args)
   mode, path, nonce = args[1], args[2], args[3]
   nthreads = tonumber(args[4] or "1")
+  per_session = tonumber(args[5] or "0")
+  -- The nonce as digits, so that a run's session ids are its own.
+  run_id = 0
+  for i = 1, #nonce do
+    run_id = (run_id * 31 + nonce:byte(i)) % 100000000
+  end
   n, bad, seen = 0, 0, 0
   wrk.method = "POST"
   wrk.path = path
@@ -35,6 +44,16 @@ function request()
     key = "r-" .. nonce .. "-" .. ((n * nthreads + tid) % 1000)
   end
   wrk.headers["Idempotency-Key"] = key
+  if per_session > 0 then
+    -- A ruts session id: 22 characters of base64url (128 bits, the last 4 zero).
+    local session
+    if mode == "first" then
+      session = tid * 1000000000 + math.floor(n / per_session)
+    else
+      session = math.floor(((n * nthreads + tid) % 1000) / per_session)
+    end
+    wrk.headers["Cookie"] = string.format("session=%08d%013dA", run_id, session)
+  end
   return wrk.format()
 end
 
