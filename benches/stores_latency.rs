@@ -5,9 +5,10 @@
 //! An open-loop driver offers `LATENCY_RATE` requests per second (default 500) for
 //! `LATENCY_SECS` (10) to each case: a schedule of send times `i / rate` apart, taken
 //! by `LATENCY_CONNS` (16) hyper HTTP/1.1 keep-alive connections, each sending the next
-//! due request as soon as it is free. A request's latency runs from its scheduled time
-//! to its answer read whole, so a stall also delays the requests queued behind it (no
-//! coordinated omission). Every request is a first one (a new `Idempotency-Key`: claim,
+//! due request as soon as it is free. A request's latency runs from the moment the
+//! driver issues it (not its scheduled time: the timer wakes up to a millisecond late)
+//! to its answer read whole, so a stall also delays the requests queued behind it for
+//! a free connection. Every request is a first one (a new `Idempotency-Key`: claim,
 //! handler, complete), and every answer is checked (201, the handler's body, not a
 //! replay); a run with a wrong answer is reported and left out.
 //!
@@ -164,11 +165,11 @@ async fn offer(op: &Op, offered: &Offered, secs: Duration, keys: &Arc<AtomicU64>
         workers.spawn(async move {
             let (mut micros, mut errors) = (Vec::new(), Vec::new());
             loop {
-                let Some(due) = rx.lock().await.recv().await else {
+                let Some(issued) = rx.lock().await.recv().await else {
                     break;
                 };
                 match op.call(&mut conn, &keys).await {
-                    Ok(()) => micros.push(due.elapsed().as_micros() as u64),
+                    Ok(()) => micros.push(issued.elapsed().as_micros() as u64),
                     Err(e) => errors.push(e),
                 }
             }
@@ -178,8 +179,10 @@ async fn offer(op: &Op, offered: &Offered, secs: Duration, keys: &Arc<AtomicU64>
     let mut ticks = tokio::time::interval(Duration::from_secs_f64(1.0 / offered.rate as f64));
     ticks.set_missed_tick_behavior(MissedTickBehavior::Burst);
     for _ in 0..total {
-        let due = ticks.tick().await;
-        tx.send(due).await.map_err(|_| "the workers stopped")?;
+        ticks.tick().await;
+        tx.send(Instant::now())
+            .await
+            .map_err(|_| "the workers stopped")?;
     }
     drop(tx);
     let mut run = Run {

@@ -114,3 +114,101 @@ pub async fn hand_guard(State(store): State<HandStore>, req: Request, next: Next
     }
     Response::from_parts(parts, Body::from(body))
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use axum::Router;
+    use axum::routing::post;
+    use tokio::sync::Notify;
+    use tower::ServiceExt;
+
+    use super::*;
+
+    fn post_with(key: &str, body: &'static str) -> Request {
+        Request::post("/pay")
+            .header("idempotency-key", key)
+            .header(CONTENT_TYPE, "application/json")
+            .body(Body::from(body))
+            .unwrap()
+    }
+
+    async fn read(res: Response) -> (StatusCode, bool, Bytes) {
+        let replayed = res.headers().contains_key("idempotent-replayed");
+        let status = res.status();
+        (
+            status,
+            replayed,
+            to_bytes(res.into_body(), MAX_BODY).await.unwrap(),
+        )
+    }
+
+    #[tokio::test]
+    async fn runs_once_replays_and_refuses_another_request_on_the_key() {
+        let runs = Arc::new(AtomicUsize::new(0));
+        let counted = Arc::clone(&runs);
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(move || async move {
+                    let n = counted.fetch_add(1, Ordering::SeqCst);
+                    (StatusCode::CREATED, format!("payment {n}"))
+                }),
+            )
+            .layer(axum::middleware::from_fn_with_state(
+                HandStore::default(),
+                hand_guard,
+            ));
+        let first = read(app.clone().oneshot(post_with("k", "{}")).await.unwrap()).await;
+        assert_eq!(
+            first,
+            (StatusCode::CREATED, false, Bytes::from("payment 0"))
+        );
+        let again = read(app.clone().oneshot(post_with("k", "{}")).await.unwrap()).await;
+        assert_eq!(again, (StatusCode::CREATED, true, Bytes::from("payment 0")));
+        let other = read(
+            app.clone()
+                .oneshot(post_with("k", "{\"a\":1}"))
+                .await
+                .unwrap(),
+        )
+        .await;
+        assert_eq!(other.0, StatusCode::UNPROCESSABLE_ENTITY);
+        assert_eq!(runs.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn a_concurrent_copy_gets_409_and_a_5xx_frees_the_key() {
+        let entered = Arc::new(Notify::new());
+        let release = Arc::new(Notify::new());
+        let (e, r) = (Arc::clone(&entered), Arc::clone(&release));
+        let app = Router::new()
+            .route(
+                "/pay",
+                post(move || async move {
+                    e.notify_one();
+                    r.notified().await;
+                    StatusCode::SERVICE_UNAVAILABLE
+                }),
+            )
+            .layer(axum::middleware::from_fn_with_state(
+                HandStore::default(),
+                hand_guard,
+            ));
+        let running = tokio::spawn(app.clone().oneshot(post_with("k", "{}")));
+        entered.notified().await;
+        let copy = read(app.clone().oneshot(post_with("k", "{}")).await.unwrap()).await;
+        assert_eq!(copy.0, StatusCode::CONFLICT);
+        release.notify_one();
+        let done = read(running.await.unwrap().unwrap()).await;
+        assert_eq!(done.0, StatusCode::SERVICE_UNAVAILABLE);
+        let retried = tokio::spawn(app.oneshot(post_with("k", "{}")));
+        entered.notified().await;
+        release.notify_one();
+        assert_eq!(
+            read(retried.await.unwrap().unwrap()).await.0,
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+}
