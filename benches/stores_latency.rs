@@ -13,7 +13,8 @@
 //! replay); a run with a wrong answer is reported and left out.
 //!
 //! Cases, each an axum app of `retrysafe_test_support::bench::stores` served in this
-//! process: `bare` (the same handler unguarded), `memory`, `redis`, `postgres` (an
+//! process (a tokio runtime of 2 workers, shared with the driver): `bare` (the same
+//! handler unguarded), `memory`, `redis`, `postgres` (an
 //! `IdempotencyLayer` over each store) and `postgres-tx` (the transactional layer);
 //! and the stores' own round trip at the same rate: Redis `PING` on a connection of
 //! the redis case's type, PostgreSQL `SELECT 1` on the postgres case's pool. Each of
@@ -45,20 +46,38 @@ use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::ConnectionManager;
 use retrysafe_test_support::bench::http1::open_http;
 use retrysafe_test_support::bench::load::loadavg;
-use retrysafe_test_support::bench::stores::{self, *};
+use retrysafe_test_support::bench::stores::*;
 use tokio::sync::{Mutex, mpsc};
 use tokio::task::JoinSet;
 use tokio::time::{Instant, MissedTickBehavior};
 
+/// Like `stores::run`, whose settings this bench does not use: on 2 runtime workers,
+/// the environment described first and removed last.
 fn main() -> Res<()> {
-    stores::run(
-        "latency at a fixed offered rate (`benches/stores_latency.rs`)",
-        async |_, env| {
-            let settings = Offered::from_env()?;
-            let servers = Servers::start(env).await?;
-            rounds(&settings, &servers, env).await
-        },
-    )
+    let offered = Offered::from_env()?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    runtime.block_on(async {
+        let env = Env::setup().await?;
+        println!(
+            "# Store benchmarks: latency at a fixed offered rate (`benches/stores_latency.rs`)\n"
+        );
+        let result = match env.describe().await {
+            Ok(described) => {
+                println!("{described}\n");
+                match Servers::start(&env).await {
+                    Ok(servers) => rounds(&offered, &servers, &env).await,
+                    Err(e) => Err(e),
+                }
+            }
+            Err(e) => Err(e),
+        };
+        println!("\nload average at the end: {}", loadavg());
+        env.cleanup().await;
+        result
+    })
 }
 
 struct Offered {
