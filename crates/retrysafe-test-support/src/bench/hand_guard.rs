@@ -42,7 +42,7 @@ pub struct HandStore {
 
 impl HandStore {
     fn shard(&self, key: &str) -> std::sync::MutexGuard<'_, HashMap<String, Entry>> {
-        let i = self.hasher.hash_one(key) as usize % SHARDS;
+        let i = usize::from(self.hasher.hash_one(key).to_le_bytes()[0]) % SHARDS;
         self.shards[i].lock().unwrap_or_else(|e| e.into_inner())
     }
 }
