@@ -67,6 +67,7 @@
     clippy::panic,
     clippy::print_stdout,
     clippy::indexing_slicing,
+    clippy::cast_possible_truncation,
     missing_docs
 )]
 
