@@ -25,7 +25,8 @@
 //! per-case medians and quartiles of the rounds' throughputs and of the per-round ratios
 //! to `bare`, with the load average and the CPU share other processes used.
 //!
-//! `IDEM_LOOPBACK_CALLGRIND=bare|first|replay` (or the floor's `floor`, `floor_replay`,
+//! `IDEM_LOOPBACK_CALLGRIND=bare|first|replay` (or the hand guard's `hand`,
+//! `hand_replay`, or the floor's `floor`, `floor_replay`,
 //! `store`, `store_replay`: see `retrysafe_test_support::bench::idem_floor`) with
 //! `IDEM_LOOPBACK_CALLS=N` instead runs one process (server runtime as above, the
 //! client on the main thread) sending N requests on one connection after one warm-up
@@ -529,15 +530,20 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
     // The floor's cases (`floor`, `floor_replay`, `store`, `store_replay`) run the
     // `first` and `replay` requests against a server guarded by the floor instead.
     let (floor, case) = match case {
-        "floor" => (Some(false), Case::First),
-        "floor_replay" => (Some(false), Case::Replay),
-        "store" => (Some(true), Case::First),
-        "store_replay" => (Some(true), Case::Replay),
+        "floor" => (Some(Some(false)), Case::First),
+        "floor_replay" => (Some(Some(false)), Case::Replay),
+        "store" => (Some(Some(true)), Case::First),
+        "store_replay" => (Some(Some(true)), Case::Replay),
+        "hand" => (Some(None), Case::First),
+        "hand_replay" => (Some(None), Case::Replay),
         other => (None, Case::parse(other)?),
     };
     let server = server_runtime(workers)?;
     let addr = match floor {
-        Some(store) => server.block_on(async { serve(floor_router(store)?).await })?,
+        Some(Some(store)) => server.block_on(async { serve(floor_router(store)?).await })?,
+        Some(None) => server.block_on(async {
+            serve(authenticated(Router::new().route("/payments", hand_route()))).await
+        })?,
         None => {
             let (bare, guarded) = start_servers(&server)?;
             if case == Case::Bare { bare } else { guarded }
