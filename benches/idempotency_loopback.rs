@@ -542,7 +542,10 @@ fn callgrind(case: &str, calls: usize, workers: usize) -> Res<()> {
     let addr = match floor {
         Some(Some(store)) => server.block_on(async { serve(floor_router(store)?).await })?,
         Some(None) => server.block_on(async {
-            serve(authenticated(Router::new().route("/payments", hand_route()))).await
+            serve(authenticated(
+                Router::new().route("/payments", hand_route()),
+            ))
+            .await
         })?,
         None => {
             let (bare, guarded) = start_servers(&server)?;
