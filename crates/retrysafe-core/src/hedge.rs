@@ -12,7 +12,7 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
+//! use retrysafe::hedge::{HedgeDelay, LatencyTracker};
 //!
 //! let tracker = LatencyTracker::new(0.9, Duration::from_secs(30));
 //! let delay = HedgeDelay::Percentile(tracker.clone());

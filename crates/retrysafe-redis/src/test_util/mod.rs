@@ -7,11 +7,11 @@
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use retrysafe_redis::RedisStore;
-//! use retrysafe_redis::redis::aio::ConnectionManager;
-//! use retrysafe_redis::test_util::CountingConnection;
+//! use retrysafe::redis::RedisStore;
+//! use retrysafe::redis::redis::aio::ConnectionManager;
+//! use retrysafe::redis::test_util::CountingConnection;
 //!
-//! let client = retrysafe_redis::redis::Client::open("redis://127.0.0.1:6379")?;
+//! let client = retrysafe::redis::redis::Client::open("redis://127.0.0.1:6379")?;
 //! let conn = CountingConnection::new(ConnectionManager::new(client).await?);
 //! let store = RedisStore::options().build(conn.clone()).await?;
 //! // ... use the store ...

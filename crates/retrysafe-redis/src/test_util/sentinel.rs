@@ -26,8 +26,8 @@ const QUORUM: usize = 2;
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use retrysafe_redis::RedisStore;
-/// use retrysafe_redis::test_util::LocalSentinel;
+/// use retrysafe::redis::RedisStore;
+/// use retrysafe::redis::test_util::LocalSentinel;
 ///
 /// let setup = LocalSentinel::start()?;
 /// let store = RedisStore::options().connect_sentinel(setup.sentinel_urls(), setup.service()).await?;
