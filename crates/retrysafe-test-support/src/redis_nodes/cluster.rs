@@ -25,7 +25,7 @@ use super::local::{
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use retrysafe_redis::RedisStore;
-/// use retrysafe_redis::test_util::LocalCluster;
+/// use retrysafe_test_support::redis_nodes::LocalCluster;
 ///
 /// let cluster = LocalCluster::start()?;
 /// assert_eq!(cluster.urls().len(), 6);
