@@ -38,8 +38,7 @@ pub mod classify;
 mod config;
 mod context;
 mod deadline;
-#[doc(hidden)]
-pub mod driver;
+mod driver;
 pub mod error;
 mod hash;
 pub mod hedge;
@@ -51,8 +50,7 @@ pub mod retry;
 mod ring;
 pub mod store;
 pub mod strategy;
-#[doc(hidden)]
-pub mod stripe;
+mod stripe;
 mod sync;
 pub mod throttle;
 pub mod wire;

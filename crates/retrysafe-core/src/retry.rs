@@ -713,7 +713,7 @@ pub enum Verdict {
 /// use http::{HeaderMap, Request, StatusCode};
 /// use retrysafe_core::retry::{Verdict, Attempt, RetryPolicy};
 /// use retrysafe_core::strategy::StandardRetryStrategy;
-/// use retrysafe_core::stripe::Striped;
+/// use retrysafe_core::__private::Striped;
 ///
 /// let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
 /// let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();

@@ -26,7 +26,7 @@ use retrysafe_core::retry::{
 use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryCharged, RetryStrategy, RetryToken, StandardRetryStrategy,
 };
-use retrysafe_core::stripe::Striped;
+use retrysafe_core::__private::Striped;
 use retrysafe_core::wire::{Convention, IdempotencyKey};
 use retrysafe_core::{CallContext, Deadline};
 use tokio::time::Instant;
