@@ -269,6 +269,7 @@ impl RequestFacts {
 
     /// Facts about a request with this method and these headers (`safe` from the
     /// method and key only; set it for a request the user declared idempotent).
+    #[doc(hidden)]
     pub fn of(method: &http::Method, headers: &HeaderMap, convention: &Convention) -> Self {
         let has_key = headers.contains_key(convention.idempotency_key());
         RequestFacts {

@@ -21,8 +21,7 @@
 //!   retry point, deadline, per-attempt headers, classify, retry or give up, hooks) —
 //!   that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
-//! - [`hedge`]: when a hedging client sends a hedge (a fixed delay, or a rolling
-//!   latency percentile); [`throttle`]: the adaptive client-side throttle of Google
+//! - [`throttle`]: the adaptive client-side throttle of Google
 //!   SRE's "Handling Overload";
 //! - [`recovery`]: the reconciler, which brings every pending record to a definite
 //!   state through the application's resolver, and an operator's API;
@@ -41,7 +40,7 @@ mod deadline;
 mod driver;
 pub mod error;
 mod hash;
-pub mod hedge;
+mod hedge;
 pub mod idempotency;
 pub mod observe;
 pub mod problem;
@@ -68,7 +67,7 @@ pub mod __private {
     pub use crate::deadline::ExpiryObserver;
     pub use crate::driver::DriverSlot;
     pub use crate::hash::{DigestHash, DigestHasher};
-    pub use crate::hedge::{HedgeCopy, HedgeRace};
+    pub use crate::hedge::{HedgeCopy, HedgeDelay, HedgeRace, LatencyTracker};
 
     /// `Record::Completed(done.clone()).encode()`, without the clone.
     pub fn encode_completed(done: &crate::idempotency::Completed) -> bytes::Bytes {

@@ -614,6 +614,7 @@ impl RetryBudget {
     /// assert!(matches!(budget.snapshot(), BudgetSnapshot::Ratio { deposits: 1, .. }));
     /// # }
     /// ```
+    #[doc(hidden)]
     pub fn deposit_at(&self, now: Instant) {
         match &self.inner.kind {
             Inner::Ratio(r) => r.deposit_at(now),
@@ -670,6 +671,7 @@ impl RetryBudget {
     }
 
     /// The ratio configuration, or `None` for a token bucket.
+    #[doc(hidden)]
     pub fn ratio_config(&self) -> Option<&RatioConfig> {
         match &self.inner.kind {
             Inner::Ratio(r) => Some(r.config()),
@@ -678,6 +680,7 @@ impl RetryBudget {
     }
 
     /// The token bucket configuration, or `None` for a ratio budget.
+    #[doc(hidden)]
     pub fn token_bucket_config(&self) -> Option<&TokenBucketConfig> {
         match &self.inner.kind {
             Inner::Ratio(_) => None,

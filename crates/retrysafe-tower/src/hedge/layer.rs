@@ -7,7 +7,7 @@ use retrysafe_core::__private::Validate;
 use retrysafe_core::ConfigError;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
+use retrysafe_core::__private::{HedgeDelay, LatencyTracker};
 use retrysafe_core::observe::handles::{Counter, Lazy};
 use retrysafe_core::observe::{Name, names};
 use retrysafe_core::wire::Convention;
@@ -319,6 +319,7 @@ impl HedgeLayer {
     }
 
     /// The budget hedges are withdrawn from.
+    #[doc(hidden)]
     pub fn retry_budget(&self) -> &RetryBudget {
         &self.config.budget
     }
