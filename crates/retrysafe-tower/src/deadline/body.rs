@@ -65,6 +65,7 @@ pin_project! {
 impl<B: Body> DeadlineBody<B> {
     /// `inner`, bounded by `deadline` (for adapters that wrap bodies themselves, such
     /// as the reqwest middleware of `retrysafe-reqwest`).
+    #[doc(hidden)]
     pub fn new(inner: B, deadline: Deadline) -> Self {
         let sleep = if inner.is_end_stream() {
             None

@@ -329,6 +329,7 @@ impl<X> IdempotencyLayer<X> {
     }
 
     /// The backend that runs the guarded requests.
+    #[doc(hidden)]
     pub fn backend(&self) -> &X {
         &self.backend
     }

@@ -150,7 +150,8 @@ pub use future::ResponseFuture;
 pub(crate) use layer::Config;
 #[cfg(feature = "client")]
 pub(crate) use layer::MAX_REPLAY_CAP;
-pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
+pub use layer::RetryLayer;
+pub(crate) use layer::DEFAULT_REPLAY_CAP;
 pub use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
 pub use retrysafe_core::observe::AttemptNumber;
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};
