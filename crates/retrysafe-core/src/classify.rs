@@ -386,7 +386,7 @@ const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::classify::deadline_spent;
+/// use retrysafe_core::__private::deadline_spent;
 ///
 /// let given = Duration::from_secs(1);
 /// assert!(deadline_spent(given, Duration::from_millis(950)));
@@ -394,15 +394,13 @@ const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 /// assert!(!deadline_spent(given, Duration::from_millis(100)));
 /// ```
 #[must_use]
-#[doc(hidden)]
-pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
+pub(crate) fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
     let slack = (given / 10).max(SPENT_SLACK_MIN);
     elapsed.saturating_add(slack) >= given
 }
 
 /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
-#[doc(hidden)]
-pub fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))

@@ -48,8 +48,7 @@ use crate::config::Validate;
 use crate::wire::MAX_TIMEOUT;
 
 /// The least time an attempt is started with: 1 ms, the smallest `request-timeout-ms`.
-#[doc(hidden)]
-pub const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(1);
+pub(crate) const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(1);
 
 /// Why a strategy stopped retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

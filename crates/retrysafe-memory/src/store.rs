@@ -8,7 +8,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 
-use retrysafe_core::observe::handles::Gauge;
+use retrysafe_core::__private::handles::Gauge;
 use retrysafe_core::observe::{Name, names};
 
 use crate::inner::{EvictionFn, HookFn, Inner, Settings};

@@ -288,7 +288,10 @@ pin_project_lite::pin_project! {
 
 impl<B> LocalBody<B> {
     /// The inner service's body.
-    #[allow(dead_code, reason = "used by the layers that answer by themselves, behind their features")]
+    #[allow(
+        dead_code,
+        reason = "used by the layers that answer by themselves, behind their features"
+    )]
     pub(crate) fn inner(body: B) -> Self {
         LocalBody {
             kind: LocalKind::Inner { body },
