@@ -171,6 +171,7 @@ impl Classification {
     }
 
     /// What a breaker counts.
+    #[doc(hidden)]
     pub fn breaker_outcome(&self) -> BreakerOutcome {
         match self.fault {
             None | Some(FaultSide::Client) => BreakerOutcome::Success,
@@ -237,6 +238,7 @@ impl RequestFacts {
     };
 
     /// These facts for a gRPC request.
+    #[doc(hidden)]
     #[must_use]
     pub const fn grpc(mut self) -> Self {
         self.grpc = true;
@@ -252,6 +254,7 @@ impl RequestFacts {
     }
 
     /// These facts for a request that carried a deadline header.
+    #[doc(hidden)]
     #[must_use]
     pub const fn with_deadline_sent(mut self) -> Self {
         self.deadline_sent = true;
@@ -260,6 +263,7 @@ impl RequestFacts {
 
     /// These facts for a request whose deadline had run out (or nearly) when the answer
     /// came (see [`deadline_spent`]); it was sent, too.
+    #[doc(hidden)]
     #[must_use]
     pub const fn with_deadline_spent(mut self) -> Self {
         self.deadline_sent = true;

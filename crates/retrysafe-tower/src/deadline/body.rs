@@ -20,6 +20,7 @@ pub trait WrapBody<B>: Send + Sync + 'static {
     type Body;
 
     /// Wraps `body`, which arrived before `deadline`.
+    #[doc(hidden)]
     fn wrap(body: B, deadline: Deadline) -> Self::Body;
 }
 
