@@ -16,7 +16,7 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
+//! use retrysafe::retry::{Backoff, Jitter, RetryRng};
 //!
 //! let backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::Full).build()?;
 //! let mut rng = RetryRng::seeded(7);
@@ -27,7 +27,7 @@
 //!
 //! let exact = Backoff::new(Duration::from_millis(50), Duration::from_secs(20), Jitter::None);
 //! assert_eq!(exact.delay(3, Duration::ZERO, false, &mut rng), Duration::from_millis(400));
-//! # Ok::<(), retrysafe_core::ConfigError>(())
+//! # Ok::<(), retrysafe::ConfigError>(())
 //! ```
 
 use std::fmt;

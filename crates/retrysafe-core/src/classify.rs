@@ -28,7 +28,7 @@
 //!
 //! ```
 //! use http::{HeaderMap, StatusCode};
-//! use retrysafe_core::classify::{Classifier, DefaultClassifier, FaultSide, RequestFacts};
+//! use retrysafe::classify::{Classifier, DefaultClassifier, FaultSide, RequestFacts};
 //!
 //! let c = DefaultClassifier::default();
 //! let get = RequestFacts::SAFE;
@@ -296,7 +296,7 @@ impl RequestFacts {
 /// use std::time::Duration;
 /// use http::HeaderMap;
 /// use retrysafe_core::classify::BreakerFacts;
-/// use retrysafe_core::wire::Convention;
+/// use retrysafe::wire::Convention;
 ///
 /// let mut headers = HeaderMap::new();
 /// headers.insert("request-timeout-ms", "1000".parse().unwrap());

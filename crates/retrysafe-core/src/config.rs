@@ -6,7 +6,7 @@ use std::fmt;
 /// built (`build()`, `try_new` or a store's `connect`), and names each refused field.
 ///
 /// ```
-/// use retrysafe_core::ConfigError;
+/// use retrysafe::ConfigError;
 /// let e = ConfigError::new("lease", "must be greater than zero");
 /// assert_eq!(e.to_string(), "invalid lease: must be greater than zero");
 /// assert_eq!(e.field(), "lease");

@@ -11,7 +11,7 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::{CallContext, Deadline};
+//! use retrysafe::{CallContext, Deadline};
 //!
 //! let ctx = CallContext::new().with_deadline(Deadline::after(Duration::from_millis(80)));
 //! let seen = ctx

@@ -17,7 +17,7 @@ use crate::wire::MAX_TIMEOUT;
 /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
 /// # async fn main() {
 /// use std::time::Duration;
-/// use retrysafe_core::Deadline;
+/// use retrysafe::Deadline;
 ///
 /// let d = Deadline::after(Duration::from_millis(100));
 /// let tighter = d.tighten(Some(Deadline::after(Duration::from_millis(40))));
@@ -47,7 +47,7 @@ impl Deadline {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use retrysafe_core::Deadline;
+    /// use retrysafe::Deadline;
     /// use tokio::time::Instant;
     ///
     /// let now = Instant::now();
@@ -91,7 +91,7 @@ impl Deadline {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use retrysafe_core::Deadline;
+    /// use retrysafe::Deadline;
     ///
     /// let own = Deadline::after(Duration::from_secs(10));
     /// let mut extensions = http::Extensions::new();

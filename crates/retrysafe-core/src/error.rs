@@ -129,7 +129,7 @@ impl StdError for Throttled {}
 /// The first error of type `E` in `error`'s `source()` chain, `error` included.
 ///
 /// ```
-/// use retrysafe_core::error::{find, BudgetExhausted};
+/// use retrysafe::error::{find, BudgetExhausted};
 /// let e: Box<dyn std::error::Error + Send + Sync> = Box::new(BudgetExhausted::new());
 /// assert!(find::<BudgetExhausted>(&*e).is_some());
 /// ```

@@ -54,7 +54,7 @@ use std::sync::Arc;
 /// metrics (the `name` label). `default` unless set.
 ///
 /// ```
-/// use retrysafe_core::observe::Name;
+/// use retrysafe::observe::Name;
 ///
 /// assert_eq!(Name::default().as_str(), "default");
 /// assert_eq!(Name::new("payments-api").to_string(), "payments-api");
@@ -172,7 +172,7 @@ impl From<Cow<'static, str>> for Name {
 /// span of the whole call, `retrysafe.call`, never carries the count. In short:
 ///
 /// ```
-/// use retrysafe_core::observe::AttemptNumber;
+/// use retrysafe::observe::AttemptNumber;
 ///
 /// /// The transport's span of one attempt (`extensions`: the request's, or reqwest
 /// /// middleware's).
@@ -187,7 +187,7 @@ impl From<Cow<'static, str>> for Name {
 /// ```
 ///
 /// ```
-/// use retrysafe_core::observe::AttemptNumber;
+/// use retrysafe::observe::AttemptNumber;
 ///
 /// let mut extensions = http::Extensions::new();
 /// assert_eq!(AttemptNumber::of(&extensions), None);

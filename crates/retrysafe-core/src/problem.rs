@@ -3,7 +3,7 @@
 //! (`urn:retrysafe:problem:<slug>`), written in this one place.
 //!
 //! ```
-//! use retrysafe_core::problem::{Problem, ProblemKind};
+//! use retrysafe::idempotency::{Problem, ProblemKind};
 //!
 //! let p = Problem::new(ProblemKind::KeyMismatch, "this key was used with another request");
 //! assert_eq!(p.kind().status(), http::StatusCode::UNPROCESSABLE_ENTITY);

@@ -142,7 +142,7 @@ pub fn child_key_label(method: &Method, authority: &str, path: &str) -> String {
 ///
 /// ```
 /// use retrysafe_core::retry::RetryPolicy;
-/// use retrysafe_core::wire::Convention;
+/// use retrysafe::wire::Convention;
 ///
 /// let policy = RetryPolicy::new()
 ///     .with_convention(Convention::default())
@@ -712,7 +712,7 @@ pub enum Verdict {
 /// # async fn main() {
 /// use http::{HeaderMap, Request, StatusCode};
 /// use retrysafe_core::retry::{Verdict, Attempt, RetryPolicy};
-/// use retrysafe_core::strategy::StandardRetryStrategy;
+/// use retrysafe::StandardRetryStrategy;
 /// use retrysafe_core::__private::Striped;
 ///
 /// let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));

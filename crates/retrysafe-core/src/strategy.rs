@@ -11,8 +11,9 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::classify::{Classifier, DefaultClassifier, RequestFacts};
-//! use retrysafe_core::strategy::{GiveUp, RetryStrategy, StandardRetryStrategy};
+//! use retrysafe::classify::{Classifier, DefaultClassifier, RequestFacts};
+//! use retrysafe::retry::{GiveUp, RetryStrategy};
+//! use retrysafe::StandardRetryStrategy;
 //! use http::{HeaderMap, StatusCode};
 //!
 //! let strategy = StandardRetryStrategy::new().seed(1);

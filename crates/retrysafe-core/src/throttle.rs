@@ -18,7 +18,7 @@
 //! refusing, and falls back as soon as it accepts again.
 //!
 //! ```
-//! use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
+//! use retrysafe::throttle::{AdaptiveThrottle, ThrottleConfig};
 //!
 //! let throttle = AdaptiveThrottle::new(ThrottleConfig::default());
 //! // 100 calls, 20 accepted: (100 − 2 × 20) / 101 of the next calls are rejected.
@@ -75,7 +75,7 @@ const MAX_K: f64 = 1000.0;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::throttle::ThrottleConfig;
+/// use retrysafe::throttle::ThrottleConfig;
 ///
 /// let config = ThrottleConfig::default()
 ///     .with_window(Duration::from_secs(5))

@@ -13,8 +13,8 @@
 //! use std::time::Duration;
 //! use retrysafe_core::idempotency::{CommitPoint, Fingerprint, Record, RecordId, Scope, Token};
 //! use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
-//! use retrysafe_core::wire::IdempotencyKey;
-//! use retrysafe_memory::MemoryStore;
+//! use retrysafe::wire::IdempotencyKey;
+//! use retrysafe::memory::MemoryStore;
 //!
 //! let store = MemoryStore::new().max_in_flight(1_000).build()?;
 //! let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);

@@ -94,8 +94,8 @@ use crate::retained::Gauges;
 ///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
 /// };
 /// use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
-/// use retrysafe_core::wire::IdempotencyKey;
-/// use retrysafe_memory::MemoryStore;
+/// use retrysafe::wire::IdempotencyKey;
+/// use retrysafe::memory::MemoryStore;
 ///
 /// let store = MemoryStore::new().max_in_flight(1_000).max_bytes(16 << 20).build()?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
@@ -171,7 +171,7 @@ impl MemoryStore {
     /// A store with the default bounds and no eviction hook.
     ///
     /// ```
-    /// use retrysafe_memory::MemoryStore;
+    /// use retrysafe::memory::MemoryStore;
     /// let store = MemoryStore::new()
     ///     .max_in_flight(2_048)
     ///     .max_bytes(256 << 20)
@@ -312,7 +312,7 @@ impl MemoryStore {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use retrysafe_memory::MemoryStore;
+    /// use retrysafe::memory::MemoryStore;
     /// let store = MemoryStore::new().max_bytes(64 << 20).build().unwrap();
     /// let per_second = store.sustained_key_rate(1024, Duration::from_secs(24 * 3600));
     /// assert!(per_second > 1.0 && per_second < 10.0, "{per_second}");

@@ -11,8 +11,8 @@
 //!
 //! ```no_run
 //! use std::time::Duration;
-//! use retrysafe_postgres::PostgresStore;
-//! use retrysafe_tower::idempotency::IdempotencyLayer;
+//! use retrysafe::postgres::PostgresStore;
+//! use retrysafe::idempotency::IdempotencyLayer;
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

@@ -19,7 +19,7 @@ use crate::PostgresStore;
 /// synchronous standby no level waits for one.
 ///
 /// ```
-/// use retrysafe_postgres::SynchronousCommit;
+/// use retrysafe::postgres::SynchronousCommit;
 /// assert_eq!(SynchronousCommit::RemoteApply.as_str(), "remote_apply");
 /// assert!(SynchronousCommit::On.waits_for_standby());
 /// assert!(!SynchronousCommit::Local.waits_for_standby());
@@ -118,7 +118,7 @@ impl PostgresStore {
     ///
     /// ```no_run
     /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_postgres::{PostgresStore, SynchronousCommit};
+    /// use retrysafe::postgres::{PostgresStore, SynchronousCommit};
     /// let store = PostgresStore::options()
     ///     .synchronous_commit(SynchronousCommit::RemoteApply)
     ///     .connect("postgres://postgres@127.0.0.1:5432/test")

@@ -81,7 +81,7 @@ const CLAIM_ATTEMPTS: usize = 8;
 /// ```no_run
 /// # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_postgres::PostgresStore;
+/// use retrysafe::postgres::PostgresStore;
 ///
 /// let store = PostgresStore::options()
 ///     .schema("idempotency")
@@ -184,7 +184,7 @@ impl PostgresStore {
     /// `CREATE INDEX IF NOT EXISTS` for the pending rows, each ending with `;`.
     ///
     /// ```
-    /// use retrysafe_postgres::PostgresStore;
+    /// use retrysafe::postgres::PostgresStore;
     /// let sql = PostgresStore::options().schema("app").table("keys").migration_sql().unwrap();
     /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.keys ("));
     /// assert!(sql.contains("ON app.keys (expires_at)"));
@@ -438,7 +438,7 @@ impl SweeperHandle {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_postgres::PostgresStore;
+/// use retrysafe::postgres::PostgresStore;
 /// let options = PostgresStore::options()
 ///     .schema("idempotency")
 ///     .table("records")

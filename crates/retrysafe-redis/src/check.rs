@@ -16,7 +16,7 @@ use crate::store::{bounded, store_error};
 /// The server's `maxmemory-policy`: what Redis does when it reaches `maxmemory`.
 ///
 /// ```
-/// use retrysafe_redis::EvictionPolicy;
+/// use retrysafe::redis::EvictionPolicy;
 /// assert_eq!(EvictionPolicy::parse("noeviction"), EvictionPolicy::NoEviction);
 /// assert!(EvictionPolicy::NoEviction.is_supported());
 /// assert!(EvictionPolicy::parse("volatile-lru").is_unsafe());
@@ -233,7 +233,7 @@ where
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_redis::{EvictionPolicy, RedisStore};
+    /// use retrysafe::redis::{EvictionPolicy, RedisStore};
     ///
     /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?; // checks
     /// let report = store.check_config().await?;

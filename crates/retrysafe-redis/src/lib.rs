@@ -8,8 +8,8 @@
 //! ```no_run
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use retrysafe_redis::RedisStore;
-//! use retrysafe_tower::idempotency::IdempotencyLayer;
+//! use retrysafe::redis::RedisStore;
+//! use retrysafe::idempotency::IdempotencyLayer;
 //!
 //! // Refuses a server whose eviction policy could drop records (anything but
 //! // `maxmemory-policy noeviction`).

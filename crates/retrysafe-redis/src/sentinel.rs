@@ -46,7 +46,7 @@ const STALLED: Duration = Duration::from_millis(500);
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use retrysafe_redis::{RedisStore, SentinelConnection};
+/// use retrysafe::redis::{RedisStore, SentinelConnection};
 ///
 /// let conn = SentinelConnection::connect(
 ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379"],
@@ -335,7 +335,7 @@ impl RedisStoreOptions {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_redis::RedisStore;
+    /// use retrysafe::redis::RedisStore;
     ///
     /// let store = RedisStore::options().connect_sentinel(
     ///     ["redis://10.0.0.1:26379", "redis://10.0.0.2:26379", "redis://10.0.0.3:26379"],

@@ -9,8 +9,8 @@
 //! records' effects per slot, with the short tag of its slot:
 //!
 //! ```
-//! use retrysafe_core::idempotency::RecordId;
-//! use retrysafe_redis::slots::{slot_of_record, slot_of_tag, tag_of_slot};
+//! use retrysafe::idempotency::RecordId;
+//! use retrysafe::redis::slots::{slot_of_record, slot_of_tag, tag_of_slot};
 //!
 //! let id = RecordId::from_bytes([7; 32]);
 //! let slot = slot_of_record(&id);

@@ -119,8 +119,8 @@ const CONNECT_MAX_DELAY: Duration = Duration::from_secs(1);
 ///     CommitPoint, Completed, Fingerprint, Record, RecordId, Scope, Token,
 /// };
 /// use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore};
-/// use retrysafe_core::wire::IdempotencyKey;
-/// use retrysafe_redis::RedisStore;
+/// use retrysafe::wire::IdempotencyKey;
+/// use retrysafe::redis::RedisStore;
 ///
 /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
 /// let id = RecordId::new(&Scope::new("tenant-1"), &IdempotencyKey::new("order-42")?);
@@ -229,7 +229,7 @@ impl RedisStore {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
-    /// use retrysafe_redis::RedisStore;
+    /// use retrysafe::redis::RedisStore;
     ///
     /// let store = RedisStore::options()
     ///     .key_prefix("billing:idem:")
@@ -254,8 +254,8 @@ where
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_core::idempotency::RecordId;
-    /// use retrysafe_redis::RedisStore;
+    /// use retrysafe::idempotency::RecordId;
+    /// use retrysafe::redis::RedisStore;
     ///
     /// let store = RedisStore::connect("redis://127.0.0.1:6379").await?;
     /// let id = RecordId::from_bytes([0xab; 32]);
@@ -815,7 +815,7 @@ where
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
-/// use retrysafe_redis::{RedisStoreError, RedisStoreOptions};
+/// use retrysafe::redis::{RedisStoreError, RedisStoreOptions};
 ///
 /// let client = redis::Client::open("redis://127.0.0.1:6379")?;
 /// let conn = redis::aio::ConnectionManager::new(client).await?;
@@ -935,7 +935,7 @@ impl RedisStoreOptions {
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// use std::time::Duration;
-    /// use retrysafe_redis::RedisStore;
+    /// use retrysafe::redis::RedisStore;
     ///
     /// let store = RedisStore::options()
     ///     .replicated_writes(1, Duration::from_millis(100))
@@ -1173,7 +1173,7 @@ impl RedisStoreOptions {
     /// ```no_run
     /// # #[tokio::main(flavor = "current_thread")]
     /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// use retrysafe_redis::RedisStore;
+    /// use retrysafe::redis::RedisStore;
     /// let store = RedisStore::options().connect_cluster([
     ///     "redis://10.0.0.1:6379",
     ///     "redis://10.0.0.2:6379",

@@ -28,13 +28,13 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::events::Events;
-use common::forwarder::Forwarder;
 use common::replicated::PrimaryWithReplica;
 use common::{fresh_prefix, manager_to};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_redis::{RedisStore, RedisStoreError, SentinelConnection};
+use retrysafe_test_support::proxy::FaultProxy;
 use retrysafe_test_support::redis_nodes::LocalSentinel;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
@@ -284,11 +284,14 @@ async fn pay(app: &Router) -> (StatusCode, String) {
 async fn a_node_demoted_under_a_running_store_answers_503_and_the_store_follows_its_name() {
     let pair = PrimaryWithReplica::start().await;
     let (a, b) = pair.ports();
-    let name = Forwarder::start(a).await;
+    // The name in front, as a DNS name or a proxy in front of a managed Redis: new
+    // connections go where it is told, connections already made keep their node.
+    let loopback = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let name = FaultProxy::tcp(loopback(a)).await.unwrap();
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
         .name("orders-redis")
-        .build(manager_to(&name.url()).await)
+        .build(manager_to(&format!("redis://{}", name.addr)).await)
         .await
         .unwrap();
     let app = app(store);
@@ -310,7 +313,7 @@ async fn a_node_demoted_under_a_running_store_answers_503_and_the_store_follows_
         .query_async(&mut conn_a)
         .await
         .unwrap();
-    name.switch(b);
+    name.switch(loopback(b));
 
     // For the whole process: the layer may poll the store on another worker thread.
     // The other tests' events are told apart by the store's name.

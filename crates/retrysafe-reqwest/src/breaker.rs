@@ -40,9 +40,9 @@
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
-//! use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
-//! use retrysafe_reqwest::CircuitBreakerMiddleware;
-//! use retrysafe_reqwest::error::is_circuit_open;
+//! use retrysafe::breaker::{BreakerConfig, CircuitBreaker, State};
+//! use retrysafe::reqwest::CircuitBreakerMiddleware;
+//! use retrysafe::reqwest::error::is_circuit_open;
 //!
 //! // A port nothing listens on: every connection is refused.
 //! let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();

@@ -19,9 +19,9 @@
 //! use std::sync::atomic::{AtomicUsize, Ordering};
 //! use std::time::Duration;
 //! use axum::http::{HeaderMap, StatusCode};
-//! use retrysafe_core::breaker::BreakerConfig;
-//! use retrysafe_core::budget::RetryBudget;
-//! use retrysafe_reqwest::ClientMiddlewares;
+//! use retrysafe::breaker::BreakerConfig;
+//! use retrysafe::RetryBudget;
+//! use retrysafe::reqwest::ClientMiddlewares;
 //!
 //! // Busy on the first request; every attempt carries the time left.
 //! let hits = Arc::new(AtomicUsize::new(0));

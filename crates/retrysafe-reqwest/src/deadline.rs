@@ -34,9 +34,9 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::Deadline;
-//! use retrysafe_reqwest::DeadlineMiddleware;
-//! use retrysafe_reqwest::error::is_deadline_exceeded;
+//! use retrysafe::Deadline;
+//! use retrysafe::reqwest::DeadlineMiddleware;
+//! use retrysafe::reqwest::error::is_deadline_exceeded;
 //!
 //! /// Stands for a slow network: sees the deadline, then waits for a second.
 //! struct Slow;

@@ -12,8 +12,8 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use retrysafe_core::error::{CircuitOpen, DeadlineExceeded};
-//! use retrysafe_reqwest::error::{find, is_circuit_open, is_deadline_exceeded};
+//! use retrysafe::error::{CircuitOpen, DeadlineExceeded};
+//! use retrysafe::reqwest::error::{find, is_circuit_open, is_deadline_exceeded};
 //!
 //! let error = reqwest_middleware::Error::Middleware(anyhow::Error::new(CircuitOpen::new(
 //!     Duration::from_secs(5),
@@ -46,8 +46,8 @@ const MAX_CHAIN: usize = 64;
 /// `reqwest_middleware::Error` met in the chain is stepped into the same way.
 ///
 /// ```
-/// use retrysafe_core::error::BudgetExhausted;
-/// use retrysafe_reqwest::error::find;
+/// use retrysafe::error::BudgetExhausted;
+/// use retrysafe::reqwest::error::find;
 ///
 /// let error = reqwest_middleware::Error::middleware(BudgetExhausted::new());
 /// assert_eq!(find::<BudgetExhausted>(&error), Some(&BudgetExhausted::new()));
@@ -62,8 +62,8 @@ pub fn find<E: StdError + 'static>(error: &reqwest_middleware::Error) -> Option<
 /// `reqwest::Error` from reading a response body, or an error that wraps one of ours.
 ///
 /// ```
-/// use retrysafe_core::error::DeadlineExceeded;
-/// use retrysafe_reqwest::error::find_in;
+/// use retrysafe::error::DeadlineExceeded;
+/// use retrysafe::reqwest::error::find_in;
 ///
 /// /// An application error that keeps the client's error as its source.
 /// #[derive(Debug)]
@@ -107,8 +107,8 @@ pub fn find_in<'a, E: StdError + 'static>(error: &'a (dyn StdError + 'static)) -
 /// little of it was left to start an attempt.
 ///
 /// ```
-/// use retrysafe_core::error::DeadlineExceeded;
-/// use retrysafe_reqwest::error::is_deadline_exceeded;
+/// use retrysafe::error::DeadlineExceeded;
+/// use retrysafe::reqwest::error::is_deadline_exceeded;
 ///
 /// let error = reqwest_middleware::Error::middleware(DeadlineExceeded::new());
 /// assert!(is_deadline_exceeded(&error));
@@ -124,8 +124,8 @@ pub fn is_deadline_exceeded(error: &reqwest_middleware::Error) -> bool {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::error::CircuitOpen;
-/// use retrysafe_reqwest::error::is_circuit_open;
+/// use retrysafe::error::CircuitOpen;
+/// use retrysafe::reqwest::error::is_circuit_open;
 ///
 /// let error = reqwest_middleware::Error::middleware(CircuitOpen::new(Duration::from_secs(1)));
 /// assert!(is_circuit_open(&error));
@@ -137,8 +137,8 @@ pub fn is_circuit_open(error: &reqwest_middleware::Error) -> bool {
 /// Whether `error` holds a [`BudgetExhausted`]: a retry budget refused a retry.
 ///
 /// ```
-/// use retrysafe_core::error::BudgetExhausted;
-/// use retrysafe_reqwest::error::is_budget_exhausted;
+/// use retrysafe::error::BudgetExhausted;
+/// use retrysafe::reqwest::error::is_budget_exhausted;
 ///
 /// let error = reqwest_middleware::Error::middleware(BudgetExhausted::new());
 /// assert!(is_budget_exhausted(&error));

@@ -35,8 +35,8 @@
 //! use std::sync::atomic::{AtomicUsize, Ordering};
 //! use std::time::Duration;
 //! use axum::http::{HeaderMap, StatusCode};
-//! use retrysafe_core::breaker::CircuitBreaker;
-//! use retrysafe_reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
+//! use retrysafe::breaker::CircuitBreaker;
+//! use retrysafe::reqwest::{CircuitBreakerMiddleware, DeadlineMiddleware, RetryMiddleware};
 //!
 //! // A server that is busy on the first request, and tells what it was sent.
 //! let hits = Arc::new(AtomicUsize::new(0));

@@ -59,7 +59,7 @@
 //! use std::sync::Arc;
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use axum::http::StatusCode;
-//! use retrysafe_reqwest::retry::RetryMiddleware;
+//! use retrysafe::reqwest::retry::RetryMiddleware;
 //!
 //! // A server that fails once with 503, then answers 200.
 //! let hits = Arc::new(AtomicU32::new(0));
@@ -100,8 +100,8 @@
 //! use axum::http::StatusCode;
 //! use http::Extensions;
 //! use reqwest_tracing::{ReqwestOtelSpanBackend, TracingMiddleware};
-//! use retrysafe_core::observe::AttemptNumber;
-//! use retrysafe_reqwest::retry::RetryMiddleware;
+//! use retrysafe::observe::AttemptNumber;
+//! use retrysafe::reqwest::retry::RetryMiddleware;
 //! use tracing::Span;
 //!
 //! /// reqwest-tracing's span of one attempt, with the resend count of a retry.
@@ -598,9 +598,9 @@ fn deadline_exceeded() -> Error {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::classify::Failure;
-/// use retrysafe_core::error::CircuitOpen;
-/// use retrysafe_reqwest::retry::failure_of;
+/// use retrysafe::classify::Failure;
+/// use retrysafe::error::CircuitOpen;
+/// use retrysafe::reqwest::retry::failure_of;
 ///
 /// let open = reqwest_middleware::Error::middleware(CircuitOpen::new(Duration::from_secs(1)));
 /// assert_eq!(failure_of(&open), Failure::Local);

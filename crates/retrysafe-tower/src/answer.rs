@@ -21,9 +21,9 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! use http::{Request, Response};
-//! use retrysafe_core::error::DeadlineExceeded;
-//! use retrysafe_tower::BoxError;
-//! use retrysafe_tower::answer::GrpcStatusLayer;
+//! use retrysafe::error::DeadlineExceeded;
+//! use retrysafe::BoxError;
+//! use retrysafe::answer::GrpcStatusLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()

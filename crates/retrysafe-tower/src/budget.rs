@@ -19,9 +19,10 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use http::{HeaderMap, HeaderName, Request, Response};
-//! use retrysafe_core::budget::{RatioConfig, RetryBudget};
-//! use retrysafe_core::error::BudgetExhausted;
-//! use retrysafe_tower::budget::RetryBudgetLayer;
+//! use retrysafe::budget::RatioConfig;
+//! use retrysafe::RetryBudget;
+//! use retrysafe::error::BudgetExhausted;
+//! use retrysafe::RetryBudgetLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A budget with no floor and no deposits yet: no retry is affordable.

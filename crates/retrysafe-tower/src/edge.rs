@@ -15,7 +15,7 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::Request;
-//! use retrysafe_tower::edge::EdgeLayer;
+//! use retrysafe::EdgeLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()

@@ -30,8 +30,8 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::CallContext;
-//! use retrysafe_tower::propagate::PropagateLayer;
+//! use retrysafe::CallContext;
+//! use retrysafe::PropagateLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()

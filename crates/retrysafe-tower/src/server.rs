@@ -12,9 +12,9 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! use axum::{Router, routing::post, http::{Request, StatusCode}, body::Body};
-//! use retrysafe_core::idempotency::Principal;
-//! use retrysafe_tower::idempotency::IdempotencyLayer;
-//! use retrysafe_tower::server::ServerLayers;
+//! use retrysafe::idempotency::Principal;
+//! use retrysafe::idempotency::IdempotencyLayer;
+//! use retrysafe::server::ServerLayers;
 //! use tower::ServiceExt;
 //!
 //! let auth = axum::middleware::map_request(|mut req: Request<Body>| async move {

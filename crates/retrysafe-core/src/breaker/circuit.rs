@@ -36,8 +36,8 @@ const RATE_SCALE: u128 = 1_000_000;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::breaker::{CircuitBreaker, State};
-/// use retrysafe_core::classify::BreakerOutcome;
+/// use retrysafe::breaker::{CircuitBreaker, State};
+/// use retrysafe::classify::BreakerOutcome;
 ///
 /// let breaker = CircuitBreaker::default();
 /// let clone = breaker.clone();

@@ -43,7 +43,7 @@ pub(super) const MAX_PROBES: u32 = 1_000;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::breaker::SlidingWindow;
+/// use retrysafe::breaker::SlidingWindow;
 ///
 /// assert_eq!(SlidingWindow::default(), SlidingWindow::time(Duration::from_secs(30), 10));
 /// let last_100_calls = SlidingWindow::count(100, 10);
@@ -174,7 +174,7 @@ impl Default for SlidingWindow {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow};
+/// use retrysafe::breaker::{BreakerConfig, CircuitBreaker, SlidingWindow};
 ///
 /// let config = BreakerConfig::default()
 ///     .with_window(SlidingWindow::count(50, 5))

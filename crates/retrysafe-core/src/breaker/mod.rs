@@ -43,8 +43,8 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::breaker::{CircuitBreaker, State};
-//! use retrysafe_core::classify::{BreakerOutcome, Classification, FaultSide, RetrySafety};
+//! use retrysafe::breaker::{CircuitBreaker, State};
+//! use retrysafe::classify::{BreakerOutcome, Classification, FaultSide, RetrySafety};
 //!
 //! let breaker = CircuitBreaker::default(); // 50 % of at least 20 calls in 30 s
 //! let took = Duration::from_millis(20);

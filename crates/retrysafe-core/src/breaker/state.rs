@@ -9,7 +9,7 @@ use crate::observe::Name;
 /// The state of a [`CircuitBreaker`](super::CircuitBreaker).
 ///
 /// ```
-/// use retrysafe_core::breaker::{CircuitBreaker, State};
+/// use retrysafe::breaker::{CircuitBreaker, State};
 ///
 /// let breaker = CircuitBreaker::default();
 /// assert_eq!(breaker.state(), State::Closed);
@@ -79,7 +79,7 @@ impl fmt::Display for State {
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State, StateChange};
+/// use retrysafe::breaker::{BreakerConfig, CircuitBreaker, State, StateChange};
 ///
 /// let seen: Arc<Mutex<Vec<StateChange>>> = Arc::default();
 /// let log = Arc::clone(&seen);

@@ -63,8 +63,8 @@ impl Layout for Calls {
 /// The calls a window holds: what the breaker's rates are computed from.
 ///
 /// ```
-/// use retrysafe_core::breaker::CircuitBreaker;
-/// use retrysafe_core::classify::BreakerOutcome;
+/// use retrysafe::breaker::CircuitBreaker;
+/// use retrysafe::classify::BreakerOutcome;
 /// use std::time::Duration;
 ///
 /// let breaker = CircuitBreaker::default();

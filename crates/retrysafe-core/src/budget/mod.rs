@@ -33,7 +33,8 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe_core::budget::{RetryBudget, RetryCost};
+//! use retrysafe::RetryBudget;
+//! use retrysafe::budget::RetryCost;
 //!
 //! // The default: retries ≤ 20 % of the requests of the last 10 s, plus 10 retries/s.
 //! let budget = RetryBudget::ratio();
@@ -137,7 +138,8 @@ pub enum RetryCost {
 /// what each allows and how to call it.
 ///
 /// ```
-/// use retrysafe_core::budget::{RetryBudget, RetryCost};
+/// use retrysafe::RetryBudget;
+/// use retrysafe::budget::RetryCost;
 ///
 /// let budget = RetryBudget::default();
 /// let clone = budget.clone();
@@ -193,7 +195,8 @@ enum Inner {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::budget::{RatioConfig, RetryBudget};
+/// use retrysafe::budget::RatioConfig;
+/// use retrysafe::RetryBudget;
 ///
 /// let config = RatioConfig::default()
 ///     .with_ttl(Duration::from_secs(30))
@@ -217,7 +220,8 @@ pub struct RatioConfig {
 /// Configuration of a token bucket.
 ///
 /// ```
-/// use retrysafe_core::budget::{RetryBudget, TokenBucketConfig};
+/// use retrysafe::RetryBudget;
+/// use retrysafe::budget::TokenBucketConfig;
 ///
 /// let config = TokenBucketConfig::default().with_capacity(50).build().unwrap();
 /// let bucket = RetryBudget::token_bucket_with(config);
@@ -237,7 +241,8 @@ pub struct TokenBucketConfig {
 /// What a budget holds at one instant, for tests and observability.
 ///
 /// ```
-/// use retrysafe_core::budget::{BudgetSnapshot, RetryBudget};
+/// use retrysafe::budget::BudgetSnapshot;
+/// use retrysafe::RetryBudget;
 ///
 /// let budget = RetryBudget::ratio();
 /// budget.deposit();
@@ -541,7 +546,7 @@ impl RetryBudget {
     /// same configuration, fresh, which shares nothing with earlier clones.
     ///
     /// ```
-    /// use retrysafe_core::budget::RetryBudget;
+    /// use retrysafe::RetryBudget;
     ///
     /// let budget = RetryBudget::ratio().with_name("payments-api");
     /// assert_eq!(budget.name().as_str(), "payments-api");
@@ -607,7 +612,8 @@ impl RetryBudget {
     /// ```
     /// # #[tokio::main(flavor = "current_thread", start_paused = true)]
     /// # async fn main() {
-    /// use retrysafe_core::budget::{BudgetSnapshot, RetryBudget};
+    /// use retrysafe::budget::BudgetSnapshot;
+    /// use retrysafe::RetryBudget;
     ///
     /// let budget = RetryBudget::ratio();
     /// budget.deposit_at(tokio::time::Instant::now());

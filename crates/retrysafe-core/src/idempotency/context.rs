@@ -192,8 +192,8 @@ impl IdempotencyContext {
     /// not start its effect; the layer cancels it soon after.
     ///
     /// ```
-    /// use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
-    /// use retrysafe_core::wire::IdempotencyKey;
+    /// use retrysafe::idempotency::{IdempotencyContext, Principal, Scope, Token};
+    /// use retrysafe::wire::IdempotencyKey;
     /// let scope = Scope::from(&Principal::new("alice"));
     /// let key = IdempotencyKey::new("order-7").unwrap();
     /// let ctx = IdempotencyContext::detached(scope, key, Token::random());
@@ -231,8 +231,8 @@ impl IdempotencyContext {
     /// repeats the same keys downstream.
     ///
     /// ```
-    /// use retrysafe_core::idempotency::{IdempotencyContext, Principal, Scope, Token};
-    /// use retrysafe_core::wire::IdempotencyKey;
+    /// use retrysafe::idempotency::{IdempotencyContext, Principal, Scope, Token};
+    /// use retrysafe::wire::IdempotencyKey;
     /// let scope = Scope::from(&Principal::new("alice"));
     /// let key = IdempotencyKey::new("order-7").unwrap();
     /// let a = IdempotencyContext::detached(scope, key.clone(), Token::random());

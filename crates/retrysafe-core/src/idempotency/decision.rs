@@ -4,7 +4,7 @@ use http::StatusCode;
 /// is released and a retry runs the handler again.
 ///
 /// ```
-/// use retrysafe_core::idempotency::NoEffect;
+/// use retrysafe::idempotency::NoEffect;
 /// let mut res = http::Response::new(());
 /// res.extensions_mut().insert(NoEffect);
 /// assert!(res.extensions().get::<NoEffect>().is_some());

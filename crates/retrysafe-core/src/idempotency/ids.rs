@@ -46,7 +46,7 @@ fn hex(bytes: &[u8]) -> String {
 /// two principals names two independent records.
 ///
 /// ```
-/// use retrysafe_core::idempotency::{Principal, Scope};
+/// use retrysafe::idempotency::{Principal, Scope};
 /// let alice = Principal::new("alice");
 /// assert_eq!(alice.as_str(), "alice");
 /// assert_ne!(Scope::from(&alice), Scope::from(&Principal::new("bob")));
@@ -82,7 +82,7 @@ impl Principal {
     /// same scope. Never use a credential as the label.
     ///
     /// ```
-    /// use retrysafe_core::idempotency::{Principal, Scope};
+    /// use retrysafe::idempotency::{Principal, Scope};
     /// let p = Principal::with_label("tenant-7f3a", "Acme Corp");
     /// assert_eq!(p.label(), Some("Acme Corp"));
     /// assert_eq!(Scope::from(&p), Scope::from(&Principal::new("tenant-7f3a")));
@@ -210,8 +210,8 @@ thread_local! {
 /// The key of one record: a SHA-256 of (scope, idempotency key).
 ///
 /// ```
-/// use retrysafe_core::idempotency::{Principal, RecordId, Scope};
-/// use retrysafe_core::wire::IdempotencyKey;
+/// use retrysafe::idempotency::{Principal, RecordId, Scope};
+/// use retrysafe::wire::IdempotencyKey;
 /// let key = IdempotencyKey::new("k-1").unwrap();
 /// let a = RecordId::new(&Scope::from(&Principal::new("a")), &key);
 /// let b = RecordId::new(&Scope::from(&Principal::new("b")), &key);
@@ -333,7 +333,7 @@ impl fmt::Debug for Fingerprint {
 /// default `content-type`; all values of a header, in order) and the body.
 ///
 /// ```
-/// use retrysafe_core::idempotency::Fingerprinter;
+/// use retrysafe::idempotency::Fingerprinter;
 /// use http::{HeaderMap, Method, Uri};
 ///
 /// let fp = Fingerprinter::default();

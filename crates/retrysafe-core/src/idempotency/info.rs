@@ -21,7 +21,7 @@ const INFO_VERSION: u8 = 1;
 /// ```
 /// use http::Method;
 /// use retrysafe_core::idempotency::{Principal, RequestInfo, Scope};
-/// use retrysafe_core::wire::IdempotencyKey;
+/// use retrysafe::wire::IdempotencyKey;
 ///
 /// let scope = Scope::from(&Principal::new("alice"));
 /// let info = RequestInfo::new(scope, Method::POST, "/payments")

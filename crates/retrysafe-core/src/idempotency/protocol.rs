@@ -26,7 +26,7 @@
 //! use std::time::Duration;
 //! use http::StatusCode;
 //! use retrysafe_core::__private::protocol::*;
-//! use retrysafe_core::idempotency::{EventKind, Fingerprint};
+//! use retrysafe::idempotency::{EventKind, Fingerprint};
 //!
 //! let policy = Policy::new();
 //! let mut p = Protocol::new(&policy, Fingerprint::from_bytes([7; 32]), None);
@@ -59,7 +59,7 @@ use crate::store::StoreError;
 /// ```
 /// use std::time::Duration;
 /// use retrysafe_core::__private::protocol::Policy;
-/// use retrysafe_core::problem::ProblemKind;
+/// use retrysafe::idempotency::ProblemKind;
 ///
 /// let policy = Policy::new().in_flight_retry_after(Duration::from_secs(2));
 /// let p = policy.problem(ProblemKind::InFlight, "still running");

@@ -515,7 +515,7 @@ fn to_map(list: &[(HeaderName, HeaderValue)]) -> HeaderMap {
 /// configured deny list.
 ///
 /// ```
-/// use retrysafe_core::idempotency::HeaderFilter;
+/// use retrysafe::idempotency::HeaderFilter;
 /// use http::HeaderName;
 /// let f = HeaderFilter::default().deny(HeaderName::from_static("x-secret"));
 /// assert!(f.is_stored(&HeaderName::from_static("content-type")));

@@ -33,7 +33,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60 * 60);
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
 /// use std::time::Duration;
 /// use retrysafe_core::recovery::{PendingRecord, ReconcilableStore, Resolution, Resolver};
-/// # use retrysafe_core::recovery::Reconciler;
+/// # use retrysafe::recovery::Reconciler;
 ///
 /// struct Ledger;
 /// impl Resolver for Ledger {
@@ -42,7 +42,7 @@ const MAX_BACKOFF: Duration = Duration::from_secs(60 * 60);
 ///     }
 /// }
 ///
-/// # fn run<S: ReconcilableStore>(store: S) -> Result<(), retrysafe_core::ConfigError> {
+/// # fn run<S: ReconcilableStore>(store: S) -> Result<(), retrysafe::ConfigError> {
 /// let handle = store
 ///     .reconciler(Ledger)
 ///     .interval(Duration::from_secs(5))

@@ -11,16 +11,16 @@ use crate::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
 /// # #[derive(Debug)] struct Dummy;
-/// # impl retrysafe_core::store::IdempotencyStore for Dummy {
+/// # impl retrysafe::idempotency::IdempotencyStore for Dummy {
 /// #   async fn claim(&self, _: &RecordId, _: &Claim<'_>) -> Result<retrysafe_core::store::ClaimOutcome, StoreError> { Ok(retrysafe_core::store::ClaimOutcome::Claimed { takeover: false }) }
 /// #   async fn complete(&self, _: &RecordId, _: Token, _: &retrysafe_core::idempotency::Completed, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn release(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn renew(&self, _: &RecordId, _: Token, _: std::time::Duration) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn commit_point(&self, _: &RecordId, _: Token) -> Result<(), StoreError> { Ok(()) }
-/// #   async fn mark_unknown(&self, _: &RecordId, _: Token, _: std::time::Duration, _: retrysafe_core::idempotency::UnknownReason) -> Result<(), StoreError> { Ok(()) }
+/// #   async fn mark_unknown(&self, _: &RecordId, _: Token, _: std::time::Duration, _: retrysafe::idempotency::UnknownReason) -> Result<(), StoreError> { Ok(()) }
 /// #   async fn get(&self, _: &RecordId) -> Result<Option<retrysafe_core::idempotency::Record>, StoreError> { Ok(None) }
 /// # }
-/// use retrysafe_core::idempotency::{RecordId, Token};
+/// use retrysafe::idempotency::{RecordId, Token};
 /// use retrysafe_core::store::{Claim, FaultyStore, IdempotencyStore, StoreError};
 ///
 /// let store = FaultyStore::new(Dummy);
@@ -30,7 +30,7 @@ use crate::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 /// store.fail_all(false);
 /// store.fail_next_completions(1);
 /// let done = retrysafe_core::idempotency::Completed::new(
-///     retrysafe_core::idempotency::Fingerprint::from_bytes([0; 32]),
+///     retrysafe::idempotency::Fingerprint::from_bytes([0; 32]),
 ///     None,
 /// );
 /// let retention = std::time::Duration::from_secs(1);

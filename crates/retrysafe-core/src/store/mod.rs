@@ -501,8 +501,8 @@ impl<S: IdempotencyStore> DynIdempotencyStore for S {
 /// A shared, type-erased store: what layers hold. Cheap to clone.
 ///
 /// ```
-/// # fn f<S: retrysafe_core::store::IdempotencyStore>(store: S) {
-/// use retrysafe_core::store::BoxStore;
+/// # fn f<S: retrysafe::idempotency::IdempotencyStore>(store: S) {
+/// use retrysafe::idempotency::BoxStore;
 /// let shared = BoxStore::new(store);
 /// let again = shared.clone();
 /// # }

@@ -8,7 +8,7 @@ use http::header::{HeaderName, RETRY_AFTER};
 /// `x-envoy-expected-rq-timeout-ms`.
 ///
 /// ```
-/// use retrysafe_core::wire::Convention;
+/// use retrysafe::wire::Convention;
 /// use http::HeaderName;
 ///
 /// let c = Convention::default()
@@ -98,7 +98,7 @@ impl Convention {
     ///
     /// ```
     /// use http::HeaderName;
-    /// use retrysafe_core::wire::Convention;
+    /// use retrysafe::wire::Convention;
     /// let envoy = Convention::default()
     ///     .with_request_timeout_ms(HeaderName::from_static("x-envoy-expected-rq-timeout-ms"));
     /// assert!(Convention::default().same_timeout_names(&Convention::default()));
@@ -119,7 +119,7 @@ impl Convention {
     /// shared budget with forged `retry-attempt` or switch off internal retries.
     ///
     /// ```
-    /// use retrysafe_core::wire::Convention;
+    /// use retrysafe::wire::Convention;
     /// let mut h = http::HeaderMap::new();
     /// h.insert("retry-attempt", http::HeaderValue::from_static("3"));
     /// h.insert("content-type", http::HeaderValue::from_static("text/plain"));

@@ -20,7 +20,7 @@ pub const RETRY_POINT_CALLER: HeaderValue = HeaderValue::from_static("caller");
 /// is present, including `no`, `00` or a value of only whitespace, means `true`.
 ///
 /// ```
-/// use retrysafe_core::wire::parse_do_not_retry;
+/// use retrysafe::wire::parse_do_not_retry;
 /// assert!(!parse_do_not_retry(None));
 /// assert!(parse_do_not_retry(Some(b"1")));
 /// assert!(parse_do_not_retry(Some(b"")));
@@ -53,7 +53,7 @@ pub enum RetryPoint {
 /// `Some(RetryPoint::Caller)`; any other value is ignored (`None`). Total.
 ///
 /// ```
-/// use retrysafe_core::wire::{parse_retry_point, RetryPoint};
+/// use retrysafe::wire::{parse_retry_point, RetryPoint};
 /// assert_eq!(parse_retry_point(b" Caller "), Some(RetryPoint::Caller));
 /// assert_eq!(parse_retry_point(b"callee"), None);
 /// ```
@@ -67,7 +67,7 @@ pub fn parse_retry_point(value: &[u8]) -> Option<RetryPoint> {
 /// whitespace allowed. `None` for 0, negative, overflowing or malformed values. Total.
 ///
 /// ```
-/// use retrysafe_core::wire::parse_retry_attempt;
+/// use retrysafe::wire::parse_retry_attempt;
 /// assert_eq!(parse_retry_attempt(b" 2 "), Some(2));
 /// assert_eq!(parse_retry_attempt(b"4294967295"), Some(u32::MAX));
 /// assert_eq!(parse_retry_attempt(b"4294967296"), None);
@@ -82,7 +82,7 @@ pub fn parse_retry_attempt(value: &[u8]) -> Option<u32> {
 /// Encodes an attempt number for `retry-attempt` (or `grpc-previous-rpc-attempts`).
 ///
 /// ```
-/// use retrysafe_core::wire::encode_retry_attempt;
+/// use retrysafe::wire::encode_retry_attempt;
 /// assert_eq!(encode_retry_attempt(2), "2");
 /// assert_eq!(encode_retry_attempt(10), "10");
 /// ```
@@ -117,7 +117,7 @@ pub enum Pushback {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::{parse_pushback, Pushback};
+/// use retrysafe::wire::{parse_pushback, Pushback};
 /// assert_eq!(parse_pushback(b"250"), Pushback::After(Duration::from_millis(250)));
 /// assert_eq!(parse_pushback(b"-1"), Pushback::DoNotRetry);
 /// assert_eq!(parse_pushback(b"soon"), Pushback::DoNotRetry);
@@ -135,7 +135,7 @@ pub fn parse_pushback(value: &[u8]) -> Pushback {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::encode_pushback;
+/// use retrysafe::wire::encode_pushback;
 /// assert_eq!(encode_pushback(Duration::from_micros(1_001)), "2");
 /// assert_eq!(encode_pushback(Duration::ZERO), "0");
 /// ```

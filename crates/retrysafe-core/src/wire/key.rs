@@ -53,7 +53,7 @@ fn unquote_sf_string(value: &[u8]) -> Option<Vec<u8>> {
 /// sf-string is read as a bare value.
 ///
 /// ```
-/// use retrysafe_core::wire::IdempotencyKey;
+/// use retrysafe::wire::IdempotencyKey;
 /// let quoted = IdempotencyKey::parse(br#""8e03-978e""#).unwrap();
 /// let bare = IdempotencyKey::parse(b"  8e03-978e ").unwrap();
 /// assert_eq!(quoted, bare);
@@ -106,7 +106,7 @@ impl IdempotencyKey {
     ///    (a space or tab inside, a control character, non-ASCII or non-UTF-8 bytes).
     ///
     /// ```
-    /// use retrysafe_core::wire::{IdempotencyKey, KeyError};
+    /// use retrysafe::wire::{IdempotencyKey, KeyError};
     /// assert_eq!(IdempotencyKey::parse(br#""a \"b\"""#).unwrap().as_str(), r#"a "b""#);
     /// assert_eq!(IdempotencyKey::parse(br#""abc"#).unwrap().as_str(), r#""abc"#);
     /// assert_eq!(IdempotencyKey::parse(b" \t ").unwrap_err(), KeyError::Empty);
@@ -152,7 +152,7 @@ impl IdempotencyKey {
     /// [`KeyError::TooLong`] (over [`MAX_KEY_LEN`] bytes), [`KeyError::NotPrintable`].
     ///
     /// ```
-    /// use retrysafe_core::wire::{IdempotencyKey, KeyError};
+    /// use retrysafe::wire::{IdempotencyKey, KeyError};
     /// assert_eq!(IdempotencyKey::new(" spaced key ").unwrap().as_str(), " spaced key ");
     /// assert_eq!(IdempotencyKey::new("tab\there").unwrap_err(), KeyError::NotPrintable);
     /// ```
@@ -190,7 +190,7 @@ impl IdempotencyKey {
     /// escaped.
     ///
     /// ```
-    /// use retrysafe_core::wire::IdempotencyKey;
+    /// use retrysafe::wire::IdempotencyKey;
     /// let bare = IdempotencyKey::new("8e03-978e").unwrap();
     /// assert_eq!(bare.to_header_value(), "8e03-978e");
     /// let spaced = IdempotencyKey::new(r#"a "b""#).unwrap();

@@ -25,7 +25,7 @@ impl RetryAfter {
     ///
     /// ```
     /// use std::time::{Duration, SystemTime};
-    /// use retrysafe_core::wire::RetryAfter;
+    /// use retrysafe::wire::RetryAfter;
     /// let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
     /// let at = RetryAfter::At(now + Duration::from_secs(30));
     /// assert_eq!(at.delay_from(now), Duration::from_secs(30));
@@ -50,7 +50,7 @@ impl RetryAfter {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::{parse_retry_after, RetryAfter, MAX_RETRY_AFTER};
+/// use retrysafe::wire::{parse_retry_after, RetryAfter, MAX_RETRY_AFTER};
 /// assert_eq!(parse_retry_after(b" 120 "), Some(RetryAfter::Delay(Duration::from_secs(120))));
 /// assert_eq!(parse_retry_after(b"99999999999"), Some(RetryAfter::Delay(MAX_RETRY_AFTER)));
 /// assert!(matches!(
@@ -86,7 +86,7 @@ const MAX_HTTP_DATE_LEN: usize = 64;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::encode_retry_after;
+/// use retrysafe::wire::encode_retry_after;
 /// assert_eq!(encode_retry_after(Duration::from_millis(1_200)), "2");
 /// assert_eq!(encode_retry_after(Duration::from_secs(3)), "3");
 /// assert_eq!(encode_retry_after(Duration::ZERO), "0");

@@ -42,7 +42,7 @@ impl std::error::Error for TimeoutError {}
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::{parse_request_timeout_ms, TimeoutError, MAX_TIMEOUT};
+/// use retrysafe::wire::{parse_request_timeout_ms, TimeoutError, MAX_TIMEOUT};
 /// assert_eq!(parse_request_timeout_ms(b" 250 "), Ok(Duration::from_millis(250)));
 /// assert_eq!(parse_request_timeout_ms(&[b'9'; 40]), Ok(MAX_TIMEOUT));
 /// assert_eq!(parse_request_timeout_ms(b""), Err(TimeoutError::Empty));
@@ -64,7 +64,7 @@ pub fn parse_request_timeout_ms(value: &[u8]) -> Result<Duration, TimeoutError> 
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::encode_request_timeout_ms;
+/// use retrysafe::wire::encode_request_timeout_ms;
 /// assert_eq!(encode_request_timeout_ms(Duration::from_micros(1_999)), "1");
 /// assert_eq!(encode_request_timeout_ms(Duration::ZERO), "0");
 /// ```
@@ -121,7 +121,7 @@ fn memoized<K: Copy + Eq>(
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::{parse_grpc_timeout, TimeoutError, MAX_TIMEOUT};
+/// use retrysafe::wire::{parse_grpc_timeout, TimeoutError, MAX_TIMEOUT};
 /// assert_eq!(parse_grpc_timeout(b"100m"), Ok(Duration::from_millis(100)));
 /// assert_eq!(parse_grpc_timeout(b"99999999H"), Ok(MAX_TIMEOUT));
 /// assert_eq!(parse_grpc_timeout(b"123456789n"), Err(TimeoutError::Malformed));
@@ -197,7 +197,7 @@ pub(crate) fn timeout_as_read(left: Duration, grpc: bool) -> Duration {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::wire::encode_grpc_timeout;
+/// use retrysafe::wire::encode_grpc_timeout;
 /// assert_eq!(encode_grpc_timeout(Duration::from_nanos(99_999_999)), "99999999n");
 /// assert_eq!(encode_grpc_timeout(Duration::from_nanos(100_000_001)), "100000u");
 /// assert_eq!(encode_grpc_timeout(Duration::from_secs(30)), "30000000u");

@@ -10,8 +10,8 @@ use retrysafe_core::error::BoxError;
 ///
 /// ```
 /// use std::sync::Mutex;
-/// use retrysafe_postgres::consumer::Inbound;
-/// use retrysafe_core::error::BoxError;
+/// use retrysafe::postgres::consumer::Inbound;
+/// use retrysafe::BoxError;
 ///
 /// /// A message of an in-process queue.
 /// struct Local { id: Option<String>, body: Vec<u8>, settled: Mutex<Option<&'static str>> }

@@ -24,7 +24,7 @@
 //! [`Delivery`](lapin::message::Delivery) (see [`crate::outbox::amqp`]).
 //!
 //! ```no_run
-//! use retrysafe_postgres::consumer::{Consumer, Inbound, Processed};
+//! use retrysafe::postgres::consumer::{Consumer, Inbound, Processed};
 //! # async fn run(pool: sqlx::PgPool, message: impl Inbound) -> Result<(), Box<dyn std::error::Error>> {
 //! let consumer = Consumer::new(pool, "billing").build()?;
 //! consumer.migrate().await?;
@@ -42,7 +42,7 @@
 //!     .await?;
 //! assert!(matches!(outcome, Processed::Done(()) | Processed::Duplicate));
 //! # Ok(()) }
-//! # use retrysafe_postgres::sqlx;
+//! # use retrysafe::postgres::sqlx;
 //! ```
 
 mod inbound;
@@ -104,8 +104,8 @@ type CrashHook = std::sync::Arc<dyn Fn(&str) -> bool + Send + Sync>;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_postgres::consumer::Consumer;
-/// use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
+/// use retrysafe::postgres::consumer::Consumer;
+/// use retrysafe::postgres::sqlx::postgres::PgPoolOptions;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let pool = PgPoolOptions::new().connect_lazy("postgres://postgres@127.0.0.1:5432/test").unwrap();

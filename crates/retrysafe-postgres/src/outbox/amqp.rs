@@ -20,8 +20,8 @@
 //! with one).
 //!
 //! ```no_run
-//! use retrysafe_postgres::outbox::amqp::{AmqpPublisher, declare_queue};
-//! use retrysafe_postgres::outbox::{Message, Publisher};
+//! use retrysafe::postgres::outbox::amqp::{AmqpPublisher, declare_queue};
+//! use retrysafe::postgres::outbox::{Message, Publisher};
 //!
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 //! let publisher = AmqpPublisher::new("amqp://guest:guest@127.0.0.1:5672/%2f");
@@ -56,7 +56,7 @@ pub use lapin;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_postgres::outbox::amqp::AmqpPublisher;
+/// use retrysafe::postgres::outbox::amqp::AmqpPublisher;
 ///
 /// let publisher = AmqpPublisher::new("amqp://127.0.0.1:5672/%2f")
 ///     .confirm_timeout(Duration::from_secs(2));

@@ -29,8 +29,8 @@ impl IdempotentTx {
     ///
     /// ```no_run
     /// use bytes::Bytes;
-    /// use retrysafe_postgres::outbox::Message;
-    /// use retrysafe_postgres::tx::IdempotentTx;
+    /// use retrysafe::postgres::outbox::Message;
+    /// use retrysafe::postgres::tx::IdempotentTx;
     ///
     /// async fn handler(mut tx: IdempotentTx) -> Result<&'static str, String> {
     ///     let call = http::Request::post("http://ledger.internal/entries")

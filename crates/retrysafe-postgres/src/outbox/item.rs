@@ -39,7 +39,7 @@ fn storable(mut headers: HeaderMap) -> HeaderMap {
 ///
 /// ```
 /// use bytes::Bytes;
-/// use retrysafe_postgres::outbox::Outgoing;
+/// use retrysafe::postgres::outbox::Outgoing;
 ///
 /// let request = http::Request::post("http://ledger.internal/entries")
 ///     .header("authorization", "Bearer secret")
@@ -82,7 +82,7 @@ impl Outgoing {
     /// publisher that needs credentials has its own.
     ///
     /// ```
-    /// use retrysafe_postgres::outbox::{Message, Outgoing};
+    /// use retrysafe::postgres::outbox::{Message, Outgoing};
     ///
     /// let message = Message::new("", "orders", "created")
     ///     .header("authorization", "Bearer secret")
@@ -149,7 +149,7 @@ impl From<Message> for Outgoing {
 /// is the outbox row's child key.
 ///
 /// ```
-/// use retrysafe_postgres::outbox::Message;
+/// use retrysafe::postgres::outbox::Message;
 ///
 /// let message = Message::new("orders", "order.created", r#"{"order":1}"#)
 ///     .header("content-type", "application/json");

@@ -46,9 +46,9 @@
 //! use std::time::Duration;
 //! use axum::{Router, routing::post, http::StatusCode};
 //! use bytes::Bytes;
-//! use retrysafe_postgres::PostgresStore;
-//! use retrysafe_postgres::outbox::{Outbox, OutboxRelay};
-//! use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+//! use retrysafe::postgres::PostgresStore;
+//! use retrysafe::postgres::outbox::{Outbox, OutboxRelay};
+//! use retrysafe::postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
 //!
 //! async fn order(mut tx: IdempotentTx, body: Bytes) -> Result<StatusCode, StatusCode> {
 //!     sqlx::query("INSERT INTO orders (body) VALUES ($1)")
@@ -83,7 +83,7 @@
 //! relay.stop().await;
 //! # drop(app);
 //! # Ok(()) }
-//! # use retrysafe_postgres::sqlx;
+//! # use retrysafe::postgres::sqlx;
 //! ```
 //!
 //! # The table
@@ -130,7 +130,7 @@ use sql::OutboxSql;
 /// `search_path`), its migration, and [`enqueue`](Outbox::enqueue) on any connection.
 ///
 /// ```
-/// use retrysafe_postgres::outbox::Outbox;
+/// use retrysafe::postgres::outbox::Outbox;
 ///
 /// let sql = Outbox::new().schema("app").table("outbox").migration_sql().unwrap();
 /// assert!(sql.contains("CREATE TABLE IF NOT EXISTS app.outbox"));

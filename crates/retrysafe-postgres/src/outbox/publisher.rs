@@ -17,7 +17,7 @@ use super::Message;
 ///
 /// ```
 /// use std::sync::{Arc, Mutex};
-/// use retrysafe_postgres::outbox::{Message, PublishError, Publisher};
+/// use retrysafe::postgres::outbox::{Message, PublishError, Publisher};
 ///
 /// /// Collects what it is given (a stand-in for a broker).
 /// #[derive(Clone, Default)]
@@ -51,7 +51,7 @@ pub trait Publisher: Send + Sync + 'static {
 /// Why a publish failed. Every kind is retried by the relay.
 ///
 /// ```
-/// use retrysafe_postgres::outbox::PublishError;
+/// use retrysafe::postgres::outbox::PublishError;
 ///
 /// assert_eq!(PublishError::Returned.to_string(), "the broker returned the message: no queue took it");
 /// let e = PublishError::unavailable("connection reset");

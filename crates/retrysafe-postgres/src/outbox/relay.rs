@@ -85,8 +85,8 @@ pub struct RelayPass {
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_postgres::outbox::OutboxRelay;
-/// use retrysafe_postgres::sqlx::postgres::PgPoolOptions;
+/// use retrysafe::postgres::outbox::OutboxRelay;
+/// use retrysafe::postgres::sqlx::postgres::PgPoolOptions;
 ///
 /// # #[tokio::main(flavor = "current_thread")] async fn main() {
 /// let pool = PgPoolOptions::new().connect_lazy("postgres://postgres@127.0.0.1:5432/test").unwrap();

@@ -22,8 +22,8 @@ use crate::{PostgresStore, SynchronousCommit};
 ///
 /// ```no_run
 /// use std::time::Duration;
-/// use retrysafe_postgres::PostgresStore;
-/// use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
+/// use retrysafe::postgres::PostgresStore;
+/// use retrysafe::postgres::tx::{TxBackend, TxIdempotencyLayer};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

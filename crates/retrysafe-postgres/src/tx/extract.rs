@@ -43,7 +43,7 @@ impl TxSlot {
 /// It dereferences to the [`PgConnection`], so `&mut *tx` is an sqlx executor:
 ///
 /// ```no_run
-/// use retrysafe_postgres::tx::IdempotentTx;
+/// use retrysafe::postgres::tx::IdempotentTx;
 ///
 /// async fn pay(mut tx: IdempotentTx) -> Result<&'static str, String> {
 ///     sqlx::query("INSERT INTO payments (account, amount_cents) VALUES ($1, $2)")
@@ -54,7 +54,7 @@ impl TxSlot {
 ///         .map_err(|e| e.to_string())?;
 ///     Ok("paid")
 /// }
-/// # use retrysafe_postgres::sqlx;
+/// # use retrysafe::postgres::sqlx;
 /// ```
 ///
 /// It is a guard, not the transaction: it has no `commit` or `rollback` (the layer

@@ -33,9 +33,9 @@
 //!
 //! ```no_run
 //! use axum::{Router, routing::post, http::StatusCode};
-//! use retrysafe_postgres::{PostgresStore, sqlx};
-//! use retrysafe_postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
-//! use retrysafe_core::idempotency::Principal;
+//! use retrysafe::postgres::{PostgresStore, sqlx};
+//! use retrysafe::postgres::tx::{IdempotentTx, TxBackend, TxIdempotencyLayer};
+//! use retrysafe::idempotency::Principal;
 //!
 //! async fn pay(mut tx: IdempotentTx, body: String) -> Result<(StatusCode, String), StatusCode> {
 //!     // The effect, in the request's transaction: it commits with the key, or not at all.
@@ -82,8 +82,8 @@
 //!
 //! ```no_run
 //! # use std::time::Duration;
-//! # use retrysafe_postgres::PostgresStore;
-//! # use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
+//! # use retrysafe::postgres::PostgresStore;
+//! # use retrysafe::postgres::tx::{TxBackend, TxIdempotencyLayer};
 //! # async fn run(store: PostgresStore) -> Result<(), Box<dyn std::error::Error>> {
 //! let backend = TxBackend::from_store(&store)
 //!     .idle_in_transaction_timeout(Duration::from_secs(5));
@@ -200,8 +200,8 @@ pub use retrysafe_tower::idempotency::ResponseFuture;
 /// ([`acquire_timeout`](TxBackend::acquire_timeout), …):
 ///
 /// ```no_run
-/// use retrysafe_postgres::PostgresStore;
-/// use retrysafe_postgres::tx::{TxBackend, TxIdempotencyLayer};
+/// use retrysafe::postgres::PostgresStore;
+/// use retrysafe::postgres::tx::{TxBackend, TxIdempotencyLayer};
 ///
 /// # async fn run() -> Result<(), Box<dyn std::error::Error>> {
 /// let store = PostgresStore::connect("postgres://postgres@127.0.0.1:5432/test").await?;

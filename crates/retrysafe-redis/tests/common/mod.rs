@@ -3,7 +3,6 @@
 #![allow(dead_code, clippy::panic)]
 
 pub(crate) mod events;
-pub(crate) mod forwarder;
 pub(crate) mod replicated;
 
 use std::time::Duration;

@@ -41,8 +41,8 @@ pub(crate) trait Select: fmt::Debug + Send + Sync + 'static {
 ///
 /// ```
 /// use http::Request;
-/// use retrysafe_core::breaker::{BreakerConfig, State};
-/// use retrysafe_tower::breaker::KeyedBreakers;
+/// use retrysafe::breaker::{BreakerConfig, State};
+/// use retrysafe::breaker::KeyedBreakers;
 ///
 /// let breakers = KeyedBreakers::per_authority(BreakerConfig::default());
 /// let (a, _) = Request::get("http://a.example/x").body(()).unwrap().into_parts();

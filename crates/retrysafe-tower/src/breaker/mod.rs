@@ -43,9 +43,9 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::breaker::{BreakerConfig, CircuitBreaker, State};
-//! use retrysafe_core::error::{CircuitOpen, find};
-//! use retrysafe_tower::breaker::CircuitBreakerLayer;
+//! use retrysafe::breaker::{BreakerConfig, CircuitBreaker, State};
+//! use retrysafe::error::{CircuitOpen, find};
+//! use retrysafe::CircuitBreakerLayer;
 //! use tower::{Service, ServiceBuilder, ServiceExt};
 //!
 //! // Opens at 50 % failures of at least 4 calls.

@@ -41,8 +41,9 @@
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use std::time::Duration;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::error::find;
-//! use retrysafe_tower::chaos::{FaultLayer, ReplyLost};
+//! use retrysafe::error::find;
+//! use retrysafe::FaultLayer;
+//! use retrysafe::chaos::ReplyLost;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // A server whose every call has an effect.

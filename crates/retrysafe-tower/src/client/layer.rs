@@ -77,7 +77,7 @@ impl ClientLayers {
     /// Metric handles are resolved when the stack makes its service (`Layer::layer`).
     ///
     /// ```
-    /// use retrysafe_tower::client::ClientLayers;
+    /// use retrysafe::ClientLayers;
     ///
     /// let layers = ClientLayers::new().name("payments-api");
     /// # let _ = layers;

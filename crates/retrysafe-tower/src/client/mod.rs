@@ -62,11 +62,12 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::{Request, Response};
-//! use retrysafe_core::budget::{BudgetSnapshot, RatioConfig, RetryBudget};
-//! use retrysafe_tower::client::ClientLayers;
-//! use retrysafe_tower::hedge::HedgeLayer;
-//! use retrysafe_tower::retry::ReplayBody;
-//! use retrysafe_tower::throttle::AdaptiveThrottleLayer;
+//! use retrysafe::budget::{BudgetSnapshot, RatioConfig};
+//! use retrysafe::RetryBudget;
+//! use retrysafe::ClientLayers;
+//! use retrysafe::HedgeLayer;
+//! use retrysafe::ReplayBody;
+//! use retrysafe::AdaptiveThrottleLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! // The first copy is slow; the hedge, marked `retry-attempt: 2`, is not.
@@ -108,12 +109,12 @@
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use std::time::Duration;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::breaker::{CircuitBreaker, State};
-//! use retrysafe_core::budget::RetryBudget;
-//! use retrysafe_core::strategy::StandardRetryStrategy;
-//! use retrysafe_tower::breaker::CircuitBreakerLayer;
-//! use retrysafe_tower::client::ClientLayers;
-//! use retrysafe_tower::retry::{ReplayBody, RetryLayer};
+//! use retrysafe::breaker::{CircuitBreaker, State};
+//! use retrysafe::RetryBudget;
+//! use retrysafe::StandardRetryStrategy;
+//! use retrysafe::CircuitBreakerLayer;
+//! use retrysafe::ClientLayers;
+//! use retrysafe::{ReplayBody, RetryLayer};
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let calls = Arc::new(AtomicU32::new(0));

@@ -29,9 +29,9 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::{Request, Response};
-//! use retrysafe_core::Deadline;
-//! use retrysafe_core::error::{find, DeadlineExceeded};
-//! use retrysafe_tower::deadline::DeadlineLayer;
+//! use retrysafe::Deadline;
+//! use retrysafe::error::{find, DeadlineExceeded};
+//! use retrysafe::DeadlineLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()
@@ -82,8 +82,8 @@
 //! use std::time::Duration;
 //! use bytes::Bytes;
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::CallContext;
-//! use retrysafe_tower::deadline::DeadlineLayer;
+//! use retrysafe::CallContext;
+//! use retrysafe::DeadlineLayer;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let svc = ServiceBuilder::new()

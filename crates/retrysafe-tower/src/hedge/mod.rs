@@ -43,8 +43,8 @@
 //! # async fn main() {
 //! use std::time::Duration;
 //! use http::{Request, Response};
-//! use retrysafe_tower::hedge::HedgeLayer;
-//! use retrysafe_tower::retry::ReplayBody;
+//! use retrysafe::HedgeLayer;
+//! use retrysafe::ReplayBody;
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let layer = HedgeLayer::new().delay(Duration::from_millis(20)).build().unwrap();

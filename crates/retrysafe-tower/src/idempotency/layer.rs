@@ -62,7 +62,7 @@ impl<X: fmt::Debug> fmt::Debug for IdempotencyLayer<X> {
 /// ```
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() {
-/// use retrysafe_tower::idempotency::IdempotencyLayer;
+/// use retrysafe::idempotency::IdempotencyLayer;
 /// let layer = IdempotencyLayer::in_memory();
 /// let shutdown = layer.shutdown_handle();
 /// assert_eq!(shutdown.in_flight(), 0);
@@ -259,7 +259,7 @@ impl<X: Backend> IdempotencyLayer<X> {
     ///
     /// ```
     /// use std::time::Duration;
-    /// use retrysafe_tower::idempotency::IdempotencyLayer;
+    /// use retrysafe::idempotency::IdempotencyLayer;
     ///
     /// let error = IdempotencyLayer::in_memory()
     ///     .lease(Duration::ZERO)

@@ -9,8 +9,8 @@
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() {
 //! use axum::{Router, routing::post, http::{Request, StatusCode}, body::Body};
-//! use retrysafe_core::idempotency::Principal;
-//! use retrysafe_tower::idempotency::IdempotencyLayer;
+//! use retrysafe::idempotency::Principal;
+//! use retrysafe::idempotency::IdempotencyLayer;
 //! use std::sync::{Arc, atomic::{AtomicUsize, Ordering}};
 //! use tower::ServiceExt;
 //!

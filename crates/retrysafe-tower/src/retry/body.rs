@@ -6,7 +6,7 @@
 //! use bytes::Bytes;
 //! use http_body::Body as _;
 //! use http_body_util::{BodyExt, Full};
-//! use retrysafe_tower::retry::ReplayBody;
+//! use retrysafe::ReplayBody;
 //!
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -79,7 +79,7 @@ const COMPLETE: u8 = 4;
 /// ```
 /// use bytes::Bytes;
 /// use http_body_util::{BodyExt, Full};
-/// use retrysafe_tower::retry::ReplayBody;
+/// use retrysafe::ReplayBody;
 ///
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

@@ -55,8 +55,8 @@
 //! use std::sync::Arc;
 //! use std::sync::atomic::{AtomicU32, Ordering};
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::strategy::StandardRetryStrategy;
-//! use retrysafe_tower::retry::{ReplayBody, RetryLayer};
+//! use retrysafe::StandardRetryStrategy;
+//! use retrysafe::{ReplayBody, RetryLayer};
 //! use tower::{ServiceBuilder, ServiceExt};
 //!
 //! let calls = Arc::new(AtomicU32::new(0));
@@ -95,8 +95,8 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_core::observe::AttemptNumber;
-//! use retrysafe_tower::retry::{ReplayBody, RetryLayer};
+//! use retrysafe::observe::AttemptNumber;
+//! use retrysafe::{ReplayBody, RetryLayer};
 //! use tower::{ServiceBuilder, ServiceExt};
 //! use tower_http::trace::TraceLayer;
 //!

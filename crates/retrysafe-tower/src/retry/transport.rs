@@ -10,8 +10,8 @@ use retrysafe_core::classify::Failure;
 /// tonic's `ConnectError` and `TimeoutExpired`.
 ///
 /// ```
-/// use retrysafe_core::classify::Failure;
-/// use retrysafe_tower::retry::failure_of;
+/// use retrysafe::classify::Failure;
+/// use retrysafe::retry::failure_of;
 ///
 /// let refused = std::io::Error::from(std::io::ErrorKind::ConnectionRefused);
 /// assert_eq!(failure_of(&refused), Failure::ConnectFailed);

@@ -27,7 +27,8 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use http::{Request, Response, StatusCode};
-//! use retrysafe_tower::throttle::{AdaptiveThrottleLayer, Throttled};
+//! use retrysafe::AdaptiveThrottleLayer;
+//! use retrysafe::throttle::Throttled;
 //! use tower::{Service, ServiceBuilder, ServiceExt};
 //!
 //! // A callee that refuses everything with 429.
