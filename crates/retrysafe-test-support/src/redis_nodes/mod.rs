@@ -10,7 +10,7 @@
 //! use retrysafe_redis::redis::aio::ConnectionManager;
 //! use retrysafe_test_support::redis_nodes::CountingConnection;
 //!
-//! let client = retrysafe::redis::redis::Client::open("redis://127.0.0.1:6379")?;
+//! let client = retrysafe_redis::redis::Client::open("redis://127.0.0.1:6379")?;
 //! let conn = CountingConnection::new(ConnectionManager::new(client).await?);
 //! let store = RedisStore::options().build(conn.clone()).await?;
 //! // ... use the store ...
