@@ -212,8 +212,8 @@ pub struct RequestFacts {
     pub grpc: bool,
     /// The request carried a deadline (`request-timeout-ms` / `grpc-timeout`).
     pub deadline_sent: bool,
-    /// The deadline the request carried had run out, or nearly (see
-    /// [`deadline_spent`]), when the answer came: a 504 / `DEADLINE_EXCEEDED` is then the
+    /// The deadline the request carried had run out, or nearly (within a tenth of it,
+    /// at least 50 ms, of its end), when the answer came: a 504 / `DEADLINE_EXCEEDED` is then the
     /// caller's deadline at work, not the callee's fault, and neutral for breakers.
     pub deadline_spent: bool,
 }

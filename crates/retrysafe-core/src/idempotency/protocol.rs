@@ -310,7 +310,7 @@ pub enum Note {
     ReleaseClaim,
 }
 
-/// The protocol of one guarded request. See the [module docs](self).
+/// The protocol of one guarded request. See the module docs (`protocol.rs`).
 #[derive(Debug)]
 pub struct Protocol {
     policy: Policy,
