@@ -43,10 +43,10 @@ use retrysafe_postgres::sqlx::{self, PgPool};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::ConnectionManager;
-use retrysafe_redis::test_util::CountingConnection;
 use retrysafe_test_support::bench::stores;
 use retrysafe_test_support::bench::stores::*;
 use retrysafe_test_support::proxy::postgres::PgProxy;
+use retrysafe_test_support::redis_nodes::CountingConnection;
 
 /// How long the PostgreSQL pools get to finish the pings they send as connections go
 /// back to the pool, before the proxy's counts are read.

@@ -25,11 +25,11 @@ use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprinter, Record,
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_postgres::PostgresStore;
 use retrysafe_redis::redis::{self, cluster_async::ClusterConnection};
-use retrysafe_redis::test_util::LocalCluster;
 use retrysafe_test_support::eventually;
 use retrysafe_test_support::payments::{
     Answer, Api, PgSpace, RedisSpace, Server, pay_split, record_id,
 };
+use retrysafe_test_support::redis_nodes::LocalCluster;
 use retrysafe_test_support::services::{database_url, host_port, proxy_to, redis_url, with_addr};
 use serde_json::json;
 

@@ -26,8 +26,8 @@ use std::time::Duration;
 use retrysafe_core::idempotency::Token;
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::redis::{self, cluster_async::ClusterConnection};
-use retrysafe_redis::test_util::LocalCluster;
 use retrysafe_test_support::failover::{Effects, Front, Load, app, duplicates};
+use retrysafe_test_support::redis_nodes::LocalCluster;
 use retrysafe_test_support::rng::env_number;
 use retrysafe_tower::idempotency::IdempotencyLayer;
 

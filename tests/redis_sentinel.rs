@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 use http::StatusCode;
 use retrysafe_core::idempotency::Token;
 use retrysafe_redis::redis;
-use retrysafe_redis::test_util::LocalSentinel;
 use retrysafe_test_support::payments::{Answer, Api, Server, run_to_exit};
+use retrysafe_test_support::redis_nodes::LocalSentinel;
 use retrysafe_test_support::rng::env_number;
 
 /// How long a logical payment keeps trying (409, 503, a lost connection) for a final

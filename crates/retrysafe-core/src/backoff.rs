@@ -92,6 +92,7 @@ impl Backoff {
 
     /// The base used after a throttle (at most the cap, checked by
     /// [`build`](Self::build)).
+    #[doc(hidden)]
     #[must_use]
     pub fn with_throttle_base(mut self, base: Duration) -> Self {
         self.throttle_base = base;
@@ -209,6 +210,7 @@ impl RetryRng {
     }
 
     /// A generator seeded from the operating system.
+    #[doc(hidden)]
     pub fn from_os() -> Self {
         RetryRng(SmallRng::from_os_rng())
     }

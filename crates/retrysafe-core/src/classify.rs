@@ -171,6 +171,7 @@ impl Classification {
     }
 
     /// What a breaker counts.
+    #[doc(hidden)]
     pub fn breaker_outcome(&self) -> BreakerOutcome {
         match self.fault {
             None | Some(FaultSide::Client) => BreakerOutcome::Success,
@@ -211,8 +212,8 @@ pub struct RequestFacts {
     pub grpc: bool,
     /// The request carried a deadline (`request-timeout-ms` / `grpc-timeout`).
     pub deadline_sent: bool,
-    /// The deadline the request carried had run out, or nearly (see
-    /// [`deadline_spent`]), when the answer came: a 504 / `DEADLINE_EXCEEDED` is then the
+    /// The deadline the request carried had run out, or nearly (within a tenth of it,
+    /// at least 50 ms, of its end), when the answer came: a 504 / `DEADLINE_EXCEEDED` is then the
     /// caller's deadline at work, not the callee's fault, and neutral for breakers.
     pub deadline_spent: bool,
 }
@@ -237,6 +238,7 @@ impl RequestFacts {
     };
 
     /// These facts for a gRPC request.
+    #[doc(hidden)]
     #[must_use]
     pub const fn grpc(mut self) -> Self {
         self.grpc = true;
@@ -252,6 +254,7 @@ impl RequestFacts {
     }
 
     /// These facts for a request that carried a deadline header.
+    #[doc(hidden)]
     #[must_use]
     pub const fn with_deadline_sent(mut self) -> Self {
         self.deadline_sent = true;
@@ -260,6 +263,7 @@ impl RequestFacts {
 
     /// These facts for a request whose deadline had run out (or nearly) when the answer
     /// came (see [`deadline_spent`]); it was sent, too.
+    #[doc(hidden)]
     #[must_use]
     pub const fn with_deadline_spent(mut self) -> Self {
         self.deadline_sent = true;
@@ -269,6 +273,7 @@ impl RequestFacts {
 
     /// Facts about a request with this method and these headers (`safe` from the
     /// method and key only; set it for a request the user declared idempotent).
+    #[doc(hidden)]
     pub fn of(method: &http::Method, headers: &HeaderMap, convention: &Convention) -> Self {
         let has_key = headers.contains_key(convention.idempotency_key());
         RequestFacts {
@@ -385,7 +390,7 @@ const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::classify::deadline_spent;
+/// use retrysafe_core::__private::deadline_spent;
 ///
 /// let given = Duration::from_secs(1);
 /// assert!(deadline_spent(given, Duration::from_millis(950)));
@@ -393,15 +398,13 @@ const SPENT_SLACK_MIN: Duration = Duration::from_millis(50);
 /// assert!(!deadline_spent(given, Duration::from_millis(100)));
 /// ```
 #[must_use]
-#[doc(hidden)]
-pub fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
+pub(crate) fn deadline_spent(given: Duration, elapsed: Duration) -> bool {
     let slack = (given / 10).max(SPENT_SLACK_MIN);
     elapsed.saturating_add(slack) >= given
 }
 
 /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
-#[doc(hidden)]
-pub fn is_grpc(headers: &HeaderMap) -> bool {
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))

@@ -28,6 +28,7 @@ pub struct ConfigError {
 
 impl ConfigError {
     /// An error about `field`.
+    #[doc(hidden)]
     pub fn new(field: &'static str, reason: &'static str) -> Self {
         ConfigError {
             field,
@@ -37,6 +38,7 @@ impl ConfigError {
     }
 
     /// This error and `other`'s fields after it.
+    #[doc(hidden)]
     #[must_use]
     pub fn and(mut self, other: ConfigError) -> Self {
         self.more.push((other.field, other.reason));

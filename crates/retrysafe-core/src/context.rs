@@ -97,6 +97,7 @@ impl CallContext {
     }
 
     /// Runs `f` with this context current; for the synchronous part of a `call`.
+    #[doc(hidden)]
     pub fn sync_scope<R>(self, f: impl FnOnce() -> R) -> R {
         CURRENT.sync_scope(self, f)
     }

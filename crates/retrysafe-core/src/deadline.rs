@@ -54,6 +54,7 @@ impl Deadline {
     /// let deadline = Deadline::after_from(Duration::from_secs(2), now);
     /// assert_eq!(deadline.instant() - now, Duration::from_secs(2));
     /// ```
+    #[doc(hidden)]
     #[inline]
     pub fn after_from(timeout: Duration, now: Instant) -> Self {
         Deadline(now.checked_add(timeout.min(MAX_TIMEOUT)).unwrap_or(now))
@@ -99,6 +100,7 @@ impl Deadline {
     /// extensions.insert(sooner);
     /// assert_eq!(own.tightened_by(&extensions), sooner);
     /// ```
+    #[doc(hidden)]
     #[must_use]
     pub fn tightened_by(self, extensions: &http::Extensions) -> Deadline {
         let inherited = crate::CallContext::inherited(extensions).and_then(|c| c.deadline());

@@ -15,7 +15,8 @@ use std::sync::atomic::Ordering::{Relaxed, SeqCst};
 
 use crate::sync::AtomicU64;
 
-/// The number of the driver that runs, if one does; see the [module docs](self).
+/// The number of the driver that runs, if one does (the protocol is in the docs of
+/// this module, `driver.rs`).
 ///
 /// Registrations call [`ensure`](Self::ensure) after registering. The driver calls
 /// [`idle`](Self::idle) when its look finds nothing waiting, and [`gone`](Self::gone)

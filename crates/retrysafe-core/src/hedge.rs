@@ -12,7 +12,7 @@
 //! # #[tokio::main(flavor = "current_thread", start_paused = true)]
 //! # async fn main() {
 //! use std::time::Duration;
-//! use retrysafe::hedge::{HedgeDelay, LatencyTracker};
+//! use retrysafe_core::__private::{HedgeDelay, LatencyTracker};
 //!
 //! let tracker = LatencyTracker::new(0.9, Duration::from_secs(30));
 //! let delay = HedgeDelay::Percentile(tracker.clone());
@@ -58,15 +58,15 @@ const RECOMPUTE_EVERY: u64 = 16;
 const RECOMPUTE_EVERY: u64 = 2;
 /// Samples the window must hold before a percentile is given.
 #[cfg(not(loom))]
-pub const MIN_SAMPLES: u64 = 20;
+pub(crate) const MIN_SAMPLES: u64 = 20;
 /// Samples the window must hold before a percentile is given (2 under loom, so a
 /// model's few samples give one).
 #[cfg(loom)]
-pub const MIN_SAMPLES: u64 = 2;
+pub(crate) const MIN_SAMPLES: u64 = 2;
 /// A generation's epoch while one thread clears it for a new one: never live.
 const CLEARING: u64 = u64::MAX;
 /// The shortest delay a percentile gives: hedging faster than this mostly adds load.
-pub const MIN_PERCENTILE_DELAY: Duration = Duration::from_millis(10);
+pub(crate) const MIN_PERCENTILE_DELAY: Duration = Duration::from_millis(10);
 
 /// Marks a copy of a request sent by a hedging layer, for a `RetryLayer` below it: the
 /// copy is made once and passed through (the hedging layer decides what it is worth),
@@ -134,7 +134,7 @@ pub enum HedgeDelay {
     /// After a fixed delay.
     Fixed(Duration),
     /// After the tracker's percentile of recent latencies (at least
-    /// [`MIN_PERCENTILE_DELAY`]); no hedge until it has [`MIN_SAMPLES`].
+    /// `MIN_PERCENTILE_DELAY`, 10 ms); no hedge until it has `MIN_SAMPLES` (20).
     Percentile(LatencyTracker),
 }
 
@@ -174,7 +174,7 @@ struct Tracker {
 }
 
 /// A rolling percentile of latencies: a cheap `Clone` handle on shared, lock-free
-/// state. See the [module documentation](self).
+/// state. See the module documentation (`hedge.rs`).
 #[derive(Clone)]
 pub struct LatencyTracker {
     inner: Arc<Tracker>,
@@ -218,7 +218,7 @@ impl LatencyTracker {
         }
     }
 
-    /// The percentile of the window, as last computed; `None` before [`MIN_SAMPLES`].
+    /// The percentile of the window, as last computed; `None` before `MIN_SAMPLES` (20).
     pub fn percentile(&self) -> Option<Duration> {
         self.inner
             .cached

@@ -21,8 +21,7 @@
 //!   retry point, deadline, per-attempt headers, classify, retry or give up, hooks) —
 //!   that the tower `RetryLayer` and the reqwest `RetryMiddleware` drive;
 //! - [`breaker`]: the circuit breaker's state machine and sliding windows;
-//! - [`hedge`]: when a hedging client sends a hedge (a fixed delay, or a rolling
-//!   latency percentile); [`throttle`]: the adaptive client-side throttle of Google
+//! - [`throttle`]: the adaptive client-side throttle of Google
 //!   SRE's "Handling Overload";
 //! - [`recovery`]: the reconciler, which brings every pending record to a definite
 //!   state through the application's resolver, and an operator's API;
@@ -38,11 +37,10 @@ pub mod classify;
 mod config;
 mod context;
 mod deadline;
-#[doc(hidden)]
-pub mod driver;
+mod driver;
 pub mod error;
 mod hash;
-pub mod hedge;
+mod hedge;
 pub mod idempotency;
 pub mod observe;
 pub mod problem;
@@ -51,8 +49,7 @@ pub mod retry;
 mod ring;
 pub mod store;
 pub mod strategy;
-#[doc(hidden)]
-pub mod stripe;
+mod stripe;
 mod sync;
 pub mod throttle;
 pub mod wire;
@@ -65,18 +62,33 @@ pub use config::ConfigError;
 pub mod __private {
     pub use crate::backoff::RngSource;
     pub use crate::budget::BudgetId;
-    pub use crate::classify::{BreakerFacts, is_grpc};
+    pub use crate::classify::BreakerFacts;
+
+    /// Whether headers describe a gRPC message (`content-type: application/grpc…`).
+    pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+        crate::classify::is_grpc(headers)
+    }
+
+    /// Whether a deadline of `given` had run out, or nearly, `elapsed` after the request
+    /// was sent: within a tenth of `given` (at least 50 ms) of its end.
+    pub fn deadline_spent(given: std::time::Duration, elapsed: std::time::Duration) -> bool {
+        crate::classify::deadline_spent(given, elapsed)
+    }
+
+    /// The least time an attempt is started with: 1 ms, the smallest
+    /// `request-timeout-ms`.
+    pub const MIN_ATTEMPT_TIME: std::time::Duration = crate::strategy::MIN_ATTEMPT_TIME;
     pub use crate::config::Validate;
     pub use crate::deadline::ExpiryObserver;
     pub use crate::driver::DriverSlot;
     pub use crate::hash::{DigestHash, DigestHasher};
-    pub use crate::hedge::{HedgeCopy, HedgeRace};
+    pub use crate::hedge::{HedgeCopy, HedgeDelay, HedgeRace, LatencyTracker};
 
     /// `Record::Completed(done.clone()).encode()`, without the clone.
     pub fn encode_completed(done: &crate::idempotency::Completed) -> bytes::Bytes {
         done.encode_record()
     }
-    pub use crate::idempotency::Disposition;
+    pub use crate::idempotency::decision::Disposition;
 
     /// [`IdempotencyContext::new`](crate::idempotency::IdempotencyContext::new) for a
     /// layer that already holds the record id of `scope` and `key` (`id` must be
@@ -98,7 +110,16 @@ pub mod __private {
             store_timeout,
         )
     }
-    pub use crate::idempotency::protocol;
+    /// The claim → wait → run → complete protocol of one guarded request, which every
+    /// idempotency engine drives.
+    pub mod protocol {
+        pub use crate::idempotency::protocol::*;
+    }
+
+    /// The metric handles of the retrysafe crates.
+    pub mod handles {
+        pub use crate::observe::handles::*;
+    }
     pub use crate::recovery::Reconcilers;
     pub use crate::retry::{
         Attempt, IdempotentIf, RequestHead, RetryCall, RetryPolicy, Verdict, child_key_label,

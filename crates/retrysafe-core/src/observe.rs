@@ -282,9 +282,8 @@ pub mod names {
 
 /// Metric handles for the retrysafe crates, resolved once when an instance is built.
 /// Without the feature `metrics` they are empty and every call on them compiles to
-/// nothing. Not part of the public API.
-#[doc(hidden)]
-pub mod handles {
+/// nothing. Reached by the sibling crates through `__private::handles`.
+pub(crate) mod handles {
     use super::Name;
 
     /// The labels of a handle: `name` first, then at most one more.

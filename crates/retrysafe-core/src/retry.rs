@@ -691,7 +691,7 @@ pub enum Verdict {
 /// attempt, the adapter:
 ///
 /// 1. refuses to start it when [`too_late`](Self::too_late) (less than
-///    [`MIN_ATTEMPT_TIME`] left);
+///    `MIN_ATTEMPT_TIME`, 1 ms, left);
 /// 2. sets the per-attempt headers with [`prepare_attempt`](Self::prepare_attempt)
 ///    (`retry-attempt`, `grpc-previous-rpc-attempts`, the time left as
 ///    `request-timeout-ms` or `grpc-timeout`, the [`RetryCharged`] mark);
@@ -713,7 +713,7 @@ pub enum Verdict {
 /// use http::{HeaderMap, Request, StatusCode};
 /// use retrysafe_core::retry::{Verdict, Attempt, RetryPolicy};
 /// use retrysafe::StandardRetryStrategy;
-/// use retrysafe_core::stripe::Striped;
+/// use retrysafe_core::__private::Striped;
 ///
 /// let policy = Striped::new(RetryPolicy::new().with_strategy(StandardRetryStrategy::new().seed(1)));
 /// let (mut head, ()) = Request::get("http://api/items").body(()).unwrap().into_parts();
@@ -814,7 +814,7 @@ impl RetryCall {
     }
 
     /// Whether the deadline leaves too little time to start an attempt (less than
-    /// [`MIN_ATTEMPT_TIME`]). Checked before every attempt, after any wait.
+    /// `MIN_ATTEMPT_TIME`, 1 ms). Checked before every attempt, after any wait.
     pub fn too_late(&self) -> bool {
         Self::too_late_with(self.time_left())
     }

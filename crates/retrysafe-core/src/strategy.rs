@@ -49,8 +49,7 @@ use crate::config::Validate;
 use crate::wire::MAX_TIMEOUT;
 
 /// The least time an attempt is started with: 1 ms, the smallest `request-timeout-ms`.
-#[doc(hidden)]
-pub const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(1);
+pub(crate) const MIN_ATTEMPT_TIME: Duration = Duration::from_millis(1);
 
 /// Why a strategy stopped retrying.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -83,6 +82,7 @@ impl GiveUp {
 
     /// Whether the failure was retryable and retrying stopped for another reason: the
     /// caller must then not retry either (the response is marked `do-not-retry`).
+    #[doc(hidden)]
     pub fn after_retryable_failure(self) -> bool {
         !matches!(self, GiveUp::NotRetryable)
     }
@@ -177,6 +177,7 @@ pub trait RetryStrategy: fmt::Debug + Send + Sync + 'static {
     /// reading of tokio's clock the caller has just made (for the call's deadline): a
     /// budget that counts requests by time takes it instead of reading the clock again
     /// ([`RetryBudget::deposit_at`]). The default ignores `now`.
+    #[doc(hidden)]
     fn acquire_initial_retry_token_at(
         &self,
         budget: Option<RetryBudget>,
@@ -355,6 +356,7 @@ impl StandardRetryStrategy {
     }
 
     /// The configured budget.
+    #[doc(hidden)]
     pub fn retry_budget(&self) -> Option<&RetryBudget> {
         self.budget.as_ref()
     }

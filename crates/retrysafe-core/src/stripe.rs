@@ -21,7 +21,6 @@ use crate::sync::{Arc, AtomicU64, AtomicUsize, now};
 /// `CachePadded`s never share a line, so writes to one do not slow down the other.
 #[derive(Debug, Default)]
 #[repr(align(128))]
-#[doc(hidden)]
 pub struct CachePadded<T>(pub T);
 
 /// The next stripe index to hand out to a thread that touches a striped counter for
@@ -111,7 +110,7 @@ pub(crate) fn stripe_count() -> usize {
 /// machine, 4 KiB at most — made once, in [`new`](Self::new).
 ///
 /// ```
-/// use retrysafe_core::stripe::Striped;
+/// use retrysafe_core::__private::Striped;
 ///
 /// let shared = Striped::new(String::from("config"));
 /// let handle = shared.clone();

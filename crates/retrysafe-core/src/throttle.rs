@@ -121,11 +121,13 @@ impl ThrottleConfig {
     }
 
     /// The window length.
+    #[doc(hidden)]
     pub fn window(&self) -> Duration {
         self.window
     }
 
     /// `K`.
+    #[doc(hidden)]
     pub fn k(&self) -> f64 {
         self.k
     }
@@ -209,6 +211,7 @@ impl AdaptiveThrottle {
     }
 
     /// The configuration in use.
+    #[doc(hidden)]
     pub fn config(&self) -> &ThrottleConfig {
         &self.inner.config
     }
@@ -217,6 +220,7 @@ impl AdaptiveThrottle {
     /// uniform random number in `[0, 1)`; the call is rejected when it is below the
     /// [rejection probability](Self::rejection_probability) (so a draw of 1.0 always
     /// passes, and a fixed sequence of draws makes decisions reproducible).
+    #[doc(hidden)]
     #[must_use = "`false` means the call is rejected"]
     pub fn admit(&self, draw: f64) -> bool {
         let reject = draw < self.rejection_probability();
@@ -225,6 +229,7 @@ impl AdaptiveThrottle {
     }
 
     /// Counts one answer the callee accepted (not throttled, not overloaded).
+    #[doc(hidden)]
     pub fn record_accept(&self) {
         self.count(|c| &c.accepts);
     }
@@ -242,6 +247,7 @@ impl AdaptiveThrottle {
     }
 
     /// `(requests, accepts)` in the current window, over every stripe.
+    #[doc(hidden)]
     pub fn counts(&self) -> (u64, u64) {
         let window = Window::new::<Count>(self.inner.clock.0.epoch(), BUCKETS_NONZERO);
         self.inner
@@ -259,6 +265,7 @@ impl AdaptiveThrottle {
     }
 
     /// Whether `self` and `other` are handles on the same throttle.
+    #[doc(hidden)]
     pub fn same_throttle(&self, other: &AdaptiveThrottle) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }

@@ -21,7 +21,7 @@ use loom_support::check;
 
 use loom::sync::{Arc, Mutex};
 use loom::thread;
-use retrysafe_core::driver::DriverSlot;
+use retrysafe_core::__private::DriverSlot;
 
 /// The claims waiting for the driver, and those it took (in order).
 #[derive(Default)]

@@ -23,7 +23,7 @@ use loom_support::check;
 use std::time::Duration;
 
 use loom::thread;
-use retrysafe_core::hedge::LatencyTracker;
+use retrysafe_core::__private::LatencyTracker;
 use retrysafe_core::loom_clock;
 
 const WINDOW: Duration = Duration::from_secs(1);

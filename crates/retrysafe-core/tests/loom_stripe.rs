@@ -23,7 +23,7 @@ use loom_support::check;
 use loom::sync::Arc;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::thread;
-use retrysafe_core::stripe::{Local, Striped};
+use retrysafe_core::__private::{Local, Striped};
 
 /// A value that counts its drops.
 #[derive(Debug)]

@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode};
+use retrysafe_core::__private::Striped;
 use retrysafe_core::backoff::{Backoff, RngSource};
 use retrysafe_core::budget::{RatioConfig, RetryBudget, RetryCost};
 use retrysafe_core::classify::{Failure, FaultSide};
@@ -26,7 +27,6 @@ use retrysafe_core::retry::{
 use retrysafe_core::strategy::{
     GiveUp, Idempotent, NoRetry, RetryCharged, RetryStrategy, RetryToken, StandardRetryStrategy,
 };
-use retrysafe_core::stripe::Striped;
 use retrysafe_core::wire::{Convention, IdempotencyKey};
 use retrysafe_core::{CallContext, Deadline};
 use tokio::time::Instant;

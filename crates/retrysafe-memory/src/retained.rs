@@ -9,8 +9,8 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use retrysafe_core::__private::DigestHash;
+use retrysafe_core::__private::handles::Gauge;
 use retrysafe_core::idempotency::{Fingerprint, RecordId, RequestInfo, Token, UnknownReason};
-use retrysafe_core::observe::handles::Gauge;
 
 use crate::order::{NIL, Order, Slot};
 use crate::sketch::Sketch;

@@ -8,7 +8,7 @@ use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{Completed, Record, RecordId, Token, UnknownReason};
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 
-use retrysafe_core::observe::handles::Gauge;
+use retrysafe_core::__private::handles::Gauge;
 use retrysafe_core::observe::{Name, names};
 
 use crate::inner::{EvictionFn, HookFn, Inner, Settings};
@@ -135,9 +135,11 @@ pub struct MemoryStore {
 
 impl MemoryStore {
     /// The default bound of the in-flight map: 10 000 claims.
+    #[doc(hidden)]
     pub const DEFAULT_MAX_IN_FLIGHT: usize = 10_000;
 
     /// The default byte bound of the records and tombstones: 64 MiB.
+    #[doc(hidden)]
     pub const DEFAULT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 
     /// The bytes a kept record costs beyond its encoded length and its 32-byte key: its
@@ -347,11 +349,13 @@ impl MemoryStore {
 
     /// The number of completed and `outcome_unknown` records kept (tombstones not
     /// counted).
+    #[doc(hidden)]
     pub fn cached_len(&self) -> u64 {
         self.inner.retained_stats().1
     }
 
     /// The number of tombstones kept.
+    #[doc(hidden)]
     pub fn tombstones_len(&self) -> u64 {
         self.inner.retained_stats().2
     }

@@ -150,10 +150,6 @@ pub mod tx;
 pub use replication::{ReplicationReport, SynchronousCommit};
 pub use store::{PostgresStore, PostgresStoreError, PostgresStoreOptions, SweeperHandle, Swept};
 
-/// Another name of [`PostgresStoreOptions`], hidden: for code and doc links that name it.
-#[doc(hidden)]
-pub type PostgresStoreBuilder = PostgresStoreOptions;
-
 /// The sqlx this crate is built on, for [`PgPool`](sqlx::PgPool) and connection
 /// options of the same version.
 pub use sqlx;

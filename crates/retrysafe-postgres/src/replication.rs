@@ -53,6 +53,7 @@ impl SynchronousCommit {
 
     /// Whether a commit at this level waits for a synchronous standby (when one is
     /// configured).
+    #[doc(hidden)]
     pub fn waits_for_standby(self) -> bool {
         matches!(
             self,

@@ -125,9 +125,11 @@ impl fmt::Debug for PostgresStore {
 impl PostgresStore {
     /// The default table name, `retrysafe_idempotency` (in the connection's
     /// `search_path`).
+    #[doc(hidden)]
     pub const DEFAULT_TABLE: &'static str = sql::DEFAULT_TABLE;
 
     /// The default store-call timeout: 1 s.
+    #[doc(hidden)]
     pub const DEFAULT_CALL_TIMEOUT: Duration = Duration::from_secs(1);
 
     /// The store's name ([`PostgresStoreOptions::name`]; `default` unless set).
@@ -164,11 +166,13 @@ impl PostgresStore {
     }
 
     /// The pool the store uses.
+    #[doc(hidden)]
     pub fn pool(&self) -> &PgPool {
         &self.inner.pool
     }
 
     /// The table, qualified by its schema when one is set.
+    #[doc(hidden)]
     pub fn table(&self) -> &str {
         &self.inner.sql.table
     }
@@ -186,6 +190,7 @@ impl PostgresStore {
     /// assert!(sql.contains("ON app.keys (expires_at)"));
     /// assert!(sql.contains("ALTER TABLE app.keys\n    ADD COLUMN IF NOT EXISTS request"));
     /// ```
+    #[doc(hidden)]
     pub fn migration_sql(&self) -> String {
         self.inner.sql.migration_script()
     }

@@ -45,6 +45,7 @@ pub enum EvictionPolicy {
 
 impl EvictionPolicy {
     /// Reads a `maxmemory-policy` value (case-insensitive).
+    #[doc(hidden)]
     pub fn parse(value: &str) -> Self {
         let v = value.trim().to_ascii_lowercase();
         if v == "noeviction" {

@@ -117,8 +117,6 @@ mod scripts;
 mod sentinel;
 pub mod slots;
 mod store;
-#[cfg(feature = "test-util")]
-pub mod test_util;
 
 pub use check::{ConfigReport, EvictionPolicy, RedisStoreError};
 #[cfg(feature = "sentinel")]

@@ -416,16 +416,19 @@ where
 
     /// How many replicas must acknowledge a claim, commit point or completion (see
     /// [`RedisStoreOptions::replicated_writes`]); 0 when the setting is off.
+    #[doc(hidden)]
     pub fn replicas(&self) -> u32 {
         self.replication.map_or(0, |r| r.replicas)
     }
 
     /// The key prefix.
+    #[doc(hidden)]
     pub fn key_prefix(&self) -> &str {
         &self.config.prefix
     }
 
     /// The bound on every store call.
+    #[doc(hidden)]
     pub fn call_timeout(&self) -> Duration {
         self.config.call_timeout
     }

@@ -22,8 +22,8 @@ use retrysafe_core::idempotency::{
 use retrysafe_core::recovery::{ReconcilableStore, Settlement};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_redis::test_util::LocalCluster;
 use retrysafe_redis::{RedisStore, RedisStoreOptions};
+use retrysafe_test_support::redis_nodes::LocalCluster;
 
 mod conformance {
     retrysafe_core::store_conformance_tests! {

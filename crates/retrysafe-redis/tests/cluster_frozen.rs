@@ -24,7 +24,7 @@ use retrysafe_core::idempotency::{CommitPoint, Fingerprint, RecordId, Token};
 use retrysafe_core::store::{Claim, IdempotencyStore};
 use retrysafe_redis::RedisStore;
 use retrysafe_redis::slots::slot_of_record;
-use retrysafe_redis::test_util::LocalCluster;
+use retrysafe_test_support::redis_nodes::LocalCluster;
 use tokio::time::Instant;
 
 /// How long the store may take to answer again once the replica is promoted.

@@ -22,7 +22,7 @@ use retrysafe_core::recovery::{PendingState, ReconcilableStore, Settlement};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, MAX_NOTE};
 use retrysafe_redis::RedisStore;
-use retrysafe_redis::test_util::CountingConnection;
+use retrysafe_test_support::redis_nodes::CountingConnection;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 

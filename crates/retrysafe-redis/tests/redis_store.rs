@@ -21,8 +21,8 @@ use retrysafe_core::idempotency::{
 };
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
-use retrysafe_redis::test_util::CountingConnection;
 use retrysafe_redis::{EvictionPolicy, RedisStore, RedisStoreError};
+use retrysafe_test_support::redis_nodes::CountingConnection;
 use retrysafe_test_support::services::{host_port, proxy_to, redis_url, with_addr};
 use tokio::net::TcpListener;
 

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use retrysafe_redis::RedisStore;
-use retrysafe_redis::test_util::LocalCluster;
+use retrysafe_test_support::redis_nodes::LocalCluster;
 
 /// The pause before a failed store call is made again.
 const PAUSE: Duration = Duration::from_millis(25);

@@ -33,9 +33,9 @@ use common::{fresh_prefix, manager_to};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
-use retrysafe_redis::test_util::LocalSentinel;
 use retrysafe_redis::{RedisStore, RedisStoreError, SentinelConnection};
 use retrysafe_test_support::proxy::FaultProxy;
+use retrysafe_test_support::redis_nodes::LocalSentinel;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
 

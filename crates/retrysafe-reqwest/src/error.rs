@@ -82,6 +82,7 @@ pub fn find<E: StdError + 'static>(error: &reqwest_middleware::Error) -> Option<
 /// let error = Fetch(reqwest_middleware::Error::middleware(DeadlineExceeded::new()));
 /// assert!(find_in::<DeadlineExceeded>(&error).is_some());
 /// ```
+#[doc(hidden)]
 pub fn find_in<'a, E: StdError + 'static>(error: &'a (dyn StdError + 'static)) -> Option<&'a E> {
     let mut current = Some(error);
     let mut seen = 0;

@@ -25,7 +25,7 @@
 //!   attempt is bounded by the time left (and by an explicitly set
 //!   [`attempt_timeout`](retrysafe_core::strategy::StandardRetryStrategy::attempt_timeout)
 //!   when the request may be retried) and carries that bound as `request-timeout-ms`; no
-//!   attempt starts with less than [`MIN_ATTEMPT_TIME`](retrysafe_core::strategy::MIN_ATTEMPT_TIME)
+//!   attempt starts with less than `MIN_ATTEMPT_TIME` (1 ms)
 //!   left; when it runs out, the error is [`DeadlineExceeded`];
 //! - sends `retry-attempt: N` on attempts 2 and later;
 //! - makes one attempt when the caller is the retry point (inherited `retry-point:

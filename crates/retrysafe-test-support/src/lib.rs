@@ -3,11 +3,12 @@
 //! ([`client_stack`]) and the two forms of the client stack ([`forms`]), the drivers
 //! of the example binaries ([`example`], [`payments`]), the Redis and PostgreSQL every
 //! test shares ([`services`]), the PostgreSQL store's own fixtures ([`pg_store`]),
-//! private servers a test may kill ([`private`]), the failover load ([`failover`]), the
-//! observability probes ([`observe`]), the test authentication ([`bearer`]), the lease
-//! race engine ([`lease_race`]), the measurement examples' harness ([`measurement`]),
-//! seeded randomness ([`rng`]), and the benches' yardsticks and load helpers
-//! ([`bench`](mod@bench)).
+//! private servers a test may kill ([`private`]), local Redis Clusters and Sentinel
+//! services and a connection that counts round trips ([`redis_nodes`]), the failover
+//! load ([`failover`]), the observability probes ([`observe`]), the test
+//! authentication ([`bearer`]), the lease race engine ([`lease_race`]), the
+//! measurement examples' harness ([`measurement`]), seeded randomness ([`rng`]), and
+//! the benches' yardsticks and load helpers ([`bench`](mod@bench)).
 //!
 //! Not published: a dev-dependency of the workspace's crates, never a dependency.
 // Test support: a broken invariant of the test itself is a panic, and the helpers that
@@ -33,6 +34,7 @@ pub mod payments;
 pub mod pg_store;
 pub mod private;
 pub mod proxy;
+pub mod redis_nodes;
 pub mod rng;
 pub mod services;
 

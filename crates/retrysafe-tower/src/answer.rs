@@ -193,7 +193,7 @@ fn grpc_answer<B: Default>(
 
 /// A Trailers-Only gRPC response with `code`, `message` (percent-encoded as gRPC
 /// requires) and `do-not-retry: 1`.
-pub fn grpc_status_response<B: Default>(
+pub(crate) fn grpc_status_response<B: Default>(
     code: u8,
     message: &str,
     convention: &Convention,
@@ -288,7 +288,11 @@ pin_project_lite::pin_project! {
 
 impl<B> LocalBody<B> {
     /// The inner service's body.
-    pub fn inner(body: B) -> Self {
+    #[allow(
+        dead_code,
+        reason = "used by the layers that answer by themselves, behind their features"
+    )]
+    pub(crate) fn inner(body: B) -> Self {
         LocalBody {
             kind: LocalKind::Inner { body },
         }

@@ -79,7 +79,7 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 /// The default margin taken off an inbound deadline for outbound calls: 10 ms.
-pub const DEFAULT_MARGIN: Duration = Duration::from_millis(10);
+pub(crate) const DEFAULT_MARGIN: Duration = Duration::from_millis(10);
 
 #[derive(Debug, Clone)]
 pub(crate) struct Inbound {
@@ -377,6 +377,7 @@ impl<B> ResponseBody<B> {
     }
 
     /// Whether the trailers are still watched (a gRPC stream not yet at its end).
+    #[doc(hidden)]
     pub fn is_watched(&self) -> bool {
         self.watch.is_some()
     }

@@ -304,6 +304,7 @@ impl CircuitBreaker {
     }
 
     /// The configuration, as used (each field in its range).
+    #[doc(hidden)]
     pub fn config(&self) -> &BreakerConfig {
         &self.shared.config
     }

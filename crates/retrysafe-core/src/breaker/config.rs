@@ -416,11 +416,13 @@ impl BreakerConfig {
     }
 
     /// The breaker's name.
+    #[doc(hidden)]
     pub fn name(&self) -> &Name {
         &self.name
     }
 
     /// The rejection hook, if any.
+    #[doc(hidden)]
     pub fn on_rejection(&self) -> Option<&RejectionHook> {
         self.on_rejection.as_ref()
     }

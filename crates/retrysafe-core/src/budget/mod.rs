@@ -620,6 +620,7 @@ impl RetryBudget {
     /// assert!(matches!(budget.snapshot(), BudgetSnapshot::Ratio { deposits: 1, .. }));
     /// # }
     /// ```
+    #[doc(hidden)]
     pub fn deposit_at(&self, now: Instant) {
         match &self.inner.kind {
             Inner::Ratio(r) => r.deposit_at(now),
@@ -676,6 +677,7 @@ impl RetryBudget {
     }
 
     /// The ratio configuration, or `None` for a token bucket.
+    #[doc(hidden)]
     pub fn ratio_config(&self) -> Option<&RatioConfig> {
         match &self.inner.kind {
             Inner::Ratio(r) => Some(r.config()),
@@ -684,6 +686,7 @@ impl RetryBudget {
     }
 
     /// The token bucket configuration, or `None` for a ratio budget.
+    #[doc(hidden)]
     pub fn token_bucket_config(&self) -> Option<&TokenBucketConfig> {
         match &self.inner.kind {
             Inner::Ratio(_) => None,

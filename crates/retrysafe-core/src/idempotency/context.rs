@@ -44,6 +44,7 @@ struct Inner {
 
 impl IdempotencyContext {
     /// The context of a claim held with `token` on `store`.
+    #[doc(hidden)]
     pub fn new(
         scope: Scope,
         key: IdempotencyKey,

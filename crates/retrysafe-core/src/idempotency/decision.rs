@@ -28,7 +28,7 @@ impl Disposition {
     ///
     /// ```
     /// use http::StatusCode;
-    /// use retrysafe_core::idempotency::Disposition;
+    /// use retrysafe_core::__private::Disposition;
     /// assert_eq!(Disposition::of(StatusCode::CREATED, false), Disposition::Store);
     /// assert_eq!(Disposition::of(StatusCode::UNPROCESSABLE_ENTITY, false), Disposition::Store);
     /// assert_eq!(Disposition::of(StatusCode::TOO_MANY_REQUESTS, false), Disposition::Release);

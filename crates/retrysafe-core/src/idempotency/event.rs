@@ -114,6 +114,7 @@ pub enum Decision {
 
 impl Decision {
     /// Every decision, in the order of [`index`](Self::index).
+    #[doc(hidden)]
     pub const ALL: [Decision; 12] = [
         Decision::First,
         Decision::Takeover,
@@ -148,6 +149,7 @@ impl Decision {
     }
 
     /// Its position in [`ALL`](Self::ALL).
+    #[doc(hidden)]
     pub fn index(self) -> usize {
         self as usize
     }
@@ -253,6 +255,7 @@ pub struct UnknownOutcome {
 
 impl IdempotencyEvent {
     /// `kind` happened to `record`, reported by the layer named `name`.
+    #[doc(hidden)]
     pub fn new(kind: EventKind, record: Option<RecordId>, name: Name) -> Self {
         IdempotencyEvent { kind, record, name }
     }
@@ -260,6 +263,7 @@ impl IdempotencyEvent {
 
 impl UnknownOutcome {
     /// `record` became `outcome_unknown` for `reason`.
+    #[doc(hidden)]
     pub fn new(record: RecordId, reason: UnknownReason) -> Self {
         UnknownOutcome {
             record,
@@ -270,6 +274,7 @@ impl UnknownOutcome {
     }
 
     /// The same, with what is known of the request and the handler's note.
+    #[doc(hidden)]
     #[must_use]
     pub fn with_request(
         mut self,

@@ -309,6 +309,7 @@ pub struct Fingerprint([u8; 32]);
 
 impl Fingerprint {
     /// No request's fingerprint (all zero bytes): what a record that keeps none reports.
+    #[doc(hidden)]
     pub const NONE: Fingerprint = Fingerprint([0; 32]);
 
     /// A fingerprint from its bytes (as a store persisted them).
@@ -364,6 +365,7 @@ impl Fingerprinter {
     }
 
     /// The headers that are part of the fingerprint.
+    #[doc(hidden)]
     pub fn headers(&self) -> &[HeaderName] {
         &self.headers
     }

@@ -47,6 +47,7 @@ pub struct RequestInfo {
 
 impl RequestInfo {
     /// The longest path kept, in bytes.
+    #[doc(hidden)]
     pub const MAX_PATH: usize = 256;
 
     /// The request `method path` in `scope`, without label or key.

@@ -21,18 +21,15 @@
 //!   why they compose with the default client.
 
 mod context;
-mod decision;
+pub(crate) mod decision;
 pub mod defaults;
 mod event;
 mod ids;
 mod info;
-#[doc(hidden)]
-pub mod protocol;
+pub(crate) mod protocol;
 mod record;
 
 pub use context::IdempotencyContext;
-#[doc(hidden)]
-pub use decision::Disposition;
 pub use decision::NoEffect;
 pub use event::{Decision, EventKind, IdempotencyEvent, UnknownOutcome, UnknownReason};
 pub use ids::{Fingerprint, Fingerprinter, Principal, RecordId, Scope, Token};

@@ -25,7 +25,7 @@
 //! ```
 //! use std::time::Duration;
 //! use http::StatusCode;
-//! use retrysafe_core::idempotency::protocol::*;
+//! use retrysafe_core::__private::protocol::*;
 //! use retrysafe::idempotency::{EventKind, Fingerprint};
 //!
 //! let policy = Policy::new();
@@ -58,7 +58,7 @@ use crate::store::StoreError;
 ///
 /// ```
 /// use std::time::Duration;
-/// use retrysafe_core::idempotency::protocol::Policy;
+/// use retrysafe_core::__private::protocol::Policy;
 /// use retrysafe::idempotency::ProblemKind;
 ///
 /// let policy = Policy::new().in_flight_retry_after(Duration::from_secs(2));
@@ -310,7 +310,7 @@ pub enum Note {
     ReleaseClaim,
 }
 
-/// The protocol of one guarded request. See the [module docs](self).
+/// The protocol of one guarded request. See the module docs (`protocol.rs`).
 #[derive(Debug)]
 pub struct Protocol {
     policy: Policy,

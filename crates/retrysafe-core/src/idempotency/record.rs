@@ -6,6 +6,7 @@ use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use super::{Fingerprint, Token};
 
 /// The version byte that opens every encoded record.
+#[doc(hidden)]
 pub const RECORD_VERSION: u8 = 1;
 
 const TAG_IN_PROGRESS: u8 = 1;
@@ -32,6 +33,7 @@ pub enum CommitPoint {
 
 impl CommitPoint {
     /// Whether an expired lease in this state may be taken over (nothing happened yet).
+    #[doc(hidden)]
     pub fn allows_takeover(self) -> bool {
         self == CommitPoint::Before
     }
@@ -403,6 +405,7 @@ impl StoredResponse {
     }
 
     /// Captures a response head, body and trailers, keeping the headers `filter` allows.
+    #[doc(hidden)]
     pub fn capture(
         status: StatusCode,
         headers: &HeaderMap,
@@ -425,11 +428,13 @@ impl StoredResponse {
     }
 
     /// The stored headers as a `HeaderMap` (multi-value headers intact).
+    #[doc(hidden)]
     pub fn header_map(&self) -> HeaderMap {
         to_map(&self.headers)
     }
 
     /// The trailers as a `HeaderMap`, `None` when there were none.
+    #[doc(hidden)]
     pub fn trailer_map(&self) -> Option<HeaderMap> {
         (!self.trailers.is_empty()).then(|| to_map(&self.trailers))
     }

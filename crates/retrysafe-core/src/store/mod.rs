@@ -84,6 +84,7 @@ impl StoreError {
     }
 
     /// Whether retrying the same call may succeed (not for a stale token).
+    #[doc(hidden)]
     pub fn is_transient(&self) -> bool {
         matches!(
             self,

@@ -104,6 +104,7 @@ impl Convention {
     /// assert!(Convention::default().same_timeout_names(&Convention::default()));
     /// assert!(!Convention::default().same_timeout_names(&envoy));
     /// ```
+    #[doc(hidden)]
     #[must_use]
     pub fn same_timeout_names(&self, other: &Convention) -> bool {
         self.request_timeout_ms == other.request_timeout_ms
@@ -126,6 +127,7 @@ impl Convention {
     /// assert!(h.get("retry-attempt").is_none());
     /// assert!(h.get("content-type").is_some());
     /// ```
+    #[doc(hidden)]
     pub fn strip_inbound(&self, headers: &mut HeaderMap) {
         for name in [
             &self.retry_point,

@@ -4,9 +4,10 @@
 use std::time::{Duration, SystemTime};
 
 use http::{HeaderMap, Method, StatusCode};
+use retrysafe_core::__private::deadline_spent;
 use retrysafe_core::classify::{
     BreakerOutcome, Classifier, DefaultClassifier, DelayHint, Failure, FaultSide, RequestFacts,
-    RetrySafety, deadline_spent,
+    RetrySafety,
 };
 use retrysafe_core::wire::Convention;
 

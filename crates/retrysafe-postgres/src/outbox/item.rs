@@ -121,11 +121,13 @@ impl Outgoing {
     }
 
     /// The ordering key, if one was set.
+    #[doc(hidden)]
     pub fn ordering_key_str(&self) -> Option<&str> {
         self.ordering_key.as_deref()
     }
 
     /// The headers that will be stored.
+    #[doc(hidden)]
     pub fn headers(&self) -> &HeaderMap {
         &self.headers
     }

@@ -126,7 +126,7 @@ impl TxBackend {
     }
 
     /// The schema of the key table (default: none, the connection's `search_path`), as
-    /// in [`PostgresStoreBuilder::schema`](crate::PostgresStoreBuilder::schema).
+    /// in [`PostgresStoreOptions::schema`](crate::PostgresStoreOptions::schema).
     pub fn schema(mut self, schema: impl Into<String>) -> Self {
         let schema = schema.into();
         if self
@@ -141,7 +141,7 @@ impl TxBackend {
     }
 
     /// The key table (default `retrysafe_idempotency`), as in
-    /// [`PostgresStoreBuilder::table`](crate::PostgresStoreBuilder::table).
+    /// [`PostgresStoreOptions::table`](crate::PostgresStoreOptions::table).
     pub fn table(mut self, table: impl Into<String>) -> Self {
         let table = table.into();
         if self.checks.take(crate::sql::check_table(&table)).is_some() {
@@ -207,11 +207,13 @@ impl TxBackend {
     }
 
     /// The pool the layer takes its connections from.
+    #[doc(hidden)]
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
     /// The key table, qualified by its schema when one is set.
+    #[doc(hidden)]
     pub fn table_name(&self) -> &str {
         &self.sql.store.table
     }

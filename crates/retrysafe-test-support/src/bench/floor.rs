@@ -302,8 +302,8 @@ pub type FloorRequired<S, B> = tower::util::MapRequest<Floor<S>, fn(Request<B>) 
 
 /// The reads of [`floor_required`].
 fn read_required<B>(request: Request<B>) -> Request<B> {
+    use retrysafe_core::__private::HedgeCopy;
     use retrysafe_core::CallContext;
-    use retrysafe_core::hedge::HedgeCopy;
     use retrysafe_core::observe::AttemptNumber;
     use retrysafe_core::strategy::{Idempotent, NoRetry};
     let extensions = request.extensions();

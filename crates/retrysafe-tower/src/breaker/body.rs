@@ -64,6 +64,7 @@ impl<B> ResponseBody<B> {
     }
 
     /// Whether the call's outcome still waits for the end of the stream.
+    #[doc(hidden)]
     pub fn is_pending(&self) -> bool {
         self.pending.0.is_some()
     }

@@ -15,7 +15,7 @@ use retrysafe_core::breaker::{
 };
 
 /// The default bound of a [`KeyedBreakers`] map.
-pub const DEFAULT_MAX_KEYS: u64 = 1024;
+pub(crate) const DEFAULT_MAX_KEYS: u64 = 1024;
 /// The largest bound a [`KeyedBreakers`] map accepts.
 const MAX_MAX_KEYS: u64 = 1 << 20;
 
@@ -161,6 +161,7 @@ where
     }
 
     /// The key of a request with head `parts`.
+    #[doc(hidden)]
     pub fn key_of(&self, parts: &Parts) -> K {
         (self.inner.key)(parts)
     }

@@ -86,7 +86,7 @@ pub use self::body::ResponseBody;
 pub use self::future::ResponseFuture;
 #[cfg(feature = "client")]
 pub(crate) use self::guarded::{Guarded, StackBudget, Transport};
-pub use self::keyed::{DEFAULT_MAX_KEYS, KeyedBreakers};
+pub use self::keyed::KeyedBreakers;
 pub use self::layer::CircuitBreakerLayer;
 #[cfg(feature = "client")]
 pub(crate) use self::layer::Config;

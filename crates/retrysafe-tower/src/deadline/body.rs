@@ -20,6 +20,7 @@ pub trait WrapBody<B>: Send + Sync + 'static {
     type Body;
 
     /// Wraps `body`, which arrived before `deadline`.
+    #[doc(hidden)]
     fn wrap(body: B, deadline: Deadline) -> Self::Body;
 }
 
@@ -65,6 +66,7 @@ pin_project! {
 impl<B: Body> DeadlineBody<B> {
     /// `inner`, bounded by `deadline` (for adapters that wrap bodies themselves, such
     /// as the reqwest middleware of `retrysafe-reqwest`).
+    #[doc(hidden)]
     pub fn new(inner: B, deadline: Deadline) -> Self {
         let sleep = if inner.is_end_stream() {
             None

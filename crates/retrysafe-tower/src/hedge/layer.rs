@@ -4,11 +4,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::handles::{Counter, Lazy};
+use retrysafe_core::__private::{HedgeDelay, LatencyTracker};
 use retrysafe_core::ConfigError;
 use retrysafe_core::budget::RetryBudget;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
-use retrysafe_core::observe::handles::{Counter, Lazy};
 use retrysafe_core::observe::{Name, names};
 use retrysafe_core::wire::Convention;
 use tower_layer::Layer;
@@ -319,6 +319,7 @@ impl HedgeLayer {
     }
 
     /// The budget hedges are withdrawn from.
+    #[doc(hidden)]
     pub fn retry_budget(&self) -> &RetryBudget {
         &self.config.budget
     }

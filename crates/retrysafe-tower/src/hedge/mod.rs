@@ -77,7 +77,6 @@ pub use future::ResponseFuture;
 pub(crate) use layer::Config;
 pub use layer::{HedgeEvent, HedgeLayer, HedgeOutcome, HedgeStats};
 pub use retrysafe_core::budget::RetryBudget;
-pub use retrysafe_core::hedge::{HedgeDelay, LatencyTracker};
 pub use retrysafe_core::strategy::{Idempotent, NoRetry};
 pub use service::HedgeService;
 #[cfg(feature = "client")]

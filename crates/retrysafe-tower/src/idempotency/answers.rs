@@ -80,7 +80,7 @@ impl Answers {
     }
 
     /// Collects a handler's response to store it: the body up to the storable limit
-    /// and until `until` (see [`capture_response_body`]); the stored form keeps the
+    /// and until `until` (see `capture_response_body`); the stored form keeps the
     /// headers the filter lets through. `None` when the body failed, or panicked, while
     /// it was collected.
     pub async fn capture<B>(
@@ -127,7 +127,7 @@ pub struct CapturedResponse<B> {
     pub response: Res<B>,
 }
 
-/// What [`capture_response_body`] collected.
+/// What `capture_response_body` collected.
 #[derive(Debug)]
 pub(crate) enum CapturedBody<B> {
     /// The whole body (and its trailers): store it and answer with

@@ -27,7 +27,7 @@ pin_project! {
 
 impl<B> RequestBody<B> {
     /// A body of these bytes, already buffered (a guarded request).
-    pub fn buffered(data: Bytes) -> Self {
+    pub(crate) fn buffered(data: Bytes) -> Self {
         RequestBody {
             kind: ReqKind::Buffered {
                 data: (!data.is_empty()).then_some(data),
@@ -36,7 +36,7 @@ impl<B> RequestBody<B> {
     }
 
     /// The original stream, untouched (a request that is not guarded).
-    pub fn stream(inner: B) -> Self {
+    pub(crate) fn stream(inner: B) -> Self {
         RequestBody {
             kind: ReqKind::Stream { inner },
         }
@@ -101,7 +101,7 @@ pin_project! {
 
 impl<B> ResponseBody<B> {
     /// A body of these bytes and trailers (a stored answer, a replay, a problem).
-    pub fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
+    pub(crate) fn full(data: Bytes, trailers: Option<HeaderMap>) -> Self {
         ResponseBody {
             kind: ResKind::Full {
                 data: (!data.is_empty()).then_some(data),
@@ -111,7 +111,7 @@ impl<B> ResponseBody<B> {
     }
 
     /// The handler's own stream, untouched.
-    pub fn stream(inner: B) -> Self {
+    pub(crate) fn stream(inner: B) -> Self {
         ResponseBody {
             kind: ResKind::Stream {
                 prefix: None,

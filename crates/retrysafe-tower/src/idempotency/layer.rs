@@ -5,10 +5,10 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderName, Method, Response};
+use retrysafe_core::__private::handles::Lazy;
 use retrysafe_core::ConfigError;
 use retrysafe_core::idempotency::{CommitPoint, Fingerprinter, Scope};
 use retrysafe_core::observe::Name;
-use retrysafe_core::observe::handles::Lazy;
 use retrysafe_core::store::{BoxStore, IdempotencyStore};
 use retrysafe_core::wire::Convention;
 use tokio::sync::Semaphore;
@@ -329,6 +329,7 @@ impl<X> IdempotencyLayer<X> {
     }
 
     /// The backend that runs the guarded requests.
+    #[doc(hidden)]
     pub fn backend(&self) -> &X {
         &self.backend
     }

@@ -6,9 +6,9 @@
 use std::fmt;
 use std::time::Duration;
 
+use retrysafe_core::__private::handles::{Counter, Histogram, Lazy};
 use retrysafe_core::idempotency::{Decision, RecordId, Scope, UnknownReason};
 use retrysafe_core::observe::Name;
-use retrysafe_core::observe::handles::{Counter, Histogram, Lazy};
 use retrysafe_core::observe::names;
 use retrysafe_core::wire::IdempotencyKey;
 use tokio::time::Instant;

@@ -236,6 +236,7 @@ impl<B> ReplayBody<B> {
     /// the copy was never capped and the wrapped body has not failed.
     ///
     /// It can turn false while an attempt is streaming, never back to true.
+    #[doc(hidden)]
     pub fn is_replayable(&self) -> bool {
         self.flags()
             .is_none_or(|flags| flags & (CAPPED | FAILED) == 0)
@@ -253,12 +254,14 @@ impl<B> ReplayBody<B> {
     /// Whether the whole body is held in the copy: the wrapped body has ended, and the
     /// copy was neither capped nor failed. A clone then replays it without waiting for
     /// any other attempt (a hedge is sent only then).
+    #[doc(hidden)]
     pub fn is_buffered(&self) -> bool {
         self.flags().is_none_or(|flags| flags == COMPLETE)
     }
 
     /// Whether the copy was dropped (or never started) because the body is larger than
     /// the cap. A capped body is sent once and not retried.
+    #[doc(hidden)]
     pub fn is_capped(&self) -> bool {
         self.flags().is_some_and(|flags| flags & CAPPED != 0)
     }

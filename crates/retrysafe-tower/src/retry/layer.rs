@@ -13,7 +13,7 @@ use tower_layer::Layer;
 use super::RetryService;
 
 /// The default cap of the request-body copy kept for replay: 64 KiB.
-pub const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
+pub(crate) const DEFAULT_REPLAY_CAP: usize = 64 * 1024;
 pub(crate) const MAX_REPLAY_CAP: usize = 1 << 30;
 
 #[derive(Clone)]

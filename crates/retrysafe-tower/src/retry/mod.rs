@@ -148,9 +148,10 @@ pub(crate) use future::Driver;
 pub use future::ResponseFuture;
 #[cfg(feature = "client")]
 pub(crate) use layer::Config;
+pub(crate) use layer::DEFAULT_REPLAY_CAP;
 #[cfg(feature = "client")]
 pub(crate) use layer::MAX_REPLAY_CAP;
-pub use layer::{DEFAULT_REPLAY_CAP, RetryLayer};
+pub use layer::RetryLayer;
 pub use retrysafe_core::backoff::{Backoff, Jitter, RetryRng};
 pub use retrysafe_core::observe::AttemptNumber;
 pub use retrysafe_core::retry::{GiveUpEvent, RetryEvent};

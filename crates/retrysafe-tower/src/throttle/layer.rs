@@ -4,9 +4,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use retrysafe_core::__private::Validate;
+use retrysafe_core::__private::handles::{Counter, Lazy};
 use retrysafe_core::ConfigError;
 use retrysafe_core::classify::{Classifier, DefaultClassifier};
-use retrysafe_core::observe::handles::{Counter, Lazy};
 use retrysafe_core::observe::{Name, names};
 use retrysafe_core::throttle::{AdaptiveThrottle, ThrottleConfig};
 use retrysafe_core::wire::Convention;

@@ -20,14 +20,14 @@ const QUORUM: usize = 2;
 /// directory; stopped (SIGKILL) and removed when dropped, or when the test process
 /// exits (a watchdog shell).
 ///
-/// Feature `sentinel`. Needs `redis-server` and `redis-cli` (Redis 7; Debian package
+/// Needs `redis-server` and `redis-cli` (Redis 7; Debian package
 /// `redis-server`) on the `PATH`: without them making one fails, saying so.
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use retrysafe::redis::RedisStore;
-/// use retrysafe::redis::test_util::LocalSentinel;
+/// use retrysafe_redis::RedisStore;
+/// use retrysafe_test_support::redis_nodes::LocalSentinel;
 ///
 /// let setup = LocalSentinel::start()?;
 /// let store = RedisStore::options().connect_sentinel(setup.sentinel_urls(), setup.service()).await?;

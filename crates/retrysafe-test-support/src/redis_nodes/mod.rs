@@ -1,17 +1,16 @@
-//! Test and bench support (feature `test-util`): a Redis connection that counts the
+//! Redis for the tests and benches of the Redis store: a connection that counts the
 //! requests it sends, so tests and benches can count a store's round trips;
 //! [`LocalCluster`], a Redis Cluster of 3 primaries and 3 replicas on loopback ports,
-//! for tests of the store on a cluster and across failovers; and, with the feature
-//! `sentinel`, `LocalSentinel`, a primary with two replicas watched by three
-//! sentinels.
+//! for tests of the store on a cluster and across failovers; and [`LocalSentinel`], a
+//! primary with two replicas watched by three sentinels.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
-//! use retrysafe::redis::RedisStore;
-//! use retrysafe::redis::redis::aio::ConnectionManager;
-//! use retrysafe::redis::test_util::CountingConnection;
+//! use retrysafe_redis::RedisStore;
+//! use retrysafe_redis::redis::aio::ConnectionManager;
+//! use retrysafe_test_support::redis_nodes::CountingConnection;
 //!
-//! let client = retrysafe::redis::redis::Client::open("redis://127.0.0.1:6379")?;
+//! let client = retrysafe_redis::redis::Client::open("redis://127.0.0.1:6379")?;
 //! let conn = CountingConnection::new(ConnectionManager::new(client).await?);
 //! let store = RedisStore::options().build(conn.clone()).await?;
 //! // ... use the store ...
@@ -22,8 +21,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use redis::aio::{ConnectionLike, ConnectionManager};
-use redis::{Cmd, Pipeline, RedisFuture, Value};
+use retrysafe_redis::redis::aio::{ConnectionLike, ConnectionManager};
+use retrysafe_redis::redis::{Cmd, Pipeline, RedisFuture, Value};
 
 /// A [`ConnectionManager`] that counts the requests it sends (a pipeline counts once:
 /// one round trip). Clones share the count.
@@ -79,10 +78,8 @@ impl ConnectionLike for CountingConnection {
 
 mod cluster;
 mod local;
-#[cfg(feature = "sentinel")]
 mod sentinel;
 
 pub use cluster::LocalCluster;
 pub use local::LocalError;
-#[cfg(feature = "sentinel")]
 pub use sentinel::LocalSentinel;

@@ -24,8 +24,8 @@ use super::local::{
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use retrysafe::redis::RedisStore;
-/// use retrysafe::redis::test_util::LocalCluster;
+/// use retrysafe_redis::RedisStore;
+/// use retrysafe_test_support::redis_nodes::LocalCluster;
 ///
 /// let cluster = LocalCluster::start()?;
 /// assert_eq!(cluster.urls().len(), 6);
