@@ -293,84 +293,103 @@ async fn run_case<S: IdempotencyStore>(
     let mut steps = Vec::new();
     for &op in &case.ops {
         let before = h.kind(store.get(&h.id).await.unwrap());
-        let outcome = match op {
-            Op::Renew => plain(op, store.renew(&h.id, h.old, lease(clock)).await),
-            Op::Complete => plain(
-                op,
-                store
-                    .complete(&h.id, h.old, &completed("old"), retention)
-                    .await,
-            ),
-            Op::Release => plain(op, store.release(&h.id, h.old).await),
-            Op::CommitPoint => plain(op, store.commit_point(&h.id, h.old).await),
-            Op::MarkUnknown => plain(
-                op,
-                store
-                    .mark_unknown(
-                        &h.id,
-                        h.old,
-                        retention,
-                        retrysafe_core::idempotency::UnknownReason::ServiceError,
-                    )
-                    .await,
-            ),
-            Op::Claim => {
-                let claim = Claim::new(
-                    h.new,
-                    fingerprint(),
-                    lease(clock),
-                    retention,
-                    CommitPoint::Before,
-                );
-                match store.claim(&h.id, &claim).await.unwrap() {
-                    ClaimOutcome::Claimed { takeover } => {
-                        new_holds = true;
-                        Outcome::Claimed { takeover }
-                    }
-                    ClaimOutcome::Existing {
-                        record,
-                        became_unknown,
-                    } => Outcome::Existing {
-                        record: h.kind(Some(record)),
-                        became_unknown,
-                    },
-                    other => panic!("a claim outcome this test does not know: {other:?}"),
-                }
-            }
-            Op::NewComplete if new_holds => plain(
-                op,
-                store
-                    .complete(&h.id, h.new, &completed("new"), retention)
-                    .await,
-            ),
-            Op::NewRelease if new_holds => plain(op, store.release(&h.id, h.new).await),
-            Op::NewComplete | Op::NewRelease => Outcome::Skipped,
-        };
+        let outcome = apply(store, clock, op, h, retention, &mut new_holds).await;
         let after = h.kind(store.get(&h.id).await.unwrap());
-        if matches!(outcome, Outcome::Stale | Outcome::Skipped) {
-            assert_eq!(
-                before, after,
-                "{case:?}: a refused {op:?} changed the record"
-            );
-        }
-        if let Outcome::Claimed { takeover } = outcome {
-            let expected = if takeover {
-                before
-                    == Kind::InProgress {
-                        old: true,
-                        commit_point: CommitPoint::Before,
-                    }
-            } else {
-                before == Kind::Absent
-            };
-            assert!(
-                expected,
-                "{case:?}: claimed (takeover {takeover}) over {before}"
-            );
-        }
+        check_step(case, op, &outcome, before, after);
         steps.push((op, outcome, after));
     }
     Trace { steps }
+}
+
+/// Runs `op` on the case's record; `new_holds` tells whether the new holder's claim
+/// succeeded (its own operations are skipped until then).
+async fn apply<S: IdempotencyStore>(
+    store: &S,
+    clock: &dyn TestClock,
+    op: Op,
+    h: &Holders,
+    retention: Duration,
+    new_holds: &mut bool,
+) -> Outcome {
+    match op {
+        Op::Renew => plain(op, store.renew(&h.id, h.old, lease(clock)).await),
+        Op::Complete => plain(
+            op,
+            store
+                .complete(&h.id, h.old, &completed("old"), retention)
+                .await,
+        ),
+        Op::Release => plain(op, store.release(&h.id, h.old).await),
+        Op::CommitPoint => plain(op, store.commit_point(&h.id, h.old).await),
+        Op::MarkUnknown => plain(
+            op,
+            store
+                .mark_unknown(
+                    &h.id,
+                    h.old,
+                    retention,
+                    retrysafe_core::idempotency::UnknownReason::ServiceError,
+                )
+                .await,
+        ),
+        Op::Claim => {
+            let claim = Claim::new(
+                h.new,
+                fingerprint(),
+                lease(clock),
+                retention,
+                CommitPoint::Before,
+            );
+            match store.claim(&h.id, &claim).await.unwrap() {
+                ClaimOutcome::Claimed { takeover } => {
+                    *new_holds = true;
+                    Outcome::Claimed { takeover }
+                }
+                ClaimOutcome::Existing {
+                    record,
+                    became_unknown,
+                } => Outcome::Existing {
+                    record: h.kind(Some(record)),
+                    became_unknown,
+                },
+                other => panic!("a claim outcome this test does not know: {other:?}"),
+            }
+        }
+        Op::NewComplete if *new_holds => plain(
+            op,
+            store
+                .complete(&h.id, h.new, &completed("new"), retention)
+                .await,
+        ),
+        Op::NewRelease if *new_holds => plain(op, store.release(&h.id, h.new).await),
+        Op::NewComplete | Op::NewRelease => Outcome::Skipped,
+    }
+}
+
+/// What one step must keep: a refused operation changes nothing, and a claim takes
+/// only an absent record or (as a takeover) the old holder's expired one.
+fn check_step(case: &Case, op: Op, outcome: &Outcome, before: Kind, after: Kind) {
+    if matches!(outcome, Outcome::Stale | Outcome::Skipped) {
+        assert_eq!(
+            before, after,
+            "{case:?}: a refused {op:?} changed the record"
+        );
+    }
+    if let Outcome::Claimed { takeover } = *outcome {
+        let expected = if takeover {
+            before
+                == Kind::InProgress {
+                    old: true,
+                    commit_point: CommitPoint::Before,
+                }
+        } else {
+            before == Kind::Absent
+        };
+        assert!(
+            expected,
+            "{case:?}: claimed (takeover {takeover}) over {before}"
+        );
+    }
 }
 
 /// The invariants over a whole trace (see the module docs).

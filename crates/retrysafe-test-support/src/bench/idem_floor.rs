@@ -200,20 +200,8 @@ where
         )
         .await;
     }
-    {
-        let mut records = state.records.lock().unwrap_or_else(PoisonError::into_inner);
-        match records.map.get(&id) {
-            Some(Slot::Done(stored)) if stored.fingerprint == fingerprint => {
-                let stored = Arc::clone(stored);
-                drop(records);
-                return replay(&stored);
-            }
-            Some(Slot::Done(_)) => return status(StatusCode::UNPROCESSABLE_ENTITY),
-            Some(Slot::InFlight) => return status(StatusCode::CONFLICT),
-            None => {
-                records.map.insert(id, Slot::InFlight);
-            }
-        }
+    if let Some(answer) = claim(state, id, fingerprint) {
+        return answer;
     }
     let Ok(response) = inner
         .oneshot(Request::from_parts(parts, Body::from(body)))
@@ -233,21 +221,43 @@ where
         headers: head.headers.clone(),
         body: body.clone(),
     };
-    let size = 32 + 64 + body.len() + stored.headers.len() * 64;
-    {
-        let mut records = state.records.lock().unwrap_or_else(PoisonError::into_inner);
-        records.map.insert(id, Slot::Done(Arc::new(stored)));
-        records.order.push_back((id, size));
-        records.bytes += size;
-        while records.bytes > state.max_bytes {
-            let Some((oldest, size)) = records.order.pop_front() else {
-                break;
-            };
-            records.map.remove(&oldest);
-            records.bytes -= size;
+    keep(state, id, stored);
+    Response::from_parts(head, Body::from(body))
+}
+
+/// Claims `id` in the map (`None`), or answers the copy: a replay of the same request,
+/// 422 for another one, 409 while the first is in flight.
+fn claim(state: &State, id: RecordId, fingerprint: Fingerprint) -> Option<Response<Body>> {
+    let mut records = state.records.lock().unwrap_or_else(PoisonError::into_inner);
+    match records.map.get(&id) {
+        Some(Slot::Done(stored)) if stored.fingerprint == fingerprint => {
+            let stored = Arc::clone(stored);
+            drop(records);
+            Some(replay(&stored))
+        }
+        Some(Slot::Done(_)) => Some(status(StatusCode::UNPROCESSABLE_ENTITY)),
+        Some(Slot::InFlight) => Some(status(StatusCode::CONFLICT)),
+        None => {
+            records.map.insert(id, Slot::InFlight);
+            None
         }
     }
-    Response::from_parts(head, Body::from(body))
+}
+
+/// Stores the response of `id`, dropping the oldest records past the byte bound.
+fn keep(state: &State, id: RecordId, stored: Stored) {
+    let size = 32 + 64 + stored.body.len() + stored.headers.len() * 64;
+    let mut records = state.records.lock().unwrap_or_else(PoisonError::into_inner);
+    records.map.insert(id, Slot::Done(Arc::new(stored)));
+    records.order.push_back((id, size));
+    records.bytes += size;
+    while records.bytes > state.max_bytes {
+        let Some((oldest, size)) = records.order.pop_front() else {
+            break;
+        };
+        records.map.remove(&oldest);
+        records.bytes -= size;
+    }
 }
 
 fn replay(stored: &Stored) -> Response<Body> {

@@ -112,6 +112,12 @@ impl<'a> Conn<'a> {
         if !self.forward_request(&request).await {
             return false;
         }
+        self.answer(&request, fault, delay_response).await
+    }
+
+    /// Once `request` is forwarded: breaks (or delays) its answer as `fault` says;
+    /// whether the connection goes on.
+    async fn answer(&mut self, request: &[u8], fault: Fault, delay_response: bool) -> bool {
         match fault {
             Fault::ResetAfterRequest => {
                 self.reset_client();
@@ -121,26 +127,26 @@ impl<'a> Conn<'a> {
             Fault::HalfCloseClient => {
                 let _ = self.client().shutdown().await;
                 // Let the server finish and drain its answer; then close both.
-                let _ = self.read_response(&request).await;
+                let _ = self.read_response(request).await;
                 false
             }
             Fault::HalfCloseServer => {
                 if let Some(server) = self.server.as_mut() {
                     let _ = server.stream.shutdown().await;
                 }
-                if let Some(response) = self.read_response(&request).await {
+                if let Some(response) = self.read_response(request).await {
                     let _ = self.client().write_all(&response).await;
                     let _ = self.client().shutdown().await;
                 }
                 false
             }
             Fault::LoseResponse => {
-                let _ = self.read_response(&request).await;
+                let _ = self.read_response(request).await;
                 self.reset_client();
                 false
             }
             Fault::CutMidBody => {
-                if let Some(response) = self.read_response(&request).await {
+                if let Some(response) = self.read_response(request).await {
                     let len = response.len();
                     if len > 1 {
                         let cut = 1 + self.rng.below(len as u64 - 1);
@@ -153,7 +159,7 @@ impl<'a> Conn<'a> {
                 false
             }
             Fault::Pass | Fault::Delay => {
-                let Some(response) = self.read_response(&request).await else {
+                let Some(response) = self.read_response(request).await else {
                     // The server closed without a (framable) answer: close as it did.
                     return false;
                 };
