@@ -45,7 +45,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use retrysafe::idempotency::MemoryStore;
 use retrysafe_postgres::sqlx::{self, PgPool};
-use retrysafe_redis::redis;
 use retrysafe_redis::redis::aio::ConnectionManager;
 use retrysafe_test_support::bench::http1::{Sender, open_http};
 use retrysafe_test_support::bench::load::*;
@@ -132,26 +131,8 @@ impl Op {
                     .map_err(|e| e.to_string())?;
                 check(&answer, expect, RESPONSE_JSON.as_bytes())
             }
-            (Op::RedisPing(conn), _) => {
-                let mut conn = conn.clone();
-                let cmd = redis::cmd("PING");
-                let ping = cmd.query_async::<String>(&mut conn);
-                match tokio::time::timeout(REQUEST_TIMEOUT, ping).await {
-                    Ok(Ok(pong)) if pong == "PONG" => Ok(()),
-                    Ok(Ok(other)) => Err(format!("PING answered {other}")),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err("PING timed out".to_owned()),
-                }
-            }
-            (Op::PgSelect1(pool), _) => {
-                let one = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(pool);
-                match tokio::time::timeout(REQUEST_TIMEOUT, one).await {
-                    Ok(Ok(1)) => Ok(()),
-                    Ok(Ok(other)) => Err(format!("SELECT 1 answered {other}")),
-                    Ok(Err(e)) => Err(e.to_string()),
-                    Err(_) => Err("SELECT 1 timed out".to_owned()),
-                }
-            }
+            (Op::RedisPing(conn), _) => redis_ping(conn).await,
+            (Op::PgSelect1(pool), _) => pg_select_1(pool).await,
             (Op::PgInsert(pool, sql), _) => {
                 let insert = sqlx::query(sql).execute(pool);
                 match tokio::time::timeout(REQUEST_TIMEOUT, insert).await {

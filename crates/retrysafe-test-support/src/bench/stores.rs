@@ -647,3 +647,29 @@ pub async fn burst(
     }
     Ok(())
 }
+
+/// One `PING` to Redis within [`REQUEST_TIMEOUT`]: the store's own round trip, measured
+/// beside a guarded request.
+pub async fn redis_ping(conn: &ConnectionManager) -> Result<(), String> {
+    let mut conn = conn.clone();
+    let cmd = redis::cmd("PING");
+    let ping = cmd.query_async::<String>(&mut conn);
+    match tokio::time::timeout(REQUEST_TIMEOUT, ping).await {
+        Ok(Ok(pong)) if pong == "PONG" => Ok(()),
+        Ok(Ok(other)) => Err(format!("PING answered {other}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("PING timed out".to_owned()),
+    }
+}
+
+/// One `SELECT 1` on PostgreSQL within [`REQUEST_TIMEOUT`]: the database's own round
+/// trip, measured beside a guarded request.
+pub async fn pg_select_1(pool: &PgPool) -> Result<(), String> {
+    let one = sqlx::query_scalar::<_, i32>("SELECT 1").fetch_one(pool);
+    match tokio::time::timeout(REQUEST_TIMEOUT, one).await {
+        Ok(Ok(1)) => Ok(()),
+        Ok(Ok(other)) => Err(format!("SELECT 1 answered {other}")),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err("SELECT 1 timed out".to_owned()),
+    }
+}
