@@ -386,9 +386,9 @@ async fn load_rounds(settings: &Settings, servers: &Servers) -> Res<()> {
             }
             let foreign = foreign_cpu(ticks);
             eprintln!("  other processes used {foreign} of the CPUs");
-            phase.loads.push(format!(
-                "{time} UTC, load {load}, other processes {foreign}"
-            ));
+            phase
+                .loads
+                .push(format!("load {load}, other processes {foreign}"));
         }
     }
     for phase in &phases {
@@ -441,7 +441,7 @@ fn print_phase(phase: &PhaseResults, cases: &[Case]) {
     let bare = get(BARE);
     println!("\n## {}\n", phase.title);
     println!(
-        "Per round: start, load average (1/5/15 min) at the start (the bench itself keeps \
+        "Per round: load average (1/5/15 min) at the start (the bench itself keeps \
          about 3 threads busy), and the share of the CPUs that processes other than the \
          bench, `redis-server` and `postgres` used during the round: {}\n",
         phase.loads.join("; ")
