@@ -371,53 +371,26 @@ pub use retrysafe_tower::server;
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
 
-/// The guides' Rust code blocks (`docs/*.md`), compiled and run as doc-tests like the
-/// README's; blocks that need a live Redis or PostgreSQL are `no_run` (still compiled).
-#[cfg(doctest)]
-#[doc = include_str!("../docs/server-and-stores.md")]
-pub struct ServerAndStoresDoctests;
+/// The guides' Rust code blocks (`docs/*.md`), one item each, compiled and run as
+/// doc-tests like the README's; blocks that need a live Redis or PostgreSQL are
+/// `no_run` (still compiled).
+macro_rules! guide_doctests {
+    ($($name:ident = $path:literal,)*) => {$(
+        #[cfg(doctest)]
+        #[doc = include_str!($path)]
+        pub struct $name;
+    )*};
+}
 
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/choosing-a-store.md")]
-pub struct ChoosingAStoreDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/recovery.md")]
-pub struct RecoveryDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/client-and-grpc.md")]
-pub struct ClientAndGrpcDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/failover.md")]
-pub struct FailoverDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/observability.md")]
-pub struct ObservabilityDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/testing.md")]
-pub struct TestingDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/guarantees.md")]
-pub struct GuaranteesDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/wire-convention.md")]
-pub struct WireConventionDoctests;
-
-/// See [`ServerAndStoresDoctests`].
-#[cfg(doctest)]
-#[doc = include_str!("../docs/architecture.md")]
-pub struct ArchitectureDoctests;
+guide_doctests! {
+    ServerAndStoresDoctests = "../docs/server-and-stores.md",
+    ChoosingAStoreDoctests = "../docs/choosing-a-store.md",
+    RecoveryDoctests = "../docs/recovery.md",
+    ClientAndGrpcDoctests = "../docs/client-and-grpc.md",
+    FailoverDoctests = "../docs/failover.md",
+    ObservabilityDoctests = "../docs/observability.md",
+    TestingDoctests = "../docs/testing.md",
+    GuaranteesDoctests = "../docs/guarantees.md",
+    WireConventionDoctests = "../docs/wire-convention.md",
+    ArchitectureDoctests = "../docs/architecture.md",
+}
