@@ -214,7 +214,11 @@ async fn the_store_gives_up_a_frozen_primary_and_follows_the_failover() {
         setup.pause(old).unwrap();
         setup.wait_promoted(old).unwrap();
         // Back, it is demoted by the sentinels and must not take the store's writes.
+        // Until they have demoted it, it still takes writes as a primary would (Redis
+        // Sentinel's own window, which replicated writes narrow): the store is judged
+        // once it is a replica.
         setup.resume(old).unwrap();
+        setup.wait_healthy().unwrap();
         old
     })
     .await;

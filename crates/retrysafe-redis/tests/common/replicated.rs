@@ -7,12 +7,16 @@ use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use retrysafe_core::idempotency::Token;
+use retrysafe_test_support::private::free_port;
 
 /// The pause between two looks at a server.
 const POLL: Duration = Duration::from_millis(20);
 
 /// How many looks, at most, before a server that does not answer fails the test.
 const LOOKS: u32 = 1500;
+
+/// How many times a pair is started on fresh ports before the test fails.
+const ATTEMPTS: u32 = 5;
 
 /// A `redis-server` primary with one replica, both on 127.0.0.1, without persistence;
 /// killed (SIGKILL) and their directory removed when dropped.
@@ -25,22 +29,32 @@ pub(crate) struct PrimaryWithReplica {
 
 impl PrimaryWithReplica {
     /// Starts both and returns once the replica is in sync.
+    ///
+    /// A port is free when it is picked, but another test of the process may take it
+    /// before `redis-server` binds it: then that test's server answers on it, and
+    /// both are started again on other ports.
     pub(crate) async fn start() -> PrimaryWithReplica {
-        let dir = std::env::temp_dir().join(format!(
-            "retrysafe-replicated-{}",
-            &Token::random().to_hex()[..12]
-        ));
-        std::fs::create_dir_all(&dir).unwrap();
-        let mut pair = PrimaryWithReplica {
-            primary: free_port(),
-            replica: free_port(),
-            dir,
-            children: Vec::new(),
-        };
-        pair.spawn(pair.primary, None).await;
-        pair.spawn(pair.replica, Some(pair.primary)).await;
-        pair.wait_in_sync().await;
-        pair
+        for _ in 0..ATTEMPTS {
+            let dir = std::env::temp_dir().join(format!(
+                "retrysafe-replicated-{}",
+                &Token::random().to_hex()[..12]
+            ));
+            std::fs::create_dir_all(&dir).unwrap();
+            let mut pair = PrimaryWithReplica {
+                primary: free_port(),
+                replica: free_port(),
+                dir,
+                children: Vec::new(),
+            };
+            if pair.primary != pair.replica
+                && pair.spawn(pair.primary, None).await
+                && pair.spawn(pair.replica, Some(pair.primary)).await
+            {
+                pair.wait_in_sync().await;
+                return pair;
+            }
+        }
+        panic!("no two free ports for a primary and its replica in {ATTEMPTS} attempts");
     }
 
     /// The primary's URL.
@@ -105,8 +119,9 @@ impl PrimaryWithReplica {
     }
 
     /// Starts a server on `port` (a replica of `primary`, if given) and waits until it
-    /// answers PING.
-    async fn spawn(&mut self, port: u16, primary: Option<u16>) {
+    /// answers; whether the server answering is the one started (not another
+    /// test's, which took the port first).
+    async fn spawn(&mut self, port: u16, primary: Option<u16>) -> bool {
         let data = self.dir.join(port.to_string());
         std::fs::create_dir_all(&data).unwrap();
         let mut cmd = Command::new("redis-server");
@@ -124,19 +139,24 @@ impl PrimaryWithReplica {
             .stderr(Stdio::null())
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start redis-server (is it installed?): {e}"));
+        let pid = child.id();
         self.children.push(child);
         let client = redis::Client::open(format!("redis://127.0.0.1:{port}")).unwrap();
         for _ in 0..LOOKS {
             if let Ok(mut conn) = client.get_multiplexed_async_connection().await {
-                let pong: redis::RedisResult<String> =
-                    redis::cmd("PING").query_async(&mut conn).await;
-                if pong.is_ok() {
-                    return;
+                let info: redis::RedisResult<String> = redis::cmd("INFO")
+                    .arg("server")
+                    .query_async(&mut conn)
+                    .await;
+                if let Ok(info) = info {
+                    return info
+                        .lines()
+                        .any(|l| l.trim() == format!("process_id:{pid}"));
                 }
             }
             tokio::time::sleep(POLL).await;
         }
-        panic!("redis-server on port {port} did not answer PING");
+        panic!("redis-server on port {port} did not answer");
     }
 }
 
@@ -148,13 +168,4 @@ impl Drop for PrimaryWithReplica {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
-}
-
-/// A free TCP port on 127.0.0.1 (bound, read, released).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
