@@ -21,12 +21,12 @@ use axum::Router;
 use axum::extract::Request;
 use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
-use common::replicated::PrimaryWithReplica;
 use common::{fresh_prefix, manager, manager_to};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, ClaimOutcome, IdempotencyStore, StoreError};
 use retrysafe_redis::{RedisStore, RedisStoreOptions};
+use retrysafe_test_support::redis_nodes::LocalReplicaPair;
 use retrysafe_tower::idempotency::{EventKind, IdempotencyEvent, IdempotencyLayer, Principal};
 
 /// Two stores on one fresh key prefix: one plain, one whose writes wait for
@@ -134,7 +134,7 @@ struct App {
 }
 
 impl App {
-    async fn start(pair: &PrimaryWithReplica, lease: Duration, during: During) -> App {
+    async fn start(pair: &LocalReplicaPair, lease: Duration, during: During) -> App {
         let store = RedisStore::options()
             .key_prefix(fresh_prefix())
             // Long enough for a running loopback replica on a loaded machine: only a
@@ -221,13 +221,13 @@ fn replayed(headers: &reqwest::header::HeaderMap) -> Option<&str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_http_an_unacknowledged_claim_is_answered_503_and_released() {
-    let pair = PrimaryWithReplica::start().await;
+    let pair = LocalReplicaPair::start().unwrap();
     // A lease far longer than the test: a claim left held would answer 409 throughout.
     let app = App::start(&pair, Duration::from_secs(600), Arc::new(|| {})).await;
     let (status, _, body) = app.pay("acknowledged").await;
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "paid"));
 
-    pair.stop_replica();
+    pair.stop_replica().unwrap();
     let (status, headers, body) = app.pay("k").await;
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert_eq!(headers["content-type"], "application/problem+json");
@@ -242,7 +242,7 @@ async fn over_http_an_unacknowledged_claim_is_answered_503_and_released() {
     assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
     assert_eq!(app.events(EventKind::CompletionLost), 0);
 
-    pair.resume_replica().await;
+    pair.resume_replica().unwrap();
     let (status, headers, body) = app.pay("k").await;
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "paid"));
     assert_eq!(replayed(&headers), None, "it ran");
@@ -255,7 +255,7 @@ async fn over_http_an_unacknowledged_claim_is_answered_503_and_released() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn over_http_an_unacknowledged_completion_returns_the_real_response() {
-    let pair = Arc::new(PrimaryWithReplica::start().await);
+    let pair = Arc::new(LocalReplicaPair::start().unwrap());
     // The handler stops the replica once its claim was acknowledged: the completion
     // is written on the primary but never acknowledged (it is retried while the 4 s
     // lease lasts, then given up).
@@ -263,7 +263,7 @@ async fn over_http_an_unacknowledged_completion_returns_the_real_response() {
     let app = App::start(
         &pair,
         Duration::from_secs(4),
-        Arc::new(move || stopper.stop_replica()),
+        Arc::new(move || stopper.stop_replica().unwrap()),
     )
     .await;
     let (status, headers, body) = app.pay("k").await;
@@ -273,7 +273,7 @@ async fn over_http_an_unacknowledged_completion_returns_the_real_response() {
     assert_eq!(app.effects("k"), 1);
 
     // Written on the primary all along: once the replica has it, a copy replays it.
-    pair.resume_replica().await;
+    pair.resume_replica().unwrap();
     let (status, headers, body) = app.pay("k").await;
     assert_eq!((status, body.as_str()), (StatusCode::CREATED, "paid"));
     assert_eq!(replayed(&headers), Some("true"));

@@ -28,13 +28,13 @@ use axum::extract::Request;
 use axum::http::StatusCode;
 use axum::routing::post;
 use common::events::Events;
-use common::replicated::PrimaryWithReplica;
 use common::{fresh_prefix, manager_to};
 use retrysafe_core::idempotency::{CommitPoint, Completed, Fingerprint, Record, Token};
 use retrysafe_core::store::conformance::fresh_id;
 use retrysafe_core::store::{Claim, IdempotencyStore, StoreError};
 use retrysafe_redis::{RedisStore, RedisStoreError, SentinelConnection};
 use retrysafe_test_support::proxy::FaultProxy;
+use retrysafe_test_support::redis_nodes::LocalReplicaPair;
 use retrysafe_test_support::redis_nodes::LocalSentinel;
 use retrysafe_tower::idempotency::{IdempotencyLayer, Principal};
 use tower::ServiceExt;
@@ -226,7 +226,7 @@ async fn the_store_gives_up_a_frozen_primary_and_follows_the_failover() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_is_refused_on_a_read_only_replica() {
-    let pair = PrimaryWithReplica::start().await;
+    let pair = LocalReplicaPair::start().unwrap();
     let (primary, _) = pair.ports();
     let expected = format!("127.0.0.1:{primary}");
     let connected = RedisStore::connect(pair.replica_url().as_str()).await;
@@ -286,7 +286,7 @@ async fn pay(app: &Router) -> (StatusCode, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_demoted_under_a_running_store_answers_503_and_the_store_follows_its_name() {
-    let pair = PrimaryWithReplica::start().await;
+    let pair = LocalReplicaPair::start().unwrap();
     let (a, b) = pair.ports();
     // The name in front, as a DNS name or a proxy in front of a managed Redis: new
     // connections go where it is told, connections already made keep their node.

@@ -1,9 +1,8 @@
 //! Helpers shared by the Redis test binaries: the server at `REDIS_URL`, stores with a
-//! random key prefix per test, and a primary with a replica of their own.
+//! random key prefix per test.
 #![allow(dead_code, clippy::panic)]
 
 pub(crate) mod events;
-pub(crate) mod replicated;
 
 use std::time::Duration;
 

@@ -1,12 +1,13 @@
 //! [`LocalCluster`]: a Redis Cluster of `redis-server` processes on loopback ports.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
 use super::local::{
-    LocalError, check_tools, cli, error, free_ports, signal, start_server, wait_until, watchdog,
+    LocalError, Workdir, check_tools, cli, error, free_ports, on_fresh_ports, signal, start_server,
+    wait_until,
 };
 
 /// A Redis Cluster of 3 primaries and 3 replicas (one each), `redis-server` processes
@@ -34,9 +35,9 @@ use super::local::{
 /// # Ok(()) }
 /// ```
 pub struct LocalCluster {
-    dir: PathBuf,
     nodes: Vec<Node>,
-    watchdog: Option<Child>,
+    /// Dropped after the nodes were killed.
+    dir: Workdir,
 }
 
 struct Node {
@@ -60,18 +61,15 @@ impl LocalCluster {
     /// sync with its primary.
     pub fn start() -> Result<LocalCluster, LocalError> {
         check_tools()?;
-        let dir = std::env::temp_dir().join(format!(
-            "retrysafe-cluster-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| error(format!("{}: {e}", dir.display())))?;
+        on_fresh_ports(LocalCluster::start_once)
+    }
+
+    /// [`start`](Self::start) on ports picked once.
+    fn start_once() -> Result<LocalCluster, LocalError> {
         let mut cluster = LocalCluster {
-            dir,
             nodes: Vec::new(),
-            watchdog: None,
+            dir: Workdir::new("cluster")?,
         };
-        cluster.watchdog = Some(watchdog(&cluster.dir)?);
         let ports = free_ports(12)?;
         for pair in ports.chunks_exact(2) {
             if let [port, bus] = *pair {
@@ -276,7 +274,7 @@ impl LocalCluster {
 
     /// Starts node `i` and waits until it answers `PING`.
     fn spawn(&mut self, i: usize) -> Result<(), LocalError> {
-        let dir = self.dir.clone();
+        let dir = self.dir.to_path_buf();
         let node = self
             .nodes
             .get_mut(i)
@@ -331,10 +329,5 @@ impl Drop for LocalCluster {
                 let _ = child.wait();
             }
         }
-        if let Some(mut w) = self.watchdog.take() {
-            let _ = w.kill();
-            let _ = w.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

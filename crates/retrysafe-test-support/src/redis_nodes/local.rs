@@ -2,7 +2,7 @@
 //! condition, and a watchdog that kills the servers when the test process exits.
 
 use std::fmt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
@@ -12,23 +12,48 @@ const SETTLE: Duration = Duration::from_secs(60);
 /// The pause between two looks at a node or the cluster.
 const POLL: Duration = Duration::from_millis(50);
 
+/// How many times [`on_fresh_ports`] makes a setup before it gives up.
+const ATTEMPTS: u32 = 5;
+
 /// Why a local Redis setup ([`LocalCluster`](super::LocalCluster),
 /// [`LocalSentinel`](super::LocalSentinel)) could not be made or changed: the message
 /// says what, and where the servers' logs are.
 #[derive(Debug)]
 #[non_exhaustive]
-pub struct LocalError(String);
+pub struct LocalError {
+    message: String,
+    /// A port picked free was taken by another process before a server bound it.
+    taken: bool,
+}
 
 impl fmt::Display for LocalError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
+        f.write_str(&self.message)
     }
 }
 
 impl std::error::Error for LocalError {}
 
 pub(crate) fn error(what: impl Into<String>) -> LocalError {
-    LocalError(what.into())
+    LocalError {
+        message: what.into(),
+        taken: false,
+    }
+}
+
+/// Makes a setup with `make`, again (on the fresh ports it picks) while it fails
+/// because a port it picked was taken first: a port is free when it is picked, but
+/// another test of the process may bind it before `redis-server` does.
+pub(crate) fn on_fresh_ports<T>(
+    mut make: impl FnMut() -> Result<T, LocalError>,
+) -> Result<T, LocalError> {
+    let mut attempt = 1;
+    loop {
+        match make() {
+            Err(e) if e.taken && attempt < ATTEMPTS => attempt += 1,
+            made => return made,
+        }
+    }
 }
 
 /// Calls `done` every [`POLL`] until it says so, for at most [`SETTLE`].
@@ -73,27 +98,75 @@ pub(crate) fn check_tools() -> Result<(), LocalError> {
     Ok(())
 }
 
-/// A shell that waits for this process to exit, then kills every node whose pid file
-/// is in `dir` and removes `dir`.
-pub(crate) fn watchdog(dir: &Path) -> Result<Child, LocalError> {
-    let script = format!(
-        "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-         for f in '{dir}'/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; \
-         rm -rf '{dir}'",
-        pid = std::process::id(),
-        dir = dir.display()
-    );
-    Command::new("sh")
-        .args(["-c", &script])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .map_err(|e| {
-            error(format!(
-                "cannot start the watchdog shell of the local servers: {e}"
-            ))
-        })
+/// A setup's temporary directory (its servers' data, configurations, logs and pid
+/// files) and a watchdog shell that waits for this process to exit, then kills every
+/// server whose pid file is in it and removes it: a setup that is never dropped (a
+/// shared one, in a static) leaves nothing behind. Dropped, it stops the watchdog and
+/// removes the directory; the setup kills its servers first.
+pub(crate) struct Workdir {
+    path: PathBuf,
+    watchdog: Option<Child>,
+}
+
+impl Workdir {
+    /// A fresh directory `retrysafe-<what>-<pid>-<random>` under the temporary
+    /// directory, and its watchdog.
+    pub(crate) fn new(what: &str) -> Result<Workdir, LocalError> {
+        let path = std::env::temp_dir().join(format!(
+            "retrysafe-{what}-{}-{}",
+            std::process::id(),
+            rand::random::<u32>()
+        ));
+        std::fs::create_dir_all(&path).map_err(|e| error(format!("{}: {e}", path.display())))?;
+        let mut dir = Workdir {
+            path,
+            watchdog: None,
+        };
+        let script = format!(
+            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
+             for f in '{dir}'/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; \
+             rm -rf '{dir}'",
+            pid = std::process::id(),
+            dir = dir.path.display()
+        );
+        let watchdog = Command::new("sh")
+            .args(["-c", &script])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| {
+                error(format!(
+                    "cannot start the watchdog shell of the local servers: {e}"
+                ))
+            })?;
+        dir.watchdog = Some(watchdog);
+        Ok(dir)
+    }
+}
+
+impl std::ops::Deref for Workdir {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.path
+    }
+}
+
+impl fmt::Debug for Workdir {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        self.path.fmt(f)
+    }
+}
+
+impl Drop for Workdir {
+    fn drop(&mut self) {
+        if let Some(mut w) = self.watchdog.take() {
+            let _ = w.kill();
+            let _ = w.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.path);
+    }
 }
 
 /// `n` distinct free TCP ports on 127.0.0.1 (all bound at once, read, released).
@@ -129,7 +202,9 @@ pub(crate) fn cli(port: u16, args: &[&str]) -> Result<String, LocalError> {
 /// Starts `command` (a `redis-server` with its own arguments) on 127.0.0.1:`port`,
 /// without persistence, with `maxmemory-policy noeviction`, its data and log in
 /// `dir/<port>`, its pid in `dir/<port>.pid` (for the [`watchdog`]); returns once it
-/// answers `PING`, or fails with the end of its log when it exits first.
+/// answers, or fails with the end of its log when it exits first. A server of another
+/// process answering on `port` (which took it first) is an error that
+/// [`on_fresh_ports`] makes the setup again for.
 pub(crate) fn start_server(
     mut command: Command,
     dir: &Path,
@@ -155,26 +230,51 @@ pub(crate) fn start_server(
     std::fs::write(&pid_file, child.id().to_string())
         .map_err(|e| error(format!("{}: {e}", pid_file.display())))?;
     let mut exited = None;
-    let up = wait_until("redis-server to answer PING", dir, || {
+    let mut answering = None;
+    let up = wait_until("redis-server to answer", dir, || {
         if let Ok(Some(status)) = child.try_wait() {
             exited = Some(status);
             return true;
         }
-        cli(port, &["PING"]).is_ok_and(|r| r.trim() == "PONG")
+        answering = cli(port, &["INFO", "server"])
+            .ok()
+            .and_then(|info| info_field(&info, "process_id").map(str::to_owned));
+        answering.is_some()
     });
     if let Some(status) = exited {
         let log = std::fs::read_to_string(&log).unwrap_or_default();
-        return Err(error(format!(
-            "redis-server on port {port} exited ({status}): {}",
-            log.lines().rev().take(5).collect::<Vec<_>>().join(" / ")
-        )));
+        return Err(LocalError {
+            message: format!(
+                "redis-server on port {port} exited ({status}): {}",
+                log.lines().rev().take(5).collect::<Vec<_>>().join(" / ")
+            ),
+            taken: log.contains("Address already in use"),
+        });
     }
+    let ours = child.id().to_string();
     if let Err(e) = up {
         let _ = child.kill();
         let _ = child.wait();
         return Err(e);
     }
+    if answering.as_deref() != Some(ours.as_str()) {
+        let _ = child.kill();
+        let _ = child.wait();
+        return Err(LocalError {
+            message: format!(
+                "port {port} is served by another process (pid {}), not the redis-server started on it",
+                answering.unwrap_or_default()
+            ),
+            taken: true,
+        });
+    }
     Ok(child)
+}
+
+/// The value of `name` in an `INFO` reply (its `name:value` line).
+pub(crate) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+    info.lines()
+        .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
 }
 
 /// Sends `signal` (`-STOP`, `-CONT`) to `child` with `kill`.
@@ -187,4 +287,64 @@ pub(crate) fn signal(child: &Child, signal: &str) -> Result<(), LocalError> {
         return Err(error(format!("kill {signal} {} failed", child.id())));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_port_served_by_another_process_is_taken_not_ours() {
+        let pair = super::super::LocalReplicaPair::start().unwrap();
+        let (primary, _) = pair.ports();
+        let dir = std::env::temp_dir().join(format!("retrysafe-local-test-{}", std::process::id()));
+        let e = start_server(Command::new("redis-server"), &dir, primary).unwrap_err();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(e.taken, "{e}");
+        assert!(e.to_string().contains(&primary.to_string()), "{e}");
+        // The pair's own primary still answers as itself.
+        assert_eq!(cli(primary, &["PING"]).unwrap().trim(), "PONG");
+    }
+
+    #[test]
+    fn a_setup_is_made_again_only_while_a_port_was_taken() {
+        let taken = || LocalError {
+            message: "taken".into(),
+            taken: true,
+        };
+        let mut calls = 0;
+        let made = on_fresh_ports(|| {
+            calls += 1;
+            if calls < 3 { Err(taken()) } else { Ok(calls) }
+        });
+        assert_eq!(made.unwrap(), 3);
+
+        let mut calls = 0;
+        let failed = on_fresh_ports(|| -> Result<(), _> {
+            calls += 1;
+            Err(error("no redis-server"))
+        });
+        assert_eq!(
+            (failed.unwrap_err().to_string().as_str(), calls),
+            ("no redis-server", 1)
+        );
+
+        let mut calls = 0;
+        let failed = on_fresh_ports(|| -> Result<(), _> {
+            calls += 1;
+            Err(taken())
+        });
+        assert!(failed.unwrap_err().taken);
+        assert_eq!(calls, ATTEMPTS);
+    }
+
+    #[test]
+    fn info_fields_are_read_by_name() {
+        let info =
+            "# Server\r\nredis_version:7.0.15\r\nprocess_id:4242\r\nprocess_supervised:no\r\n";
+        assert_eq!(info_field(info, "process_id"), Some("4242"));
+        assert_eq!(info_field(info, "process"), None);
+        assert_eq!(info_field(info, "missing"), None);
+        assert_eq!(info_field("", "process_id"), None);
+    }
 }

@@ -1,8 +1,9 @@
 //! Redis for the tests and benches of the Redis store: a connection that counts the
 //! requests it sends, so tests and benches can count a store's round trips;
 //! [`LocalCluster`], a Redis Cluster of 3 primaries and 3 replicas on loopback ports,
-//! for tests of the store on a cluster and across failovers; and [`LocalSentinel`], a
-//! primary with two replicas watched by three sentinels.
+//! for tests of the store on a cluster and across failovers; [`LocalSentinel`], a
+//! primary with two replicas watched by three sentinels; and [`LocalReplicaPair`], a
+//! primary and one replica, for replica-acknowledged writes.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), Box<dyn std::error::Error>> {
@@ -78,8 +79,10 @@ impl ConnectionLike for CountingConnection {
 
 mod cluster;
 mod local;
+mod pair;
 mod sentinel;
 
 pub use cluster::LocalCluster;
 pub use local::LocalError;
+pub use pair::LocalReplicaPair;
 pub use sentinel::LocalSentinel;

@@ -2,12 +2,13 @@
 //! processes on loopback ports.
 
 use std::fmt;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command};
 use std::sync::OnceLock;
 
 use super::local::{
-    LocalError, check_tools, cli, error, free_ports, signal, start_server, wait_until, watchdog,
+    LocalError, Workdir, check_tools, cli, error, free_ports, info_field, on_fresh_ports, signal,
+    start_server, wait_until,
 };
 
 /// How many sentinels must agree that the primary is down before one fails it over.
@@ -39,12 +40,12 @@ const QUORUM: usize = 2;
 /// # Ok(()) }
 /// ```
 pub struct LocalSentinel {
-    dir: PathBuf,
     service: String,
     /// The data nodes: the first starts as the primary, the others as its replicas.
     nodes: Vec<Process>,
     sentinels: Vec<Process>,
-    watchdog: Option<Child>,
+    /// Dropped after the servers were killed.
+    dir: Workdir,
 }
 
 /// One `redis-server` (a data node or a sentinel) and its port.
@@ -70,12 +71,11 @@ impl LocalSentinel {
     /// sentinels (see [`wait_healthy`](Self::wait_healthy)).
     pub fn start() -> Result<LocalSentinel, LocalError> {
         check_tools()?;
-        let dir = std::env::temp_dir().join(format!(
-            "retrysafe-sentinel-{}-{}",
-            std::process::id(),
-            rand::random::<u32>()
-        ));
-        std::fs::create_dir_all(&dir).map_err(|e| error(format!("{}: {e}", dir.display())))?;
+        on_fresh_ports(LocalSentinel::start_once)
+    }
+
+    /// [`start`](Self::start) on ports picked once.
+    fn start_once() -> Result<LocalSentinel, LocalError> {
         let ports = free_ports(6)?;
         let process = |port: &u16| Process {
             port: *port,
@@ -86,8 +86,7 @@ impl LocalSentinel {
             service: "retrysafe".to_owned(),
             nodes: nodes.iter().map(process).collect(),
             sentinels: sentinels.iter().map(process).collect(),
-            watchdog: Some(watchdog(&dir)?),
-            dir,
+            dir: Workdir::new("sentinel")?,
         };
         let first = setup.nodes.first().map(|n| n.port).unwrap_or_default();
         for port in setup.node_ports() {
@@ -344,11 +343,6 @@ impl Drop for LocalSentinel {
                 let _ = child.wait();
             }
         }
-        if let Some(mut w) = self.watchdog.take() {
-            let _ = w.kill();
-            let _ = w.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 
@@ -356,8 +350,7 @@ impl Drop for LocalSentinel {
 /// answers.
 fn role(port: u16) -> Option<String> {
     let info = cli(port, &["INFO", "replication"]).ok()?;
-    info.lines()
-        .find_map(|l| l.trim().strip_prefix("role:").map(str::to_owned))
+    info_field(&info, "role").map(str::to_owned)
 }
 
 /// The value after `name` in a flat reply of names and values, one per line, as
