@@ -159,8 +159,11 @@ async fn replicated_writes_reach_the_store() {
     let prefix = fresh_prefix();
     let env = [("PAYMENTS_REDIS_PREFIX", prefix.as_str())];
     let url = store_url(setup);
-    // Two replicas: waiting for both is answered; for three, nothing is.
-    let two = Server::start_with(&["--store", &url, "--replicated-writes", "2:500"], &env);
+    // Two replicas: waiting for both is answered; for three, nothing is. The wait for
+    // two is the longest the store's 1 s call timeout allows, room for running
+    // loopback replicas on a loaded machine (it ends as soon as both acknowledge);
+    // only the wait for three runs out.
+    let two = Server::start_with(&["--store", &url, "--replicated-writes", "2:1000"], &env);
     let answer = Api::new(&two).pay("rw-2", "acct-rw", 100, &[]).await;
     answer.assert_created("acct-rw", 100);
     let three = Server::start_with(&["--store", &url, "--replicated-writes", "3:200"], &env);

@@ -513,7 +513,7 @@ async fn a_server_gone_after_start_up_is_unavailable_not_a_hang() {
     let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
-        .call_timeout(Duration::from_millis(500))
+        .call_timeout(Duration::from_secs(1))
         .build(manager_to(&with_addr(&redis_url(), proxy.addr)).await)
         .await
         .unwrap();
@@ -545,7 +545,7 @@ async fn a_stalled_server_is_a_timeout_and_the_store_recovers() {
     let proxy = proxy_to(&host_port(&redis_url(), 6379)).await;
     let store = RedisStore::options()
         .key_prefix(fresh_prefix())
-        .call_timeout(Duration::from_millis(300))
+        .call_timeout(Duration::from_secs(1))
         .build(manager_to(&with_addr(&redis_url(), proxy.addr)).await)
         .await
         .unwrap();

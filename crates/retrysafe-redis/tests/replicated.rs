@@ -137,9 +137,11 @@ impl App {
     async fn start(pair: &LocalReplicaPair, lease: Duration, during: During) -> App {
         let store = RedisStore::options()
             .key_prefix(fresh_prefix())
-            // Long enough for a running loopback replica on a loaded machine: only a
-            // stopped one lets it run out.
-            .replicated_writes(1, Duration::from_millis(500))
+            // Long enough for a running loopback replica on a loaded machine (the wait
+            // ends as soon as it acknowledges): only a stopped one lets it run out. The
+            // call and store timeouts leave room for the whole wait.
+            .replicated_writes(1, Duration::from_secs(2))
+            .call_timeout(Duration::from_secs(3))
             .build(manager_to(&pair.url()).await)
             .await
             .unwrap();
@@ -147,6 +149,7 @@ impl App {
         let seen = Arc::clone(&events);
         let layer = IdempotencyLayer::new(store)
             .lease(lease)
+            .store_timeout(Duration::from_secs(3))
             .on_event(move |e: &IdempotencyEvent| seen.lock().unwrap().push(e.kind))
             .build()
             .unwrap();
@@ -257,12 +260,12 @@ async fn over_http_an_unacknowledged_claim_is_answered_503_and_released() {
 async fn over_http_an_unacknowledged_completion_returns_the_real_response() {
     let pair = Arc::new(LocalReplicaPair::start().unwrap());
     // The handler stops the replica once its claim was acknowledged: the completion
-    // is written on the primary but never acknowledged (it is retried while the 4 s
+    // is written on the primary but never acknowledged (it is retried while the 10 s
     // lease lasts, then given up).
     let stopper = Arc::clone(&pair);
     let app = App::start(
         &pair,
-        Duration::from_secs(4),
+        Duration::from_secs(10),
         Arc::new(move || stopper.stop_replica().unwrap()),
     )
     .await;
