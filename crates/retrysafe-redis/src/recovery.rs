@@ -73,6 +73,36 @@ where
         Ok(held)
     }
 
+    /// On a cluster, loads `scripts` on every node (`SCRIPT LOAD` goes to all of
+    /// them) before a walk sends one script per hash slot, 512 at a time. Without it, a
+    /// node whose script cache is empty (after a restart or a failover) answers each of
+    /// the 512 `NOSCRIPT`, and each caller loads the script again on every node: a
+    /// burst of thousands of calls that, on a busy client, outlasts the call timeout;
+    /// the loads still queued when the walk gives up are dropped by the cluster client
+    /// unsent, so the next walk meets the same empty caches and fails again. A load
+    /// that fails (a node down, a replica as much as a primary) does not stop the
+    /// walk: each slot's call still loads its script when it meets `NOSCRIPT`. Nothing
+    /// to do on a single server, where a walk is one script.
+    async fn load_on_every_node(&self, scripts: &[&redis::Script]) {
+        if !self.per_slot() {
+            return;
+        }
+        let loads = join_all(scripts.iter().map(|script| async move {
+            let mut conn = self.connection().clone();
+            self.bounded(script.load_async(&mut conn)).await
+        }));
+        for loaded in loads.await {
+            if let Err(e) = loaded {
+                tracing::debug!(
+                    target: "retrysafe::redis",
+                    name = self.name().as_str(),
+                    error = %e,
+                    "could not load a walk's script on every cluster node first"
+                );
+            }
+        }
+    }
+
     /// The due ids (hex) listed by one index key, at most `limit` of `scan` looked at.
     async fn due_in(
         &self,
@@ -119,6 +149,8 @@ where
             .saturating_mul(SCAN_PER_ID)
             .saturating_add(100)
             .min(MAX_SCAN);
+        self.load_on_every_node(&[&SCRIPTS.scan_lease, &SCRIPTS.due])
+            .await;
         let from = self.cursor().load(Ordering::Relaxed);
         let held = self.held_scan_leases().await?;
         let indexes: Vec<(Option<u16>, String)> = self
@@ -153,6 +185,7 @@ where
     /// to list.
     async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
         let limit = limit.min(MAX_SCAN);
+        self.load_on_every_node(&[&SCRIPTS.list]).await;
         let mut ids = Vec::new();
         for batch in self.index_keys(0).chunks(DUE_BATCH) {
             if ids.len() >= limit {

@@ -272,7 +272,7 @@ pub(crate) fn start_server(
 }
 
 /// The value of `name` in an `INFO` reply (its `name:value` line).
-pub(crate) fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
+pub fn info_field<'a>(info: &'a str, name: &str) -> Option<&'a str> {
     info.lines()
         .find_map(|l| l.trim().strip_prefix(name)?.strip_prefix(':'))
 }

@@ -83,6 +83,6 @@ mod pair;
 mod sentinel;
 
 pub use cluster::LocalCluster;
-pub use local::LocalError;
+pub use local::{LocalError, info_field};
 pub use pair::LocalReplicaPair;
 pub use sentinel::LocalSentinel;
