@@ -118,19 +118,15 @@ impl Workdir {
             rand::random::<u32>()
         ));
         std::fs::create_dir_all(&path).map_err(|e| error(format!("{}: {e}", path.display())))?;
+        // The path the kernel reports as a server's working directory (no symlink).
+        let path =
+            std::fs::canonicalize(&path).map_err(|e| error(format!("{}: {e}", path.display())))?;
         let mut dir = Workdir {
             path,
             watchdog: None,
         };
-        let script = format!(
-            "while kill -0 {pid} 2>/dev/null; do sleep 1; done; \
-             for f in '{dir}'/*.pid; do [ -f \"$f\" ] && kill -9 \"$(cat \"$f\")\" 2>/dev/null; done; \
-             rm -rf '{dir}'",
-            pid = std::process::id(),
-            dir = dir.path.display()
-        );
         let watchdog = Command::new("sh")
-            .args(["-c", &script])
+            .args(["-c", &watchdog_script(std::process::id(), &dir.path)])
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -143,6 +139,24 @@ impl Workdir {
         dir.watchdog = Some(watchdog);
         Ok(dir)
     }
+}
+
+/// The watchdog of `dir`: waits for the process `watched` to exit, then kills every
+/// server with a pid file in `dir` and removes it. A pid file may outlive its server
+/// (one killed as a crash would be, one that failed to start) and pids are reused (the
+/// kernel's `pid_max` may be as low as 32768), so a pid is killed only while its
+/// process still runs in that server's own directory (`<dir>/<port>`, its `--dir`),
+/// never another process given the pid since.
+fn watchdog_script(watched: u32, dir: &Path) -> String {
+    format!(
+        "while kill -0 {watched} 2>/dev/null; do sleep 1; done; \
+         for f in '{dir}'/*.pid; do \
+           [ -f \"$f\" ] || continue; p=$(cat \"$f\"); \
+           [ \"$(readlink /proc/\"$p\"/cwd 2>/dev/null)\" = \"${{f%.pid}}\" ] && kill -9 \"$p\" 2>/dev/null; \
+         done; \
+         rm -rf '{dir}'",
+        dir = dir.display()
+    )
 }
 
 impl std::ops::Deref for Workdir {
@@ -292,6 +306,55 @@ pub(crate) fn signal(child: &Child, signal: &str) -> Result<(), LocalError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The watchdog kills the processes that run in their server's directory and
+    /// spares one whose pid file is stale (a process given the pid since runs
+    /// elsewhere).
+    #[test]
+    fn the_watchdog_kills_its_servers_not_a_process_given_a_stale_pid() {
+        use std::os::unix::process::ExitStatusExt;
+
+        let dir = std::fs::canonicalize(std::env::temp_dir())
+            .unwrap()
+            .join(format!("retrysafe-watchdog-test-{}", std::process::id()));
+        let elsewhere = dir.join("elsewhere");
+        for d in [dir.join("1111"), elsewhere.clone()] {
+            std::fs::create_dir_all(d).unwrap();
+        }
+        let sleep_in = |cwd: &Path| {
+            Command::new("sleep")
+                .arg("30")
+                .current_dir(cwd)
+                .spawn()
+                .unwrap()
+        };
+        let mut server = sleep_in(&dir.join("1111"));
+        let mut stranger = sleep_in(&elsewhere);
+        std::fs::write(dir.join("1111.pid"), server.id().to_string()).unwrap();
+        std::fs::write(dir.join("2222.pid"), stranger.id().to_string()).unwrap();
+        // The watched process has exited: the watchdog acts at once.
+        let mut gone = Command::new("true").spawn().unwrap();
+        let watched = gone.id();
+        gone.wait().unwrap();
+
+        let status = Command::new("sh")
+            .args(["-c", &watchdog_script(watched, &dir)])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        assert_eq!(
+            server.wait().unwrap().signal(),
+            Some(9),
+            "the server is killed"
+        );
+        assert!(
+            stranger.try_wait().unwrap().is_none(),
+            "the stranger still runs"
+        );
+        assert!(!dir.exists(), "the directory is removed");
+        stranger.kill().unwrap();
+        stranger.wait().unwrap();
+    }
 
     #[test]
     fn a_port_served_by_another_process_is_taken_not_ours() {
