@@ -28,9 +28,13 @@ const PAUSE: Duration = Duration::from_millis(25);
 const GIVE_UP: Duration = Duration::from_secs(60);
 
 /// A store call retried until it succeeds; failures are counted in `$errors`, and the
-/// last one is reported if the calls keep failing for [`GIVE_UP`].
+/// last one is reported if the calls keep failing for [`GIVE_UP`], with `$state` (the
+/// cluster's, as its nodes answer then).
 macro_rules! until_ok {
-    ($what:expr, $errors:expr, $call:expr) => {{
+    ($what:expr, $errors:expr, $call:expr) => {
+        until_ok!($what, $errors, $call, String::new())
+    };
+    ($what:expr, $errors:expr, $call:expr, $state:expr) => {{
         let start = tokio::time::Instant::now();
         loop {
             match $call.await {
@@ -39,9 +43,10 @@ macro_rules! until_ok {
                     let failed = $errors.fetch_add(1, Ordering::Relaxed) + 1;
                     assert!(
                         start.elapsed() < GIVE_UP,
-                        "{} kept failing for {:?} ({failed} failures in all), last: {e}",
+                        "{} kept failing for {:?} ({failed} failures in all), last: {e} {}",
                         $what,
                         GIVE_UP,
+                        $state,
                     );
                     tokio::time::sleep(PAUSE).await;
                 }
@@ -83,7 +88,21 @@ async fn resharding_under_load_keeps_records_and_their_index() {
     use retrysafe_core::store::{Claim, IdempotencyStore};
 
     let cluster = tokio::task::spawn_blocking(|| {
-        LocalCluster::start().unwrap_or_else(|e| panic!("cannot start a local Redis Cluster: {e}"))
+        let cluster = LocalCluster::start()
+            .unwrap_or_else(|e| panic!("cannot start a local Redis Cluster: {e}"));
+        // What a failure reports: three primaries and three replicas, all answering.
+        let status = cluster.status();
+        assert_eq!(
+            status.matches("master, cluster_state:ok").count(),
+            3,
+            "{status}"
+        );
+        assert_eq!(
+            status.matches("slave, cluster_state:ok").count(),
+            3,
+            "{status}"
+        );
+        cluster
     })
     .await
     .unwrap();
@@ -152,7 +171,12 @@ async fn resharding_under_load_keeps_records_and_their_index() {
     }
     let errors = &AtomicU64::new(0);
     for (id, record) in &completed {
-        let read = until_ok!("get", errors, store.get(id));
+        let read = until_ok!(
+            "get",
+            errors,
+            store.get(id),
+            format!("(nodes: {})", cluster.status())
+        );
         assert_eq!(read, Some(Record::Completed(record.clone())));
     }
     // A restart or a failover leaves a node's script cache empty: a walk over every
@@ -170,7 +194,12 @@ async fn resharding_under_load_keeps_records_and_their_index() {
             .await
             .unwrap();
     }
-    let due = until_ok!("due", errors, store.due(Duration::ZERO, 10_000));
+    let due = until_ok!(
+        "due",
+        errors,
+        store.due(Duration::ZERO, 10_000),
+        format!("(nodes: {})", cluster.status())
+    );
     for &port in &cluster.ports() {
         let loads = script_loads(port).await;
         assert!(loads <= 4, "node {port}: SCRIPT LOAD ran {loads} times");

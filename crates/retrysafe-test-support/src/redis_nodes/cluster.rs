@@ -6,8 +6,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::OnceLock;
 
 use super::local::{
-    LocalError, Workdir, check_tools, cli, error, free_ports, on_fresh_ports, signal, start_server,
-    wait_until,
+    LocalError, Workdir, check_tools, cli, error, free_ports, info_field, on_fresh_ports, signal,
+    start_server, wait_until,
 };
 
 /// A Redis Cluster of 3 primaries and 3 replicas (one each), `redis-server` processes
@@ -176,6 +176,31 @@ impl LocalCluster {
                 })
             })
             .map(|n| n.port)
+    }
+
+    /// One line per node, for a test's failure message: its port, its role and its
+    /// `cluster_state`, as it answers now, or that it does not answer (within 5 s).
+    pub fn status(&self) -> String {
+        self.nodes
+            .iter()
+            .map(|n| {
+                if n.child.is_none() {
+                    return format!("{}: killed", n.port);
+                }
+                let role = cli(n.port, &["ROLE"]);
+                let info = cli(n.port, &["CLUSTER", "INFO"]);
+                match (role, info) {
+                    (Ok(role), Ok(info)) => format!(
+                        "{}: {}, cluster_state:{}",
+                        n.port,
+                        role.lines().next().unwrap_or("?"),
+                        info_field(&info, "cluster_state").unwrap_or("?")
+                    ),
+                    _ => format!("{}: no answer", n.port),
+                }
+            })
+            .collect::<Vec<_>>()
+            .join("; ")
     }
 
     fn child(&self, port: u16) -> Result<&Child, LocalError> {
