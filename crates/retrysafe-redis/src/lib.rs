@@ -107,8 +107,8 @@
 //!
 //! The first call of each script after a server start (or `SCRIPT FLUSH`) takes two
 //! more round trips to load it. On a cluster, a reconciler's walk over the hash slots
-//! loads its scripts on every node first, so that a node with an empty script cache
-//! is not sent one load per slot.
+//! loads its scripts on every primary first, so that a primary with an empty script
+//! cache is not sent one load per slot.
 #![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 

@@ -73,21 +73,27 @@ where
         Ok(held)
     }
 
-    /// On a cluster, loads `scripts` on every node (`SCRIPT LOAD` goes to all of
-    /// them) before a walk sends one script per hash slot, 512 at a time. Without it, a
-    /// node whose script cache is empty (after a restart or a failover) answers each of
-    /// the 512 `NOSCRIPT`, and each caller loads the script again on every node: a
-    /// burst of thousands of calls that, on a busy client, outlasts the call timeout;
-    /// the loads still queued when the walk gives up are dropped by the cluster client
-    /// unsent, so the next walk meets the same empty caches and fails again. A load
-    /// that fails (a node down, a replica as much as a primary) does not stop the
-    /// walk: each slot's call still loads its script when it meets `NOSCRIPT`. Nothing
-    /// to do on a single server, where a walk is one script.
+    /// On a cluster, loads `scripts` on every primary before a walk sends one script
+    /// per hash slot, 512 at a time. Without it, a primary whose script cache is empty
+    /// (after a restart or a failover) answers each of the 512 `NOSCRIPT`, and each
+    /// caller loads the script again on every node: a burst of thousands of calls that,
+    /// on a busy client, outlasts the call timeout; the loads still queued when the walk
+    /// gives up are dropped by the cluster client unsent, so the next walk meets the
+    /// same empty caches and fails again. The load goes to the primaries only (on a
+    /// store of [`connect_cluster`](crate::RedisStoreOptions::connect_cluster)), which
+    /// run the scripts: a replica that does not answer does not hold every walk to the
+    /// call timeout. A load that fails does not stop the walk: each slot's call still
+    /// loads its script when it meets `NOSCRIPT`. Nothing to do on a single server,
+    /// where a walk is one script.
     async fn load_on_every_node(&self, scripts: &[&redis::Script]) {
         if !self.per_slot() {
             return;
         }
         let loads = join_all(scripts.iter().map(|script| async move {
+            #[cfg(feature = "cluster")]
+            if let Some(mut primaries) = primaries::of(self.connection()) {
+                return self.bounded(script.load_async(&mut primaries)).await;
+            }
             let mut conn = self.connection().clone();
             self.bounded(script.load_async(&mut conn)).await
         }));
@@ -97,7 +103,7 @@ where
                     target: "retrysafe::redis",
                     name = self.name().as_str(),
                     error = %e,
-                    "could not load a walk's script on every cluster node first"
+                    "could not load a walk's script on every cluster primary first"
                 );
             }
         }
@@ -395,5 +401,52 @@ mod tests {
         assert_eq!(record_id(&id.to_hex()), Some(id));
         assert_eq!(record_id("zz"), None);
         assert_eq!(record_id(&"g".repeat(64)), None);
+    }
+}
+
+/// `SCRIPT LOAD` for the primaries of a cluster alone.
+#[cfg(feature = "cluster")]
+mod primaries {
+    use std::any::Any;
+
+    use redis::aio::ConnectionLike;
+    use redis::cluster_async::ClusterConnection;
+    use redis::cluster_routing::{MultipleNodeRoutingInfo, ResponsePolicy, RoutingInfo};
+    use redis::{Cmd, Pipeline, RedisFuture, Value};
+
+    /// A cluster connection that sends each command to every primary, and answers once
+    /// all of them did (one of their replies).
+    pub(super) struct Primaries(ClusterConnection);
+
+    /// The primaries of `conn`, when it is the cluster client's connection (the one
+    /// [`connect_cluster`](crate::RedisStoreOptions::connect_cluster) makes); `None`
+    /// for any other connection, which routes commands as its own client does.
+    pub(super) fn of<C: Any>(conn: &C) -> Option<Primaries> {
+        (conn as &dyn Any)
+            .downcast_ref::<ClusterConnection>()
+            .map(|c| Primaries(c.clone()))
+    }
+
+    impl ConnectionLike for Primaries {
+        fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+            let every_primary = RoutingInfo::MultiNode((
+                MultipleNodeRoutingInfo::AllMasters,
+                Some(ResponsePolicy::AllSucceeded),
+            ));
+            Box::pin(self.0.route_command(cmd.clone(), every_primary))
+        }
+
+        fn req_packed_commands<'a>(
+            &'a mut self,
+            pipeline: &'a Pipeline,
+            offset: usize,
+            count: usize,
+        ) -> RedisFuture<'a, Vec<Value>> {
+            self.0.req_packed_commands(pipeline, offset, count)
+        }
+
+        fn get_db(&self) -> i64 {
+            self.0.get_db()
+        }
     }
 }
