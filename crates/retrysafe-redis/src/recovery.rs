@@ -85,7 +85,7 @@ where
     /// call timeout. A load that fails does not stop the walk: each slot's call still
     /// loads its script when it meets `NOSCRIPT`. Nothing to do on a single server,
     /// where a walk is one script.
-    async fn load_on_every_node(&self, scripts: &[&redis::Script]) {
+    async fn load_on_every_primary(&self, scripts: &[&redis::Script]) {
         if !self.per_slot() {
             return;
         }
@@ -155,7 +155,7 @@ where
             .saturating_mul(SCAN_PER_ID)
             .saturating_add(100)
             .min(MAX_SCAN);
-        self.load_on_every_node(&[&SCRIPTS.scan_lease, &SCRIPTS.due])
+        self.load_on_every_primary(&[&SCRIPTS.scan_lease, &SCRIPTS.due])
             .await;
         let from = self.cursor().load(Ordering::Relaxed);
         let held = self.held_scan_leases().await?;
@@ -191,7 +191,7 @@ where
     /// to list.
     async fn list_pending(&self, limit: usize) -> Result<Vec<RecordId>, StoreError> {
         let limit = limit.min(MAX_SCAN);
-        self.load_on_every_node(&[&SCRIPTS.list]).await;
+        self.load_on_every_primary(&[&SCRIPTS.list]).await;
         let mut ids = Vec::new();
         for batch in self.index_keys(0).chunks(DUE_BATCH) {
             if ids.len() >= limit {

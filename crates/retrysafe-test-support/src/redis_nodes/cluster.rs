@@ -178,8 +178,9 @@ impl LocalCluster {
             .map(|n| n.port)
     }
 
-    /// One line per node, for a test's failure message: its port, its role and its
-    /// `cluster_state`, as it answers now, or that it does not answer (within 5 s).
+    /// For a test's failure message, each node as it answers now (`; ` between
+    /// them): its port, its role and its `cluster_state`, or that it does not answer
+    /// (within 5 s) or was killed.
     pub fn status(&self) -> String {
         self.nodes
             .iter()
